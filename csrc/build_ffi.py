@@ -1,0 +1,41 @@
+"""cffi build script for pdhal's C core (API mode, out of line); not installed.
+
+The cdef is the region of pdhal.h between PDHAL_CDEF_BEGIN and PDHAL_CDEF_END, so the
+compiler and cffi read the very same prototypes.
+"""
+import os
+import pathlib
+
+from cffi import FFI
+
+HERE = pathlib.Path(__file__).resolve().parent
+SOURCES = ["errors.c", "wait.c", "segment.c", "progress.c", "ring.c", "sender.c"]
+
+
+def read_cdef() -> str:
+    header = (HERE / "pdhal.h").read_text()
+    start = header.index("/* PDHAL_CDEF_BEGIN */") + len("/* PDHAL_CDEF_BEGIN */")
+    return header[start:header.index("/* PDHAL_CDEF_END */")]
+
+
+def compile_args() -> list[str]:
+    args = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    if os.environ.get("PDHAL_SANITIZE"):
+        args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"]
+    return args
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(read_cdef())
+ffibuilder.set_source(
+    "pdhal._pdhal_c",
+    '#include "pdhal.h"',
+    sources=[os.path.relpath(HERE / s) for s in SOURCES],
+    include_dirs=[os.path.relpath(HERE)],
+    extra_compile_args=compile_args(),
+    extra_link_args=["-fsanitize=address,undefined"] if os.environ.get("PDHAL_SANITIZE") else [],
+    libraries=["pthread"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

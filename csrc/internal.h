@@ -1,0 +1,107 @@
+/*
+ * internal.h: shared-memory layouts and helpers private to the pdhal C core.
+ *
+ * Layout rules: fixed-width fields, magic + version + kind + size first, reserved bytes for
+ * growth, offsets pinned by static_assert. Every atomic in shared memory is lock-free (checked
+ * below): a non-lock-free atomic would use a process-local lock and break across processes.
+ */
+#ifndef PDHAL_INTERNAL_H
+#define PDHAL_INTERNAL_H
+
+#include "pdhal.h"
+
+#include <assert.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#if ATOMIC_LLONG_LOCK_FREE != 2 || ATOMIC_INT_LOCK_FREE != 2
+#error "pdhal needs lock-free 32- and 64-bit atomics for cross-process shared memory"
+#endif
+
+#define PDHAL_MAGIC 0x4745534c41484450ULL /* "PDHALSEG" little-endian */
+#define PDHAL_LAYER_MASK ((UINT64_C(1) << PDHAL_LAYER_BITS) - 1)
+#define PDHAL_WAIT_SLICE_NS (200LL * 1000 * 1000) /* liveness probe at least this often */
+#define PDHAL_BUFFER_HEADER_BYTES 4096            /* buffer payload starts page aligned */
+
+/* Byte ranges of the OFD locks taken on a segment's file. */
+#define PDHAL_LOCK_PRODUCER 0
+#define PDHAL_LOCK_READER 1
+
+struct pdhal_segment_header {
+    /* identity: written once before the mode turns 0600, read-only afterwards */
+    uint64_t magic;
+    uint32_t version;
+    uint32_t kind;
+    uint64_t size; /* total bytes of the file */
+    int32_t creator_pid;
+    uint32_t creator_uid;
+    uint32_t ring_slots;
+    uint32_t max_requests;
+    uint64_t body_bytes;
+    uint8_t reserved0[16];
+
+    /* producer side (own cache line) */
+    _Atomic uint64_t progress;      /* per-query word */
+    _Atomic uint32_t seq;           /* futex word: bumped on every publish */
+    _Atomic uint32_t waiters;       /* readers inside futex_wait on seq */
+    _Atomic uint64_t latest_step;   /* per-chunk: last table published */
+    _Atomic uint64_t dropped_steps; /* per-chunk: overwritten while no reader was attached */
+    uint8_t reserved1[32];
+
+    /* reader side (own cache line) */
+    _Atomic uint64_t consumed;        /* per-chunk: steps fully delivered to the reader */
+    _Atomic uint32_t reader_seq;      /* futex word: bumped when `consumed` moves */
+    _Atomic uint32_t reader_waiters;  /* producers waiting for the reader (back-pressure) */
+    uint8_t reserved2[112];
+};
+static_assert(sizeof(struct pdhal_segment_header) == 256, "header layout");
+static_assert(offsetof(struct pdhal_segment_header, progress) == 64, "progress offset");
+static_assert(offsetof(struct pdhal_segment_header, consumed) == 128, "consumed offset");
+static_assert(offsetof(struct pdhal_segment_header, creator_pid) == 24, "pid offset");
+
+/* One step of the per-chunk ring. `progress` doubles as a seqlock: 0 while the table is
+ * being rewritten, (step << LAYER_BITS) | ready_layers once published. */
+struct pdhal_ring_slot {
+    _Atomic uint64_t progress;
+    _Atomic uint32_t count;
+    _Atomic uint32_t num_layers;
+    _Atomic int32_t table[3 * PDHAL_MAX_REQUESTS];
+    uint8_t reserved[48];
+};
+static_assert(sizeof(struct pdhal_ring_slot) % 64 == 0, "slot is whole cache lines");
+
+struct pdhal_segment {
+    struct pdhal_segment_header *hdr;
+    struct pdhal_ring_slot *ring; /* NULL unless PDHAL_KIND_CHUNK */
+    size_t map_bytes;
+    int fd;             /* carries our OFD lock; -1 after close or in a forked child */
+    int is_creator;
+    pid_t pid;          /* process that opened the handle */
+    _Atomic int refs;   /* the handle + pending stores */
+    uint64_t cursor_step;  /* per-chunk reader: next record to deliver */
+    uint32_t cursor_layer;
+    uint64_t lost_steps;
+    struct pdhal_segment *next_open; /* fork registry */
+    char path[256];
+};
+
+/* errors.c */
+int pdhal_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* wait.c */
+int64_t pdhal_deadline_slice(int64_t deadline_ns);
+int pdhal_futex_wait(_Atomic uint32_t *word, uint32_t expected, int64_t deadline_ns);
+void pdhal_futex_wake_all(_Atomic uint32_t *word);
+/* Wait for `*word` to move away from `seen`, for at most one slice before `deadline_ns`:
+ * 0 (moved, woken or slice over), -ETIMEDOUT (deadline passed), -EINTR. */
+int pdhal_wait_change(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t seen,
+                      int64_t deadline_ns);
+void pdhal_bump_and_wake(_Atomic uint32_t *word, _Atomic uint32_t *waiters);
+
+/* segment.c */
+void pdhal_segment_ref(pdhal_segment *seg);
+void pdhal_segment_unref(pdhal_segment *seg);
+
+#endif /* PDHAL_INTERNAL_H */

@@ -1,0 +1,138 @@
+/*
+ * pdhal.h: the C core of pdhal, usable from engine kernels (C/C++) and from Python (cffi).
+ *
+ * Everything between PDHAL_CDEF_BEGIN and PDHAL_CDEF_END is ALSO the cffi cdef: the build
+ * script reads it from this file, so the compiler's view and Python's view cannot drift.
+ * Keep that region free of preprocessor logic other than integer #defines.
+ *
+ * Conventions: every function returning int returns 0 (or a documented count) on success and
+ * -errno on failure; pdhal_last_error() then holds a human-readable detail for this thread.
+ * Progress values are 64-bit words: (step << PDHAL_LAYER_BITS) | (layer + 1); 0 in the low
+ * bits means "step started, no layer ready yet". The word only ever grows.
+ */
+#ifndef PDHAL_H
+#define PDHAL_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* PDHAL_CDEF_BEGIN */
+#define PDHAL_ABI_VERSION 1
+#define PDHAL_SEGMENT_VERSION 1
+#define PDHAL_LAYER_BITS 20
+#define PDHAL_MAX_LAYER 1048574
+#define PDHAL_MAX_REQUESTS 512
+#define PDHAL_RECORD_WORDS 1538
+#define PDHAL_DEFAULT_RING_SLOTS 16
+#define PDHAL_QUERY_SLOT 4294967295
+
+/* Segment kinds (the header's `kind` field). */
+#define PDHAL_KIND_QUERY 1
+#define PDHAL_KIND_CHUNK 2
+#define PDHAL_KIND_BUFFER 3
+
+typedef struct pdhal_segment pdhal_segment;
+typedef struct pdhal_store pdhal_store;
+typedef struct pdhal_sender pdhal_sender;
+
+/* Device hooks a backend hands to a sender: block until `event` has fired (0 or -errno), and
+ * release it. Called on the sender thread, never with the GIL. */
+typedef int (*pdhal_event_wait_fn)(void *event);
+typedef void (*pdhal_event_destroy_fn)(void *event);
+
+int pdhal_abi_version(void);
+/* Detail of the last failure on this thread (never NULL). */
+const char *pdhal_last_error(void);
+/* CLOCK_MONOTONIC in nanoseconds: deadlines below are absolute values of this clock. */
+int64_t pdhal_now_ns(void);
+
+/* ---- segments (segment.c) ---- */
+/* Create the segment at `path` as its producer: exclusive create, mode 0600, header filled
+ * before the mode says "ready", producer lock held for the handle's life. A segment left by a
+ * dead producer is reclaimed; a live one gives -EBUSY. `body_bytes` is the payload size for
+ * PDHAL_KIND_BUFFER, ignored otherwise. */
+int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, uint32_t ring_slots,
+                         pdhal_segment **out);
+/* Open an existing segment, waiting until `deadline_ns` for it to exist and be initialised.
+ * Validates owner, mode, magic, version, kind and size. With `exclusive_reader`, also takes
+ * the single-reader lock (-EBUSY if another reader holds it). */
+int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, int exclusive_reader,
+                       pdhal_segment **out);
+/* Drop the handle: the creator (in its own process) unlinks the name; the mapping lives on
+ * while signals posted through it are pending. NULL is a no-op. */
+void pdhal_segment_close(pdhal_segment *seg);
+/* 1 while the segment's producer holds its lock, 0 once it is gone, or -errno. */
+int pdhal_segment_producer_alive(pdhal_segment *seg);
+/* 1 while a reader holds the single-reader lock, 0 otherwise, or -errno. */
+int pdhal_segment_reader_attached(pdhal_segment *seg);
+int32_t pdhal_segment_creator_pid(pdhal_segment *seg);
+uint32_t pdhal_segment_ring_slots(pdhal_segment *seg);
+/* Payload of a PDHAL_KIND_BUFFER segment (page aligned) and its size. */
+void *pdhal_segment_body(pdhal_segment *seg);
+uint64_t pdhal_segment_body_bytes(pdhal_segment *seg);
+/* Unlink `path` if it is one of our pdhal segments whose producer is dead: 1 removed, 0 left
+ * (alive or gone already), -errno when it is not ours to judge. Safe against concurrent
+ * reclaimers and never touches a live segment. */
+int pdhal_segment_reclaim(const char *path);
+
+/* ---- per-query progress (progress.c) ---- */
+uint64_t pdhal_progress_load(pdhal_segment *seg);
+/* Start step+1 with no layer (one atomic store); returns the new step in *step. */
+int pdhal_progress_begin_step(pdhal_segment *seg, uint64_t *step);
+/* Publish `value` into the progress word of `slot` (PDHAL_QUERY_SLOT or a ring slot) if it
+ * is larger than what is there, then wake waiters. Safe from any thread, lock-free. */
+void pdhal_progress_publish(pdhal_segment *seg, uint32_t slot, uint64_t value);
+/* Wait until the per-query progress exceeds `since`: 0 with *now set, -ETIMEDOUT,
+ * -EINTR (a signal arrived: let the caller's handlers run, then call again), or
+ * -EOWNERDEAD when the producer died. Spins `spin_ns` first. */
+int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns, uint32_t spin_ns,
+                        uint64_t *now);
+
+/* ---- per-chunk ring (ring.c) ---- */
+/* Publish the next step's request table (count triples of slot, cached, chunk tokens) into
+ * the ring. Waits, until deadline, for an attached reader to finish the step whose slot is
+ * reused (-ETIMEDOUT). Returns the step in *step. */
+int pdhal_ring_begin_step(pdhal_segment *seg, const int32_t *table, uint32_t count,
+                          uint32_t num_layers, int64_t deadline_ns, uint64_t *step);
+/* Deliver the next (step, layer) record into out: [count, layer, triples...]. Returns 1 when
+ * a record was written, 0 when none is pending and the deadline has passed (deadline 0 means
+ * "do not wait"), -ENOSPC if `capacity` words cannot hold it (nothing consumed), -EINTR,
+ * -EOWNERDEAD. *step gets the record's step. Single reader. */
+int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t deadline_ns,
+                    uint64_t *step);
+/* Steps the reader skipped because they were overwritten before it attached. */
+uint64_t pdhal_ring_lost_steps(pdhal_segment *seg);
+uint64_t pdhal_ring_latest_step(pdhal_segment *seg);
+
+/* ---- pending stores (progress.c) ---- */
+/* A progress store to run later, e.g. from a device host function. Holds the segment's
+ * mapping alive until it runs. NULL on allocation failure. */
+pdhal_store *pdhal_store_new(pdhal_segment *seg, uint32_t slot, uint64_t value);
+/* Run the store and free it: matches the CUDA host function signature void(*)(void *). */
+void pdhal_store_run(void *store);
+/* Free a store that will never run (e.g. the launch failed). */
+void pdhal_store_free(pdhal_store *store);
+
+/* ---- async sender (sender.c) ---- */
+/* One long-lived thread; `wait` may be NULL (no device event: store in queue order). */
+int pdhal_sender_create(pdhal_event_wait_fn wait, pdhal_event_destroy_fn destroy,
+                        pdhal_sender **out);
+/* Queue (event, store): the thread waits for the event, runs the store, destroys the event.
+ * Takes ownership of both, also on failure. */
+int pdhal_sender_post(pdhal_sender *sender, void *event, pdhal_store *store);
+/* Deliver everything queued, join the thread, free. Returns the number of stores dropped
+ * because their event wait failed (0 in a healthy run), or -errno. */
+int pdhal_sender_destroy(pdhal_sender *sender);
+/* Entries queued but not delivered yet. */
+uint64_t pdhal_sender_pending(pdhal_sender *sender);
+/* Event waits that failed so far (their stores were not run). */
+uint64_t pdhal_sender_failures(pdhal_sender *sender);
+/* PDHAL_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PDHAL_H */

@@ -1,0 +1,183 @@
+/* ring.c: per-chunk progress, a ring of step slots each holding a request table.
+ *
+ * The producer publishes step s into slot s % ring_slots: seqlock-style, the slot's progress
+ * word is zeroed, the table written, then progress = s << LAYER_BITS with release. Layer
+ * signals then grow that word. The single reader walks (step, layer) in order and delivers
+ * each exactly once; when it has delivered a step's last layer it advances `consumed`, which
+ * is what the producer waits on (back-pressure) before reusing a slot, and only at step
+ * start, never inside a device callback. With no reader attached nothing is waited for:
+ * overwritten steps are counted in dropped_steps. */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <errno.h>
+
+static uint64_t consumed(pdhal_segment *seg)
+{
+    /* acquire: pairs with the release store in advance_step */
+    return atomic_load_explicit(&seg->hdr->consumed, memory_order_acquire);
+}
+
+/* Back-pressure: wait until the attached reader has finished step `need`. */
+static int wait_for_reader(pdhal_segment *seg, uint64_t need, int64_t deadline_ns)
+{
+    struct pdhal_segment_header *h = seg->hdr;
+    for (;;) {
+        uint32_t seen = atomic_load_explicit(&h->reader_seq, memory_order_acquire);
+        if (consumed(seg) >= need)
+            return 0;
+        int attached = pdhal_segment_reader_attached(seg);
+        if (attached < 0)
+            return attached;
+        if (!attached) {
+            atomic_fetch_add_explicit(&h->dropped_steps, 1, memory_order_relaxed);
+            return 0;
+        }
+        int rc = pdhal_wait_change(&h->reader_seq, &h->reader_waiters, seen, deadline_ns);
+        if (rc == -ETIMEDOUT)
+            return pdhal_fail(ETIMEDOUT,
+                              "the reader of %s has not finished step %llu (consumed %llu): the "
+                              "cache messager is stalled or too slow",
+                              seg->path, (unsigned long long)need, (unsigned long long)consumed(seg));
+        if (rc == -EINTR)
+            return pdhal_fail(EINTR, "interrupted by a signal");
+        if (rc < 0)
+            return pdhal_fail(-rc, "futex wait on %s failed", seg->path);
+    }
+}
+
+int pdhal_ring_begin_step(pdhal_segment *seg, const int32_t *table, uint32_t count,
+                          uint32_t num_layers, int64_t deadline_ns, uint64_t *step)
+{
+    struct pdhal_segment_header *h = seg->hdr;
+    if (!seg->ring)
+        return pdhal_fail(EPROTOTYPE, "%s is not a per-chunk channel", seg->path);
+    if (count > PDHAL_MAX_REQUESTS)
+        return pdhal_fail(E2BIG, "%u requests in one step, at most %d fit", count,
+                          PDHAL_MAX_REQUESTS);
+    if (num_layers == 0 || num_layers > PDHAL_MAX_LAYER + 1)
+        return pdhal_fail(EINVAL, "num_layers must be 1..%d, got %u", PDHAL_MAX_LAYER + 1,
+                          num_layers);
+    uint64_t s = atomic_load_explicit(&h->latest_step, memory_order_relaxed) + 1;
+    if (s > h->ring_slots) {
+        int rc = wait_for_reader(seg, s - h->ring_slots, deadline_ns);
+        if (rc)
+            return rc;
+    }
+    struct pdhal_ring_slot *slot = &seg->ring[s % h->ring_slots];
+    /* Seqlock write: 0 marks the slot as being rewritten; the release fence orders that
+     * before the table stores (pairs with the acquire fence in read_slot). */
+    atomic_store_explicit(&slot->progress, 0, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    for (uint32_t i = 0; i < 3 * count; i++)
+        atomic_store_explicit(&slot->table[i], table[i], memory_order_relaxed);
+    atomic_store_explicit(&slot->count, count, memory_order_relaxed);
+    atomic_store_explicit(&slot->num_layers, num_layers, memory_order_relaxed);
+    /* release: the table is visible before the step is (pairs with acquire in read_slot) */
+    atomic_store_explicit(&slot->progress, s << PDHAL_LAYER_BITS, memory_order_release);
+    atomic_store_explicit(&h->latest_step, s, memory_order_release);
+    pdhal_bump_and_wake(&h->seq, &h->waiters);
+    *step = s;
+    return 0;
+}
+
+static void advance_step(pdhal_segment *seg)
+{
+    struct pdhal_segment_header *h = seg->hdr;
+    /* release: pairs with the acquire in consumed() on the producer side */
+    atomic_store_explicit(&h->consumed, seg->cursor_step, memory_order_release);
+    seg->cursor_step++;
+    seg->cursor_layer = 0;
+    pdhal_bump_and_wake(&h->reader_seq, &h->reader_waiters);
+}
+
+enum slot_state { SLOT_NOT_YET, SLOT_READY, SLOT_LAPPED, SLOT_NO_ROOM };
+
+/* Try to deliver the record at the cursor. */
+static enum slot_state read_slot(pdhal_segment *seg, int32_t *out, uint32_t capacity)
+{
+    struct pdhal_ring_slot *slot = &seg->ring[seg->cursor_step % seg->hdr->ring_slots];
+    uint64_t p = atomic_load_explicit(&slot->progress, memory_order_acquire);
+    uint64_t pstep = p >> PDHAL_LAYER_BITS;
+    if (pstep > seg->cursor_step)
+        return SLOT_LAPPED;
+    if (pstep < seg->cursor_step || (p & PDHAL_LAYER_MASK) <= seg->cursor_layer)
+        return SLOT_NOT_YET;
+    uint32_t count = atomic_load_explicit(&slot->count, memory_order_relaxed);
+    uint32_t num_layers = atomic_load_explicit(&slot->num_layers, memory_order_relaxed);
+    if (count > PDHAL_MAX_REQUESTS)
+        return SLOT_LAPPED; /* torn by a concurrent rewrite; the re-check below agrees */
+    if (capacity < 2 + 3 * count)
+        return SLOT_NO_ROOM;
+    for (uint32_t i = 0; i < 3 * count; i++)
+        out[2 + i] = atomic_load_explicit(&slot->table[i], memory_order_relaxed);
+    /* acquire fence: pairs with the release fence of a writer that started rewriting the slot
+     * while we copied; then the re-read of progress shows it. */
+    atomic_thread_fence(memory_order_acquire);
+    if ((atomic_load_explicit(&slot->progress, memory_order_relaxed) >> PDHAL_LAYER_BITS) !=
+        seg->cursor_step)
+        return SLOT_LAPPED;
+    out[0] = (int32_t)count;
+    out[1] = (int32_t)seg->cursor_layer;
+    seg->cursor_layer++;
+    if (seg->cursor_layer >= num_layers)
+        advance_step(seg);
+    return SLOT_READY;
+}
+
+/* The slot under the cursor was reused before we read it (possible only while no reader was
+ * attached): skip to the oldest step the ring still holds and count what was lost. */
+static void skip_lapped(pdhal_segment *seg)
+{
+    uint64_t latest = atomic_load_explicit(&seg->hdr->latest_step, memory_order_acquire);
+    uint64_t oldest = latest >= seg->hdr->ring_slots ? latest - seg->hdr->ring_slots + 1 : 1;
+    if (oldest <= seg->cursor_step)
+        oldest = seg->cursor_step + 1;
+    seg->lost_steps += oldest - seg->cursor_step;
+    seg->cursor_step = oldest - 1;
+    advance_step(seg);
+}
+
+int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t deadline_ns,
+                    uint64_t *step)
+{
+    struct pdhal_segment_header *h = seg->hdr;
+    if (!seg->ring)
+        return pdhal_fail(EPROTOTYPE, "%s is not a per-chunk channel", seg->path);
+    for (;;) {
+        uint32_t seen = atomic_load_explicit(&h->seq, memory_order_acquire);
+        *step = seg->cursor_step;
+        switch (read_slot(seg, out, capacity)) {
+        case SLOT_READY:
+            return 1;
+        case SLOT_NO_ROOM:
+            return pdhal_fail(ENOSPC, "output holds %u int32 words, the record needs more (up to %d)",
+                              capacity, PDHAL_RECORD_WORDS);
+        case SLOT_LAPPED:
+            skip_lapped(seg);
+            continue;
+        case SLOT_NOT_YET:
+            break;
+        }
+        int alive = pdhal_segment_producer_alive(seg);
+        if (alive < 0)
+            return alive;
+        if (alive == 0)
+            return pdhal_fail(EOWNERDEAD, "producer (pid %d) of %s died", h->creator_pid,
+                              seg->path);
+        if (deadline_ns <= 0 || pdhal_now_ns() >= deadline_ns)
+            return 0;
+        int rc = pdhal_wait_change(&h->seq, &h->waiters, seen, deadline_ns);
+        if (rc == -EINTR)
+            return pdhal_fail(EINTR, "interrupted by a signal");
+        if (rc < 0 && rc != -ETIMEDOUT)
+            return pdhal_fail(-rc, "futex wait on %s failed", seg->path);
+    }
+}
+
+uint64_t pdhal_ring_lost_steps(pdhal_segment *seg) { return seg->lost_steps; }
+
+uint64_t pdhal_ring_latest_step(pdhal_segment *seg)
+{
+    return atomic_load_explicit(&seg->hdr->latest_step, memory_order_acquire);
+}

@@ -1,0 +1,150 @@
+/* sender.c: the async KV signal sender, for devices with no host-function launch.
+ *
+ * One long-lived thread per sender sleeps on a condition variable; each posted entry is
+ * (device event, pending store). The thread waits for the event through the backend's C
+ * function pointer, runs the store, destroys the event, in posting order. No polling, no
+ * Python and no GIL on that thread. Destroy drains the queue before joining. */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct sender_entry {
+    void *event;
+    pdhal_store *store;
+    struct sender_entry *next;
+};
+
+struct pdhal_sender {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    struct sender_entry *head, *tail; /* guarded by lock */
+    int stopping;                     /* guarded by lock */
+    _Atomic uint64_t pending;
+    _Atomic uint64_t failures;
+    pdhal_event_wait_fn wait;
+    pdhal_event_destroy_fn destroy;
+    pthread_t thread;
+    pid_t pid; /* the thread exists only in this process, not in a forked child */
+};
+
+static void *sender_main(void *arg)
+{
+    pdhal_sender *s = arg;
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        while (!s->head && !s->stopping)
+            pthread_cond_wait(&s->wake, &s->lock);
+        struct sender_entry *e = s->head;
+        if (e) {
+            s->head = e->next;
+            if (!s->head)
+                s->tail = NULL;
+        }
+        pthread_mutex_unlock(&s->lock);
+        if (!e)
+            return NULL; /* stopping and drained */
+        int rc = s->wait && e->event ? s->wait(e->event) : 0;
+        if (rc == 0) {
+            pdhal_store_run(e->store);
+        } else {
+            /* The device could not confirm the layer: publishing would claim data that may
+             * not be there. Count it; destroy reports it. */
+            atomic_fetch_add(&s->failures, 1);
+            pdhal_store_free(e->store);
+        }
+        if (s->destroy && e->event)
+            s->destroy(e->event);
+        free(e);
+        atomic_fetch_sub(&s->pending, 1);
+    }
+}
+
+int pdhal_sender_create(pdhal_event_wait_fn wait, pdhal_event_destroy_fn destroy,
+                        pdhal_sender **out)
+{
+    *out = NULL;
+    pdhal_sender *s = calloc(1, sizeof *s);
+    if (!s)
+        return pdhal_fail(ENOMEM, "out of memory");
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->wake, NULL);
+    s->wait = wait;
+    s->destroy = destroy;
+    s->pid = getpid();
+    /* Block every signal on the sender thread, so Ctrl-C and friends go to threads that
+     * run Python handlers. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int rc = pthread_create(&s->thread, NULL, sender_main, s);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        free(s);
+        return pdhal_fail(rc, "cannot start the sender thread: %s", strerror(rc));
+    }
+    *out = s;
+    return 0;
+}
+
+int pdhal_sender_post(pdhal_sender *s, void *event, pdhal_store *store)
+{
+    struct sender_entry *e = malloc(sizeof *e);
+    if (!e || s->pid != getpid()) {
+        free(e);
+        pdhal_store_free(store);
+        if (s->destroy && event)
+            s->destroy(event);
+        return e ? pdhal_fail(ECHILD, "this sender belongs to pid %d; a forked child must "
+                                      "create its own", (int)s->pid)
+                 : pdhal_fail(ENOMEM, "out of memory");
+    }
+    e->event = event;
+    e->store = store;
+    e->next = NULL;
+    atomic_fetch_add(&s->pending, 1);
+    pthread_mutex_lock(&s->lock);
+    if (s->tail)
+        s->tail->next = e;
+    else
+        s->head = e;
+    s->tail = e;
+    pthread_cond_signal(&s->wake);
+    pthread_mutex_unlock(&s->lock);
+    return 0;
+}
+
+int pdhal_sender_destroy(pdhal_sender *s)
+{
+    if (!s)
+        return 0;
+    if (s->pid != getpid()) {
+        /* Inherited across fork: the thread does not exist here. Free only what is ours. */
+        for (struct sender_entry *e = s->head, *n; e; e = n) {
+            n = e->next;
+            pdhal_store_free(e->store);
+            free(e);
+        }
+        free(s);
+        return 0;
+    }
+    pthread_mutex_lock(&s->lock);
+    s->stopping = 1;
+    pthread_cond_signal(&s->wake);
+    pthread_mutex_unlock(&s->lock);
+    pthread_join(s->thread, NULL);
+    int failures = (int)atomic_load(&s->failures);
+    pthread_mutex_destroy(&s->lock);
+    pthread_cond_destroy(&s->wake);
+    free(s);
+    return failures;
+}
+
+uint64_t pdhal_sender_pending(pdhal_sender *s) { return atomic_load(&s->pending); }
+
+uint64_t pdhal_sender_failures(pdhal_sender *s) { return atomic_load(&s->failures); }

@@ -1,0 +1,69 @@
+/* wait.c: futex waits on shared 32-bit words, with absolute CLOCK_MONOTONIC deadlines.
+ *
+ * Never FUTEX_PRIVATE_FLAG: waiter and waker live in different processes. */
+#include "internal.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+int64_t pdhal_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* End of the next slice: liveness is probed between slices even when no wake comes. */
+int64_t pdhal_deadline_slice(int64_t deadline_ns)
+{
+    int64_t now = pdhal_now_ns();
+    if (deadline_ns - now > PDHAL_WAIT_SLICE_NS)
+        return now + PDHAL_WAIT_SLICE_NS;
+    return deadline_ns;
+}
+
+/* 0 when woken or the value differs (EAGAIN), -ETIMEDOUT, -EINTR. */
+int pdhal_futex_wait(_Atomic uint32_t *word, uint32_t expected, int64_t deadline_ns)
+{
+    struct timespec abs = {.tv_sec = deadline_ns / 1000000000LL,
+                           .tv_nsec = deadline_ns % 1000000000LL};
+    long rc = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_BITSET, expected, &abs, NULL,
+                      FUTEX_BITSET_MATCH_ANY);
+    if (rc == 0 || errno == EAGAIN)
+        return 0;
+    return -errno;
+}
+
+void pdhal_futex_wake_all(_Atomic uint32_t *word)
+{
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+int pdhal_wait_change(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t seen,
+                      int64_t deadline_ns)
+{
+    if (pdhal_now_ns() >= deadline_ns)
+        return -ETIMEDOUT;
+    /* seq_cst: pairs with the seq_cst bump + waiters load in pdhal_bump_and_wake, so either
+     * the writer sees our registration or we see its new value (Dekker). */
+    atomic_fetch_add(waiters, 1);
+    int rc = 0;
+    if (atomic_load(word) == seen) {
+        rc = pdhal_futex_wait(word, seen, pdhal_deadline_slice(deadline_ns));
+        if (rc == -ETIMEDOUT)
+            rc = 0; /* only the slice ended; the caller re-checks the real deadline */
+    }
+    atomic_fetch_sub(waiters, 1);
+    return rc;
+}
+
+void pdhal_bump_and_wake(_Atomic uint32_t *word, _Atomic uint32_t *waiters)
+{
+    atomic_fetch_add(word, 1); /* seq_cst: pairs with pdhal_wait_change */
+    if (atomic_load(waiters) != 0)
+        pdhal_futex_wake_all(word);
+}

@@ -1,0 +1,306 @@
+"""The only module that touches the compiled C core: handles, and -errno turned into exceptions."""
+
+from __future__ import annotations
+
+import errno
+import time
+
+from pdhal._errors import (
+    BackPressureTimeoutError,
+    ChannelBusyError,
+    ClosedHandleError,
+    InvalidArgumentError,
+    ProducerDiedError,
+    SegmentError,
+    SignalTimeoutError,
+)
+
+try:
+    from pdhal._pdhal_c import ffi, lib
+except ImportError as e:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "pdhal's compiled core (pdhal._pdhal_c) is missing: reinstall pdhal "
+        "(`pip install -e .` in a checkout, or `make test`) so cffi builds csrc/"
+    ) from e
+
+#: The C ABI this Python code was written against; see PDHAL_ABI_VERSION in csrc/pdhal.h.
+ABI_VERSION = 1
+if lib.pdhal_abi_version() != ABI_VERSION:  # pragma: no cover - only on a stale build
+    raise ImportError(
+        f"pdhal's compiled core speaks ABI {lib.pdhal_abi_version()}, this Python code expects "
+        f"{ABI_VERSION}: rebuild it with `pip install -e .` (or `make test`)"
+    )
+
+KIND_QUERY = lib.PDHAL_KIND_QUERY
+KIND_CHUNK = lib.PDHAL_KIND_CHUNK
+KIND_BUFFER = lib.PDHAL_KIND_BUFFER
+QUERY_SLOT = lib.PDHAL_QUERY_SLOT
+LAYER_BITS = lib.PDHAL_LAYER_BITS
+MAX_LAYER = lib.PDHAL_MAX_LAYER
+MAX_REQUESTS = lib.PDHAL_MAX_REQUESTS
+RECORD_WORDS = lib.PDHAL_RECORD_WORDS
+DEFAULT_RING_SLOTS = lib.PDHAL_DEFAULT_RING_SLOTS
+FOREVER_NS = 2**63 - 1
+
+#: Address of the C function `void pdhal_store_run(void *store)`, for device host functions.
+STORE_CALLBACK = ffi.addressof(lib, "pdhal_store_run")
+
+_ERROR_CLASSES = {
+    errno.EBUSY: ChannelBusyError,
+    errno.EOWNERDEAD: ProducerDiedError,
+    errno.ETIMEDOUT: SignalTimeoutError,
+    errno.EINVAL: InvalidArgumentError,
+    errno.E2BIG: InvalidArgumentError,
+    errno.ENOSPC: InvalidArgumentError,
+    errno.ENAMETOOLONG: InvalidArgumentError,
+}
+
+
+def _raise(rc: int, what: str) -> None:
+    err = -rc
+    detail = ffi.string(lib.pdhal_last_error()).decode(errors="replace")
+    cls = _ERROR_CLASSES.get(err, SegmentError)
+    message = f"{what}: {detail}"
+    if issubclass(cls, OSError):
+        raise cls(err, message)
+    raise cls(message)
+
+
+def check(rc: int, what: str) -> int:
+    """Return rc if it is not negative, else raise the pdhal exception for -rc."""
+    if rc < 0:
+        _raise(rc, what)
+    return rc
+
+
+def deadline_ns(timeout: float | None) -> int:
+    """Absolute CLOCK_MONOTONIC deadline for `timeout` seconds (None: no deadline)."""
+    if timeout is None:
+        return FOREVER_NS
+    if timeout < 0:
+        raise InvalidArgumentError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+    return time.monotonic_ns() + int(timeout * 1e9)
+
+
+def pack_progress(step: int, layer: int) -> int:
+    """The 64-bit progress word of (step, layer); layer -1 means "no layer yet"."""
+    return (step << LAYER_BITS) | (layer + 1)
+
+
+def unpack_progress(word: int) -> tuple[int, int]:
+    """(step, layer) of a progress word; layer is -1 when no layer is ready."""
+    return word >> LAYER_BITS, (word & ((1 << LAYER_BITS) - 1)) - 1
+
+
+def _retry_interrupted(call, *args):
+    """Run a blocking C call that returns -EINTR on signals: Python runs its handlers between
+    attempts (so Ctrl-C raises KeyboardInterrupt), then the call resumes with the same
+    absolute deadline."""
+    while True:
+        rc = call(*args)
+        if rc != -errno.EINTR:
+            return rc
+
+
+class Segment:
+    """A handle on one shared-memory segment (a progress channel or a shared buffer)."""
+
+    __slots__ = ("_ptr", "path", "kind", "is_producer", "ring_slots", "__weakref__")
+
+    def __init__(self, ptr, path: str, kind: int, is_producer: bool):
+        self._ptr = ffi.gc(ptr, lib.pdhal_segment_close)
+        self.path = path
+        self.kind = kind
+        self.is_producer = is_producer
+        self.ring_slots = lib.pdhal_segment_ring_slots(ptr)
+
+    @classmethod
+    def create(cls, path: str, kind: int, body_bytes: int = 0,
+               ring_slots: int = DEFAULT_RING_SLOTS) -> Segment:
+        """Create (or reclaim from a dead producer) the segment at `path` as its producer."""
+        out = ffi.new("pdhal_segment **")
+        check(lib.pdhal_segment_create(path.encode(), kind, body_bytes, ring_slots, out),
+              f"creating {path}")
+        return cls(out[0], path, kind, True)
+
+    @classmethod
+    def open(cls, path: str, kind: int, timeout: float | None, exclusive_reader: bool = False
+             ) -> Segment:
+        """Open an existing segment, waiting up to `timeout` seconds for it to appear."""
+        out = ffi.new("pdhal_segment **")
+        rc = _retry_interrupted(lib.pdhal_segment_open, path.encode(), kind,
+                                deadline_ns(timeout), int(exclusive_reader), out)
+        check(rc, f"opening {path}")
+        return cls(out[0], path, kind, False)
+
+    @property
+    def ptr(self):
+        ptr = self._ptr
+        if ptr is None:
+            raise ClosedHandleError(f"segment {self.path} is closed")
+        return ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def close(self) -> None:
+        """Release the handle; the producer's close unlinks the name. Idempotent."""
+        ptr, self._ptr = self._ptr, None
+        if ptr is not None:
+            ffi.release(ptr)
+
+    def producer_alive(self) -> bool:
+        return bool(check(lib.pdhal_segment_producer_alive(self.ptr), f"probing {self.path}"))
+
+    def reader_attached(self) -> bool:
+        return bool(check(lib.pdhal_segment_reader_attached(self.ptr), f"probing {self.path}"))
+
+    @property
+    def creator_pid(self) -> int:
+        return lib.pdhal_segment_creator_pid(self.ptr)
+
+    # per-query progress
+    def progress(self) -> int:
+        return lib.pdhal_progress_load(self.ptr)
+
+    def begin_step(self) -> int:
+        step = ffi.new("uint64_t *")
+        check(lib.pdhal_progress_begin_step(self.ptr, step), f"starting a step on {self.path}")
+        return step[0]
+
+    def publish(self, slot: int, value: int) -> None:
+        lib.pdhal_progress_publish(self.ptr, slot, value)
+
+    def wait(self, since: int, timeout: float | None, spin_us: int = 0) -> int:
+        """Block until the per-query progress word exceeds `since`; return the word."""
+        now = ffi.new("uint64_t *")
+        rc = _retry_interrupted(lib.pdhal_progress_wait, self.ptr, since, deadline_ns(timeout),
+                                spin_us * 1000, now)
+        check(rc, f"waiting on {self.path}")
+        return now[0]
+
+    # per-chunk ring
+    def ring_begin_step(self, table: list[int], num_layers: int, timeout: float | None) -> int:
+        count = len(table) // 3
+        words = ffi.new("int32_t[]", table) if table else ffi.NULL
+        step = ffi.new("uint64_t *")
+        rc = _retry_interrupted(lib.pdhal_ring_begin_step, self.ptr, words, count, num_layers,
+                                deadline_ns(timeout), step)
+        if rc == -errno.ETIMEDOUT:
+            raise BackPressureTimeoutError(errno.ETIMEDOUT,
+                                           ffi.string(lib.pdhal_last_error()).decode())
+        check(rc, f"publishing a step on {self.path}")
+        return step[0]
+
+    def ring_next(self, out, capacity: int, timeout: float | None) -> int | None:
+        """Write the next record into the int32 cdata `out`; its step, or None if none came.
+
+        timeout 0 means "do not wait"."""
+        step = ffi.new("uint64_t *")
+        deadline = 0 if timeout == 0 else deadline_ns(timeout)
+        rc = _retry_interrupted(lib.pdhal_ring_next, self.ptr, out, capacity, deadline, step)
+        check(rc, f"reading {self.path}")
+        return step[0] if rc == 1 else None
+
+    @property
+    def lost_steps(self) -> int:
+        return lib.pdhal_ring_lost_steps(self.ptr)
+
+    @property
+    def latest_step(self) -> int:
+        return lib.pdhal_ring_latest_step(self.ptr)
+
+    # buffers
+    def body(self):
+        """The payload of a buffer segment as a writable cffi buffer."""
+        ptr = self.ptr
+        return ffi.buffer(lib.pdhal_segment_body(ptr), lib.pdhal_segment_body_bytes(ptr))
+
+    def body_address(self) -> int:
+        return int(ffi.cast("uintptr_t", lib.pdhal_segment_body(self.ptr)))
+
+    # deferred stores
+    def new_store(self, slot: int, value: int):
+        """A pending store (C `pdhal_store *`) for a device callback; caller hands it off."""
+        store = lib.pdhal_store_new(self.ptr, slot, value)
+        if store == ffi.NULL:
+            raise MemoryError("pdhal_store_new: out of memory")
+        return store
+
+
+def free_store(store) -> None:
+    """Free a pending store that will never run."""
+    lib.pdhal_store_free(store)
+
+
+def run_store(store) -> None:
+    """Run a pending store now (and free it)."""
+    lib.pdhal_store_run(store)
+
+
+def address_of(cdata) -> int:
+    """Integer address of a cffi pointer."""
+    return int(ffi.cast("uintptr_t", cdata))
+
+
+def reclaim(path: str) -> bool:
+    """Unlink `path` if it is our segment and its producer is dead; True if removed."""
+    return bool(check(lib.pdhal_segment_reclaim(path.encode()), f"reclaiming {path}"))
+
+
+class Sender:
+    """A C sender thread: posts (event, store) pairs, runs stores after their events fire."""
+
+    __slots__ = ("_ptr", "__weakref__")
+
+    def __init__(self, wait_fn=ffi.NULL, destroy_fn=ffi.NULL):
+        """`wait_fn` / `destroy_fn`: C function pointers (cdata or int addresses) or NULL."""
+        out = ffi.new("pdhal_sender **")
+        check(lib.pdhal_sender_create(_fn(wait_fn, "pdhal_event_wait_fn"),
+                                      _fn(destroy_fn, "pdhal_event_destroy_fn"), out),
+              "creating the KV signal sender")
+        self._ptr = ffi.gc(out[0], lib.pdhal_sender_destroy)
+
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            raise ClosedHandleError("the KV signal sender was destroyed")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def post(self, event, store) -> None:
+        """Queue (event, store); ownership of both passes to the sender, even on failure."""
+        check(lib.pdhal_sender_post(self.ptr, _event(event), store), "posting a layer signal")
+
+    @property
+    def pending(self) -> int:
+        return lib.pdhal_sender_pending(self.ptr)
+
+    @property
+    def failures(self) -> int:
+        return lib.pdhal_sender_failures(self.ptr)
+
+    def destroy(self) -> int:
+        """Deliver everything queued, join the thread; returns the failed event waits."""
+        ptr, self._ptr = self._ptr, None
+        if ptr is None:
+            return 0
+        ptr = ffi.gc(ptr, None)
+        return check(lib.pdhal_sender_destroy(ptr), "destroying the KV signal sender")
+
+
+def _fn(fn, ctype: str):
+    return ffi.NULL if fn is None else ffi.cast(ctype, fn)
+
+
+def _event(event):
+    if event is None:
+        return ffi.NULL
+    if isinstance(event, int):
+        return ffi.cast("void *", event)
+    return event
+

@@ -1,0 +1,57 @@
+"""pdhal's exceptions: one base class, each subclass also inheriting the matching builtin."""
+
+
+class PdhalError(Exception):
+    """Base class of every error pdhal raises."""
+
+
+class BackendNotFoundError(PdhalError, LookupError):
+    """No installed backend has the requested name."""
+
+
+class BackendUnavailableError(PdhalError, RuntimeError):
+    """A backend is installed but cannot run here (no runtime, no driver, no device)."""
+
+
+class BackendLoadError(PdhalError, ImportError):
+    """A backend plugin failed to import or to describe itself."""
+
+
+class InvalidArgumentError(PdhalError, ValueError):
+    """A value is out of range, of the wrong shape or dtype, or otherwise unusable."""
+
+
+class InvalidTypeError(PdhalError, TypeError):
+    """An argument has a type pdhal cannot use."""
+
+
+class ClosedHandleError(PdhalError, ValueError):
+    """A handle was used after close() (or after destroy)."""
+
+
+class UnsupportedError(PdhalError, NotImplementedError):
+    """The active backend or its runtime version does not offer this operation."""
+
+
+class SegmentError(PdhalError, OSError):
+    """A shared-memory segment could not be created, opened or validated."""
+
+
+class ChannelBusyError(SegmentError):
+    """The channel already has a live producer, or (per-chunk) a reader."""
+
+
+class ProducerDiedError(PdhalError, ConnectionError):
+    """The process that produced a channel's signals is gone."""
+
+
+class SignalTimeoutError(PdhalError, TimeoutError):
+    """A wait ran past its timeout."""
+
+
+class BackPressureTimeoutError(SignalTimeoutError):
+    """The per-chunk reader did not free a ring slot before the timeout."""
+
+
+class DeviceError(PdhalError, RuntimeError):
+    """A vendor runtime call failed."""

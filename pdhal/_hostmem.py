@@ -1,0 +1,69 @@
+"""HostBuffer: host memory handed out by a backend's host_alloc."""
+
+from __future__ import annotations
+
+import math
+
+from pdhal._core import ffi
+from pdhal._errors import ClosedHandleError, InvalidArgumentError
+
+
+class HostBuffer:
+    """Host memory from `host_alloc`; release it with `host_free` (or `close()`).
+
+    Views (memoryview(), as_numpy()) must not outlive the buffer.
+    """
+
+    def __init__(self, address: int, nbytes: int, pinned: bool):
+        self._address = address
+        self.nbytes = nbytes
+        #: True when the pages are locked in RAM (DMA-able without a bounce copy).
+        self.pinned = pinned
+
+    @property
+    def address(self) -> int:
+        if self._address is None:
+            raise ClosedHandleError("host buffer was freed")
+        return self._address
+
+    @property
+    def closed(self) -> bool:
+        return self._address is None
+
+    def contains(self, address: int, nbytes: int = 1) -> bool:
+        return (self._address is not None and self._address <= address
+                and address + nbytes <= self._address + self.nbytes)
+
+    def memoryview(self) -> memoryview:
+        return memoryview(ffi.buffer(ffi.cast("char *", self.address), self.nbytes))
+
+    def as_numpy(self, dtype, shape):
+        """A numpy array over (part of) the buffer, without a copy."""
+        import numpy as np
+
+        dtype = np.dtype(dtype)
+        shape = tuple(shape)
+        need = math.prod(shape) * dtype.itemsize
+        if need > self.nbytes:
+            raise InvalidArgumentError(f"shape {shape} of {dtype} needs {need} bytes, the buffer "
+                                       f"has {self.nbytes}")
+        return np.frombuffer(self.memoryview(), dtype=dtype, count=math.prod(shape)).reshape(shape)
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free the memory. Idempotent."""
+        if self._address is not None:
+            self._release()
+            self._address = None
+
+    def __enter__(self) -> HostBuffer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "freed" if self.closed else f"{self._address:#x}"
+        return f"{type(self).__name__}({state}, nbytes={self.nbytes}, pinned={self.pinned})"

@@ -1,0 +1,99 @@
+"""Device facts and visibility: what a backend's Platform says about this machine."""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+from pdhal._errors import InvalidArgumentError
+
+DeviceId = int | str  # an index, or a "GPU-<uuid>" / "MIG-<uuid>" entry
+
+
+def parse_visible_devices(value: str | None, var: str) -> list[DeviceId] | None:
+    """Parse a *_VISIBLE_DEVICES list: None when unset (all devices visible).
+
+    Entries are non-negative integers or GPU-/MIG- UUIDs; anything else is an error, where
+    vendor runtimes would silently drop the rest of the list.
+    """
+    if value is None:
+        return None
+    entries: list[DeviceId] = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        if not entry and value.strip() == "":
+            return []
+        if entry.isdigit():
+            entries.append(int(entry))
+        elif entry.startswith(("GPU-", "MIG-")) and len(entry) > 4:
+            entries.append(entry)
+        else:
+            raise InvalidArgumentError(
+                f"{var}={value!r}: entry {entry!r} is neither a device index nor a GPU-/MIG- "
+                f"UUID")
+    if len(set(entries)) != len(entries):
+        raise InvalidArgumentError(f"{var}={value!r} lists a device twice")
+    return entries
+
+
+class Platform:
+    """Facts about one accelerator platform; backends subclass it."""
+
+    #: Short name, also the backend's name and PDHAL_PLATFORM value.
+    name: ClassVar[str] = "abstract"
+    #: The variable that restricts which devices a process sees.
+    device_control_env_var: ClassVar[str] = ""
+
+    def device_count(self) -> int:
+        """Devices this process can use."""
+        raise NotImplementedError
+
+    @property
+    def capabilities(self) -> dict[str, object]:
+        """What this platform offers (e.g. host functions, IPC, pinned memory)."""
+        return {}
+
+    def visible_devices(self, env: dict[str, str] | None = None) -> list[DeviceId] | None:
+        """The parsed visibility list of `env` (default os.environ); None if unrestricted."""
+        env = os.environ if env is None else env
+        var = self.device_control_env_var
+        return parse_visible_devices(env.get(var), var)
+
+    def physical_device_id(self, local_rank: int) -> DeviceId:
+        """The physical device (index or UUID) that local device `local_rank` is."""
+        if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
+            raise InvalidArgumentError(f"local_rank must be an int >= 0, got {local_rank!r}")
+        visible = self.visible_devices()
+        if visible is None:
+            return local_rank
+        if local_rank >= len(visible):
+            raise InvalidArgumentError(
+                f"local_rank {local_rank} is out of range: {self.device_control_env_var}="
+                f"{os.environ.get(self.device_control_env_var)!r} makes {len(visible)} visible")
+        return visible[local_rank]
+
+    def child_env(self, device_ids: list[DeviceId], base: dict[str, str] | None = None
+                  ) -> dict[str, str]:
+        """Environment for a child process on the given PHYSICAL devices.
+
+        The child sees exactly these devices, as its local devices 0..n-1 in this order, so it
+        never interprets a physical id against an inherited visibility list. A device the
+        parent cannot see is an error.
+        """
+        env = dict(os.environ if base is None else base)
+        if isinstance(device_ids, (int, str)):
+            device_ids = [device_ids]
+        if not device_ids:
+            raise InvalidArgumentError("device_ids must name at least one device")
+        parent = self.visible_devices(env)
+        for dev in device_ids:
+            if isinstance(dev, bool) or not isinstance(dev, (int, str)) or (
+                    isinstance(dev, int) and dev < 0):
+                raise InvalidArgumentError(f"device ids must be ints >= 0 or UUID strings, "
+                                           f"got {dev!r}")
+            if parent is not None and dev not in parent:
+                raise InvalidArgumentError(
+                    f"device {dev!r} is not visible to this process "
+                    f"({self.device_control_env_var}={env.get(self.device_control_env_var)!r})")
+        env[self.device_control_env_var] = ",".join(str(d) for d in device_ids)
+        return env

@@ -1,0 +1,50 @@
+"""Named records that let another process on this host find a shared buffer.
+
+`set_data_ipc(tensor, name)` publishes a small record (a backing segment path, or a device
+IPC handle, plus offset and size) under `name`; `share_external_data` looks it up. Records
+are owner-only segments like every other pdhal segment, removed when their publisher frees
+the memory or exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+from pdhal import _core, _names
+
+_published: dict[tuple[int, str], _core.Segment] = {}
+_lock = threading.Lock()
+
+
+def publish(name: str, record: dict) -> None:
+    """Publish `record` (JSON-able) under `name`, replacing our own earlier one."""
+    path = _names.buffer_path(name)
+    body = json.dumps(record).encode()
+    key = (os.getpid(), name)
+    with _lock:
+        old = _published.pop(key, None)
+        if old is not None:
+            old.close()
+        seg = _core.Segment.create(path, _core.KIND_BUFFER, body_bytes=len(body))
+        seg.body()[:] = body
+        _published[key] = seg
+
+
+def lookup(name: str, timeout: float | None) -> dict:
+    """The record published under `name`, waiting up to `timeout` s for it to appear."""
+    seg = _core.Segment.open(_names.buffer_path(name), _core.KIND_BUFFER, timeout)
+    try:
+        return json.loads(bytes(seg.body()))
+    finally:
+        seg.close()
+
+
+def unpublish_where(predicate) -> None:
+    """Remove our records for which predicate(record) is true."""
+    with _lock:
+        for key, seg in list(_published.items()):
+            if key[0] == os.getpid() and predicate(json.loads(bytes(seg.body()))):
+                seg.close()
+                del _published[key]

@@ -1,0 +1,66 @@
+"""KVSignalSender: the long-lived async signal sender an engine creates once (or per step)."""
+
+from __future__ import annotations
+
+from pdhal import _core
+from pdhal._errors import DeviceError, InvalidTypeError
+from pdhal._signals import LayerSignal
+
+
+def require_signal(signal: object) -> LayerSignal:
+    if not isinstance(signal, LayerSignal):
+        raise InvalidTypeError(
+            f"signal must be a LayerSignal (from init_signal_layerwise or ChunkSignal.layer), "
+            f"got {type(signal).__name__}")
+    return signal
+
+
+class KVSignalSender:
+    """One C thread that waits for device events and then stores their layer signals.
+
+    The backend supplies the event wait/destroy as C function pointers, so no Python runs
+    between a finished layer and its signal. `close()` (or leaving the `with` block) delivers
+    every pending signal, then joins the thread.
+    """
+
+    def __init__(self, event_wait=None, event_destroy=None):
+        self._sender = _core.Sender(event_wait, event_destroy)
+
+    def post(self, event, signal: LayerSignal) -> None:
+        """Queue `signal` to be stored once `event` (a device event handle, or None) fires.
+
+        The sender owns `event` from here on, also if posting fails."""
+        store = signal.new_store()
+        if store is None:
+            raise InvalidTypeError("post() needs a signal that publishes something; skip no-op "
+                                   "signals (steps without prefill requests) before recording")
+        self._sender.post(event, store)
+
+    @property
+    def pending(self) -> int:
+        """Signals queued and not yet stored."""
+        return self._sender.pending
+
+    @property
+    def closed(self) -> bool:
+        return self._sender.closed
+
+    def close(self) -> None:
+        """Deliver everything pending, stop the thread. Idempotent."""
+        failures = self._sender.destroy()
+        if failures:
+            raise DeviceError(f"{failures} layer signal(s) were not delivered: waiting for their "
+                              f"device event failed")
+
+    def __enter__(self) -> KVSignalSender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def destroy_kv_signal_sender(sender: KVSignalSender) -> None:
+    """Deliver every pending signal of `sender`, then stop its thread."""
+    if not isinstance(sender, KVSignalSender):
+        raise InvalidTypeError(f"sender must be a KVSignalSender, got {type(sender).__name__}")
+    sender.close()

@@ -1,0 +1,314 @@
+"""Progress signals between a model worker and its cache messager, on every backend.
+
+Per query: one (step, layer) word per (namespace, rank, device). Per chunk: a ring of steps,
+each with its table of prefill requests, delivered to the messager as int32 records.
+Backends differ only in *when* a LayerSignal is stored (see each backend's
+signal_layer_ready); everything here is shared.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+from pdhal import _core, _names
+from pdhal._errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    ProducerDiedError,
+    SegmentError,
+)
+from pdhal._tensors import int_list, writable_int32
+
+_NO_LAYER = -1
+
+
+class LayerSignal:
+    """"Layer `layer` of step `step` is in the cache": what signal_layer_ready publishes."""
+
+    __slots__ = ("segment", "slot", "value", "step", "layer")
+
+    def __init__(self, segment: _core.Segment | None, slot: int, step: int, layer: int):
+        self.segment = segment  # None: a step with nothing to report (no prefill request)
+        self.slot = slot
+        self.step = step
+        self.layer = layer
+        self.value = _core.pack_progress(step, layer)
+
+    def publish(self) -> None:
+        """Store the signal now (for backends whose work is already complete)."""
+        if self.segment is not None:
+            self.segment.publish(self.slot, self.value)
+
+    def new_store(self):
+        """A C pending store of this signal, for a device callback (None for a no-op)."""
+        return None if self.segment is None else self.segment.new_store(self.slot, self.value)
+
+    def __repr__(self) -> str:
+        return f"LayerSignal(step={self.step}, layer={self.layer})"
+
+
+class SignalMeta:
+    """The per-query channel of one forward pass: which step the layers belong to."""
+
+    __slots__ = ("segment", "step", "rank", "device_id")
+
+    def __init__(self, segment: _core.Segment, step: int, rank: int, device_id: int):
+        self.segment = segment
+        self.step = step
+        self.rank = rank
+        self.device_id = device_id
+
+    def __repr__(self) -> str:
+        return f"SignalMeta(rank={self.rank}, device_id={self.device_id}, step={self.step})"
+
+
+class ChunkSignal:
+    """One step's request table in per-chunk mode; `layer(i)` is the signal of layer i."""
+
+    __slots__ = ("segment", "step", "num_layers", "requests", "_slot")
+
+    def __init__(self, segment: _core.Segment | None, step: int, num_layers: int,
+                 requests: list[tuple[int, int, int]]):
+        self.segment = segment
+        self.step = step
+        self.num_layers = num_layers
+        self.requests = requests  # (batch slot, tokens cached before, tokens in this chunk)
+        self._slot = step % segment.ring_slots if segment is not None else 0
+
+    def layer(self, layer_id: int) -> LayerSignal:
+        layer_id = _names.validate_index(layer_id, "layer_id", self.num_layers)
+        return LayerSignal(self.segment, self._slot, self.step, layer_id)
+
+    def __repr__(self) -> str:
+        return f"ChunkSignal(step={self.step}, requests={len(self.requests)})"
+
+
+# ---- producer side -------------------------------------------------------------------
+
+_producers: dict[tuple[int, str], _core.Segment] = {}
+_producers_lock = threading.Lock()
+
+
+def _producer_channel(kind: str, rank: int, device_id: int) -> _core.Segment:
+    path = _names.channel_path(kind, rank, device_id)
+    key = (os.getpid(), path)  # a forked child must create its own, never reuse ours
+    with _producers_lock:
+        seg = _producers.get(key)
+        if seg is None or seg.closed:
+            code = _core.KIND_QUERY if kind == "query" else _core.KIND_CHUNK
+            seg = _producers[key] = _core.Segment.create(path, code)
+        return seg
+
+
+def close_producer_channels() -> None:
+    """Close (and unlink) every channel this process produces."""
+    with _producers_lock:
+        for seg in _producers.values():
+            seg.close()
+        _producers.clear()
+
+
+def open_shm_and_get_meta_signal(rank: int, device_id: int = 0,
+                                 keep_pd_step_flag: bool = False) -> SignalMeta:
+    """Open (or create) this rank/device's per-query channel and start a new step.
+
+    With keep_pd_step_flag (a draft/MTP model sharing the main model's step) the step and
+    the layer already signalled are left as they are.
+    """
+    seg = _producer_channel("query", rank, device_id)
+    if keep_pd_step_flag:
+        step, _ = _core.unpack_progress(seg.progress())
+    else:
+        step = seg.begin_step()
+    return SignalMeta(seg, step, rank, device_id)
+
+
+def init_signal_layerwise(meta: SignalMeta, layer_id: int) -> LayerSignal:
+    """The signal of `layer_id` (start-layer offset already added) in meta's step."""
+    if not isinstance(meta, SignalMeta):
+        raise InvalidTypeError(
+            f"meta must be the SignalMeta from open_shm_and_get_meta_signal, got "
+            f"{type(meta).__name__}")
+    layer_id = _names.validate_index(layer_id, "layer_id", _core.MAX_LAYER + 1)
+    return LayerSignal(meta.segment, _core.QUERY_SLOT, meta.step, layer_id)
+
+
+def backpressure_timeout() -> float:
+    """Seconds a new per-chunk step waits for the messager (PDHAL_BACKPRESSURE_TIMEOUT)."""
+    raw = os.environ.get("PDHAL_BACKPRESSURE_TIMEOUT", "60")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise InvalidArgumentError(
+            f"PDHAL_BACKPRESSURE_TIMEOUT must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_decoder,
+                             rank: int, num_layers: int, device_id: int = 0) -> ChunkSignal:
+    """Publish this step's table of prefill requests (per-chunk mode).
+
+    For every batch slot with seq_lens_encoder > 0 the record holds (slot, tokens cached
+    before this chunk = seq_lens_decoder, tokens in this chunk = seq_lens_encoder). A step
+    without prefill requests publishes nothing and its layer signals are no-ops.
+    """
+    encoder = int_list(seq_lens_encoder, "seq_lens_encoder")
+    this_time = int_list(seq_lens_this_time, "seq_lens_this_time")
+    decoder = int_list(seq_lens_decoder, "seq_lens_decoder")
+    if not len(encoder) == len(this_time) == len(decoder):
+        raise InvalidArgumentError(
+            f"seq_lens_encoder, seq_lens_this_time and seq_lens_decoder must have one entry per "
+            f"batch slot, got lengths {len(encoder)}, {len(this_time)}, {len(decoder)}")
+    num_layers = _names.validate_index(num_layers, "num_layers", _core.MAX_LAYER + 2)
+    if num_layers == 0:
+        raise InvalidArgumentError("num_layers must be at least 1, got 0")
+    requests = []
+    for slot, (enc, dec) in enumerate(zip(encoder, decoder)):
+        if enc < 0 or dec < 0:
+            raise InvalidArgumentError(
+                f"sequence lengths must be >= 0, got encoder {enc}, decoder {dec} at slot {slot}")
+        if enc > 0:
+            requests.append((slot, dec, enc))
+    if len(requests) > _core.MAX_REQUESTS:
+        raise InvalidArgumentError(
+            f"{len(requests)} prefill requests in one step, at most {_core.MAX_REQUESTS} fit")
+    if not requests:
+        return ChunkSignal(None, 0, num_layers, requests)
+    seg = _producer_channel("chunk", rank, device_id)
+    table = [word for request in requests for word in request]
+    step = seg.ring_begin_step(table, num_layers, backpressure_timeout())
+    return ChunkSignal(seg, step, num_layers, requests)
+
+
+# ---- consumer side -------------------------------------------------------------------
+
+class ProgressReader:
+    """The messager's view of a per-query channel: current() and wait()."""
+
+    def __init__(self, rank: int, device_id: int = 0, timeout: float | None = 60.0):
+        """Open the channel of (rank, device_id), waiting up to `timeout` s for it to exist."""
+        path = _names.channel_path("query", rank, device_id)
+        self._segment = _core.Segment.open(path, _core.KIND_QUERY, timeout)
+        self.rank = rank
+        self.device_id = device_id
+
+    def current(self) -> tuple[int, int]:
+        """(step, layer) now; layer -1 while the step has no layer yet."""
+        return _core.unpack_progress(self._segment.progress())
+
+    def wait(self, since: tuple[int, int] = (0, _NO_LAYER), timeout: float | None = None,
+             spin_us: int = 0) -> tuple[int, int]:
+        """Block until progress passes `since` and return it.
+
+        Raises SignalTimeoutError after `timeout` seconds and ProducerDiedError (within a
+        second) if the producer dies. Ctrl-C interrupts the wait.
+        """
+        step, layer = since
+        word = self._segment.wait(_core.pack_progress(step, layer), timeout, spin_us)
+        return _core.unpack_progress(word)
+
+    def producer_alive(self) -> bool:
+        return self._segment.producer_alive()
+
+    @property
+    def producer_pid(self) -> int:
+        return self._segment.creator_pid
+
+    def close(self) -> None:
+        self._segment.close()
+
+    def __enter__(self) -> ProgressReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_kv_signal_reader(rank: int, device_id: int = 0, timeout: float | None = 60.0
+                          ) -> ProgressReader:
+    """Open the per-query progress of (rank, device_id) for reading."""
+    return ProgressReader(rank, device_id, timeout)
+
+
+class ChunkReader:
+    """The single reader of a per-chunk channel: each (step, layer) once, in order."""
+
+    def __init__(self, rank: int, device_id: int = 0, timeout: float | None = 60.0):
+        path = _names.channel_path("chunk", rank, device_id)
+        self._segment = _core.Segment.open(path, _core.KIND_CHUNK, timeout,
+                                           exclusive_reader=True)
+
+    def next(self, out, wait: bool = True, timeout: float | None = None) -> int | None:
+        """Write the next record into `out`; returns its step, or None (and -1, -1) if none.
+
+        Without `wait` it returns at once; with it, it blocks until a record comes, the
+        timeout passes (None: no limit) or the producer dies (ProducerDiedError).
+        """
+        words, capacity = writable_int32(out, "out", minimum=2)
+        step = self._segment.ring_next(words, capacity, timeout if wait else 0)
+        if step is None:
+            words[0] = words[1] = -1
+        return step
+
+    @property
+    def lost_steps(self) -> int:
+        """Steps overwritten before this reader attached (never while it is attached)."""
+        return self._segment.lost_steps
+
+    def close(self) -> None:
+        self._segment.close()
+
+    def __enter__(self) -> ChunkReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_chunk_readers: dict[tuple[int, str], ChunkReader] = {}
+
+
+def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
+                         timeout: float | None = None) -> None:
+    """Fill `out` (int32, >= 2 + 3 * requests words) with the next per-chunk record.
+
+    Layout: out[0] request count, out[1] layer, then (slot, cached tokens, chunk tokens)
+    triples; -1, -1 when nothing is pending. Every (step, layer) comes exactly once, in order.
+    """
+    key = (os.getpid(), _names.channel_path("chunk", rank_id, device_id))
+    reader = _chunk_readers.get(key)
+    if reader is None:
+        try:
+            reader = ChunkReader(rank_id, device_id, timeout if wait_flag else 0)
+        except SegmentError as e:
+            if wait_flag or e.errno != errno.ENOENT:
+                raise
+            words, _ = writable_int32(out, "out", minimum=2)
+            words[0] = words[1] = -1
+            return
+        _chunk_readers[key] = reader
+    try:
+        reader.next(out, wait_flag, timeout)
+    except ProducerDiedError:
+        # The next call attaches to the restarted producer's channel and resumes there.
+        del _chunk_readers[key]
+        reader.close()
+        raise
+
+
+def open_kv_chunk_reader(rank: int, device_id: int = 0, timeout: float | None = 60.0
+                         ) -> ChunkReader:
+    """Open the per-chunk channel of (rank, device_id) as its single reader."""
+    return ChunkReader(rank, device_id, timeout)
+
+
+#: The device-independent ops every backend shares (see _registry).
+COMMON_OPS = {
+    f.__name__: f
+    for f in (open_shm_and_get_meta_signal, init_signal_layerwise, init_kv_signal_per_query,
+              open_kv_signal_reader, open_kv_chunk_reader, get_output_kv_signal)
+}
