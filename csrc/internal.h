@@ -47,8 +47,7 @@ struct pdhal_segment_header {
     _Atomic uint32_t seq;           /* futex word: bumped on every publish */
     _Atomic uint32_t waiters;       /* readers inside futex_wait on seq */
     _Atomic uint64_t latest_step;   /* per-chunk: last table published */
-    _Atomic uint64_t dropped_steps; /* per-chunk: overwritten while no reader was attached */
-    uint8_t reserved1[32];
+    uint8_t reserved1[40];
 
     /* reader side (own cache line) */
     _Atomic uint64_t consumed;        /* per-chunk: steps fully delivered to the reader */
@@ -82,7 +81,6 @@ struct pdhal_segment {
     _Atomic int refs;   /* the handle + pending stores */
     uint64_t cursor_step;  /* per-chunk reader: next record to deliver */
     uint32_t cursor_layer;
-    uint64_t lost_steps;
     struct pdhal_segment *next_open; /* fork registry */
     char path[256];
 };

@@ -5,8 +5,7 @@
  * signals then grow that word. The single reader walks (step, layer) in order and delivers
  * each exactly once; when it has delivered a step's last layer it advances `consumed`, which
  * is what the producer waits on (back-pressure) before reusing a slot, and only at step
- * start, never inside a device callback. With no reader attached nothing is waited for:
- * overwritten steps are counted in dropped_steps. */
+ * start, never inside a device callback. */
 #define _GNU_SOURCE
 #include "internal.h"
 
@@ -18,7 +17,9 @@ static uint64_t consumed(pdhal_segment *seg)
     return atomic_load_explicit(&seg->hdr->consumed, memory_order_acquire);
 }
 
-/* Back-pressure: wait until the attached reader has finished step `need`. */
+/* Back-pressure: wait until the reader has finished step `need`, whose slot is reused next.
+ * A reader that has not attached yet (or is restarting) is waited for the same way: the
+ * producer never overwrites a step nobody has read. */
 static int wait_for_reader(pdhal_segment *seg, uint64_t need, int64_t deadline_ns)
 {
     struct pdhal_segment_header *h = seg->hdr;
@@ -26,19 +27,16 @@ static int wait_for_reader(pdhal_segment *seg, uint64_t need, int64_t deadline_n
         uint32_t seen = atomic_load_explicit(&h->reader_seq, memory_order_acquire);
         if (consumed(seg) >= need)
             return 0;
-        int attached = pdhal_segment_reader_attached(seg);
-        if (attached < 0)
-            return attached;
-        if (!attached) {
-            atomic_fetch_add_explicit(&h->dropped_steps, 1, memory_order_relaxed);
-            return 0;
-        }
         int rc = pdhal_wait_change(&h->reader_seq, &h->reader_waiters, seen, deadline_ns);
-        if (rc == -ETIMEDOUT)
+        if (rc == -ETIMEDOUT) {
+            int attached = pdhal_segment_reader_attached(seg);
             return pdhal_fail(ETIMEDOUT,
-                              "the reader of %s has not finished step %llu (consumed %llu): the "
-                              "cache messager is stalled or too slow",
-                              seg->path, (unsigned long long)need, (unsigned long long)consumed(seg));
+                              "the reader of %s has not finished step %llu (consumed %llu): %s",
+                              seg->path, (unsigned long long)need,
+                              (unsigned long long)consumed(seg),
+                              attached > 0 ? "the cache messager is stalled or too slow"
+                                           : "no cache messager is attached");
+        }
         if (rc == -EINTR)
             return pdhal_fail(EINTR, "interrupted by a signal");
         if (rc < 0)
@@ -106,7 +104,7 @@ static enum slot_state read_slot(pdhal_segment *seg, int32_t *out, uint32_t capa
     uint32_t count = atomic_load_explicit(&slot->count, memory_order_relaxed);
     uint32_t num_layers = atomic_load_explicit(&slot->num_layers, memory_order_relaxed);
     if (count > PDHAL_MAX_REQUESTS)
-        return SLOT_LAPPED; /* torn by a concurrent rewrite; the re-check below agrees */
+        return SLOT_LAPPED;
     if (capacity < 2 + 3 * count)
         return SLOT_NO_ROOM;
     for (uint32_t i = 0; i < 3 * count; i++)
@@ -125,19 +123,6 @@ static enum slot_state read_slot(pdhal_segment *seg, int32_t *out, uint32_t capa
     return SLOT_READY;
 }
 
-/* The slot under the cursor was reused before we read it (possible only while no reader was
- * attached): skip to the oldest step the ring still holds and count what was lost. */
-static void skip_lapped(pdhal_segment *seg)
-{
-    uint64_t latest = atomic_load_explicit(&seg->hdr->latest_step, memory_order_acquire);
-    uint64_t oldest = latest >= seg->hdr->ring_slots ? latest - seg->hdr->ring_slots + 1 : 1;
-    if (oldest <= seg->cursor_step)
-        oldest = seg->cursor_step + 1;
-    seg->lost_steps += oldest - seg->cursor_step;
-    seg->cursor_step = oldest - 1;
-    advance_step(seg);
-}
-
 int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t deadline_ns,
                     uint64_t *step)
 {
@@ -154,8 +139,10 @@ int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t
             return pdhal_fail(ENOSPC, "output holds %u int32 words, the record needs more (up to %d)",
                               capacity, PDHAL_RECORD_WORDS);
         case SLOT_LAPPED:
-            skip_lapped(seg);
-            continue;
+            /* Back-pressure makes this impossible for a well-behaved producer. */
+            return pdhal_fail(EPROTO, "step %llu of %s was overwritten before it was read: "
+                                      "the channel is corrupt or has two producers",
+                              (unsigned long long)seg->cursor_step, seg->path);
         case SLOT_NOT_YET:
             break;
         }
@@ -174,8 +161,6 @@ int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t
             return pdhal_fail(-rc, "futex wait on %s failed", seg->path);
     }
 }
-
-uint64_t pdhal_ring_lost_steps(pdhal_segment *seg) { return seg->lost_steps; }
 
 uint64_t pdhal_ring_latest_step(pdhal_segment *seg)
 {

@@ -383,12 +383,9 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, int
         return rc;
     }
     if (kind == PDHAL_KIND_CHUNK) {
-        /* Resume after what a previous reader consumed, but never before the oldest step the
-         * ring still holds. */
-        uint64_t latest = atomic_load_explicit(&seg->hdr->latest_step, memory_order_acquire);
-        uint64_t next = atomic_load_explicit(&seg->hdr->consumed, memory_order_acquire) + 1;
-        uint64_t oldest = latest >= seg->hdr->ring_slots ? latest - seg->hdr->ring_slots + 1 : 1;
-        seg->cursor_step = next > oldest ? next : oldest;
+        /* Resume after what a previous reader consumed: the producer never overwrites an
+         * unread step, so everything from there on is still in the ring. */
+        seg->cursor_step = atomic_load_explicit(&seg->hdr->consumed, memory_order_acquire) + 1;
         seg->cursor_layer = 0;
     }
     registry_add(seg);

@@ -204,10 +204,6 @@ class Segment:
         return step[0] if rc == 1 else None
 
     @property
-    def lost_steps(self) -> int:
-        return lib.pdhal_ring_lost_steps(self.ptr)
-
-    @property
     def latest_step(self) -> int:
         return lib.pdhal_ring_latest_step(self.ptr)
 

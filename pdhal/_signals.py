@@ -235,7 +235,12 @@ def open_kv_signal_reader(rank: int, device_id: int = 0, timeout: float | None =
 
 
 class ChunkReader:
-    """The single reader of a per-chunk channel: each (step, layer) once, in order."""
+    """The single reader of a per-chunk channel: each (step, layer) once, in order.
+
+    The producer never overwrites a step this reader has not finished, so a reader that
+    attaches late, or restarts, resumes at the first step not fully consumed (a step that
+    was half delivered when a reader died is delivered again from layer 0).
+    """
 
     def __init__(self, rank: int, device_id: int = 0, timeout: float | None = 60.0):
         path = _names.channel_path("chunk", rank, device_id)
@@ -253,11 +258,6 @@ class ChunkReader:
         if step is None:
             words[0] = words[1] = -1
         return step
-
-    @property
-    def lost_steps(self) -> int:
-        """Steps overwritten before this reader attached (never while it is attached)."""
-        return self._segment.lost_steps
 
     def close(self) -> None:
         self._segment.close()

@@ -1,0 +1,5 @@
+import sys
+
+from pdhal._cli import main
+
+sys.exit(main())

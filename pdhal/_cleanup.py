@@ -1,0 +1,23 @@
+"""Find and remove this user's segments whose producer is dead."""
+
+from __future__ import annotations
+
+import os
+
+from pdhal import _core, _names
+
+
+def cleanup() -> tuple[list[str], list[str]]:
+    """(removed, left) paths among this user's pdhal segments in every namespace."""
+    folder = _names.shm_dir()
+    mine = f"pdhal.{os.geteuid()}."
+    removed, left = [], []
+    for entry in sorted(os.listdir(folder)):
+        if not entry.startswith(mine):
+            continue
+        path = os.path.join(folder, entry)
+        if _core.reclaim(path):
+            removed.append(path)
+        else:
+            left.append(path)
+    return removed, left
