@@ -8,6 +8,7 @@ signal_layer_ready); everything here is shared.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import threading
@@ -102,8 +103,9 @@ def _producer_channel(kind: str, rank: int, device_id: int) -> _core.Segment:
         return seg
 
 
+@atexit.register
 def close_producer_channels() -> None:
-    """Close (and unlink) every channel this process produces."""
+    """Close (and unlink) every channel this process produces; runs at exit."""
     with _producers_lock:
         for seg in _producers.values():
             seg.close()

@@ -1,0 +1,35 @@
+# `make test` and `make demo` set everything up themselves: a venv in .venv with pdhal and
+# every backend distribution under backends/ installed editable, plus the test extras.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BACKENDS := $(wildcard backends/*/pyproject.toml)
+STAMP := $(VENV)/.pdhal-installed
+
+.PHONY: test demo bench sanitize clean
+
+$(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h csrc/build_ffi.py $(BACKENDS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]' $(foreach b,$(BACKENDS),-e $(dir $(b)))
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: $(STAMP)
+	$(VENV)/bin/pdhal demo
+
+bench: $(STAMP)
+	$(PY) bench/bench_signals.py
+
+# The C core under AddressSanitizer + UBSan, then the suite.
+sanitize: $(STAMP)
+	PDHAL_SANITIZE=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	PDHAL_SANITIZED=1 $(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+clean:
+	rm -rf $(VENV) build pdhal/*.so

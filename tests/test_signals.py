@@ -1,0 +1,174 @@
+"""Per-query and per-chunk signals across real processes: nothing lost, duplicated,
+reordered or torn."""
+
+from __future__ import annotations
+
+import array
+import time
+
+import pytest
+
+from conftest import python_child, run_child
+from pdhal import ops
+import pdhal
+
+LAYERS = 32
+STEPS = 3125  # x 32 layers = 100,000 signals
+
+
+def test_per_query_lockstep_delivers_every_signal_once_in_order():
+    """The producer waits for an ack of each (step, layer) on a reverse channel, so the reader
+    must observe all 100,000 signals individually, in order."""
+    producer = python_child(f"""
+        from pdhal import ops
+        acks = ops.open_kv_signal_reader(1, 0, timeout=30)
+        last = (0, -1)
+        for step in range({STEPS}):
+            meta = ops.open_shm_and_get_meta_signal(0, 0)
+            for layer in range({LAYERS}):
+                ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer))
+                want = (meta.step, layer)
+                while last < want:
+                    last = acks.wait(last, timeout=30)
+                assert last == want, (last, want)
+    """)
+    ack = ops.open_shm_and_get_meta_signal(1, 0)  # ack steps follow the producer's steps
+    reader = ops.open_kv_signal_reader(0, 0, timeout=30)
+    observed = []
+    since = (0, -1)
+    while len(observed) < STEPS * LAYERS:
+        since = reader.wait(since, timeout=30)
+        if since[1] == -1:
+            continue  # a step started; its layers follow
+        observed.append(since)
+        if since[1] == 0 and since[0] > 1:
+            ack = ops.open_shm_and_get_meta_signal(1, 0)
+        ops.signal_layer_ready(ops.init_signal_layerwise(ack, since[1]))
+    assert producer.wait(timeout=60) == 0
+    reader.close()
+    expected = [(s, layer) for s in range(1, STEPS + 1) for layer in range(LAYERS)]
+    assert observed == expected
+
+
+def test_per_query_free_running_never_tears():
+    """The writer keeps layer == step % 1000 on every signal; every observation must agree,
+    and progress never goes backwards."""
+    producer = python_child("""
+        from pdhal import ops
+        for _ in range(20000):
+            meta = ops.open_shm_and_get_meta_signal(0, 0)
+            ops.signal_layer_ready(ops.init_signal_layerwise(meta, meta.step % 1000))
+        meta = ops.open_shm_and_get_meta_signal(0, 0, keep_pd_step_flag=True)
+        import time; time.sleep(0.5)
+    """)
+    reader = ops.open_kv_signal_reader(0, 0, timeout=30)
+    since, count = (0, -1), 0
+    while since[0] < 20000 or since[1] == -1:
+        now = reader.wait(since, timeout=30)
+        assert now > since
+        assert now[1] in (-1, now[0] % 1000), f"torn observation {now}"
+        since, count = now, count + 1
+    assert producer.wait(timeout=30) == 0
+    reader.close()
+    assert count > 1
+
+
+def _expected_table(step: int) -> list[tuple[int, int, int]]:
+    batch = 1 + step % 7
+    return [(slot, step + slot, 1 + (step * 3 + slot) % 200) for slot in range(batch)
+            if (step + slot) % 3 != 0 or slot == 0]
+
+
+PRODUCE_CHUNKS = f"""
+    from pdhal import ops
+    import sys
+    sys.path.insert(0, {__file__.rsplit('/', 1)[0]!r})
+    from test_signals import _expected_table
+    for step in range(1, {STEPS} + 1):
+        batch = 1 + step % 7
+        table = dict((slot, (dec, enc)) for slot, dec, enc in _expected_table(step))
+        encoder = [table.get(i, (0, 0))[1] for i in range(batch)]
+        decoder = [table.get(i, (i, 0))[0] for i in range(batch)]
+        chunk = ops.init_kv_signal_per_query(encoder, encoder, decoder, 0, {LAYERS})
+        assert chunk.step == step
+        for layer in range({LAYERS}):
+            ops.signal_layer_ready(chunk.layer(layer))
+"""
+
+
+def test_per_chunk_100k_records_exactly_once_in_order():
+    producer = python_child(PRODUCE_CHUNKS)
+    out = array.array("i", [0] * 1538)
+    for step in range(1, STEPS + 1):
+        want = _expected_table(step)
+        for layer in range(LAYERS):
+            ops.get_output_kv_signal(out, 0, True)
+            count = out[0]
+            assert (count, out[1]) == (len(want), layer), (step, layer, list(out[:8]))
+            got = [tuple(out[2 + 3 * i: 5 + 3 * i]) for i in range(count)]
+            assert got == want, (step, layer)
+    assert producer.wait(timeout=60) == 0
+    with pytest.raises(pdhal.ProducerDiedError):  # nothing left, and nobody to produce it
+        ops.get_output_kv_signal(out, 0, False)
+
+
+def test_per_chunk_reader_attaching_late_loses_nothing(monkeypatch):
+    """The producer runs ahead of a reader that has not attached: it is held at the ring's
+    end instead of overwriting, and the late reader gets every step."""
+    producer = python_child(PRODUCE_CHUNKS.replace(str(STEPS), "100"))
+    time.sleep(1.0)  # the producer fills the ring (16 steps) and waits for a reader
+    assert producer.poll() is None
+    out = array.array("i", [0] * 1538)
+    for step in range(1, 101):
+        for layer in range(LAYERS):
+            ops.get_output_kv_signal(out, 0, True, timeout=30)
+            assert out[1] == layer and out[0] == len(_expected_table(step))
+    assert producer.wait(timeout=60) == 0
+
+
+def test_draft_model_keeps_the_step_and_continues_layers():
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    for layer in range(4):
+        ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer))
+    draft = ops.open_shm_and_get_meta_signal(0, 0, keep_pd_step_flag=True)
+    assert draft.step == meta.step
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        assert reader.current() == (meta.step, 3)
+        ops.signal_layer_ready(ops.init_signal_layerwise(draft, 4))  # main layers + offset
+        assert reader.current() == (meta.step, 4)
+        nxt = ops.open_shm_and_get_meta_signal(0, 0)
+        assert reader.current() == (meta.step + 1, -1) and nxt.step == meta.step + 1
+
+
+def test_late_signal_of_an_old_step_is_ignored():
+    old = ops.open_shm_and_get_meta_signal(0, 0)
+    new = ops.open_shm_and_get_meta_signal(0, 0)
+    ops.signal_layer_ready(ops.init_signal_layerwise(new, 1))
+    ops.signal_layer_ready(ops.init_signal_layerwise(old, 30))
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        assert reader.current() == (new.step, 1)
+
+
+def test_step_without_prefill_requests_publishes_nothing():
+    chunk = ops.init_kv_signal_per_query([0, 0], [1, 1], [5, 9], 0, 4)
+    ops.signal_layer_ready(chunk.layer(0))
+    out = array.array("i", [0] * 1538)
+    ops.get_output_kv_signal(out, 0, False)
+    assert list(out[:2]) == [-1, -1]
+
+
+def test_wait_times_out_with_a_clear_error():
+    ops.open_shm_and_get_meta_signal(0, 0)
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        start = time.monotonic()
+        with pytest.raises(pdhal.SignalTimeoutError, match="no progress past step 1"):
+            reader.wait(reader.current(), timeout=0.1)
+        assert 0.1 <= time.monotonic() - start < 0.3
+
+
+def test_ops_are_the_backends_own_functions():
+    from pdhal import _cpu, _signals
+
+    assert ops.signal_layer_ready is _cpu.signal_layer_ready
+    assert ops.init_signal_layerwise is _signals.init_signal_layerwise
+    assert ops.cuda_host_alloc is ops.host_alloc
