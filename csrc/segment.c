@@ -7,7 +7,12 @@
  *      it when the process dies, even as an unreaped zombie;
  *   3. sizes, maps and fills the header, then fchmods to 0600, which is the "ready" flag.
  * Openers refuse anything that is not ours, not a regular file, not exactly 0600, or whose
- * header disagrees. A forked child never keeps the lock (see the atfork handler).
+ * header disagrees.
+ *
+ * Locks live on an open file description used for nothing else: a mapping holds a reference
+ * to the description it was made from, and a forked child inherits mappings, so a lock on
+ * the mapped description would outlive its owner in any forked child. The atfork handler
+ * closes the child's copy of the lock descriptor.
  */
 #define _GNU_SOURCE
 #include "internal.h"
@@ -15,6 +20,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -83,6 +89,14 @@ static int lock_held(int fd, off_t byte)
     return fl.l_type != F_UNLCK;
 }
 
+/* A new open file description of the file behind `fd` (not a dup, which shares it). */
+static int reopen(int fd, int flags)
+{
+    char proc[64];
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+    return open(proc, flags | O_CLOEXEC);
+}
+
 /* ---- sizes ---- */
 
 static uint64_t segment_bytes(uint32_t kind, uint64_t body_bytes, uint32_t ring_slots)
@@ -112,9 +126,9 @@ static pdhal_segment *segment_new(const char *path)
     return seg;
 }
 
-static int map_segment(pdhal_segment *seg, uint64_t bytes)
+static int map_segment(pdhal_segment *seg, int fd, uint64_t bytes)
 {
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, seg->fd, 0);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED)
         return pdhal_fail(errno, "mmap of %s (%llu bytes) failed: %s", seg->path,
                           (unsigned long long)bytes, strerror(errno));
@@ -243,14 +257,15 @@ int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, u
         unlink(path);
         return pdhal_fail(ENOMEM, "out of memory");
     }
-    seg->fd = fd;
     seg->is_creator = 1;
-    if (fchmod(fd, 0200) != 0 || lock_byte(fd, PDHAL_LOCK_PRODUCER) != 0 ||
+    /* O_WRONLY: mode 0200 grants it to non-root creators too, and a write lock needs it. */
+    seg->fd = reopen(fd, O_WRONLY);
+    if (seg->fd < 0 || fchmod(fd, 0200) != 0 || lock_byte(seg->fd, PDHAL_LOCK_PRODUCER) != 0 ||
         ftruncate(fd, (off_t)bytes) != 0) {
         rc = pdhal_fail(errno, "cannot initialise %s: %s", path, strerror(errno));
         goto fail;
     }
-    rc = map_segment(seg, bytes);
+    rc = map_segment(seg, fd, bytes);
     if (rc)
         goto fail;
     struct pdhal_segment_header *h = seg->hdr;
@@ -270,12 +285,15 @@ int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, u
         rc = pdhal_fail(errno, "cannot publish %s: %s", path, strerror(errno));
         goto fail;
     }
+    close(fd);
     registry_add(seg);
     *out = seg;
     return 0;
 fail:
     if (seg->hdr)
         munmap(seg->hdr, seg->map_bytes);
+    if (seg->fd >= 0)
+        close(seg->fd);
     close(fd);
     unlink(path);
     free(seg);
@@ -367,18 +385,22 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, int
         close(fd);
         return pdhal_fail(ENOMEM, "out of memory");
     }
-    seg->fd = fd;
-    rc = map_segment(seg, (uint64_t)st.st_size);
+    seg->fd = reopen(fd, O_RDWR);
+    rc = seg->fd < 0 ? pdhal_fail(errno, "cannot reopen %s: %s", path, strerror(errno)) : 0;
+    if (rc == 0)
+        rc = map_segment(seg, fd, (uint64_t)st.st_size);
+    close(fd); /* the mapping keeps what it needs */
     if (rc == 0)
         rc = validate(seg, &st, kind);
     if (rc == 0)
         attach_ring(seg, kind);
-    if (rc == 0 && exclusive_reader && lock_byte(fd, PDHAL_LOCK_READER) != 0)
+    if (rc == 0 && exclusive_reader && lock_byte(seg->fd, PDHAL_LOCK_READER) != 0)
         rc = pdhal_fail(EBUSY, "%s already has a reader attached (one reader per channel)", path);
     if (rc) {
         if (seg->hdr)
             munmap(seg->hdr, seg->map_bytes);
-        close(fd);
+        if (seg->fd >= 0)
+            close(seg->fd);
         free(seg);
         return rc;
     }
