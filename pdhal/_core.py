@@ -56,20 +56,21 @@ _ERROR_CLASSES = {
 }
 
 
-def _raise(rc: int, what: str) -> None:
+def _raise(rc: int, what: str, overrides: dict | None = None) -> None:
     err = -rc
     detail = ffi.string(lib.pdhal_last_error()).decode(errors="replace")
-    cls = _ERROR_CLASSES.get(err, SegmentError)
+    cls = (overrides or {}).get(err) or _ERROR_CLASSES.get(err, SegmentError)
     message = f"{what}: {detail}"
     if issubclass(cls, OSError):
         raise cls(err, message)
     raise cls(message)
 
 
-def check(rc: int, what: str) -> int:
-    """Return rc if it is not negative, else raise the pdhal exception for -rc."""
+def check(rc: int, what: str, overrides: dict | None = None) -> int:
+    """Return rc if it is not negative, else raise the pdhal exception for -rc
+    (`overrides` maps errno to exception class where a call gives an errno its own sense)."""
     if rc < 0:
-        _raise(rc, what)
+        _raise(rc, what, overrides)
     return rc
 
 
@@ -130,7 +131,7 @@ class Segment:
         out = ffi.new("pdhal_segment **")
         rc = _retry_interrupted(lib.pdhal_segment_open, path.encode(), kind,
                                 deadline_ns(timeout), int(exclusive_reader), out)
-        check(rc, f"opening {path}")
+        check(rc, f"opening {path}", {errno.ETIMEDOUT: SegmentError})
         return cls(out[0], path, kind, False)
 
     @property
@@ -187,10 +188,7 @@ class Segment:
         step = ffi.new("uint64_t *")
         rc = _retry_interrupted(lib.pdhal_ring_begin_step, self.ptr, words, count, num_layers,
                                 deadline_ns(timeout), step)
-        if rc == -errno.ETIMEDOUT:
-            raise BackPressureTimeoutError(errno.ETIMEDOUT,
-                                           ffi.string(lib.pdhal_last_error()).decode())
-        check(rc, f"publishing a step on {self.path}")
+        check(rc, f"publishing a step on {self.path}", {errno.ETIMEDOUT: BackPressureTimeoutError})
         return step[0]
 
     def ring_next(self, out, capacity: int, timeout: float | None) -> int | None:

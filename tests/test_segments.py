@@ -1,0 +1,178 @@
+"""Segment safety: owner-only mode, validation on open, refusal of foreign or odd files,
+concurrent reclaim."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import pdhal
+from pdhal import _core, _names, ops
+
+
+def _mode(path: str) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077])
+def test_segments_are_0600_whatever_the_umask(umask):
+    old = os.umask(umask)
+    try:
+        meta = ops.open_shm_and_get_meta_signal(0, 0)
+        ops.init_kv_signal_per_query([3], [3], [0], 0, 2)
+        buf = ops.host_alloc(4096)
+    finally:
+        os.umask(old)
+    for kind in ("query", "chunk"):
+        assert _mode(_names.channel_path(kind, 0, 0)) == 0o600
+    assert _mode(buf.path) == 0o600
+    ops.host_free(buf)
+    assert meta.step == 1
+
+
+def _corrupt(offset: int, fmt: str, value) -> str:
+    ops.open_shm_and_get_meta_signal(0, 0)
+    path = _names.channel_path("query", 0, 0)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(struct.pack(fmt, value))
+    return path
+
+
+@pytest.mark.parametrize("offset,fmt,value,code,words", [
+    (0, "<Q", 0x1234, errno.EBADMSG, "not a pdhal segment"),
+    (8, "<I", 99, errno.EPROTONOSUPPORT, "layout version 99"),
+    (16, "<Q", 12345, errno.EMSGSIZE, "header says 12345"),
+    (12, "<I", 2, errno.EPROTOTYPE, "kind 2, expected kind 1"),
+])
+def test_bad_header_is_refused_with_its_own_error(offset, fmt, value, code, words):
+    _corrupt(offset, fmt, value)
+    with pytest.raises(pdhal.SegmentError, match=words) as info:
+        ops.open_kv_signal_reader(0, 0, timeout=0)
+    assert info.value.errno == code
+
+
+def _plant(path: str, mode: int, size: int = 256) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
+    os.fchmod(fd, mode)
+    os.ftruncate(fd, size)
+    os.close(fd)
+
+
+def test_initialising_segment_is_waited_for_then_refused():
+    path = _names.channel_path("query", 0, 0)
+    _plant(path, 0o200)
+    with pytest.raises(pdhal.SegmentError, match="still being initialised") as info:
+        ops.open_kv_signal_reader(0, 0, timeout=0.2)
+    assert info.value.errno == errno.ETIMEDOUT
+    os.unlink(path)
+
+
+def test_missing_segment_is_a_clear_not_found():
+    with pytest.raises(pdhal.SegmentError, match="does not exist") as info:
+        ops.open_kv_signal_reader(0, 0, timeout=0.05)
+    assert info.value.errno == errno.ENOENT
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o644])
+def test_foreign_mode_is_refused_by_readers_and_producers(mode):
+    path = _names.channel_path("query", 0, 0)
+    _plant(path, mode)
+    with pytest.raises(pdhal.SegmentError, match=f"mode 0{mode:o}"):
+        ops.open_kv_signal_reader(0, 0, timeout=0)
+    with pytest.raises(pdhal.SegmentError, match="refusing to touch it"):
+        ops.open_shm_and_get_meta_signal(0, 0)  # never reclaims what is not its own
+    assert os.path.exists(path)
+    os.unlink(path)
+
+
+def test_symlink_at_the_name_is_refused():
+    path = _names.channel_path("query", 0, 0)
+    target = path + ".target"
+    _plant(target, 0o600)
+    os.symlink(target, path)
+    with pytest.raises(pdhal.SegmentError, match="symbolic link"):
+        ops.open_kv_signal_reader(0, 0, timeout=0)
+    with pytest.raises(pdhal.SegmentError):
+        ops.open_shm_and_get_meta_signal(0, 0)
+    os.unlink(path)
+    os.unlink(target)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing a file's owner needs root")
+def test_another_uids_segment_is_refused():
+    ops.open_shm_and_get_meta_signal(0, 0)
+    path = _names.channel_path("query", 0, 0)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(pdhal.SegmentError, match="belongs to uid 65534") as info:
+        ops.open_kv_signal_reader(0, 0, timeout=0)
+    assert info.value.errno == errno.EPERM
+    os.chown(path, 0, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+def test_another_uid_cannot_open_or_write_our_segment():
+    ops.open_shm_and_get_meta_signal(0, 0)
+    path = _names.channel_path("query", 0, 0)
+    code = f"""
+import os
+os.setgid(65534); os.setuid(65534)
+for flags in (os.O_RDONLY, os.O_RDWR, os.O_WRONLY):
+    try:
+        os.open({path!r}, flags)
+    except PermissionError:
+        continue
+    raise SystemExit("opened with flags %d" % flags)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_second_live_producer_is_refused():
+    ops.open_shm_and_get_meta_signal(0, 0)
+    code = "from pdhal import ops; ops.open_shm_and_get_meta_signal(0, 0)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert f"already has a live producer (pid {os.getpid()})" in proc.stderr
+
+
+def test_eight_concurrent_reclaimers_unlink_each_dead_segment_once():
+    dead = [_names.channel_path("query", r, 0) for r in range(4)]
+    for r in range(4):  # producers that die without unlinking
+        subprocess.run([sys.executable, "-c", f"import os; from pdhal import ops; "
+                        f"ops.open_shm_and_get_meta_signal({r}, 0); os._exit(0)"], check=True)
+    live = ops.open_shm_and_get_meta_signal(7, 0)
+    live_path = _names.channel_path("query", 7, 0)
+    code = f"""
+import json
+from pdhal import _core
+paths = {dead + [live_path]!r}
+print(json.dumps([_core.reclaim(p) for p in paths]))
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for _ in range(8)]
+    import json
+
+    results = [json.loads(p.communicate()[0]) for p in procs]
+    for i in range(4):
+        assert sum(r[i] for r in results) == 1, f"dead segment {i} unlinked {results}"
+        assert not os.path.exists(dead[i])
+    assert not any(r[4] for r in results)
+    assert os.path.exists(live_path) and live.step == 1
+
+
+def test_unlinked_from_outside_keeps_existing_mappings_working():
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    reader = ops.open_kv_signal_reader(0, 0)
+    os.unlink(_names.channel_path("query", 0, 0))  # what systemd RemoveIPC does
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 5))
+    assert reader.wait((1, 4), timeout=1) == (1, 5)
+    with pytest.raises(pdhal.SegmentError, match="does not exist"):
+        ops.open_kv_signal_reader(0, 0, timeout=0)
+    reader.close()
