@@ -1,0 +1,135 @@
+"""Host memory, peer addresses and KV-cache buffers shared between processes (cpu backend)."""
+
+from __future__ import annotations
+
+import array
+import ctypes
+
+import numpy as np
+import pytest
+
+import pdhal
+from conftest import run_child
+from pdhal import ops
+
+
+def test_host_alloc_is_usable_pinned_and_freed():
+    buf = ops.host_alloc(1 << 20)
+    view = buf.as_numpy("uint8", (1 << 20,))
+    view[:] = 7
+    assert int(view.sum()) == 7 << 20
+    assert buf.pinned == pdhal.current_platform().capabilities["pinned_host_memory"]
+    ops.cuda_host_free(buf)
+    assert buf.closed
+    ops.host_free(buf)  # idempotent
+    with pytest.raises(pdhal.ClosedHandleError):
+        buf.address
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1 << 50, "10", 1.5, None])
+def test_host_alloc_rejects_bad_sizes(bad):
+    with pytest.raises(pdhal.PdhalError, match="nbytes"):
+        ops.host_alloc(bad)
+
+
+def test_host_free_rejects_foreign_objects():
+    with pytest.raises(pdhal.InvalidTypeError, match="host_alloc"):
+        ops.host_free(bytearray(10))
+
+
+def test_peer_address_of_mapped_memory_is_the_address():
+    arr = np.arange(1024, dtype=np.float32)
+    assert ops.get_peer_mem_addr(arr) == arr.ctypes.data
+    raw = ctypes.create_string_buffer(64)
+    assert ops.get_peer_mem_addr(ctypes.addressof(raw)) == ctypes.addressof(raw)
+
+
+def test_peer_address_of_unmapped_memory_raises():
+    with pytest.raises(pdhal.InvalidArgumentError, match="not mapped"):
+        ops.get_peer_mem_addr(0x10)
+    with pytest.raises(pdhal.InvalidTypeError, match="Paddle tensor"):
+        ops.get_peer_mem_addr("0x1000")
+
+
+def test_paddle_tensor_peer_address():
+    import paddle
+
+    t = paddle.arange(16, dtype="int64")
+    assert ops.get_peer_mem_addr(t) == t.data_ptr()
+
+
+def test_kv_buffer_shared_with_another_process_numpy():
+    buf = ops.host_alloc(4 * 4096)
+    kv = buf.as_numpy("float32", (4, 1024))
+    kv[:] = np.arange(4096, dtype=np.float32).reshape(4, 1024)
+    ops.set_data_ipc(kv[1:], "kv_layer0")  # starts inside the allocation: offset 4096
+    run_child("""
+        import numpy as np
+        from pdhal import ops
+        like = np.zeros(1, dtype=np.float32)
+        kv = ops.share_external_data(like, "kv_layer0", [3, 1024])
+        assert kv[0, 0] == 1024.0 and kv[2, 1023] == 4095.0, kv[:, :2]
+        kv[0, 0] = -1.0  # written through to the owner's memory
+    """)
+    assert kv[1, 0] == -1.0
+    ops.host_free(buf)
+
+
+def test_kv_buffer_shared_with_another_process_paddle():
+    import paddle
+
+    buf = ops.host_alloc(2 * 64 * 2)
+    kv = paddle.from_dlpack(buf.as_numpy("float16", (2, 64)))
+    kv[:] = 1.5
+    ops.set_data_ipc(kv, "kv_cache")
+    run_child("""
+        import paddle
+        from pdhal import ops
+        like = paddle.zeros([1], dtype="float16")
+        kv = ops.share_external_data(like, "kv_cache", [2, 64])
+        assert isinstance(kv, paddle.Tensor) and kv.dtype == paddle.float16
+        assert float(kv.sum()) == 1.5 * 128
+        kv[1, 63] = 3.0
+    """)
+    assert float(kv[1, 63]) == 3.0
+    ops.host_free(buf)
+
+
+def test_sharing_memory_pdhal_did_not_allocate_is_refused():
+    with pytest.raises(pdhal.UnsupportedError, match="host_alloc"):
+        ops.set_data_ipc(np.zeros(16, dtype=np.float32), "kv")
+
+
+def test_share_external_data_checks_size_and_name():
+    buf = ops.host_alloc(1024)
+    ops.set_data_ipc(buf.as_numpy("uint8", (1024,)), "small")
+    with pytest.raises(pdhal.InvalidArgumentError, match="needs 4096 bytes"):
+        ops.share_external_data(np.zeros(1, np.float32), "small", [1024])
+    with pytest.raises(pdhal.InvalidArgumentError, match="buffer name"):
+        ops.set_data_ipc(buf.as_numpy("uint8", (1024,)), "a/b")
+    with pytest.raises(pdhal.InvalidArgumentError, match="buffer name"):
+        ops.share_external_data(np.zeros(1, np.float32), "nul\0", [1])
+    with pytest.raises(pdhal.SegmentError, match="does not exist"):
+        ops.share_external_data(np.zeros(1, np.float32), "missing", [1], timeout=0)
+    ops.host_free(buf)
+
+
+def test_get_output_kv_signal_validates_out():
+    chunk = ops.init_kv_signal_per_query([4], [4], [0], 0, 2)
+    ops.signal_layer_ready(chunk.layer(0))
+    with pytest.raises(pdhal.InvalidArgumentError, match="int32"):
+        ops.get_output_kv_signal(np.zeros(1538, np.int64), 0, False)
+    with pytest.raises(pdhal.InvalidArgumentError, match="at least 2"):
+        ops.get_output_kv_signal(array.array("i", [0]), 0, False)
+    with pytest.raises(pdhal.InvalidTypeError, match="writable int32"):
+        ops.get_output_kv_signal(None, 0, False)
+    short = array.array("i", [0] * 4)  # the record needs 5 words: not consumed
+    with pytest.raises(pdhal.InvalidArgumentError, match="holds 4 int32 words"):
+        ops.get_output_kv_signal(short, 0, False)
+    import paddle
+
+    out = paddle.full([1538], 9, dtype="int32")
+    ops.get_output_kv_signal(out, 0, False)
+    assert out[:5].tolist() == [1, 0, 0, 0, 4]
+    ops.get_output_kv_signal(out, 0, False)  # layer 1 not signalled yet
+    assert out[:2].tolist() == [-1, -1]

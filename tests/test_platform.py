@@ -1,0 +1,57 @@
+"""Visibility lists and launching a cache process on a physical device."""
+
+from __future__ import annotations
+
+import pytest
+
+import pdhal
+from conftest import run_child
+from pdhal._platform import parse_visible_devices
+
+
+def test_parse_visible_devices():
+    assert parse_visible_devices(None, "V") is None
+    assert parse_visible_devices("", "V") == []
+    assert parse_visible_devices("4, 5,6", "V") == [4, 5, 6]
+    assert parse_visible_devices("GPU-8f2a,MIG-1c3d", "V") == ["GPU-8f2a", "MIG-1c3d"]
+    for bad in ("1,x", "1,,2", "-1", "GPU-", "2,2"):
+        with pytest.raises(pdhal.InvalidArgumentError, match="V="):
+            parse_visible_devices(bad, "V")
+
+
+def test_physical_device_id_follows_the_visibility_list(monkeypatch):
+    monkeypatch.setenv("PDHAL_CPU_VISIBLE_DEVICES", "4,5,6,7")
+    platform = pdhal.current_platform()
+    assert [platform.physical_device_id(i) for i in range(4)] == [4, 5, 6, 7]
+    with pytest.raises(pdhal.InvalidArgumentError, match="makes 4 visible"):
+        platform.physical_device_id(5)  # the bug: a physical id used as a local index
+    assert platform.device_count() == 4
+
+
+def test_child_on_device_5_of_4567_gets_a_valid_device(monkeypatch):
+    """The FastDeploy bug: a cache process launched with --device_id 5 inheriting
+    VISIBLE_DEVICES=4,5,6,7 found id 5 invalid. child_env gives it exactly device 5,
+    as its local device 0."""
+    monkeypatch.setenv("PDHAL_CPU_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setenv("PDHAL_CPU_DEVICE_COUNT", "8")
+    env = pdhal.current_platform().child_env([5])
+    assert env["PDHAL_CPU_VISIBLE_DEVICES"] == "5"
+    proc = run_child("""
+        import pdhal
+        p = pdhal.current_platform()
+        assert p.device_count() == 1, p.device_count()
+        print(p.physical_device_id(0))
+    """, env=env)
+    assert proc.stdout.strip() == "5"
+
+
+def test_child_env_with_uuids_and_invisible_devices(monkeypatch):
+    monkeypatch.setenv("PDHAL_CPU_VISIBLE_DEVICES", "GPU-aa,GPU-bb")
+    platform = pdhal.current_platform()
+    assert platform.child_env(["GPU-bb"])["PDHAL_CPU_VISIBLE_DEVICES"] == "GPU-bb"
+    with pytest.raises(pdhal.InvalidArgumentError, match="not visible to this process"):
+        platform.child_env([3])
+    with pytest.raises(pdhal.InvalidArgumentError, match="at least one"):
+        platform.child_env([])
+    base = {"OTHER": "1"}
+    assert platform.child_env([0], base=base) == {"OTHER": "1", "PDHAL_CPU_VISIBLE_DEVICES": "0"}
