@@ -283,7 +283,7 @@ class Sender:
         ptr, self._ptr = self._ptr, None
         if ptr is None:
             return 0
-        ptr = ffi.gc(ptr, None)
+        ffi.gc(ptr, None)  # detach the safety-net destructor: we destroy it here
         return check(lib.pdhal_sender_destroy(ptr), "destroying the KV signal sender")
 
 
