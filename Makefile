@@ -23,12 +23,13 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/bench_signals.py
 
-# The C core under AddressSanitizer + UBSan, then the suite.
+# The C core under AddressSanitizer + UBSan, then the suite. Tests that load paddle are left
+# out: paddle's own C++ aborts under ASan at exit (alloc/dealloc mismatch inside paddle).
 sanitize: $(STAMP)
 	PDHAL_SANITIZE=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	PDHAL_SANITIZED=1 $(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not paddle"
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 clean:

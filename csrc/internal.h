@@ -93,7 +93,7 @@ int64_t pdhal_deadline_slice(int64_t deadline_ns);
 int pdhal_futex_wait(_Atomic uint32_t *word, uint32_t expected, int64_t deadline_ns);
 void pdhal_futex_wake_all(_Atomic uint32_t *word);
 /* Wait for `*word` to move away from `seen`, for at most one slice before `deadline_ns`:
- * 0 (moved, woken or slice over), -ETIMEDOUT (deadline passed), -EINTR. */
+ * 0 (moved or woken), -ETIMEDOUT (deadline passed), -EINTR (a signal, or the slice ended). */
 int pdhal_wait_change(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t seen,
                       int64_t deadline_ns);
 void pdhal_bump_and_wake(_Atomic uint32_t *word, _Atomic uint32_t *waiters);

@@ -86,8 +86,9 @@ int pdhal_progress_begin_step(pdhal_segment *seg, uint64_t *step);
  * is larger than what is there, then wake waiters. Safe from any thread, lock-free. */
 void pdhal_progress_publish(pdhal_segment *seg, uint32_t slot, uint64_t value);
 /* Wait until the per-query progress exceeds `since`: 0 with *now set, -ETIMEDOUT,
- * -EINTR (a signal arrived: let the caller's handlers run, then call again), or
- * -EOWNERDEAD when the producer died. Spins `spin_ns` first. */
+ * -EINTR (a signal arrived or a 200 ms slice ended: let the caller's signal handlers run,
+ * then call again with the same deadline), or -EOWNERDEAD when the producer died. Spins
+ * `spin_ns` first. Blocking calls below return -EINTR the same way. */
 int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns, uint32_t spin_ns,
                         uint64_t *now);
 

@@ -81,7 +81,7 @@ int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns,
                               (unsigned long long)(since >> PDHAL_LAYER_BITS),
                               (long long)(since & PDHAL_LAYER_MASK) - 1, seg->path);
         if (rc == -EINTR)
-            return pdhal_fail(EINTR, "interrupted by a signal");
+            return pdhal_fail(EINTR, "interrupted (a signal, or a wait slice ended)");
         if (rc < 0)
             return pdhal_fail(-rc, "futex wait on %s failed", seg->path);
     }

@@ -38,7 +38,7 @@ static int wait_for_reader(pdhal_segment *seg, uint64_t need, int64_t deadline_n
                                            : "no cache messager is attached");
         }
         if (rc == -EINTR)
-            return pdhal_fail(EINTR, "interrupted by a signal");
+            return pdhal_fail(EINTR, "interrupted (a signal, or a wait slice ended)");
         if (rc < 0)
             return pdhal_fail(-rc, "futex wait on %s failed", seg->path);
     }
@@ -156,7 +156,7 @@ int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t
             return 0;
         int rc = pdhal_wait_change(&h->seq, &h->waiters, seen, deadline_ns);
         if (rc == -EINTR)
-            return pdhal_fail(EINTR, "interrupted by a signal");
+            return pdhal_fail(EINTR, "interrupted (a signal, or a wait slice ended)");
         if (rc < 0 && rc != -ETIMEDOUT)
             return pdhal_fail(-rc, "futex wait on %s failed", seg->path);
     }

@@ -334,6 +334,7 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, int
         return rc;
     struct stat st;
     int fd;
+    int64_t entered = pdhal_now_ns();
     for (;;) {
         int initialising = 0;
         fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
@@ -367,12 +368,15 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, int
                 return pdhal_fail(EACCES, "%s has mode %04o, expected 0600: refusing it", path, mode);
             initialising = 1;
         }
-        if (pdhal_now_ns() >= deadline_ns) {
+        int64_t now = pdhal_now_ns();
+        if (now >= deadline_ns) {
             if (initialising)
                 return pdhal_fail(ETIMEDOUT, "%s is still being initialised by its creator", path);
             return pdhal_fail(ENOENT, "%s does not exist (its producer has not started, or has "
                                       "closed it)", path);
         }
+        if (now - entered > PDHAL_WAIT_SLICE_NS) /* let the caller run signal handlers */
+            return pdhal_fail(EINTR, "interrupted (a wait slice ended)");
         sleep_briefly();
     }
     if ((uint64_t)st.st_size < sizeof(struct pdhal_segment_header)) {

@@ -54,8 +54,11 @@ int pdhal_wait_change(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_
     int rc = 0;
     if (atomic_load(word) == seen) {
         rc = pdhal_futex_wait(word, seen, pdhal_deadline_slice(deadline_ns));
+        /* A slice ended: hand control back (as -EINTR) so the caller's language runtime can
+         * run signal handlers that were delivered to another thread; it calls again with the
+         * same absolute deadline, and the liveness probe runs on entry. */
         if (rc == -ETIMEDOUT)
-            rc = 0; /* only the slice ended; the caller re-checks the real deadline */
+            rc = -EINTR;
     }
     atomic_fetch_sub(waiters, 1);
     return rc;

@@ -51,6 +51,7 @@ def test_peer_address_of_unmapped_memory_raises():
         ops.get_peer_mem_addr("0x1000")
 
 
+@pytest.mark.paddle
 def test_paddle_tensor_peer_address():
     import paddle
 
@@ -75,6 +76,7 @@ def test_kv_buffer_shared_with_another_process_numpy():
     ops.host_free(buf)
 
 
+@pytest.mark.paddle
 def test_kv_buffer_shared_with_another_process_paddle():
     import paddle
 
@@ -114,6 +116,7 @@ def test_share_external_data_checks_size_and_name():
     ops.host_free(buf)
 
 
+@pytest.mark.paddle
 def test_get_output_kv_signal_validates_out():
     chunk = ops.init_kv_signal_per_query([4], [4], [0], 0, 2)
     ops.signal_layer_ready(chunk.layer(0))
