@@ -101,5 +101,7 @@ void pdhal_bump_and_wake(_Atomic uint32_t *word, _Atomic uint32_t *waiters);
 /* segment.c */
 void pdhal_segment_ref(pdhal_segment *seg);
 void pdhal_segment_unref(pdhal_segment *seg);
+/* 0 while the producer lives; -EOWNERDEAD (with the detail set) once it died; -errno. */
+int pdhal_segment_require_producer(pdhal_segment *seg);
 
 #endif /* PDHAL_INTERNAL_H */

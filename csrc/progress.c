@@ -69,13 +69,10 @@ int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns,
         }
         /* Checked after the progress, so the last layers a producer published before dying
          * are still delivered. */
-        int alive = pdhal_segment_producer_alive(seg);
-        if (alive < 0)
-            return alive;
-        if (alive == 0)
-            return pdhal_fail(EOWNERDEAD, "producer (pid %d) of %s died", h->creator_pid,
-                              seg->path);
-        int rc = pdhal_wait_change(&h->seq, &h->waiters, seen, deadline_ns);
+        int rc = pdhal_segment_require_producer(seg);
+        if (rc)
+            return rc;
+        rc = pdhal_wait_change(&h->seq, &h->waiters, seen, deadline_ns);
         if (rc == -ETIMEDOUT)
             return pdhal_fail(ETIMEDOUT, "no progress past step %llu layer %lld on %s",
                               (unsigned long long)(since >> PDHAL_LAYER_BITS),

@@ -146,15 +146,12 @@ int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t
         case SLOT_NOT_YET:
             break;
         }
-        int alive = pdhal_segment_producer_alive(seg);
-        if (alive < 0)
-            return alive;
-        if (alive == 0)
-            return pdhal_fail(EOWNERDEAD, "producer (pid %d) of %s died", h->creator_pid,
-                              seg->path);
+        int rc = pdhal_segment_require_producer(seg);
+        if (rc)
+            return rc;
         if (deadline_ns <= 0 || pdhal_now_ns() >= deadline_ns)
             return 0;
-        int rc = pdhal_wait_change(&h->seq, &h->waiters, seen, deadline_ns);
+        rc = pdhal_wait_change(&h->seq, &h->waiters, seen, deadline_ns);
         if (rc == -EINTR)
             return pdhal_fail(EINTR, "interrupted (a signal, or a wait slice ended)");
         if (rc < 0 && rc != -ETIMEDOUT)

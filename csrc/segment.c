@@ -459,6 +459,17 @@ int pdhal_segment_producer_alive(pdhal_segment *seg)
     return held < 0 ? pdhal_fail(-held, "probing producer lock of %s failed", seg->path) : held;
 }
 
+int pdhal_segment_require_producer(pdhal_segment *seg)
+{
+    int alive = pdhal_segment_producer_alive(seg);
+    if (alive < 0)
+        return alive;
+    if (alive == 0)
+        return pdhal_fail(EOWNERDEAD, "producer (pid %d) of %s died", seg->hdr->creator_pid,
+                          seg->path);
+    return 0;
+}
+
 int pdhal_segment_reader_attached(pdhal_segment *seg)
 {
     if (seg->fd < 0)
