@@ -154,9 +154,6 @@ class Segment:
     def producer_alive(self) -> bool:
         return bool(check(lib.pdhal_segment_producer_alive(self.ptr), f"probing {self.path}"))
 
-    def reader_attached(self) -> bool:
-        return bool(check(lib.pdhal_segment_reader_attached(self.ptr), f"probing {self.path}"))
-
     @property
     def creator_pid(self) -> int:
         return lib.pdhal_segment_creator_pid(self.ptr)
@@ -201,10 +198,6 @@ class Segment:
         check(rc, f"reading {self.path}")
         return step[0] if rc == 1 else None
 
-    @property
-    def latest_step(self) -> int:
-        return lib.pdhal_ring_latest_step(self.ptr)
-
     # buffers
     def body(self):
         """The payload of a buffer segment as a writable cffi buffer."""
@@ -226,16 +219,6 @@ class Segment:
 def free_store(store) -> None:
     """Free a pending store that will never run."""
     lib.pdhal_store_free(store)
-
-
-def run_store(store) -> None:
-    """Run a pending store now (and free it)."""
-    lib.pdhal_store_run(store)
-
-
-def address_of(cdata) -> int:
-    """Integer address of a cffi pointer."""
-    return int(ffi.cast("uintptr_t", cdata))
 
 
 def reclaim(path: str) -> bool:
