@@ -84,25 +84,29 @@ def test_sigkill_mid_step_ends_the_wait_and_a_new_producer_reclaims(mode):
     assert _core.reclaim(path)
 
 
-@pytest.mark.parametrize("ending", ["os._exit(3)", "sys.exit(0)"])
-def test_exit_and_clean_exit_are_seen(ending):
-    child = _start("query", after_ready=f"time.sleep(0.3); {ending}")
+def _assert_waiting_reader_sees_death(child):
+    """A reader blocked on the per-query channel of `child`, which is about to end, learns
+    of it within a second; afterwards the segment is gone (unlinked by a clean exit, else
+    reclaimed here)."""
     reader = ops.open_kv_signal_reader(0, 0, timeout=10)
     _assert_dead_within_a_second(lambda: reader.wait(reader.current(), timeout=30))
     reader.close()
     child.wait()
-    _core.reclaim(_names.channel_path("query", 0, 0))
+    path = _names.channel_path("query", 0, 0)
+    _core.reclaim(path)
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("ending", ["os._exit(3)", "sys.exit(0)"])
+def test_exit_and_clean_exit_are_seen(ending):
+    _assert_waiting_reader_sees_death(
+        _start("query", after_ready=f"time.sleep(0.3); {ending}"))
 
 
 def test_forked_child_does_not_keep_the_producer_alive():
-    child = _start("query", before_ready="""
+    _assert_waiting_reader_sees_death(_start("query", before_ready="""
     if os.fork() == 0:
-        time.sleep(5); os._exit(0)""", after_ready="time.sleep(0.3); os._exit(0)")
-    reader = ops.open_kv_signal_reader(0, 0, timeout=10)
-    _assert_dead_within_a_second(lambda: reader.wait(reader.current(), timeout=30))
-    reader.close()
-    child.wait()
-    _core.reclaim(_names.channel_path("query", 0, 0))
+        time.sleep(5); os._exit(0)""", after_ready="time.sleep(0.3); os._exit(0)"))
 
 
 def test_stopped_producer_is_alive_and_resumes():
