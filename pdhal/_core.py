@@ -57,6 +57,7 @@ _ERROR_CLASSES = {
 
 
 def _raise(rc: int, what: str, overrides: dict | None = None) -> None:
+    """Raise the pdhal exception for -rc, prefixed by `what` (the failed action)."""
     err = -rc
     detail = ffi.string(lib.pdhal_last_error()).decode(errors="replace")
     cls = (overrides or {}).get(err) or _ERROR_CLASSES.get(err, SegmentError)
@@ -66,11 +67,13 @@ def _raise(rc: int, what: str, overrides: dict | None = None) -> None:
     raise cls(message)
 
 
-def check(rc: int, what: str, overrides: dict | None = None) -> int:
-    """Return rc if it is not negative, else raise the pdhal exception for -rc
-    (`overrides` maps errno to exception class where a call gives an errno its own sense)."""
+def check(rc: int, what: str, *args, overrides: dict | None = None) -> int:
+    """Return rc if it is not negative, else raise the pdhal exception for -rc.
+
+    `what % args` names the action; it is formatted only on failure, since checks sit on the
+    per-layer path. `overrides` maps an errno to the exception class a call gives it."""
     if rc < 0:
-        _raise(rc, what, overrides)
+        _raise(rc, what % args if args else what, overrides)
     return rc
 
 
@@ -121,7 +124,7 @@ class Segment:
         """Create (or reclaim from a dead producer) the segment at `path` as its producer."""
         out = ffi.new("pdhal_segment **")
         check(lib.pdhal_segment_create(path.encode(), kind, body_bytes, ring_slots, out),
-              f"creating {path}")
+              "creating %s", path)
         return cls(out[0], path, kind, True)
 
     @classmethod
@@ -131,7 +134,7 @@ class Segment:
         out = ffi.new("pdhal_segment **")
         rc = _retry_interrupted(lib.pdhal_segment_open, path.encode(), kind,
                                 deadline_ns(timeout), int(exclusive_reader), out)
-        check(rc, f"opening {path}", {errno.ETIMEDOUT: SegmentError})
+        check(rc, "opening %s", path, overrides={errno.ETIMEDOUT: SegmentError})
         return cls(out[0], path, kind, False)
 
     @property
@@ -152,7 +155,7 @@ class Segment:
             ffi.release(ptr)
 
     def producer_alive(self) -> bool:
-        return bool(check(lib.pdhal_segment_producer_alive(self.ptr), f"probing {self.path}"))
+        return bool(check(lib.pdhal_segment_producer_alive(self.ptr), "probing %s", self.path))
 
     @property
     def creator_pid(self) -> int:
@@ -164,7 +167,7 @@ class Segment:
 
     def begin_step(self) -> int:
         step = ffi.new("uint64_t *")
-        check(lib.pdhal_progress_begin_step(self.ptr, step), f"starting a step on {self.path}")
+        check(lib.pdhal_progress_begin_step(self.ptr, step), "starting a step on %s", self.path)
         return step[0]
 
     def publish(self, slot: int, value: int) -> None:
@@ -175,7 +178,7 @@ class Segment:
         now = ffi.new("uint64_t *")
         rc = _retry_interrupted(lib.pdhal_progress_wait, self.ptr, since, deadline_ns(timeout),
                                 spin_us * 1000, now)
-        check(rc, f"waiting on {self.path}")
+        check(rc, "waiting on %s", self.path)
         return now[0]
 
     # per-chunk ring
@@ -185,7 +188,8 @@ class Segment:
         step = ffi.new("uint64_t *")
         rc = _retry_interrupted(lib.pdhal_ring_begin_step, self.ptr, words, count, num_layers,
                                 deadline_ns(timeout), step)
-        check(rc, f"publishing a step on {self.path}", {errno.ETIMEDOUT: BackPressureTimeoutError})
+        check(rc, "publishing a step on %s", self.path,
+              overrides={errno.ETIMEDOUT: BackPressureTimeoutError})
         return step[0]
 
     def ring_next(self, out, capacity: int, timeout: float | None) -> int | None:
@@ -195,7 +199,7 @@ class Segment:
         step = ffi.new("uint64_t *")
         deadline = 0 if timeout == 0 else deadline_ns(timeout)
         rc = _retry_interrupted(lib.pdhal_ring_next, self.ptr, out, capacity, deadline, step)
-        check(rc, f"reading {self.path}")
+        check(rc, "reading %s", self.path)
         return step[0] if rc == 1 else None
 
     # buffers
@@ -223,7 +227,7 @@ def free_store(store) -> None:
 
 def reclaim(path: str) -> bool:
     """Unlink `path` if it is our segment and its producer is dead; True if removed."""
-    return bool(check(lib.pdhal_segment_reclaim(path.encode()), f"reclaiming {path}"))
+    return bool(check(lib.pdhal_segment_reclaim(path.encode()), "reclaiming %s", path))
 
 
 class Sender:
