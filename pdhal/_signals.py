@@ -209,9 +209,9 @@ class ProgressReader:
         Raises SignalTimeoutError after `timeout` seconds and ProducerDiedError (within a
         second) if the producer dies. Ctrl-C interrupts the wait.
         """
-        step, layer = since
-        word = self._segment.wait(_core.pack_progress(step, layer), timeout, spin_us)
-        return _core.unpack_progress(word)
+        word = self._segment.wait((since[0] << _core.LAYER_BITS) | (since[1] + 1), timeout,
+                                  spin_us)
+        return word >> _core.LAYER_BITS, (word & _core.LAYER_MASK) - 1
 
     def producer_alive(self) -> bool:
         return self._segment.producer_alive()
