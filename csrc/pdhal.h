@@ -38,10 +38,11 @@ typedef struct pdhal_segment pdhal_segment;
 typedef struct pdhal_store pdhal_store;
 typedef struct pdhal_sender pdhal_sender;
 
-/* Device hooks a backend hands to a sender: block until `event` has fired (0 or -errno), and
- * release it. Called on the sender thread, never with the GIL. */
+/* Device hooks a backend hands to a sender: block until `event` has fired (0; anything else,
+ * e.g. a vendor error code, is a failure), and release it. Called on the sender thread,
+ * never with the GIL. */
 typedef int (*pdhal_event_wait_fn)(void *event);
-typedef void (*pdhal_event_destroy_fn)(void *event);
+typedef int (*pdhal_event_destroy_fn)(void *event); /* result ignored */
 
 int pdhal_abi_version(void);
 /* Detail of the last failure on this thread (never NULL). */

@@ -8,6 +8,7 @@ the memory or exits.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -48,3 +49,9 @@ def unpublish_where(predicate) -> None:
             if key[0] == os.getpid() and predicate(json.loads(bytes(seg.body()))):
                 seg.close()
                 del _published[key]
+
+
+@atexit.register
+def unpublish_all() -> None:
+    """Remove every record this process published; runs at exit."""
+    unpublish_where(lambda record: True)

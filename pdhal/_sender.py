@@ -23,8 +23,12 @@ class KVSignalSender:
     every pending signal, then joins the thread.
     """
 
-    def __init__(self, event_wait=None, event_destroy=None):
+    def __init__(self, event_wait=None, event_destroy=None, backend: str = "cpu"):
+        """`event_wait` / `event_destroy`: C function pointers (int addresses or cdata) of the
+        backend's runtime, or None when work is complete at posting time."""
         self._sender = _core.Sender(event_wait, event_destroy)
+        #: The backend whose device events this sender waits for.
+        self.backend = backend
 
     def post(self, event, signal: LayerSignal) -> None:
         """Queue `signal` to be stored once `event` (a device event handle, or None) fires.

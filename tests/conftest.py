@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from pdhal import _registry, _signals
+from pdhal import _published, _registry, _signals
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,6 +31,7 @@ def namespace(monkeypatch):
     _registry.reset()
     yield ns
     _signals.close_producer_channels()
+    _published.unpublish_all()
     for reader in list(_signals._chunk_readers.values()):
         reader.close()
     _signals._chunk_readers.clear()

@@ -1,0 +1,1 @@
+"""pdhal backend for Kunlunxin XPU (entry point `xpu` in group `pdhal.backends`)."""

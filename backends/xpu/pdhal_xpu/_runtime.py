@@ -1,0 +1,94 @@
+"""Finding and binding the XPU runtime (libxpurt.so) with cffi in ABI mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from cffi import FFI
+
+from pdhal import DeviceError, UnsupportedError
+
+CDEF = """
+typedef void *XPUStream;
+typedef void *XPUEvent;
+typedef struct { char reserved[64]; } XPUIpcMemHandle;
+struct cudaPointerAttributes { int type; int device; void *devicePointer; void *hostPointer; };
+int xpu_device_count(int *count);
+int xpu_current_device(int *devid);
+int xpu_set_device(int devid);
+int xpu_get_runtime_version(uint32_t *major, uint32_t *minor);
+int xpu_malloc(void **ptr, uint64_t size, int kind);
+int xpu_free(void *ptr);
+int xpu_host_alloc(void **ptr, uint64_t size, unsigned int flags);
+int xpu_host_free(void *ptr);
+int xpu_event_create(XPUEvent *ev);
+int xpu_event_record(XPUEvent ev, XPUStream stream);
+int xpu_event_wait(XPUEvent ev);
+int xpu_event_destroy(XPUEvent ev);
+int xpu_wait(XPUStream s);
+int xpu_ipc_get_memhandle(XPUIpcMemHandle *handle, void *devptr);
+int xpu_ipc_open_memhandle(void **devptr, XPUIpcMemHandle handle, unsigned int flags);
+int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr);
+"""
+
+
+def find_library() -> tuple[str, str]:
+    """(path or soname, how it was found): PDHAL_XPURT, then Paddle's XPU wheel, then the
+    system loader. Paddle is located without being imported."""
+    explicit = os.environ.get("PDHAL_XPURT")
+    if explicit:
+        return explicit, "PDHAL_XPURT"
+    spec = importlib.util.find_spec("paddle")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = os.path.join(folder, "libs", "libxpurt.so")
+        if os.path.exists(candidate):
+            return candidate, "paddle wheel"
+    return "libxpurt.so", "system loader"
+
+
+class XpuRuntime:
+    """The loaded runtime: its functions, where it came from, and error checking."""
+
+    def __init__(self):
+        self.path, self.found_by = find_library()
+        self.ffi = FFI()
+        self.ffi.cdef(CDEF)
+        self.lib = self.ffi.dlopen(self.path)  # OSError when missing: caller reports it
+
+    def check(self, rc: int, call: str) -> None:
+        """Raise DeviceError naming `call` when the runtime returned non-zero."""
+        if rc != 0:
+            raise DeviceError(f"{call} failed with XPU runtime error {rc} ({self.path})")
+
+    def optional(self, name: str):
+        """A function newer runtimes export; UnsupportedError naming it when absent."""
+        try:
+            return getattr(self.lib, name)
+        except AttributeError:
+            raise UnsupportedError(
+                f"{name} is unsupported by this XPU runtime version ({self.version()} at "
+                f"{self.path}); it comes with KL3 runtimes") from None
+
+    def has(self, name: str) -> bool:
+        try:
+            getattr(self.lib, name)
+        except AttributeError:
+            return False
+        return True
+
+    def version(self) -> str:
+        major, minor = self.ffi.new("uint32_t *"), self.ffi.new("uint32_t *")
+        self.check(self.lib.xpu_get_runtime_version(major, minor), "xpu_get_runtime_version")
+        return f"{major[0]}.{minor[0]}"
+
+    def device_count(self) -> int:
+        count = self.ffi.new("int *")
+        self.check(self.lib.xpu_device_count(count), "xpu_device_count")
+        return count[0]
+
+    def address(self, cdata) -> int:
+        return int(self.ffi.cast("uintptr_t", cdata))
+
+    def pointer(self, address: int):
+        return self.ffi.cast("void *", address)

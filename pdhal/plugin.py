@@ -1,0 +1,25 @@
+"""What a backend plugin may use from pdhal: the public surface for accelerator vendors.
+
+A backend is its own distribution with an entry point in group `pdhal.backends` naming a
+module that implements `pdhal_backend()` (marked with `hookimpl`) and returns a `Backend`.
+Everything device-independent (channels, tables, readers) comes from pdhal; a backend
+provides the ops in BACKEND_OPS, using these pieces.
+"""
+
+from pdhal._backend import BACKEND_OPS, Availability, Backend
+from pdhal._core import STORE_CALLBACK, free_store
+from pdhal._hookspecs import hookimpl
+from pdhal._hostmem import HostBuffer
+from pdhal._names import validate_index, validate_name
+from pdhal._platform import Platform
+from pdhal._published import lookup as lookup_shared, publish as publish_shared
+from pdhal._sender import KVSignalSender, destroy_kv_signal_sender, require_signal
+from pdhal._signals import LayerSignal
+from pdhal._tensors import MemoryRef, is_paddle_tensor, memory_ref
+
+__all__ = [
+    "BACKEND_OPS", "Availability", "Backend", "HostBuffer", "KVSignalSender", "LayerSignal",
+    "MemoryRef", "Platform", "STORE_CALLBACK", "destroy_kv_signal_sender", "free_store",
+    "hookimpl", "is_paddle_tensor", "lookup_shared", "memory_ref", "publish_shared",
+    "require_signal", "validate_index", "validate_name",
+]

@@ -1,0 +1,177 @@
+/* xpurt_sim.c: a simulated Kunlunxin XPU runtime (libxpurt.so) for tests on machines
+ * without an XPU. It exports the C ABI listed in shared/REFERENCE.md, backed by sim_device.
+ * Built twice: the full runtime, and with -DSIM_OLD_RUNTIME one without the KL3 additions
+ * (IPC handles and the CUDA-compatible cudaPointerGetAttributes), like older runtimes.
+ * Error codes: 0 success, XPUERR_INVALID for a bad argument. Device count: SIM_XPU_DEVICES
+ * (default 8). */
+#define _GNU_SOURCE
+#include "sim_device.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define XPUERR_INVALID 1
+
+typedef void *XPUStream;
+typedef void *XPUEvent;
+
+static _Thread_local int current_device;
+static atomic_int live_host_buffers;
+
+static int device_count(void)
+{
+    const char *env = getenv("SIM_XPU_DEVICES");
+    return env ? atoi(env) : 8;
+}
+
+static sim_stream *stream_of(XPUStream s) { return s ? (sim_stream *)s : sim_default_stream(); }
+
+int xpu_device_count(int *count)
+{
+    *count = device_count();
+    return 0;
+}
+int xpu_current_device(int *devid)
+{
+    *devid = current_device;
+    return 0;
+}
+int xpu_set_device(int devid)
+{
+    if (devid < 0 || devid >= device_count())
+        return XPUERR_INVALID;
+    current_device = devid;
+    return 0;
+}
+int xpu_get_runtime_version(uint32_t *major, uint32_t *minor)
+{
+    *major = 4;
+    *minor = 31;
+    return 0;
+}
+
+int xpu_malloc(void **ptr, uint64_t size, int kind)
+{
+    *ptr = size && kind == 0 ? sim_malloc(size) : NULL;
+    return *ptr ? 0 : XPUERR_INVALID;
+}
+int xpu_free(void *ptr) { return sim_free(ptr) == 0 ? 0 : XPUERR_INVALID; }
+
+int xpu_host_alloc(void **ptr, uint64_t size, unsigned int flags)
+{
+    if (!size || flags)
+        return XPUERR_INVALID;
+    /* A header in front lets xpu_host_free refuse memory it did not hand out. */
+    uint64_t *raw = malloc(size + 16);
+    if (!raw)
+        return XPUERR_INVALID;
+    raw[0] = 0x5850554841ULL; /* "XPUHA" */
+    atomic_fetch_add(&live_host_buffers, 1);
+    *ptr = raw + 2;
+    return 0;
+}
+int xpu_host_free(void *ptr)
+{
+    uint64_t *raw = (uint64_t *)ptr - 2;
+    if (!ptr || raw[0] != 0x5850554841ULL)
+        return XPUERR_INVALID;
+    raw[0] = 0;
+    free(raw);
+    atomic_fetch_sub(&live_host_buffers, 1);
+    return 0;
+}
+int sim_live_host_buffers(void) { return live_host_buffers; }
+
+int xpu_memcpy(void *dst, const void *src, uint64_t size, int kind)
+{
+    memcpy(dst, src, size);
+    return 0;
+}
+
+int xpu_event_create(XPUEvent *ev)
+{
+    *ev = sim_event_new();
+    return 0;
+}
+int xpu_event_record(XPUEvent ev, XPUStream stream)
+{
+    if (!ev)
+        return XPUERR_INVALID;
+    sim_event_record(ev, stream_of(stream));
+    return 0;
+}
+int xpu_event_wait(XPUEvent ev)
+{
+    if (!ev)
+        return XPUERR_INVALID;
+    sim_event_wait(ev);
+    return 0;
+}
+int xpu_event_destroy(XPUEvent ev)
+{
+    sim_event_free(ev);
+    return 0;
+}
+int xpu_stream_create(XPUStream *s)
+{
+    *s = sim_stream_new();
+    return 0;
+}
+int xpu_stream_destroy(XPUStream s)
+{
+    sim_stream_free(s);
+    return 0;
+}
+int xpu_stream_wait_event(XPUStream s, XPUEvent ev)
+{
+    sim_stream_wait_event(stream_of(s), ev);
+    return 0;
+}
+int xpu_wait(XPUStream s)
+{
+    sim_stream_sync(stream_of(s));
+    return 0;
+}
+
+/* Test-only "kernel": after delay_us, copy n bytes (captured now) from src to dst. */
+int sim_xpu_launch_write(XPUStream s, void *dst, const void *src, uint64_t n, uint32_t delay_us)
+{
+    sim_stream_write(stream_of(s), dst, src, n, delay_us);
+    return 0;
+}
+
+#ifndef SIM_OLD_RUNTIME
+typedef struct {
+    char reserved[64];
+} XPUIpcMemHandle;
+
+int xpu_ipc_get_memhandle(XPUIpcMemHandle *handle, void *devptr)
+{
+    return sim_ipc_handle(devptr, handle->reserved) == 0 ? 0 : XPUERR_INVALID;
+}
+int xpu_ipc_open_memhandle(void **devptr, XPUIpcMemHandle handle, unsigned int flags)
+{
+    *devptr = sim_ipc_open(handle.reserved);
+    return *devptr ? 0 : XPUERR_INVALID;
+}
+
+/* The CUDA-compatible layer: hostPointer is the peer alias an RDMA NIC can register. */
+struct cudaPointerAttributes {
+    int type;
+    int device;
+    void *devicePointer;
+    void *hostPointer;
+};
+int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr)
+{
+    memset(attr, 0, sizeof *attr);
+    attr->hostPointer = sim_peer_alias(ptr);
+    if (attr->hostPointer) {
+        attr->type = 2; /* device */
+        attr->devicePointer = (void *)ptr;
+    }
+    return 0;
+}
+#endif
