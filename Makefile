@@ -22,6 +22,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_signals.py
+	$(PY) bench/bench_sender.py
 
 # The C core under AddressSanitizer + UBSan, then the suite. Tests that load paddle are left
 # out: paddle's own C++ aborts under ASan at exit (alloc/dealloc mismatch inside paddle).
