@@ -269,3 +269,20 @@ def test_zero_devices_is_unavailable(monkeypatch):
     _registry.reset()
     with pytest.raises(pdhal.BackendUnavailableError, match="no XPU device"):
         pdhal.current_platform()
+
+
+def test_runtime_is_found_in_a_paddle_xpu_wheel_without_importing_paddle(tmp_path):
+    fake = tmp_path / "paddle"
+    (fake / "libs").mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('paddle must not be imported')\n")
+    os.symlink(build("libxpurt.so"), fake / "libs" / "libxpurt.so")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), PDHAL_PLATFORM="xpu")
+    env.pop("PDHAL_XPURT", None)
+    proc = run_child("""
+        import sys, pdhal
+        from pdhal import _registry
+        info = _registry.selection().candidate.backend.info()
+        assert "paddle" not in sys.modules
+        print(info["found_by"], info["library"])
+    """, env=env)
+    assert proc.stdout.split() == ["paddle", "wheel", str(fake / "libs" / "libxpurt.so")]
