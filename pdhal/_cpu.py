@@ -12,7 +12,6 @@ import bisect
 import ctypes
 import ctypes.util
 import itertools
-import math
 import os
 import threading
 
@@ -159,33 +158,16 @@ def set_data_ipc(tensor, name: str) -> None:
                               "nbytes": ref.nbytes})
 
 
-def _numpy_dtype(like):
-    import numpy as np
-
-    dtype = like.dtype
-    if is_paddle_tensor(like):
-        dtype = str(dtype).split(".")[-1]
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        raise UnsupportedError(f"share_external_data cannot map dtype {dtype} on the cpu "
-                               f"backend") from None
-
-
 def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
     """A tensor of `like`'s type and dtype, with `shape`, over the buffer shared as `name`."""
     import numpy as np
 
-    if not hasattr(like, "dtype"):
-        raise InvalidTypeError(f"like must be a Paddle tensor or numpy array, got "
-                               f"{type(like).__name__}")
-    shape = tuple(_names.validate_index(n, "shape entry", 1 << 46) for n in shape)
-    dtype = _numpy_dtype(like)
-    need = math.prod(shape) * dtype.itemsize
-    record = _published.lookup(name, timeout)
-    if need > record["nbytes"]:
-        raise InvalidArgumentError(f"shape {shape} of {dtype} needs {need} bytes, but {name!r} "
-                                   f"shares {record['nbytes']}")
+    record, shape, dtype, need = _published.request(like, name, shape, timeout)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise UnsupportedError(f"the cpu backend maps shared buffers through numpy, which has "
+                               f"no dtype {dtype}") from None
     seg = _imported.get(record["path"])
     if seg is None:
         seg = _imported[record["path"]] = _core.Segment.open(record["path"], _core.KIND_BUFFER,

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import threading
+from dataclasses import dataclass
 
 from pdhal import _core, _names
+from pdhal._errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
 
 _published: dict[tuple[int, str], _core.Segment] = {}
 _lock = threading.Lock()
@@ -55,3 +58,41 @@ def unpublish_where(predicate) -> None:
 def unpublish_all() -> None:
     """Remove every record this process published; runs at exit."""
     unpublish_where(lambda record: True)
+
+
+@dataclass(frozen=True)
+class SharedDeviceBuffer:
+    """Device memory mapped from another process (the address is valid in this one)."""
+
+    address: int
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+_ITEMSIZE_BEYOND_NUMPY = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def request(like, name: str, shape, timeout: float | None) -> tuple[dict, tuple, str, int]:
+    """Validate a share_external_data request: (record, shape, dtype name, bytes needed).
+
+    `like` gives the dtype; the record published under `name` must hold enough bytes."""
+    dtype = str(getattr(like, "dtype", "")).split(".")[-1]
+    if not dtype:
+        raise InvalidTypeError(f"like must be a tensor or array with a dtype, got "
+                               f"{type(like).__name__}")
+    itemsize = _ITEMSIZE_BEYOND_NUMPY.get(dtype)
+    if itemsize is None:
+        import numpy as np
+
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except TypeError:
+            raise UnsupportedError(f"share_external_data cannot size dtype {dtype}") from None
+    shape = tuple(_names.validate_index(n, "shape entry", 1 << 46) for n in shape)
+    need = math.prod(shape) * itemsize
+    record = lookup(name, timeout)
+    if need > record["nbytes"]:
+        raise InvalidArgumentError(f"shape {shape} of {dtype} needs {need} bytes, but {name!r} "
+                                   f"shares {record['nbytes']}")
+    return record, shape, dtype, need

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import threading
+from collections.abc import Callable
+
 from pdhal import _core
 from pdhal._errors import DeviceError, InvalidTypeError
 from pdhal._signals import LayerSignal
@@ -68,3 +73,29 @@ def destroy_kv_signal_sender(sender: KVSignalSender) -> None:
     if not isinstance(sender, KVSignalSender):
         raise InvalidTypeError(f"sender must be a KVSignalSender, got {type(sender).__name__}")
     sender.close()
+
+
+class ProcessSender:
+    """The sender a backend uses when the engine passes none: one per process (a forked
+    child gets its own), created on first use, flushed at exit."""
+
+    def __init__(self, factory: Callable[[], KVSignalSender]):
+        self._factory = factory
+        self._senders: dict[int, KVSignalSender] = {}
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    def get(self) -> KVSignalSender:
+        pid = os.getpid()
+        with self._lock:
+            sender = self._senders.get(pid)
+            if sender is None or sender.closed:
+                sender = self._senders[pid] = self._factory()
+            return sender
+
+    def close(self) -> None:
+        """Deliver what this process's default sender holds and stop it."""
+        with self._lock:
+            sender = self._senders.pop(os.getpid(), None)
+        if sender is not None:
+            sender.close()

@@ -12,14 +12,22 @@ from pdhal._hookspecs import hookimpl
 from pdhal._hostmem import HostBuffer
 from pdhal._names import validate_index, validate_name
 from pdhal._platform import Platform
-from pdhal._published import lookup as lookup_shared, publish as publish_shared
-from pdhal._sender import KVSignalSender, destroy_kv_signal_sender, require_signal
+from pdhal._published import SharedDeviceBuffer, publish as publish_shared
+from pdhal._published import request as request_shared
+from pdhal._runtime_library import RuntimeLibrary
+from pdhal._sender import (
+    KVSignalSender,
+    ProcessSender,
+    destroy_kv_signal_sender,
+    require_signal,
+)
 from pdhal._signals import LayerSignal
 from pdhal._tensors import MemoryRef, is_paddle_tensor, memory_ref
 
 __all__ = [
     "BACKEND_OPS", "Availability", "Backend", "HostBuffer", "KVSignalSender", "LayerSignal",
-    "MemoryRef", "Platform", "STORE_CALLBACK", "destroy_kv_signal_sender", "free_store",
-    "hookimpl", "is_paddle_tensor", "lookup_shared", "memory_ref", "publish_shared",
-    "require_signal", "validate_index", "validate_name",
+    "MemoryRef", "Platform", "ProcessSender", "RuntimeLibrary", "STORE_CALLBACK",
+    "SharedDeviceBuffer", "destroy_kv_signal_sender", "free_store", "hookimpl",
+    "is_paddle_tensor", "memory_ref", "publish_shared", "request_shared", "require_signal",
+    "validate_index", "validate_name",
 ]

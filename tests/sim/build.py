@@ -12,6 +12,7 @@ RUNTIMES = {
     # name: (sources, extra flags)
     "libxpurt.so": (["sim_device.c", "xpurt_sim.c"], []),
     "libxpurt_old.so": (["sim_device.c", "xpurt_sim.c"], ["-DSIM_OLD_RUNTIME"]),
+    "libcudart_sim.so": (["sim_device.c", "cudart_sim.c"], []),
 }
 
 

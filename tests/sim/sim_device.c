@@ -298,6 +298,18 @@ int sim_free(void *ptr)
     return -1;
 }
 
+int sim_alloc_range(const void *ptr, void **base, uint64_t *size)
+{
+    pthread_mutex_lock(&mem_lock);
+    struct allocation *a = find(ptr);
+    if (a) {
+        *base = a->base;
+        *size = a->size;
+    }
+    pthread_mutex_unlock(&mem_lock);
+    return a ? 0 : -1;
+}
+
 /* Handle layout: name (48 bytes) | offset (8) | size of the mapping needed (8). */
 int sim_ipc_handle(void *ptr, char handle[64])
 {

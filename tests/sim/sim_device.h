@@ -32,6 +32,8 @@ int sim_free(void *ptr);                       /* -1 when ptr is not an allocati
 /* Fills handle (64 bytes) for the allocation holding ptr; -1 if none. */
 int sim_ipc_handle(void *ptr, char handle[64]);
 void *sim_ipc_open(const char handle[64]);
+/* Base and size of the allocation holding ptr; -1 if none. */
+int sim_alloc_range(const void *ptr, void **base, uint64_t *size);
 /* A second mapping of the allocation holding ptr, at the same offset; NULL if unknown. */
 void *sim_peer_alias(const void *ptr);
 

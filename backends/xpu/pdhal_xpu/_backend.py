@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import atexit
-import math
-import os
 import sys
-import threading
-from dataclasses import dataclass
 
-from pdhal import InvalidArgumentError, InvalidTypeError, UnsupportedError
+from pdhal import InvalidArgumentError, InvalidTypeError
 from pdhal.plugin import (
     Availability,
     Backend,
     HostBuffer,
     KVSignalSender,
     Platform,
+    ProcessSender,
+    SharedDeviceBuffer,
     destroy_kv_signal_sender,
-    lookup_shared,
     memory_ref,
     publish_shared,
+    request_shared,
     require_signal,
     validate_index,
 )
@@ -72,10 +69,6 @@ def stream_handle(stream) -> int:
                            f"raw_stream, got {type(stream).__name__}")
 
 
-_default_senders: dict[int, KVSignalSender] = {}
-_default_lock = threading.Lock()
-
-
 def create_kv_signal_sender() -> KVSignalSender:
     """A long-lived sender thread that waits on XPU events with xpu_event_wait."""
     rt = _runtime
@@ -83,20 +76,7 @@ def create_kv_signal_sender() -> KVSignalSender:
                           rt.address(rt.lib.xpu_event_destroy), backend="xpu")
 
 
-def _default_sender() -> KVSignalSender:
-    pid = os.getpid()  # a forked child gets its own thread
-    with _default_lock:
-        sender = _default_senders.get(pid)
-        if sender is None or sender.closed:
-            sender = _default_senders[pid] = create_kv_signal_sender()
-        return sender
-
-
-@atexit.register
-def _flush_default_sender() -> None:
-    sender = _default_senders.pop(os.getpid(), None)
-    if sender is not None:
-        sender.close()
+_default_sender = ProcessSender(create_kv_signal_sender)
 
 
 def signal_layer_ready(signal, stream=None, sender: KVSignalSender | None = None) -> None:
@@ -106,7 +86,7 @@ def signal_layer_ready(signal, stream=None, sender: KVSignalSender | None = None
     if signal.segment is None:
         return
     if sender is None:
-        sender = _default_sender()
+        sender = _default_sender.get()
     elif not isinstance(sender, KVSignalSender) or sender.backend != "xpu":
         raise InvalidArgumentError(f"sender must come from the xpu backend's "
                                    f"create_kv_signal_sender, got {sender!r}")
@@ -164,16 +144,6 @@ def get_peer_mem_addr(ptr_or_tensor) -> int:
     return rt.address(attrs.hostPointer)
 
 
-@dataclass(frozen=True)
-class SharedDeviceBuffer:
-    """XPU device memory mapped from another process (address valid in this process)."""
-
-    address: int
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-
 def set_data_ipc(tensor, name: str) -> None:
     """Share XPU device memory under `name` through an XPU IPC handle."""
     ref = memory_ref(tensor, "tensor")
@@ -188,23 +158,7 @@ def set_data_ipc(tensor, name: str) -> None:
 
 def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
     """Map the XPU memory shared as `name`; returns a SharedDeviceBuffer of `like`'s dtype."""
-    dtype = str(getattr(like, "dtype", "")).split(".")[-1]
-    if not dtype:
-        raise InvalidTypeError(f"like must have a dtype, got {type(like).__name__}")
-    import numpy as np
-
-    try:
-        itemsize = np.dtype(dtype).itemsize
-    except TypeError:
-        itemsize = {"bfloat16": 2}.get(dtype)
-        if itemsize is None:
-            raise UnsupportedError(f"unknown dtype {dtype}") from None
-    shape = tuple(validate_index(n, "shape entry", 1 << 46) for n in shape)
-    need = math.prod(shape) * itemsize
-    record = lookup_shared(name, timeout)
-    if need > record["nbytes"]:
-        raise InvalidArgumentError(f"shape {shape} of {dtype} needs {need} bytes, but {name!r} "
-                                   f"shares {record['nbytes']}")
+    record, shape, dtype, need = request_shared(like, name, shape, timeout)
     rt = _runtime
     open_handle = rt.optional("xpu_ipc_open_memhandle")
     handle = rt.ffi.new("XPUIpcMemHandle *")

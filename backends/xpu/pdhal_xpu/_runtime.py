@@ -5,9 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from cffi import FFI
-
-from pdhal import DeviceError, UnsupportedError
+from pdhal.plugin import RuntimeLibrary
 
 CDEF = """
 typedef void *XPUStream;
@@ -47,35 +45,14 @@ def find_library() -> tuple[str, str]:
     return "libxpurt.so", "system loader"
 
 
-class XpuRuntime:
-    """The loaded runtime: its functions, where it came from, and error checking."""
+class XpuRuntime(RuntimeLibrary):
+    """libxpurt.so, bound where it was found."""
+
+    cdef = CDEF
+    title = "XPU runtime"
 
     def __init__(self):
-        self.path, self.found_by = find_library()
-        self.ffi = FFI()
-        self.ffi.cdef(CDEF)
-        self.lib = self.ffi.dlopen(self.path)  # OSError when missing: caller reports it
-
-    def check(self, rc: int, call: str) -> None:
-        """Raise DeviceError naming `call` when the runtime returned non-zero."""
-        if rc != 0:
-            raise DeviceError(f"{call} failed with XPU runtime error {rc} ({self.path})")
-
-    def optional(self, name: str):
-        """A function newer runtimes export; UnsupportedError naming it when absent."""
-        try:
-            return getattr(self.lib, name)
-        except AttributeError:
-            raise UnsupportedError(
-                f"{name} is unsupported by this XPU runtime version ({self.version()} at "
-                f"{self.path}); it comes with KL3 runtimes") from None
-
-    def has(self, name: str) -> bool:
-        try:
-            getattr(self.lib, name)
-        except AttributeError:
-            return False
-        return True
+        super().__init__(*find_library())
 
     def version(self) -> str:
         major, minor = self.ffi.new("uint32_t *"), self.ffi.new("uint32_t *")
@@ -86,9 +63,3 @@ class XpuRuntime:
         count = self.ffi.new("int *")
         self.check(self.lib.xpu_device_count(count), "xpu_device_count")
         return count[0]
-
-    def address(self, cdata) -> int:
-        return int(self.ffi.cast("uintptr_t", cdata))
-
-    def pointer(self, address: int):
-        return self.ffi.cast("void *", address)

@@ -1,0 +1,64 @@
+"""RuntimeLibrary: a vendor runtime bound with cffi in ABI mode, for backend plugins.
+
+Nothing vendor-specific is needed at build time: the library is dlopen'ed when a backend is
+asked whether it is available, from the path its backend found.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from cffi import FFI
+
+from pdhal._errors import DeviceError, UnsupportedError
+
+
+class RuntimeLibrary:
+    """A loaded runtime: `ffi`, `lib`, where it came from, and error checking."""
+
+    #: C declarations of what the backend calls (optional symbols included).
+    cdef: ClassVar[str] = ""
+    #: Words for messages, e.g. "XPU runtime".
+    title: ClassVar[str] = "runtime"
+
+    def __init__(self, path: str, found_by: str):
+        """dlopen `path`; OSError (with the loader's reason) when it cannot be loaded."""
+        self.path = path
+        self.found_by = found_by
+        self.ffi = FFI()
+        self.ffi.cdef(self.cdef)
+        self.lib = self.ffi.dlopen(path)
+
+    def error_text(self, rc: int) -> str:
+        """Human words for a runtime error code (override where the runtime has them)."""
+        return f"error {rc}"
+
+    def version(self) -> str:
+        return "unknown"
+
+    def check(self, rc: int, call: str) -> None:
+        """Raise DeviceError naming `call` when the runtime returned non-zero."""
+        if rc != 0:
+            raise DeviceError(f"{call} failed: {self.title} {self.error_text(rc)} ({self.path})")
+
+    def has(self, name: str) -> bool:
+        try:
+            getattr(self.lib, name)
+        except AttributeError:
+            return False
+        return True
+
+    def optional(self, name: str):
+        """A function not every version exports; UnsupportedError naming it when absent."""
+        try:
+            return getattr(self.lib, name)
+        except AttributeError:
+            raise UnsupportedError(
+                f"{name} is unsupported by this {self.title} version ({self.version()} at "
+                f"{self.path})") from None
+
+    def address(self, cdata) -> int:
+        return int(self.ffi.cast("uintptr_t", cdata))
+
+    def pointer(self, address: int):
+        return self.ffi.cast("void *", address)

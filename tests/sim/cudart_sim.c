@@ -1,0 +1,225 @@
+/* cudart_sim.c: a simulated CUDA runtime (libcudart) for tests on machines without a GPU.
+ * It exports the functions pdhal-cuda binds, with CUDA's semantics where pdhal relies on
+ * them: host functions run in stream order on the stream's thread; an IPC handle names the
+ * whole allocation and opening it returns the allocation's base (a tensor inside a larger
+ * block must add its offset); cudaPointerGetAttributes reports unregistered memory as type 0
+ * with success. Also exports the driver's cuMemGetAddressRange_v2, which real systems take
+ * from libcuda. SIM_CUDA_DEVICES (default 8) sets the device count; SIM_CUDA_NO_DRIVER makes
+ * cudaGetDeviceCount fail with 35 like a machine without a driver. */
+#define _GNU_SOURCE
+#include "sim_device.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorInsufficientDriver = 35,
+    cudaErrorInvalidDevice = 101,
+};
+
+typedef void *cudaStream_t;
+typedef void *cudaEvent_t;
+typedef void (*cudaHostFn_t)(void *);
+typedef struct {
+    char reserved[64];
+} cudaIpcMemHandle_t;
+struct cudaPointerAttributes {
+    int type; /* 0 unregistered, 1 host, 2 device, 3 managed */
+    int device;
+    void *devicePointer;
+    void *hostPointer;
+};
+
+static _Thread_local int current_device;
+static atomic_int live_host_buffers;
+#define HOST_MAGIC 0x4355484f5354ULL
+
+static int no_driver(void) { return getenv("SIM_CUDA_NO_DRIVER") != NULL; }
+static sim_stream *stream_of(cudaStream_t s) { return s ? (sim_stream *)s : sim_default_stream(); }
+
+const char *cudaGetErrorString(int error)
+{
+    switch (error) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInsufficientDriver:
+        return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    default: return "unknown error";
+    }
+}
+
+int cudaRuntimeGetVersion(int *version)
+{
+    *version = 12080;
+    return cudaSuccess;
+}
+
+int cudaGetDeviceCount(int *count)
+{
+    if (no_driver()) {
+        *count = 0;
+        return cudaErrorInsufficientDriver;
+    }
+    const char *env = getenv("SIM_CUDA_DEVICES");
+    *count = env ? atoi(env) : 8;
+    return cudaSuccess;
+}
+
+int cudaSetDevice(int device)
+{
+    int count;
+    int rc = cudaGetDeviceCount(&count);
+    if (rc)
+        return rc;
+    if (device < 0 || device >= count)
+        return cudaErrorInvalidDevice;
+    current_device = device;
+    return cudaSuccess;
+}
+
+int cudaGetDevice(int *device)
+{
+    *device = current_device;
+    return cudaSuccess;
+}
+
+int cudaStreamCreate(cudaStream_t *s)
+{
+    *s = sim_stream_new();
+    return cudaSuccess;
+}
+int cudaStreamDestroy(cudaStream_t s)
+{
+    sim_stream_free(s);
+    return cudaSuccess;
+}
+int cudaStreamSynchronize(cudaStream_t s)
+{
+    sim_stream_sync(stream_of(s));
+    return cudaSuccess;
+}
+
+int cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *data)
+{
+    if (!fn)
+        return cudaErrorInvalidValue;
+    sim_stream_host_fn(stream_of(stream), fn, data);
+    return cudaSuccess;
+}
+
+int cudaEventCreateWithFlags(cudaEvent_t *ev, unsigned int flags)
+{
+    *ev = sim_event_new();
+    return cudaSuccess;
+}
+int cudaEventRecord(cudaEvent_t ev, cudaStream_t stream)
+{
+    if (!ev)
+        return cudaErrorInvalidValue;
+    sim_event_record(ev, stream_of(stream));
+    return cudaSuccess;
+}
+int cudaEventSynchronize(cudaEvent_t ev)
+{
+    if (!ev)
+        return cudaErrorInvalidValue;
+    sim_event_wait(ev);
+    return cudaSuccess;
+}
+int cudaEventDestroy(cudaEvent_t ev)
+{
+    sim_event_free(ev);
+    return cudaSuccess;
+}
+
+int cudaMalloc(void **ptr, size_t size)
+{
+    *ptr = size ? sim_malloc(size) : NULL;
+    return *ptr ? cudaSuccess : cudaErrorInvalidValue;
+}
+int cudaFree(void *ptr) { return sim_free(ptr) == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+
+int cudaHostAlloc(void **ptr, size_t size, unsigned int flags)
+{
+    if (!size)
+        return cudaErrorInvalidValue;
+    uint64_t *raw = malloc(size + 16);
+    raw[0] = HOST_MAGIC;
+    raw[1] = size;
+    atomic_fetch_add(&live_host_buffers, 1);
+    *ptr = raw + 2;
+    return cudaSuccess;
+}
+int cudaFreeHost(void *ptr)
+{
+    uint64_t *raw = (uint64_t *)ptr - 2;
+    if (!ptr || raw[0] != HOST_MAGIC)
+        return cudaErrorInvalidValue;
+    raw[0] = 0;
+    free(raw);
+    atomic_fetch_sub(&live_host_buffers, 1);
+    return cudaSuccess;
+}
+int sim_live_host_buffers(void) { return live_host_buffers; }
+
+int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr)
+{
+    memset(attr, 0, sizeof *attr);
+    void *base;
+    uint64_t size;
+    if (sim_alloc_range(ptr, &base, &size) == 0) {
+        attr->type = 2;
+        attr->device = current_device;
+        attr->devicePointer = (void *)ptr;
+        return cudaSuccess;
+    }
+    /* cudaHostAlloc memory: recognised by the header only at the start of a buffer. */
+    const uint64_t *raw = (const uint64_t *)ptr - 2;
+    if (ptr && ((uintptr_t)ptr & 7) == 0 && raw[0] == HOST_MAGIC) {
+        attr->type = 1;
+        attr->devicePointer = (void *)ptr;
+        attr->hostPointer = (void *)ptr;
+    }
+    return cudaSuccess;
+}
+
+int cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *ptr)
+{
+    void *base;
+    uint64_t size;
+    if (sim_alloc_range(ptr, &base, &size) != 0)
+        return cudaErrorInvalidValue;
+    return sim_ipc_handle(base, handle->reserved) == 0 ? cudaSuccess : cudaErrorInvalidValue;
+}
+int cudaIpcOpenMemHandle(void **ptr, cudaIpcMemHandle_t handle, unsigned int flags)
+{
+    *ptr = sim_ipc_open(handle.reserved);
+    return *ptr ? cudaSuccess : cudaErrorInvalidValue;
+}
+int cudaIpcCloseMemHandle(void *ptr) { return cudaSuccess; }
+
+/* Driver API (libcuda on real systems). */
+int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t ptr)
+{
+    void *b;
+    uint64_t s;
+    if (sim_alloc_range((void *)(uintptr_t)ptr, &b, &s) != 0)
+        return cudaErrorInvalidValue;
+    *base = (uint64_t)(uintptr_t)b;
+    *size = s;
+    return 0;
+}
+
+/* Test-only "kernel": after delay_us, copy n bytes (captured now) from src to dst. */
+int sim_cuda_launch_write(cudaStream_t s, void *dst, const void *src, uint64_t n,
+                          uint32_t delay_us)
+{
+    sim_stream_write(stream_of(s), dst, src, n, delay_us);
+    return cudaSuccess;
+}
