@@ -69,7 +69,7 @@ def run(style: str, sim, baseline) -> tuple[list[float], float, float]:
         sender = baseline.lib.poll_sender_start(
             baseline.ffi.cast("void *", rt.address(rt.lib.xpu_event_wait)),
             baseline.ffi.cast("void *", rt.address(rt.lib.xpu_event_destroy)),
-            baseline.ffi.cast("void *", int(_core.ffi.cast("uintptr_t", _core.STORE_CALLBACK))))
+            baseline.ffi.cast("void *", _core.STORE_CALLBACK_ADDRESS))
     cpu0 = time.process_time()
     for layer in range(LAYERS):
         sim.lib.sim_xpu_launch_write(stream[0], scratch, b"k" * 64, 64, LAYER_US)
@@ -84,8 +84,7 @@ def run(style: str, sim, baseline) -> tuple[list[float], float, float]:
             rt.lib.xpu_event_record(event[0], rt.ffi.cast("void *", stream[0]))
             store = signal.new_store()
             baseline.lib.poll_sender_post(sender, baseline.ffi.cast("void *", rt.address(event[0])),
-                                      baseline.ffi.cast("void *", int(_core.ffi.cast(
-                                          "uintptr_t", store))))
+                                          baseline.ffi.cast("void *", _core.store_address(store)))
     seen = json.loads(reader.stdout.readline())
     cpu = time.process_time() - cpu0
     idle0 = time.process_time()

@@ -44,8 +44,9 @@ FOREVER_NS = 2**63 - 1
 LAYER_MASK = (1 << LAYER_BITS) - 1
 _EINTR = -errno.EINTR
 
-#: Address of the C function `void pdhal_store_run(void *store)`, for device host functions.
-STORE_CALLBACK = ffi.addressof(lib, "pdhal_store_run")
+#: Address of the C function `void pdhal_store_run(void *store)`, for device host functions
+#: (an int, so a backend can cast it in its own ffi).
+STORE_CALLBACK_ADDRESS = int(ffi.cast("uintptr_t", ffi.addressof(lib, "pdhal_store_run")))
 
 _ERROR_CLASSES = {
     errno.EBUSY: ChannelBusyError,
@@ -225,6 +226,11 @@ class Segment:
         if store == ffi.NULL:
             raise MemoryError("pdhal_store_new: out of memory")
         return store
+
+
+def store_address(store) -> int:
+    """The int address of a pending store, to hand to a device callback."""
+    return int(ffi.cast("uintptr_t", store))
 
 
 def free_store(store) -> None:

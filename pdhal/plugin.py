@@ -7,7 +7,7 @@ provides the ops in BACKEND_OPS, using these pieces.
 """
 
 from pdhal._backend import BACKEND_OPS, Availability, Backend
-from pdhal._core import STORE_CALLBACK, free_store
+from pdhal._core import STORE_CALLBACK_ADDRESS, free_store, store_address
 from pdhal._hookspecs import hookimpl
 from pdhal._hostmem import HostBuffer
 from pdhal._names import validate_index, validate_name
@@ -26,8 +26,8 @@ from pdhal._tensors import MemoryRef, is_paddle_tensor, memory_ref
 
 __all__ = [
     "BACKEND_OPS", "Availability", "Backend", "HostBuffer", "KVSignalSender", "LayerSignal",
-    "MemoryRef", "Platform", "ProcessSender", "RuntimeLibrary", "STORE_CALLBACK",
+    "MemoryRef", "Platform", "ProcessSender", "RuntimeLibrary", "STORE_CALLBACK_ADDRESS",
     "SharedDeviceBuffer", "destroy_kv_signal_sender", "free_store", "hookimpl",
     "is_paddle_tensor", "memory_ref", "publish_shared", "request_shared", "require_signal",
-    "validate_index", "validate_name",
+    "store_address", "validate_index", "validate_name",
 ]

@@ -13,76 +13,22 @@ import time
 
 import numpy as np
 import pytest
-from cffi import FFI
-
 import pdhal
 from conftest import python_child, run_child
 from pdhal import _registry, ops
 from sim.build import build
+from sim.harness import DeviceTensor, SimRuntime
 
 pytestmark = pytest.mark.simulated
 
-SIM_CDEF = """
-int xpu_malloc(void **ptr, uint64_t size, int kind);
-int xpu_free(void *ptr);
-int xpu_stream_create(void **s);
-int xpu_stream_destroy(void *s);
-int xpu_wait(void *s);
-int sim_xpu_launch_write(void *s, void *dst, const void *src, uint64_t n, uint32_t delay_us);
-int sim_live_events(void);
-int sim_live_streams(void);
-int sim_live_host_buffers(void);
-"""
-
-
-class Sim:
-    """Test-side handle on the simulated runtime (the same loaded library as the backend's)."""
-
-    def __init__(self, path: str):
-        self.ffi = FFI()
-        self.ffi.cdef(SIM_CDEF)
-        self.lib = self.ffi.dlopen(path)
-
-    def malloc(self, n: int) -> int:
-        p = self.ffi.new("void **")
-        assert self.lib.xpu_malloc(p, n, 0) == 0
-        return int(self.ffi.cast("uintptr_t", p[0]))
-
-    def stream(self) -> int:
-        s = self.ffi.new("void **")
-        assert self.lib.xpu_stream_create(s) == 0
-        return int(self.ffi.cast("uintptr_t", s[0]))
-
-    def launch_write(self, stream: int, dst: int, data: bytes, delay_us: int) -> None:
-        assert self.lib.sim_xpu_launch_write(self.ffi.cast("void *", stream),
-                                             self.ffi.cast("void *", dst), data, len(data),
-                                             delay_us) == 0
-
-
-class DeviceTensor:
-    """Stands in for an XPU tensor: an object with data_ptr/numel/element_size."""
-
-    def __init__(self, address: int, nbytes: int):
-        self.address, self.nbytes, self.device = address, nbytes, "xpu:0"
-
-    def data_ptr(self) -> int:
-        return self.address
-
-    def numel(self) -> int:
-        return self.nbytes
-
-    def element_size(self) -> int:
-        return 1
-
-
 @pytest.fixture
 def sim(monkeypatch):
-    path = build("libxpurt.so")
-    monkeypatch.setenv("PDHAL_XPURT", path)
+    sim = SimRuntime("xpu", "libxpurt.so")
+    monkeypatch.setenv("PDHAL_XPURT", sim.path)
     monkeypatch.setenv("PDHAL_PLATFORM", "xpu")
     _registry.reset()
     assert pdhal.current_backend() == "xpu"
-    return Sim(path)
+    return sim
 
 
 def test_info_names_the_library_and_version(sim):
@@ -96,7 +42,7 @@ def test_no_signal_is_visible_before_the_kernels_write(sim):
     layers, block = 8, 64
     dev = sim.malloc(layers * block)
     stream = sim.stream()
-    ops.set_data_ipc(DeviceTensor(dev, layers * block), "kv")
+    ops.set_data_ipc(DeviceTensor(dev, layers * block, "xpu:0"), "kv")
     meta = ops.open_shm_and_get_meta_signal(0, 0)
     checker = python_child(f"""
         import ctypes, numpy as np
@@ -203,7 +149,7 @@ def test_a_cpu_sender_is_refused(sim):
 def test_peer_address_is_the_runtime_alias_of_the_same_bytes(sim):
     dev = sim.malloc(4096)
     ctypes.memmove(dev + 100, b"peer", 4)
-    alias = ops.get_peer_mem_addr(DeviceTensor(dev + 100, 16))
+    alias = ops.get_peer_mem_addr(DeviceTensor(dev + 100, 16, "xpu:0"))
     assert alias != dev + 100
     assert ctypes.string_at(alias, 4) == b"peer"
     assert ops.get_peer_mem_addr(dev) == alias - 100

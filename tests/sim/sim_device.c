@@ -261,8 +261,9 @@ static struct allocation *find(const void *ptr)
 void *sim_malloc(uint64_t size)
 {
     struct allocation *a = calloc(1, sizeof *a);
-    snprintf(a->name, sizeof a->name, "/pdhalsim.%d.%d", (int)getpid(),
-             atomic_fetch_add(&alloc_counter, 1));
+    /* The counter's address tells apart two simulated runtimes loaded in one process. */
+    snprintf(a->name, sizeof a->name, "/pdhalsim.%d.%lx.%d", (int)getpid(),
+             (unsigned long)(uintptr_t)&alloc_counter, atomic_fetch_add(&alloc_counter, 1));
     int fd = shm_open(a->name, O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
         free(a);
@@ -359,4 +360,13 @@ void *sim_peer_alias(const void *ptr)
     }
     pthread_mutex_unlock(&mem_lock);
     return alias;
+}
+
+/* Device memory of a process that exits is gone: remove its backing files. */
+__attribute__((destructor)) static void release_all(void)
+{
+    pthread_mutex_lock(&mem_lock);
+    for (struct allocation *a = allocations; a; a = a->next)
+        shm_unlink(a->name);
+    pthread_mutex_unlock(&mem_lock);
 }

@@ -1,0 +1,1 @@
+"""pdhal backend for NVIDIA CUDA (entry point `cuda` in group `pdhal.backends`)."""

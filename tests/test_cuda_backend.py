@@ -1,0 +1,220 @@
+"""The cuda backend against the SIMULATED CUDA runtime built from tests/sim (no GPU here),
+and against the real libcudart on this machine (which has no driver, so: no device)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pdhal
+from conftest import python_child, run_child
+from pdhal import _registry, ops
+from sim.harness import DeviceTensor, SimRuntime
+
+pytestmark = pytest.mark.simulated
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    sim = SimRuntime("cuda", "libcudart_sim.so")
+    monkeypatch.setenv("PDHAL_CUDART", sim.path)
+    monkeypatch.setenv("PDHAL_PLATFORM", "cuda")
+    _registry.reset()
+    assert pdhal.current_backend() == "cuda"
+    return sim
+
+
+CHECK_LAYERS = """
+    import ctypes, numpy as np
+    from pdhal import ops
+    kv = ops.share_external_data(np.zeros(1, np.uint8), "kv", [{size}])
+    reader = ops.open_kv_signal_reader(0, 0)
+    since = (1, -1)
+    while since[1] < {layers} - 1:
+        since = reader.wait(since, timeout=10)
+        for layer in range(since[1] + 1):  # every signalled layer is already written
+            got = ctypes.string_at(kv.address + layer * {block}, {block})
+            assert got == bytes([layer + 1]) * {block}, (since, layer, got[:4])
+"""
+
+
+@pytest.mark.parametrize("through", ["host function", "sender"])
+def test_no_signal_is_visible_before_the_kernels_write(sim, through):
+    layers, block = 8, 64
+    dev = sim.malloc(layers * block)
+    stream = sim.stream()
+    ops.set_data_ipc(DeviceTensor(dev, layers * block, "gpu:0"), "kv")
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    checker = python_child(CHECK_LAYERS.format(size=layers * block, layers=layers, block=block))
+    sender = ops.create_kv_signal_sender() if through == "sender" else None
+    for layer in range(layers):
+        sim.launch_write(stream, dev + layer * block, bytes([layer + 1]) * block, 30000)
+        ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream, sender)
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        assert reader.current() == (1, -1)  # the first kernel is still sleeping
+    assert checker.wait(timeout=30) == 0
+    if sender:
+        ops.destroy_kv_signal_sender(sender)
+
+
+def test_10000_layers_across_4_streams_arrive_complete_and_in_stream_order(sim):
+    streams, steps, layers = 4, 25, 100
+    reader = python_child(f"""
+        import array, threading
+        from pdhal import ops
+        failures = []
+        def read(rank):
+            try:
+                with ops.open_kv_chunk_reader(rank, 0, timeout=30) as chunks:
+                    out = array.array("i", [0] * 1538)
+                    for step in range(1, {steps} + 1):
+                        for layer in range({layers}):
+                            assert chunks.next(out, timeout=30) == step
+                            assert (out[0], out[1], out[4]) == (1, layer, rank * 1000 + step)
+            except BaseException as e:
+                failures.append((rank, e))
+        threads = [threading.Thread(target=read, args=(r,)) for r in range({streams})]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        assert not failures, failures
+    """)
+    handles = [sim.stream() for _ in range(streams)]
+    for step in range(1, steps + 1):
+        for rank, stream in enumerate(handles):
+            n = rank * 1000 + step
+            chunk = ops.init_kv_signal_per_query([n], [n], [0], rank, layers)
+            for layer in range(layers):
+                ops.signal_layer_ready(chunk.layer(layer), stream)
+    assert reader.wait(timeout=120) == 0
+
+
+def test_freeing_per_step_buffers_right_after_posting_changes_nothing(sim):
+    steps, layers = 30, 6
+    reader = python_child(f"""
+        import array
+        from pdhal import ops
+        out = array.array("i", [0] * 1538)
+        for step in range(1, {steps} + 1):
+            for layer in range({layers}):
+                ops.get_output_kv_signal(out, 0, True, timeout=30)
+                want = [2, layer, 0, step, 64 + step, 2, 0, step]
+                assert list(out[:8]) == want, (step, layer, list(out[:8]))
+    """)
+    stream, scratch = sim.stream(), sim.malloc(64)
+    for step in range(1, steps + 1):
+        encoder = np.array([64 + step, 0, step], dtype=np.int32)  # the engine's step buffers
+        decoder = np.array([step, 9, 0], dtype=np.int32)
+        chunk = ops.init_kv_signal_per_query(encoder, encoder, decoder, 0, layers)
+        for layer in range(layers):
+            sim.launch_write(stream, scratch, b"k" * 64, 2000)
+            ops.signal_layer_ready(chunk.layer(layer), stream)
+        del encoder, decoder, chunk
+        gc.collect()
+        [np.full(64, -1, dtype=np.int32) for _ in range(100)]  # reuse the freed memory
+    assert reader.wait(timeout=60) == 0
+
+
+def test_ipc_of_a_tensor_inside_a_larger_allocation(sim):
+    block = sim.malloc(1 << 20)
+    tensor = block + 4096 + 64  # like a tensor carved out of an allocator's block
+    ctypes.memmove(tensor, b"kv-cache-bytes", 14)
+    ops.set_data_ipc(DeviceTensor(tensor, 256, "gpu:0"), "kv")
+    run_child("""
+        import ctypes, numpy as np
+        from pdhal import ops
+        kv = ops.share_external_data(np.zeros(1, np.uint8), "kv", [256])
+        assert ctypes.string_at(kv.address, 14) == b"kv-cache-bytes"
+        ctypes.memmove(kv.address + 14, b"!", 1)
+    """)
+    assert ctypes.string_at(tensor, 15) == b"kv-cache-bytes!"
+
+
+def test_peer_address_is_the_device_address_of_known_memory_only(sim):
+    dev = sim.malloc(4096)
+    assert ops.get_peer_mem_addr(DeviceTensor(dev + 8, 8, "gpu:0")) == dev + 8
+    pinned = ops.host_alloc(4096)
+    assert ops.get_peer_mem_addr(pinned.address) == pinned.address
+    ops.host_free(pinned)
+    host = np.zeros(64, np.uint8)
+    with pytest.raises(pdhal.InvalidArgumentError, match="is unregistered for CUDA"):
+        ops.get_peer_mem_addr(host)
+    with pytest.raises(pdhal.InvalidArgumentError, match="needs CUDA device memory"):
+        ops.set_data_ipc(host, "kv")
+
+
+def test_host_memory_comes_from_and_returns_to_the_runtime(sim):
+    live = sim.lib.sim_live_host_buffers()
+    buf = ops.cuda_host_alloc(1 << 16)
+    assert buf.pinned and sim.lib.sim_live_host_buffers() == live + 1
+    ops.cuda_host_free(buf)
+    assert sim.lib.sim_live_host_buffers() == live
+
+
+def test_streams_are_ints_or_objects_with_cuda_stream(sim):
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+
+    class TorchLikeStream:
+        cuda_stream = sim.stream()
+
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0), TorchLikeStream())
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 1))  # default stream
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        assert reader.wait((1, 0), timeout=5) == (1, 1)
+    with pytest.raises(pdhal.InvalidTypeError, match="cuda_stream"):
+        ops.signal_layer_ready(ops.init_signal_layerwise(meta, 2), "stream")
+
+
+def test_cache_process_on_a_mig_instance(sim, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-aaaa,MIG-bbbb")
+    env = pdhal.current_platform().child_env(["MIG-bbbb"])
+    proc = run_child("""
+        import pdhal
+        print(pdhal.current_platform().physical_device_id(0))
+    """, env=env)
+    assert proc.stdout.strip() == "MIG-bbbb"
+
+
+def test_no_driver_is_unavailable_and_a_clear_error_when_forced(monkeypatch):
+    monkeypatch.setenv("PDHAL_CUDART", SimRuntime("cuda", "libcudart_sim.so").path)
+    monkeypatch.setenv("SIM_CUDA_NO_DRIVER", "1")
+    _registry.reset()
+    assert pdhal.current_backend() == "cpu"
+    monkeypatch.setenv("PDHAL_PLATFORM", "cuda")
+    _registry.reset()
+    with pytest.raises(pdhal.BackendUnavailableError, match="error 35 .CUDA driver version is"):
+        pdhal.current_platform()
+
+
+def _real_cudart() -> str | None:
+    for soname in ("libcudart.so.13", "libcudart.so.12"):
+        try:
+            ctypes.CDLL(soname)
+            return soname
+        except OSError:
+            pass
+    return None
+
+
+@pytest.mark.skipif(_real_cudart() is None, reason="needs the CUDA runtime library installed "
+                                                   "(this project's machines have it)")
+def test_real_libcudart_loads_and_reports_no_device_cleanly(monkeypatch):
+    monkeypatch.delenv("PDHAL_CUDART", raising=False)
+    env = dict(os.environ, PDHAL_PLATFORM="cuda")
+    forced = subprocess.run([sys.executable, "-c", "import pdhal; pdhal.current_platform()"],
+                            env=env, capture_output=True, text=True)
+    assert forced.returncode != 0
+    assert "BackendUnavailableError" in forced.stderr
+    assert "cudaGetDeviceCount returned error 35" in forced.stderr
+    auto = run_child("""
+        from pdhal import _info
+        info = _info.report()
+        cuda = {b["name"]: b for b in info["backends"]}["cuda"]
+        print(info["selected"], cuda["status"], cuda["runtime"]["library"])
+    """)
+    assert auto.stdout.split() == ["cpu", "unavailable", _real_cudart()]
