@@ -14,8 +14,15 @@ $(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h csrc/build_ffi.py $(BACKENDS
 	$(PY) -m pip install -q -e '.[test]' $(foreach b,$(BACKENDS),-e $(dir $(b)))
 	touch $@
 
+# The suite, then the conformance kit against every in-tree backend (cuda and xpu on the
+# simulated runtimes of tests/sim).
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cpu
+	PDHAL_XPURT=$$($(PY) tests/sim/build.py libxpurt.so) \
+	  $(PY) -m pytest -q -p no:cacheprovider --pdhal-backend xpu
+	PDHAL_CUDART=$$($(PY) tests/sim/build.py libcudart_sim.so) \
+	  $(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cuda
 
 demo: $(STAMP)
 	$(VENV)/bin/pdhal demo

@@ -56,3 +56,7 @@ class Backend:
     def info(self) -> dict[str, object]:
         """Runtime facts for `pdhal info` (library path, versions, ...)."""
         return {}
+
+    def test_support(self):
+        """The pdhal.testing.TestSupport the conformance kit uses (None: not supported)."""
+        return None

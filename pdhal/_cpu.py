@@ -225,6 +225,11 @@ class CpuBackend(Backend):
     def info(self) -> dict[str, object]:
         return {"runtime": "none (host memory and threads)"}
 
+    def test_support(self):
+        from pdhal.testing.cpu import CpuTestSupport
+
+        return CpuTestSupport()
+
 
 @hookimpl
 def pdhal_backend() -> Backend:

@@ -30,3 +30,9 @@ def build(name: str) -> str:
                        check=True)
         os.replace(tmp, out)
     return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(build(sys.argv[1]))

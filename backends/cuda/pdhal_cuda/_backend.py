@@ -248,3 +248,8 @@ class CudaBackend(Backend):
             version = f"unknown ({e})"
         return {"library": _runtime.path, "found_by": _runtime.found_by,
                 "runtime_version": version}
+
+    def test_support(self):
+        from pdhal_cuda.testing import CudaTestSupport
+
+        return CudaTestSupport(_runtime.path)

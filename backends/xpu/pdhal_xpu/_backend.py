@@ -214,3 +214,8 @@ class XpuBackend(Backend):
             version = f"unknown ({e})"
         return {"library": _runtime.path, "found_by": _runtime.found_by,
                 "runtime_version": version}
+
+    def test_support(self):
+        from pdhal_xpu.testing import XpuTestSupport
+
+        return XpuTestSupport(_runtime.path)

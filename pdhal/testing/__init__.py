@@ -1,0 +1,11 @@
+"""pdhal's backend conformance kit: `pytest --pdhal-backend NAME` runs the behavioural
+contract of DESIGN.md against one backend (registered as the `pytest11` plugin `pdhal`).
+
+A backend takes part by returning a TestSupport from `Backend.test_support()`: a few
+device primitives (allocate, a stream, "work that writes memory after a delay", read back)
+that let the kit check ordering and sharing without knowing the device.
+"""
+
+from pdhal.testing.support import DeviceTensor, TestSupport
+
+__all__ = ["DeviceTensor", "TestSupport"]

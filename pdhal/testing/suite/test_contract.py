@@ -1,0 +1,211 @@
+"""pdhal's behavioural contract (DESIGN.md), run against the backend named by --pdhal-backend.
+
+Every op, both signal modes across processes, ordering against device work, sender flush,
+shared buffers across processes, peer addresses, host memory, bad inputs, platform facts.
+"""
+
+from __future__ import annotations
+
+import array
+
+import numpy as np
+import pytest
+
+import pdhal
+from pdhal import ops
+from pdhal._backend import BACKEND_OPS
+from pdhal.testing.procs import child, finish
+
+STEPS, LAYERS, BLOCK = 20, 8, 64
+
+
+# ---- platform facts ------------------------------------------------------------------
+
+def test_the_backend_is_selected_and_implements_every_op(backend, pdhal_backend_name):
+    assert pdhal.current_backend() == pdhal_backend_name
+    table = backend.ops()
+    assert sorted(table) == sorted(BACKEND_OPS)
+    assert all(getattr(ops, name) is table[name] for name in BACKEND_OPS)
+
+
+def test_platform_facts(pdhal_backend_name):
+    platform = pdhal.current_platform()
+    assert platform.name == pdhal_backend_name
+    assert platform.device_control_env_var
+    assert platform.device_count() >= 1
+    assert isinstance(platform.capabilities, dict)
+    env = platform.child_env([platform.physical_device_id(0)], base={})
+    assert env == {platform.device_control_env_var: str(platform.physical_device_id(0))}
+
+
+# ---- signals -------------------------------------------------------------------------
+
+def test_per_query_signals_cross_processes_in_order(support):
+    producer = child(f"""
+        stream = support.stream()
+        for step in range({STEPS}):
+            meta = ops.open_shm_and_get_meta_signal(0, 0)
+            for layer in range({LAYERS}):
+                ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream)
+        import time; time.sleep(0.5)
+    """)
+    with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+        since = (0, -1)
+        while since != (STEPS, LAYERS - 1):
+            now = reader.wait(since, timeout=30)
+            assert now > since and now[1] < LAYERS
+            since = now
+    finish(producer)
+
+
+def test_per_chunk_records_cross_processes_exactly_once_in_order(support):
+    producer = child(f"""
+        stream = support.stream()
+        for step in range(1, {STEPS} + 1):
+            chunk = ops.init_kv_signal_per_query([step, 0, 7], [step, 0, 7], [3, 0, step],
+                                                 0, {LAYERS})
+            for layer in range({LAYERS}):
+                ops.signal_layer_ready(chunk.layer(layer), stream)
+    """)
+    out = array.array("i", [0] * 1538)
+    for step in range(1, STEPS + 1):
+        for layer in range(LAYERS):
+            ops.get_output_kv_signal(out, 0, True, timeout=30)
+            assert list(out[:8]) == [2, layer, 0, 3, step, 2, step, 7]
+    finish(producer)
+
+
+def test_draft_model_keeps_the_step():
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 3))
+    draft = ops.open_shm_and_get_meta_signal(0, 0, keep_pd_step_flag=True)
+    ops.signal_layer_ready(ops.init_signal_layerwise(draft, LAYERS))
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        assert reader.wait((meta.step, 3), timeout=10) == (meta.step, LAYERS)
+
+
+@pytest.mark.parametrize("through", ["default", "sender"])
+def test_a_layer_is_signalled_only_after_the_work_before_it(support, through):
+    """The device ordering guarantee, checked from another process through shared memory."""
+    kv = support.alloc(LAYERS * BLOCK)
+    ops.set_data_ipc(kv, "kit_kv")
+    checker = child(f"""
+        import numpy as np
+        shared = ops.share_external_data(np.zeros(1, np.uint8), "kit_kv", [{LAYERS * BLOCK}])
+        address = support.shared_address(shared)
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            since = (1, -1)
+            while since[1] < {LAYERS} - 1:
+                since = reader.wait(since, timeout=30)
+                for layer in range(since[1] + 1):
+                    got = support.read(address + layer * {BLOCK}, {BLOCK})
+                    assert got == bytes([layer + 1]) * {BLOCK}, (since, layer)
+    """)
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    stream = support.stream()
+    sender = ops.create_kv_signal_sender() if through == "sender" else None
+    for layer in range(LAYERS):
+        support.delayed_write(stream, kv.address + layer * BLOCK, bytes([layer + 1]) * BLOCK,
+                              20000)
+        ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream, sender)
+    if sender is not None:
+        ops.destroy_kv_signal_sender(sender)
+    finish(checker)
+
+
+def test_destroying_a_sender_delivers_everything_pending(support):
+    kv = support.alloc(BLOCK)
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    stream = support.stream()
+    with ops.create_kv_signal_sender() as sender:
+        support.delayed_write(stream, kv.address, b"x" * BLOCK, 100000)
+        for layer in range(500):
+            ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream, sender)
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        assert reader.current() == (1, 499)
+    assert sender.closed
+
+
+# ---- memory --------------------------------------------------------------------------
+
+def test_shared_buffer_is_the_same_bytes_in_another_process(support):
+    kv = support.alloc(4 * BLOCK)
+    support.delayed_write(support.stream(), kv.address + BLOCK, b"shared!", 0)
+    ops.set_data_ipc(kv, "kit_shared")
+    reader = child(f"""
+        import numpy as np, time
+        shared = ops.share_external_data(np.zeros(1, np.uint8), "kit_shared", [{4 * BLOCK}])
+        address = support.shared_address(shared)
+        deadline = time.monotonic() + 10
+        while support.read(address + {BLOCK}, 7) != b"shared!":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    """)
+    finish(reader)
+
+
+def test_share_external_data_refuses_more_than_was_shared(support):
+    ops.set_data_ipc(support.alloc(BLOCK), "kit_small")
+    with pytest.raises(pdhal.InvalidArgumentError, match="needs"):
+        ops.share_external_data(np.zeros(1, np.float32), "kit_small", [BLOCK])
+    with pytest.raises(pdhal.SegmentError):
+        ops.share_external_data(np.zeros(1, np.float32), "kit_missing", [1], timeout=0)
+
+
+def test_peer_address_of_device_memory_is_an_int(support):
+    kv = support.alloc(BLOCK)
+    assert isinstance(ops.get_peer_mem_addr(kv), int)
+
+
+def test_host_memory_roundtrip():
+    buf = ops.host_alloc(1 << 16)
+    buf.as_numpy("uint8", (1 << 16,))[:] = 5
+    assert buf.memoryview()[100] == 5
+    ops.host_free(buf)
+    ops.host_free(buf)  # idempotent
+    assert buf.closed
+    with pytest.raises(pdhal.ClosedHandleError):
+        buf.address
+
+
+# ---- bad inputs ----------------------------------------------------------------------
+
+BAD_CALLS = [
+    ("open_shm_and_get_meta_signal", (-1, 0)),
+    ("open_shm_and_get_meta_signal", (0, "0")),
+    ("init_signal_layerwise", (None, 0)),
+    ("init_kv_signal_per_query", ([1], [1, 2], [0], 0, 4)),
+    ("init_kv_signal_per_query", ([-1], [1], [0], 0, 4)),
+    ("init_kv_signal_per_query", ([1], [1], [0], 0, 0)),
+    ("init_kv_signal_per_query", ("abc", [1], [0], 0, 4)),
+    ("signal_layer_ready", (object(),)),
+    ("destroy_kv_signal_sender", (object(),)),
+    ("get_output_kv_signal", (np.zeros(4, np.float64), 0, False)),
+    ("host_alloc", (0,)),
+    ("host_alloc", (-5,)),
+    ("host_alloc", (1 << 60,)),
+    ("host_free", (b"bytes",)),
+    ("get_peer_mem_addr", ("0x10",)),
+    ("get_peer_mem_addr", (0,)),
+    ("set_data_ipc", (12345, "kv")),
+    ("share_external_data", (object(), "kv", [1])),
+    ("share_external_data", (np.zeros(1), "a/b", [1])),
+    ("share_external_data", (np.zeros(1), "nul\0", [1])),
+    ("share_external_data", (np.zeros(1), "kv", [-1])),
+]
+
+
+@pytest.mark.parametrize("op,args", BAD_CALLS, ids=[f"{op}-{i}" for i, (op, _) in
+                                                     enumerate(BAD_CALLS)])
+def test_bad_input_is_a_pdhal_error_that_says_what_was_expected(op, args):
+    with pytest.raises(pdhal.PdhalError) as info:
+        getattr(ops, op)(*args)
+    assert len(str(info.value)) > 20  # a sentence, not a bare code
+
+
+def test_a_closed_reader_is_refused():
+    ops.open_shm_and_get_meta_signal(0, 0)
+    reader = ops.open_kv_signal_reader(0, 0)
+    reader.close()
+    with pytest.raises(pdhal.ClosedHandleError):
+        reader.current()
