@@ -24,10 +24,22 @@ from pdhal._sender import (
 from pdhal._signals import LayerSignal
 from pdhal._tensors import MemoryRef, is_paddle_tensor, memory_ref
 
+
+
+def reference_memory_ops() -> dict:
+    """The cpu backend's memory ops (host_alloc, host_free, get_peer_mem_addr, set_data_ipc,
+    share_external_data): a starting point a new backend replaces op by op."""
+    from pdhal import _cpu
+
+    return {name: fn for name, fn in _cpu.CpuBackend().ops().items()
+            if name in ("host_alloc", "host_free", "get_peer_mem_addr", "set_data_ipc",
+                        "share_external_data")}
+
+
 __all__ = [
     "BACKEND_OPS", "Availability", "Backend", "HostBuffer", "KVSignalSender", "LayerSignal",
     "MemoryRef", "Platform", "ProcessSender", "RuntimeLibrary", "STORE_CALLBACK_ADDRESS",
     "SharedDeviceBuffer", "destroy_kv_signal_sender", "free_store", "hookimpl",
-    "is_paddle_tensor", "memory_ref", "publish_shared", "request_shared", "require_signal",
+    "is_paddle_tensor", "memory_ref", "publish_shared", "reference_memory_ops", "request_shared", "require_signal",
     "store_address", "validate_index", "validate_name",
 ]
