@@ -53,7 +53,8 @@ struct pdhal_segment_header {
     _Atomic uint64_t consumed;        /* per-chunk: steps fully delivered to the reader */
     _Atomic uint32_t reader_seq;      /* futex word: bumped when `consumed` moves */
     _Atomic uint32_t reader_waiters;  /* producers waiting for the reader (back-pressure) */
-    uint8_t reserved2[112];
+    _Atomic int32_t reader_pid;       /* last reader to attach; 0 while none ever did */
+    uint8_t reserved2[108];
 };
 static_assert(sizeof(struct pdhal_segment_header) == 256, "header layout");
 static_assert(offsetof(struct pdhal_segment_header, progress) == 64, "progress offset");

@@ -96,7 +96,8 @@ int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns,
 /* ---- per-chunk ring (ring.c) ---- */
 /* Publish the next step's request table (count triples of slot, cached, chunk tokens) into
  * the ring. Waits, until deadline, for the reader (attached or not yet) to finish the step
- * whose slot is reused (-ETIMEDOUT). Returns the step in *step. */
+ * whose slot is reused (-ETIMEDOUT); -EPIPE at once if a reader had attached and died.
+ * Returns the step in *step. */
 int pdhal_ring_begin_step(pdhal_segment *seg, const int32_t *table, uint32_t count,
                           uint32_t num_layers, int64_t deadline_ns, uint64_t *step);
 /* Deliver the next (step, layer) record into out: [count, layer, triples...]. Returns 1 when

@@ -27,6 +27,19 @@ static int wait_for_reader(pdhal_segment *seg, uint64_t need, int64_t deadline_n
         uint32_t seen = atomic_load_explicit(&h->reader_seq, memory_order_acquire);
         if (consumed(seg) >= need)
             return 0;
+        /* A reader that attached once and no longer holds its lock has died: say so now
+         * rather than at the timeout. A restarted reader re-attaches and resumes. */
+        int32_t reader = atomic_load_explicit(&h->reader_pid, memory_order_acquire);
+        if (reader != 0) {
+            int attached = pdhal_segment_reader_attached(seg);
+            if (attached < 0)
+                return attached;
+            if (!attached)
+                return pdhal_fail(EPIPE,
+                                  "the reader of %s (pid %d) died with step %llu unread: restart "
+                                  "the cache messager, it resumes there",
+                                  seg->path, reader, (unsigned long long)(consumed(seg) + 1));
+        }
         int rc = pdhal_wait_change(&h->reader_seq, &h->reader_waiters, seen, deadline_ns);
         if (rc == -ETIMEDOUT) {
             int attached = pdhal_segment_reader_attached(seg);

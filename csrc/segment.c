@@ -398,8 +398,13 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, int
         rc = validate(seg, &st, kind);
     if (rc == 0)
         attach_ring(seg, kind);
-    if (rc == 0 && exclusive_reader && lock_byte(seg->fd, PDHAL_LOCK_READER) != 0)
-        rc = pdhal_fail(EBUSY, "%s already has a reader attached (one reader per channel)", path);
+    if (rc == 0 && exclusive_reader) {
+        if (lock_byte(seg->fd, PDHAL_LOCK_READER) != 0)
+            rc = pdhal_fail(EBUSY, "%s already has a reader attached (one reader per channel)",
+                            path);
+        else /* release: a producer that sees the pid also sees our lock (pairs with acquire) */
+            atomic_store_explicit(&seg->hdr->reader_pid, (int32_t)getpid(), memory_order_release);
+    }
     if (rc) {
         if (seg->hdr)
             munmap(seg->hdr, seg->map_bytes);

@@ -19,6 +19,7 @@ from pdhal._errors import (
     InvalidTypeError,
     PdhalError,
     ProducerDiedError,
+    ReaderDiedError,
     SegmentError,
     SignalTimeoutError,
     UnsupportedError,
@@ -45,6 +46,6 @@ __all__ = [
     "Availability", "Backend", "BackendLoadError", "BackendNotFoundError",
     "BackendUnavailableError", "BackPressureTimeoutError", "ChannelBusyError",
     "ClosedHandleError", "DeviceError", "InvalidArgumentError", "InvalidTypeError",
-    "PdhalError", "Platform", "ProducerDiedError", "SegmentError", "SignalTimeoutError",
-    "UnsupportedError", "current_backend", "current_platform", "hookimpl",
+    "PdhalError", "Platform", "ProducerDiedError", "ReaderDiedError", "SegmentError",
+    "SignalTimeoutError", "UnsupportedError", "current_backend", "current_platform", "hookimpl",
 ]

@@ -11,6 +11,7 @@ from pdhal._errors import (
     ClosedHandleError,
     InvalidArgumentError,
     ProducerDiedError,
+    ReaderDiedError,
     SegmentError,
     SignalTimeoutError,
 )
@@ -51,6 +52,7 @@ STORE_CALLBACK_ADDRESS = int(ffi.cast("uintptr_t", ffi.addressof(lib, "pdhal_sto
 _ERROR_CLASSES = {
     errno.EBUSY: ChannelBusyError,
     errno.EOWNERDEAD: ProducerDiedError,
+    errno.EPIPE: ReaderDiedError,
     errno.ETIMEDOUT: SignalTimeoutError,
     errno.EINVAL: InvalidArgumentError,
     errno.E2BIG: InvalidArgumentError,

@@ -45,6 +45,10 @@ class ProducerDiedError(PdhalError, ConnectionError):
     """The process that produced a channel's signals is gone."""
 
 
+class ReaderDiedError(PdhalError, ConnectionError):
+    """The per-chunk reader (the cache messager) died while the producer waited for it."""
+
+
 class SignalTimeoutError(PdhalError, TimeoutError):
     """A wait ran past its timeout."""
 

@@ -1,0 +1,123 @@
+"""Crash and restart, repeated: a producer or a reader SIGKILLed at a random point of a
+per-chunk stream. The survivor reports the death within a second, a restarted process
+takes over the segment, and `pdhal cleanup` leaves nothing stale."""
+
+from __future__ import annotations
+
+import array
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pdhal
+from conftest import python_child, segments_of
+from pdhal import _names, ops
+
+LAYERS = 4
+ROUNDS = int(os.environ.get("PDHAL_CRASH_ROUNDS", "50"))
+
+PRODUCER = f"""
+from pdhal import ops
+step = 0
+while True:
+    step += 1
+    chunk = ops.init_kv_signal_per_query([step], [step], [0], 0, {LAYERS})
+    for layer in range({LAYERS}):
+        ops.signal_layer_ready(chunk.layer(layer))
+"""
+
+READER = f"""
+import array, sys
+from pdhal import ops, ProducerDiedError
+out = array.array("i", [0] * 1538)
+print("ready", flush=True)
+last = None
+while True:
+    try:
+        ops.get_output_kv_signal(out, 0, True, timeout=30)
+    except ProducerDiedError:  # a segment its producer left; the next producer reclaims it
+        last = None
+        continue
+    key = (out[4], out[1])  # (step, layer)
+    assert last is None or key == ((last[0], last[1] + 1) if last[1] < {LAYERS} - 1
+                                   else (last[0] + 1, 0)), (last, key)
+    last = key
+"""
+
+
+def _kill_producer_round(rng: random.Random) -> None:
+    producer = python_child(PRODUCER)
+    out = array.array("i", [0] * 1538)
+    deadline = time.monotonic() + 30
+    while True:  # until the new producer streams (what is there may be the last one's)
+        try:
+            ops.get_output_kv_signal(out, 0, True, timeout=30)
+            break
+        except pdhal.ProducerDiedError:
+            assert time.monotonic() < deadline
+    time.sleep(rng.uniform(0, 0.05))
+    producer.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(pdhal.ProducerDiedError):
+        while True:  # drain what it published, then learn of its death
+            ops.get_output_kv_signal(out, 0, True, timeout=30)
+    assert time.monotonic() - killed < 1.0
+    producer.wait()
+
+
+def _kill_reader_round(rng: random.Random) -> None:
+    reader = python_child(READER, stdout=subprocess.PIPE, text=True)
+    assert reader.stdout.readline().strip() == "ready"
+    step = 0
+    killed = None
+    kill_at = 20 + rng.randrange(200)
+    with pytest.raises(pdhal.ReaderDiedError, match="died with step"):
+        while True:
+            step += 1
+            chunk = ops.init_kv_signal_per_query([step], [step], [0], 0, LAYERS)
+            for layer in range(LAYERS):
+                ops.signal_layer_ready(chunk.layer(layer))
+            if step == kill_at:
+                reader.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+    assert killed is not None and time.monotonic() - killed < 1.0
+    reader.wait()
+
+
+def test_random_kills_are_reported_within_a_second_and_restarts_take_over():
+    rng = random.Random(int(os.environ.get("PDHAL_CRASH_SEED", "1234")))
+    counts = {"producer": 0, "reader": 0}
+    for _ in range(ROUNDS):
+        victim = rng.choice(["producer", "reader"])
+        counts[victim] += 1
+        if victim == "producer":
+            _kill_producer_round(rng)  # the next round's producer reclaims the segment
+        else:
+            _kill_reader_round(rng)  # and this process stays the producer
+            from pdhal import _signals
+
+            _signals.close_producer_channels()  # hand the channel to the next round
+    print(f"crash rounds: {counts}")
+    assert min(counts.values()) >= 10
+    # what SIGKILL left behind (a dead producer's segment) is stale: cleanup removes it
+    proc = subprocess.run([sys.executable, "-m", "pdhal", "cleanup"], capture_output=True,
+                          text=True, check=True)
+    assert not segments_of(os.environ["PDHAL_NAMESPACE"]), proc.stdout
+
+
+def test_cleanup_removes_dead_segments_only():
+    live = ops.open_shm_and_get_meta_signal(0, 0)
+    subprocess.run([sys.executable, "-c", "import os; from pdhal import ops; "
+                    "ops.open_shm_and_get_meta_signal(1, 0); os._exit(0)"], check=True)
+    dead = _names.channel_path("query", 1, 0)
+    assert os.path.exists(dead)
+    proc = subprocess.run([sys.executable, "-m", "pdhal", "cleanup"], capture_output=True,
+                          text=True, check=True)
+    assert f"removed {dead}" in proc.stdout
+    assert not os.path.exists(dead)
+    assert os.path.exists(_names.channel_path("query", 0, 0)) and live.step == 1
