@@ -93,6 +93,11 @@ def host_alloc(nbytes: int) -> CpuHostBuffer:
     nbytes = _names.validate_index(nbytes, "nbytes", 1 << 46)
     if nbytes == 0:
         raise InvalidArgumentError("nbytes must be at least 1")
+    # Locking pages means touching them all: a request beyond RAM would grind, not fail.
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if nbytes > ram:
+        raise InvalidArgumentError(f"nbytes {nbytes} is more than this machine's memory "
+                                   f"({ram} bytes)")
     return CpuHostBuffer(nbytes)
 
 

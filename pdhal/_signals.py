@@ -256,6 +256,9 @@ class ChunkReader:
         timeout passes (None: no limit) or the producer dies (ProducerDiedError).
         """
         words, capacity = writable_int32(out, "out", minimum=2)
+        return self._next_into(words, capacity, wait, timeout)
+
+    def _next_into(self, words, capacity: int, wait: bool, timeout: float | None) -> int | None:
         step = self._segment.ring_next(words, capacity, timeout if wait else 0)
         if step is None:
             words[0] = words[1] = -1
@@ -281,6 +284,7 @@ def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
     Layout: out[0] request count, out[1] layer, then (slot, cached tokens, chunk tokens)
     triples; -1, -1 when nothing is pending. Every (step, layer) comes exactly once, in order.
     """
+    words, capacity = writable_int32(out, "out", minimum=2)  # bad `out`: fail before waiting
     key = (os.getpid(), _names.channel_path("chunk", rank_id, device_id))
     reader = _chunk_readers.get(key)
     if reader is None:
@@ -289,12 +293,11 @@ def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
         except SegmentError as e:
             if wait_flag or e.errno != errno.ENOENT:
                 raise
-            words, _ = writable_int32(out, "out", minimum=2)
             words[0] = words[1] = -1
             return
         _chunk_readers[key] = reader
     try:
-        reader.next(out, wait_flag, timeout)
+        reader._next_into(words, capacity, wait_flag, timeout)
     except ProducerDiedError:
         # The next call attaches to the restarted producer's channel and resumes there.
         del _chunk_readers[key]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -136,3 +137,9 @@ def test_get_output_kv_signal_validates_out():
     assert out[:5].tolist() == [1, 0, 0, 0, 4]
     ops.get_output_kv_signal(out, 0, False)  # layer 1 not signalled yet
     assert out[:2].tolist() == [-1, -1]
+
+
+def test_host_alloc_beyond_ram_is_refused_at_once():
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(pdhal.InvalidArgumentError, match="more than this machine's memory"):
+        ops.host_alloc(ram + 4096)
