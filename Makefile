@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BACKENDS := $(wildcard backends/*/pyproject.toml)
 STAMP := $(VENV)/.pdhal-installed
 
-.PHONY: test demo bench sanitize clean
+.PHONY: test demo bench stress sanitize clean
 
 $(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h csrc/build_ffi.py $(BACKENDS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/pdhal demo
+
+# 10,000,000 signals per channel kind between two processes; prints RSS before and after.
+stress: $(STAMP)
+	$(PY) -m pytest -q -s -p no:cacheprovider stress
 
 bench: $(STAMP)
 	$(PY) bench/bench_signals.py
