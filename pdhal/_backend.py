@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -50,8 +51,14 @@ class Backend:
         raise NotImplementedError
 
     def ops(self) -> dict[str, Callable]:
-        """The backend's implementations of BACKEND_OPS (valid after load())."""
-        raise NotImplementedError
+        """The backend's implementations of BACKEND_OPS (valid after load()): by default the
+        functions of those names in the module defining this class (or, for a subclass
+        living elsewhere, the nearest base class's module that has them all)."""
+        for cls in type(self).__mro__:
+            module = sys.modules[cls.__module__]
+            if all(callable(getattr(module, name, None)) for name in BACKEND_OPS):
+                return {name: getattr(module, name) for name in BACKEND_OPS}
+        return {}
 
     def info(self) -> dict[str, object]:
         """Runtime facts for `pdhal info` (library path, versions, ...)."""

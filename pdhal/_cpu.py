@@ -4,6 +4,9 @@ Work submitted "to a stream" on the CPU is already done when the call returns, s
 signal is stored at once (or, with a sender, as soon as the sender thread reaches it). Host
 memory is a pdhal shared-memory segment, locked in RAM when RLIMIT_MEMLOCK allows, which is
 also what makes it shareable with set_data_ipc.
+
+The module-level functions named in BACKEND_OPS (destroy_kv_signal_sender imported) are
+the backend's ops (Backend.ops).
 """
 
 from __future__ import annotations
@@ -215,17 +218,6 @@ class CpuBackend(Backend):
     def platform(self) -> Platform:
         return CpuPlatform()
 
-    def ops(self):
-        return {
-            "signal_layer_ready": signal_layer_ready,
-            "create_kv_signal_sender": create_kv_signal_sender,
-            "destroy_kv_signal_sender": destroy_kv_signal_sender,
-            "host_alloc": host_alloc,
-            "host_free": host_free,
-            "get_peer_mem_addr": get_peer_mem_addr,
-            "set_data_ipc": set_data_ipc,
-            "share_external_data": share_external_data,
-        }
 
     def info(self) -> dict[str, object]:
         return {"runtime": "none (host memory and threads)"}

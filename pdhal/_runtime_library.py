@@ -36,6 +36,14 @@ class RuntimeLibrary:
     def version(self) -> str:
         return "unknown"
 
+    def describe(self) -> dict[str, object]:
+        """What `pdhal info` shows: library, how it was found, runtime version."""
+        try:
+            version = self.version()
+        except Exception as e:  # a report must not fail on a half-working runtime
+            version = f"unknown ({e})"
+        return {"library": self.path, "found_by": self.found_by, "runtime_version": version}
+
     def check(self, rc: int, call: str) -> None:
         """Raise DeviceError naming `call` when the runtime returned non-zero."""
         if rc != 0:

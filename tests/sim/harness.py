@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cffi import FFI
 
+from pdhal.testing import DeviceTensor  # noqa: F401  (re-exported for the sim tests)
 from sim.build import build
 
 # Per runtime: how to allocate device memory and streams, and the test-only kernel.
@@ -50,19 +51,3 @@ class SimRuntime:
         """Queue a kernel on `stream` that sleeps delay_us, then writes `data` at dst."""
         assert self._launch(self.ffi.cast("void *", stream), self.ffi.cast("void *", dst), data,
                             len(data), delay_us) == 0
-
-
-class DeviceTensor:
-    """Stands in for a device tensor: an object with data_ptr/numel/element_size."""
-
-    def __init__(self, address: int, nbytes: int, device: str):
-        self.address, self.nbytes, self.device = address, nbytes, device
-
-    def data_ptr(self) -> int:
-        return self.address
-
-    def numel(self) -> int:
-        return self.nbytes
-
-    def element_size(self) -> int:
-        return 1

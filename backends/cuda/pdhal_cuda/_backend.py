@@ -1,5 +1,9 @@
 """The `cuda` backend: layer signals as host functions on the stream, GPUDirect addresses,
-pinned memory and CUDA IPC."""
+pinned memory and CUDA IPC.
+
+The module-level functions named in BACKEND_OPS (destroy_kv_signal_sender imported) are
+the backend's ops (Backend.ops).
+"""
 
 from __future__ import annotations
 
@@ -227,27 +231,9 @@ class CudaBackend(Backend):
     def platform(self) -> Platform:
         return CudaPlatform()
 
-    def ops(self):
-        return {
-            "signal_layer_ready": signal_layer_ready,
-            "create_kv_signal_sender": create_kv_signal_sender,
-            "destroy_kv_signal_sender": destroy_kv_signal_sender,
-            "host_alloc": host_alloc,
-            "host_free": host_free,
-            "get_peer_mem_addr": get_peer_mem_addr,
-            "set_data_ipc": set_data_ipc,
-            "share_external_data": share_external_data,
-        }
 
     def info(self) -> dict[str, object]:
-        if _runtime is None:
-            return {}
-        try:
-            version = _runtime.version()
-        except Exception as e:
-            version = f"unknown ({e})"
-        return {"library": _runtime.path, "found_by": _runtime.found_by,
-                "runtime_version": version}
+        return {} if _runtime is None else _runtime.describe()
 
     def test_support(self):
         from pdhal_cuda.testing import CudaTestSupport

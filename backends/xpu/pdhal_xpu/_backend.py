@@ -1,4 +1,8 @@
-"""The `xpu` backend: layer signals through the async sender, peer aliases, XPU memory."""
+"""The `xpu` backend: layer signals through the async sender, peer aliases, XPU memory.
+
+The module-level functions named in BACKEND_OPS (destroy_kv_signal_sender imported) are
+the backend's ops (Backend.ops).
+"""
 
 from __future__ import annotations
 
@@ -193,27 +197,9 @@ class XpuBackend(Backend):
     def platform(self) -> Platform:
         return XpuPlatform()
 
-    def ops(self):
-        return {
-            "signal_layer_ready": signal_layer_ready,
-            "create_kv_signal_sender": create_kv_signal_sender,
-            "destroy_kv_signal_sender": destroy_kv_signal_sender,
-            "host_alloc": host_alloc,
-            "host_free": host_free,
-            "get_peer_mem_addr": get_peer_mem_addr,
-            "set_data_ipc": set_data_ipc,
-            "share_external_data": share_external_data,
-        }
 
     def info(self) -> dict[str, object]:
-        if _runtime is None:
-            return {}
-        try:
-            version = _runtime.version()
-        except Exception as e:
-            version = f"unknown ({e})"
-        return {"library": _runtime.path, "found_by": _runtime.found_by,
-                "runtime_version": version}
+        return {} if _runtime is None else _runtime.describe()
 
     def test_support(self):
         from pdhal_xpu.testing import XpuTestSupport
