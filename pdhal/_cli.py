@@ -16,9 +16,9 @@ def _info(args) -> int:
 
 
 def _demo(args) -> int:
-    from pdhal import _demo
+    from pdhal import demo
 
-    return _demo.main(args)
+    return demo.main(args)
 
 
 def _cleanup(args) -> int:
@@ -37,11 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="selected backend, discovered plugins, versions")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_info)
-    p = sub.add_parser("demo", help="a producer process streams layer signals to a reader")
-    p.add_argument("--mode", choices=["per_query", "per_chunk", "both"], default="both")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("demo", help="prefill worker -> cache messager -> decode, layer by layer")
+    from pdhal.demo import add_arguments
+
+    add_arguments(p)
     p.set_defaults(func=_demo)
     p = sub.add_parser("cleanup", help="remove this user's segments whose producer died")
     p.set_defaults(func=_cleanup)

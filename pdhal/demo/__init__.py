@@ -1,0 +1,86 @@
+"""`pdhal demo`: prefill worker → cache messager → decode receiver, layer by layer.
+
+A small Paddle model computes a batch of prompts on the prefill worker and posts a pdhal
+layer signal after each layer's K/V is written to its paged cache. The cache messager,
+woken by those signals, ships each finished layer's blocks to the decode receiver (through
+shared memory or Mooncake) while later layers are still being computed. The decode side
+verifies every byte against its own recomputation and decodes a few tokens from the
+received cache, which must match a single-process reference.
+
+Modules: `model` (the Paddle model and paged cache), `plan` (requests, blocks, steps),
+`worker`, `messager`, `decoder` (the three processes), `transport` (shm and Mooncake),
+`control` (the parent's loopback control channel), `pipeline` (the parent), `report`
+(summary, overlap efficiency, plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pdhal.demo.model import ModelConfig
+from pdhal.demo.plan import MODES, make_plan
+from pdhal.demo.transport import TRANSPORTS
+
+DEFAULT_PROMPTS = "64,96,128,200,256,320,384,512"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="shm")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--prompt-lens", default=DEFAULT_PROMPTS,
+                        help="comma-separated prompt lengths, one request each")
+    parser.add_argument("--cache-blocks", type=int, default=64,
+                        help="blocks of 64 tokens in each side's KV cache")
+    parser.add_argument("--batch", type=int, default=4, help="per_query: prompts per step")
+    parser.add_argument("--chunk-tokens", type=int, default=512,
+                        help="per_chunk: tokens per step (long prompts are split)")
+    parser.add_argument("--decode-steps", type=int, default=4)
+    parser.add_argument("--signal-at-end", action="store_true",
+                        help="baseline: post every layer signal only after the forward pass")
+    parser.add_argument("--host", default="127.0.0.1", help="Mooncake: this host's address")
+    parser.add_argument("--protocol", default="tcp", help="Mooncake: tcp, or rdma on a cluster")
+    parser.add_argument("--fault", choices=["kill-messager"],
+                        help="show fault handling: SIGKILL the messager mid-step")
+    parser.add_argument("--plot", metavar="FILE.png", help="timeline of compute and transfer")
+    parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
+
+
+def main(args) -> int:
+    from pdhal.demo import pipeline, report
+    from pdhal.demo.control import DemoError
+
+    try:
+        prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
+    except ValueError:
+        print(f"pdhal demo: --prompt-lens must be comma-separated integers, got "
+              f"{args.prompt_lens!r}", file=sys.stderr)
+        return 2
+    model = ModelConfig(layers=args.layers)
+    options = pipeline.Options(host=args.host, protocol=args.protocol, fault=args.fault,
+                               progress=not args.json)
+    summaries, timelines = [], []
+    try:
+        for mode in MODES if args.mode == "both" else [args.mode]:
+            plan = make_plan(model, prompt_lens, mode, args.transport, args.cache_blocks,
+                             args.decode_steps, args.batch, args.chunk_tokens,
+                             args.signal_at_end)
+            if not args.json:
+                print(f"pdhal demo: {mode}, {len(plan.requests)} requests, {model.layers} "
+                      f"layers, {len(plan.steps)} steps, transport {args.transport}",
+                      file=sys.stderr)
+            summary, timeline = pipeline.run(plan, options)
+            summaries.append(summary)
+            timelines.append((f"{mode} over {args.transport}", timeline))
+            if not args.json:
+                print(report.format_summary(summary), flush=True)
+        if args.plot:
+            report.plot(timelines, args.plot)
+    except DemoError as exc:
+        print(f"pdhal demo: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(summaries, indent=2))
+    return 0 if all(s["ok"] for s in summaries) else 1

@@ -1,0 +1,34 @@
+"""Entry point of the demo's child processes: `python -m pdhal.demo.child ROLE`."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+import warnings
+
+from pdhal.demo.control import DemoError, connect
+
+
+def main(role: str) -> int:
+    # Paddle warns at import that it found no ccache (for building C++ extensions, unused here).
+    warnings.filterwarnings("ignore", message="No ccache found")
+    from pdhal.demo import decoder, messager, worker
+
+    run = {"worker": worker.run, "messager": messager.run, "decoder": decoder.run}[role]
+    # SIGTERM from the parent unwinds normally, so pdhal removes this process's segments.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    link = connect(role)
+    setup = link.recv()
+    try:
+        run(link, setup)
+    except Exception as exc:  # every failure goes to the parent, then exit 1
+        detail = str(exc) if isinstance(exc, DemoError) else traceback.format_exc(limit=4)
+        link.send(("error", {"role": role, "error": f"{type(exc).__name__}: {exc}",
+                             "detail": detail}))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

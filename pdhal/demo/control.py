@@ -1,0 +1,73 @@
+"""The demo's control plane: the parent listens on loopback, each child process connects back.
+
+Data never goes through here (KV blocks move through the transport, progress through pdhal);
+only plans, readiness and timing events do. The listener binds 127.0.0.1 and every
+connection must prove it knows a random key, so nothing else on the host can join.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Client, Connection, Listener
+
+ADDRESS_VAR = "PDHAL_DEMO_CONTROL"
+KEY_VAR = "PDHAL_DEMO_KEY"
+
+
+class DemoError(Exception):
+    """A failure the demo reports in one line and exits non-zero for."""
+
+
+class Hub:
+    """The parent's end: starts role processes and holds one connection to each."""
+
+    def __init__(self):
+        self._key = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=self._key)
+        self.links: dict[str, Connection] = {}
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, role: str, env: dict[str, str]) -> None:
+        """Launch `python -m pdhal.demo.child ROLE` with `env` and wait for it to connect."""
+        host, port = self._listener.address
+        env = dict(env, **{ADDRESS_VAR: f"{host}:{port}", KEY_VAR: self._key.hex()})
+        self.processes[role] = subprocess.Popen([sys.executable, "-m", "pdhal.demo.child", role],
+                                                env=env)
+        link = self._listener.accept()
+        hello = link.recv()
+        if hello != ("hello", role):
+            raise DemoError(f"expected the {role} to connect, got {hello!r}")
+        self.links[role] = link
+
+    def pid(self, role: str) -> int:
+        return self.processes[role].pid
+
+    def stop(self, grace: float) -> None:
+        """Give the processes `grace` s to exit, terminate the rest, close the listener."""
+        deadline = time.monotonic() + grace
+        for process in self.processes.values():
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for link in self.links.values():
+            link.close()
+        self._listener.close()
+
+
+def connect(role: str) -> Connection:
+    """The child's end: connect to the parent named in the environment."""
+    host, port = os.environ[ADDRESS_VAR].rsplit(":", 1)
+    link = Client((host, int(port)), authkey=bytes.fromhex(os.environ[KEY_VAR]))
+    link.send(("hello", role))
+    return link

@@ -1,0 +1,105 @@
+"""The cache messager: waits on pdhal progress and ships each finished layer to decode.
+
+It never sleeps in a loop: every wake-up comes from the worker's layer signal (a futex
+wait in pdhal), and it sends exactly the blocks that signal made ready.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from pdhal import ops
+from pdhal.demo.plan import Plan
+from pdhal.demo.transport import MooncakeSender, ShmSender, block_runs
+
+WAIT_TIMEOUT_S = 60.0  # a worker that signals nothing for this long is reported, not waited on
+
+
+class Shipper:
+    """Tracks what has been sent and reports each transfer to the parent."""
+
+    def __init__(self, link, plan: Plan, sender):
+        self.link, self.plan, self.sender = link, plan, sender
+        self.bs = plan.model.block_size
+        self.sent_blocks = {(r.id, layer): 0 for r in plan.requests
+                            for layer in range(plan.model.layers)}
+        self.unfinished = {r.id for r in plan.requests}
+
+    def send(self, step: int, layer: int, ready: list[tuple[int, int]]) -> None:
+        """Send layer `layer` of each (request, tokens now in the cache) in `ready`."""
+        start = time.monotonic()
+        runs, finished, nbytes = [], [], 0
+        for request_id, tokens in ready:
+            request = self.plan.request(request_id)
+            whole = tokens == request.prompt_len
+            end = -(-tokens // self.bs) if whole else tokens // self.bs
+            first = self.sent_blocks[request_id, layer]
+            if end > first:
+                runs += block_runs(request.prefill_blocks[first:end],
+                                   request.decode_blocks[first:end])
+                nbytes += 2 * (end - first) * self.plan.model.block_bytes()
+                self.sent_blocks[request_id, layer] = end
+            if whole and layer == self.plan.model.layers - 1:
+                finished.append(request_id)
+        if runs:
+            self.sender.write(layer, runs)
+        now = time.monotonic()
+        self.link.send(("xfer", {"step": step, "layer": layer, "start": start, "end": now,
+                                 "bytes": nbytes}))
+        for request_id in finished:
+            self.unfinished.discard(request_id)
+            self.link.send(("sent", {"request": request_id, "time": now}))
+
+
+def _per_query(shipper: Shipper, plan: Plan, rank: int) -> None:
+    """Progress is one (step, layer) word: send every layer up to it, older steps whole."""
+    layers = plan.model.layers
+    with ops.open_kv_signal_reader(rank, 0, timeout=WAIT_TIMEOUT_S) as reader:
+        seen = reader.current()  # the worker's warm-up step
+        base = seen[0]
+        done = {index: -1 for index in range(len(plan.steps))}  # last layer sent per step
+        while shipper.unfinished:
+            seen = reader.wait(seen, timeout=WAIT_TIMEOUT_S)
+            for index, step in enumerate(plan.steps):
+                channel_step = base + 1 + index
+                if channel_step > seen[0]:
+                    break
+                upto = seen[1] if channel_step == seen[0] else layers - 1
+                for layer in range(done[index] + 1, upto + 1):
+                    shipper.send(channel_step, layer, [(c.request, c.start + c.length)
+                                                       for c in step])
+                done[index] = max(done[index], upto)
+
+
+def _per_chunk(shipper: Shipper, rank: int) -> None:
+    """Each (step, layer) record lists (slot, cached, chunk) of the requests it advanced."""
+    record = np.zeros(2 + 3 * 512, np.int32)
+    with ops.open_kv_chunk_reader(rank, 0, timeout=WAIT_TIMEOUT_S) as reader:
+        while shipper.unfinished:
+            step = reader.next(record, wait=True, timeout=WAIT_TIMEOUT_S)
+            count, layer = int(record[0]), int(record[1])
+            table = record[2:2 + 3 * count].reshape(count, 3)
+            shipper.send(step, layer, [(int(slot), int(cached + length))
+                                       for slot, cached, length in table])
+
+
+def run(link, setup: dict) -> None:
+    plan = Plan.from_json(setup["plan"])
+    src_shape = plan.model.cache_shape(plan.prefill_cache_blocks)
+    dst_shape = plan.model.cache_shape(plan.decode_cache_blocks)
+    src = ops.share_external_data(np.empty(0, np.float32), setup["prefill_cache"], src_shape)
+    if plan.transport == "shm":
+        sender = ShmSender(src, setup["decode"], dst_shape)
+    else:
+        sender = MooncakeSender(src, setup["decode"], dst_shape, setup["host"],
+                                setup["protocol"])
+    link.send(("ready", {"pid": os.getpid()}))
+    shipper = Shipper(link, plan, sender)
+    if plan.mode == "per_query":
+        _per_query(shipper, plan, setup["rank"])
+    else:
+        _per_chunk(shipper, setup["rank"])
+    link.send(("done", {}))

@@ -1,0 +1,245 @@
+"""The parent of `pdhal demo`: plans, starts the three processes, routes events, reports.
+
+decoder, then worker, then messager are started (each needs what the previous one made),
+then the worker is told to go. A request is handed to the decoder once the messager has
+sent its last block and the worker has produced its first token.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+import pdhal
+from pdhal.demo.control import DemoError, Hub
+from pdhal.demo.plan import Plan
+from pdhal.demo.report import Timeline, summarize
+from pdhal.demo.transport import require_mooncake
+
+SILENCE_TIMEOUT_S = 120.0  # no event from any process for this long: report a hang
+REPORT_GRACE_S = 10.0  # after a process dies, how long the others get to report it
+
+
+@dataclass
+class Options:
+    host: str = "127.0.0.1"
+    protocol: str = "tcp"
+    fault: str | None = None  # "kill-messager": SIGKILL it halfway through the first step
+    progress: bool = True
+
+
+class Progress:
+    """A live line per request: layers computed, layers sent, arrival on decode."""
+
+    def __init__(self, plan: Plan, enabled: bool):
+        self.plan = plan
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.computed = {r.id: (0, 0) for r in plan.requests}  # (tokens, layers)
+        self.sent = {r.id: (0, 0) for r in plan.requests}
+        self.arrived: dict[int, float] = {}
+        self._drawn = 0
+        self._last_draw = 0.0
+
+    def line(self, request) -> str:
+        layers = self.plan.model.layers
+        (ct, cl), (st, sl) = self.computed[request.id], self.sent[request.id]
+        where = (f"on decode at {1e3 * self.arrived[request.id]:6.0f} ms"
+                 if request.id in self.arrived else "")
+        return (f"  request {request.id:3d} {request.prompt_len:5d} tokens | prefilled "
+                f"{ct:5d} tok, layer {cl:2d}/{layers} | sent {st:5d} tok, layer {sl:2d}/{layers}"
+                f" | {where}")
+
+    def update(self, force: bool = False) -> None:
+        if not self.tty or (not force and time.monotonic() - self._last_draw < 0.1):
+            return
+        if self._drawn:
+            sys.stderr.write(f"\x1b[{self._drawn}F")
+        lines = [self.line(r) for r in self.plan.requests]
+        sys.stderr.write("".join(f"\x1b[2K{line}\n" for line in lines))
+        sys.stderr.flush()
+        self._drawn, self._last_draw = len(lines), time.monotonic()
+
+    def request_arrived(self, request_id: int, after: float) -> None:
+        self.arrived[request_id] = after
+        if self.enabled and not self.tty:
+            print(self.line(self.plan.request(request_id)), file=sys.stderr, flush=True)
+
+
+def _child_env(namespace: str) -> dict[str, str]:
+    platform = pdhal.current_platform()
+    env = platform.child_env([platform.physical_device_id(0)])
+    # One math thread per process: the processes share the cores, and identical threading
+    # is what makes the decode side's recomputation bit-identical to the worker's.
+    env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PDHAL_NAMESPACE": namespace,
+            "GLOG_minloglevel": env.get("GLOG_minloglevel", "2")}
+    return env
+
+
+class Pipeline:
+    """One run of the demo for one plan."""
+
+    def __init__(self, plan: Plan, options: Options):
+        self.plan, self.options = plan, options
+        self.hub = Hub()
+        self.timeline = Timeline()
+        self.progress = Progress(plan, options.progress)
+        self.step_index: dict[int, int] = {}  # channel step -> index in plan.steps
+        self.first_token: dict[int, int] = {}
+        self.sent_at: dict[int, float] = {}
+        self.verification: dict | None = None
+        self.finished: set[str] = set()
+        self.killed_at: float | None = None
+
+    # -- start-up ----------------------------------------------------------------------
+
+    def _expect(self, role: str, kind: str, timeout: float = SILENCE_TIMEOUT_S) -> dict:
+        link = self.hub.links[role]
+        if not link.poll(timeout):
+            raise DemoError(f"the {role} did not report {kind!r} within {timeout:.0f} s")
+        try:
+            got, payload = link.recv()
+        except EOFError:
+            raise DemoError(f"the {role} exited ({self._exit_status(role)}) before "
+                            f"{kind!r}") from None
+        if got == "error":
+            raise DemoError(f"the {role} failed: {payload['detail']}")
+        if got != kind:
+            raise DemoError(f"the {role} sent {got!r}, expected {kind!r}")
+        return payload
+
+    def _exit_status(self, role: str) -> str:
+        process = self.hub.processes[role]
+        try:
+            code = process.wait(2)
+        except Exception:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
+    def start(self) -> None:
+        tag = f"demo{os.getpid()}.{self.plan.mode}"
+        env = _child_env(tag)
+        common = {"plan": self.plan.to_json(), "rank": 0, "host": self.options.host,
+                  "protocol": self.options.protocol}
+        self.hub.start("decoder", env)
+        self.hub.links["decoder"].send(common | {"cache_name": f"{tag}.decode_cache"})
+        decode = self._expect("decoder", "ready")
+        self.hub.start("worker", env)
+        self.hub.links["worker"].send(common | {"cache_name": f"{tag}.prefill_cache"})
+        self._expect("worker", "ready")
+        self.hub.start("messager", env)
+        self.hub.links["messager"].send(common | {"prefill_cache": f"{tag}.prefill_cache",
+                                                  "decode": decode})
+        messager = self._expect("messager", "ready")
+        self.timeline.start = time.monotonic()
+        self.hub.links["worker"].send(("go", {"messager_pid": messager["pid"]}))
+
+    # -- events ------------------------------------------------------------------------
+
+    def _on_worker(self, kind: str, m: dict) -> None:
+        if kind == "step":
+            self.step_index[m["step"]] = m["index"]
+            self.timeline.step_start[m["step"]] = m["start"]
+        elif kind == "layer":
+            self.timeline.layer_end[m["step"], m["layer"]] = m["end"]
+            for c in self.plan.steps[m["index"]]:
+                self.progress.computed[c.request] = (c.start + c.length, m["layer"] + 1)
+            if (self.options.fault == "kill-messager" and self.killed_at is None
+                    and m["layer"] == self.plan.model.layers // 2):
+                os.kill(self.hub.pid("messager"), signal.SIGKILL)
+                self.killed_at = time.monotonic()
+        elif kind == "first_token":
+            self.first_token[m["request"]] = m["token"]
+            self._maybe_hand_over(m["request"])
+        elif kind == "done":
+            self.finished.add("worker")
+
+    def _on_messager(self, kind: str, m: dict) -> None:
+        if kind == "xfer":
+            self.timeline.transfers.append(m)
+            for c in self.plan.steps[self.step_index[m["step"]]]:
+                self.progress.sent[c.request] = (c.start + c.length, m["layer"] + 1)
+        elif kind == "sent":
+            self.sent_at[m["request"]] = m["time"]
+            self._maybe_hand_over(m["request"])
+        elif kind == "done":
+            self.finished.add("messager")
+            self.hub.links["worker"].send(("exit", {}))
+
+    def _on_decoder(self, kind: str, m: dict) -> None:
+        if kind == "inserted":
+            self.timeline.inserted[m["request"]] = m["time"]
+            self.progress.request_arrived(m["request"], m["time"] - self.timeline.start)
+        elif kind == "verified":
+            self.verification = m
+            self.hub.links["decoder"].send(("exit", {}))
+
+    def _maybe_hand_over(self, request: int) -> None:
+        if request in self.first_token and request in self.sent_at:
+            self.hub.links["decoder"].send(("request", {"request": request,
+                                                        "token": self.first_token[request]}))
+
+    def _died(self, role: str) -> None:
+        """A process exited early: give the others a moment to report it, then fail."""
+        status = self._exit_status(role)
+        deadline = time.monotonic() + REPORT_GRACE_S
+        others = {r: link for r, link in self.hub.links.items() if r != role}
+        while time.monotonic() < deadline:
+            for link in wait(list(others.values()), deadline - time.monotonic()):
+                who = next(r for r, other in others.items() if other is link)
+                try:
+                    kind, m = link.recv()
+                except EOFError:
+                    del others[who]
+                    continue
+                if kind == "error":
+                    after = ("" if self.killed_at is None else
+                             f" ({1e3 * (time.monotonic() - self.killed_at):.0f} ms after the "
+                             f"kill)")
+                    raise DemoError(f"the {role} {status}; the {who} reported{after}: "
+                                    f"{m['error']}")
+        raise DemoError(f"the {role} {status} and nothing else reported it")
+
+    def run(self) -> dict:
+        try:
+            self.start()
+            handlers = {"worker": self._on_worker, "messager": self._on_messager,
+                        "decoder": self._on_decoder}
+            roles = {id(link): role for role, link in self.hub.links.items()}
+            open_links = list(self.hub.links.values())
+            while self.verification is None:
+                ready = wait(open_links, SILENCE_TIMEOUT_S)
+                if not ready:
+                    raise DemoError(f"no process reported anything for {SILENCE_TIMEOUT_S} s")
+                for link in ready:
+                    role = roles[id(link)]
+                    try:
+                        kind, message = link.recv()
+                    except EOFError:
+                        if role not in self.finished:
+                            self._died(role)
+                        open_links.remove(link)
+                        continue
+                    if kind == "error":
+                        raise DemoError(f"the {role} failed: {message['detail']}")
+                    handlers[role](kind, message)
+                self.progress.update()
+            self.progress.update(force=True)
+        finally:
+            self.hub.stop(grace=10.0 if self.verification is not None else 0.0)
+        return summarize(self.timeline, self.plan, self.verification)
+
+
+def run(plan: Plan, options: Options) -> tuple[dict, Timeline]:
+    """Run the demo for `plan`; the summary (see report.summarize) and the timeline."""
+    if not plan.requests:
+        raise DemoError("no request fits the cache: " +
+                        "; ".join(f"{n} tokens: {why}" for n, why in plan.rejected))
+    if plan.transport == "mooncake":
+        require_mooncake()
+    pipeline = Pipeline(plan, options)
+    return pipeline.run(), pipeline.timeline

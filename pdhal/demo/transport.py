@@ -1,0 +1,122 @@
+"""How the cache messager moves KV blocks to the decode side: `shm` or `mooncake`.
+
+Both move runs of consecutive blocks, one layer at a time: `write(layer, runs)` copies, for
+K and V, blocks [src, src + count) of the prefill cache to [dst, dst + count) of the decode
+cache. The decode side opens its end with `DecodeEndpoint` and hands the messager the
+`describe()` dict it needs to connect.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdhal import ops
+from pdhal.demo.control import DemoError
+
+TRANSPORTS = ("shm", "mooncake")
+
+Run = tuple[int, int, int]  # (source block, destination block, count)
+
+
+def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[Run]:
+    """Pair two block tables into runs that are consecutive on both sides."""
+    runs: list[list[int]] = []
+    for s, d in zip(src_blocks, dst_blocks):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(run) for run in runs]
+
+
+def require_mooncake():
+    """Mooncake's TransferEngine class, or a DemoError saying what to install."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        if "libibverbs" in str(exc):
+            raise DemoError("Mooncake is installed but cannot load libibverbs.so.1: install "
+                            "Debian's libibverbs1 (apt-get install libibverbs1)") from None
+        raise DemoError("the mooncake transport needs Mooncake's transfer engine: "
+                        "pip install 'pdhal[mooncake]' (mooncake-transfer-engine-non-cuda)"
+                        ) from None
+    return TransferEngine
+
+
+class MooncakeEngine:
+    """One Mooncake transfer engine; P2PHANDSHAKE, so no metadata server is needed.
+
+    Its RPC port listens on every interface whatever `host` says: keep it behind a firewall.
+    """
+
+    def __init__(self, host: str, protocol: str):
+        self.engine = require_mooncake()()
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise DemoError(f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) "
+                            f"failed with {rc}")
+        self.session = f"{host}:{self.engine.get_rpc_port()}"
+
+    def register(self, address: int, nbytes: int) -> None:
+        rc = self.engine.register_memory(address, nbytes)
+        if rc != 0:
+            raise DemoError(f"Mooncake could not register {nbytes} bytes at {address:#x} ({rc})")
+
+
+class DecodeEndpoint:
+    """The decode side's end: makes its cache reachable by the messager."""
+
+    def __init__(self, transport: str, tensor, cache_name: str, host: str, protocol: str):
+        self._describe = {"transport": transport}
+        if transport == "shm":
+            ops.set_data_ipc(tensor, cache_name)
+            self._describe["name"] = cache_name
+        else:
+            self._engine = MooncakeEngine(host, protocol)
+            address = ops.get_peer_mem_addr(tensor)
+            self._engine.register(address, tensor.size * 4)
+            self._describe |= {"session": self._engine.session, "address": address}
+
+    def describe(self) -> dict:
+        return self._describe
+
+
+class ShmSender:
+    """Copies blocks straight into the decode cache, mapped with share_external_data."""
+
+    def __init__(self, src: np.ndarray, decode: dict, dst_shape: tuple[int, ...]):
+        self.src = src
+        self.dst = ops.share_external_data(src, decode["name"], dst_shape)
+
+    def write(self, layer: int, runs: list[Run]) -> None:
+        for kv in (0, 1):
+            src, dst = self.src[layer, kv], self.dst[layer, kv]
+            for s, d, n in runs:
+                dst[d:d + n] = src[s:s + n]
+
+
+class MooncakeSender:
+    """Writes blocks into the decode cache with Mooncake, from the address pdhal registers."""
+
+    def __init__(self, src: np.ndarray, decode: dict, dst_shape: tuple[int, ...], host: str,
+                 protocol: str):
+        self._engine = MooncakeEngine(host, protocol)
+        self._src_base = ops.get_peer_mem_addr(src)
+        self._engine.register(self._src_base, src.nbytes)
+        self._target = decode["session"]
+        self._dst_base = decode["address"]
+        self._src_blocks, self._dst_blocks = src.shape[2], dst_shape[2]
+        self._block = int(np.prod(src.shape[3:])) * src.itemsize
+
+    def write(self, layer: int, runs: list[Run]) -> None:
+        srcs, dsts, lens = [], [], []
+        for kv in (0, 1):
+            src_row = (layer * 2 + kv) * self._src_blocks
+            dst_row = (layer * 2 + kv) * self._dst_blocks
+            for s, d, n in runs:
+                srcs.append(self._src_base + (src_row + s) * self._block)
+                dsts.append(self._dst_base + (dst_row + d) * self._block)
+                lens.append(n * self._block)
+        rc = self._engine.engine.batch_transfer_sync_write(self._target, srcs, dsts, lens)
+        if rc != 0:
+            raise DemoError(f"Mooncake write of layer {layer} to {self._target} failed ({rc})")

@@ -1,0 +1,89 @@
+"""The prefill worker: runs the model step by step and posts a layer signal after each layer.
+
+Its KV cache lives in pdhal host memory, shared with the cache messager by set_data_ipc. It
+never waits for the messager; it only watches that the messager is alive, so a killed
+messager is reported within a layer instead of leaving decode waiting forever.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+
+import numpy as np
+
+from pdhal import ops
+from pdhal.demo.control import DemoError
+from pdhal.demo.model import Chunk, TinyDecoder, prompt_tokens
+from pdhal.demo.plan import Plan
+
+
+class PeerWatch:
+    """Knows at once (through a pidfd) when another process has exited."""
+
+    def __init__(self, pid: int, what: str):
+        self._fd = os.pidfd_open(pid)
+        self._what = f"{what} (pid {pid})"
+
+    def check(self, where: str) -> None:
+        if select.select([self._fd], [], [], 0)[0]:
+            raise DemoError(f"the {self._what} died; the prefill worker stopped at {where}")
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def run(link, setup: dict) -> None:
+    import paddle
+
+    plan = Plan.from_json(setup["plan"])
+    rank, layers = setup["rank"], plan.model.layers
+    model = TinyDecoder(plan.model)
+    prompts = {r.id: prompt_tokens(plan.model, r.id, r.prompt_len) for r in plan.requests}
+    shape = plan.model.cache_shape(plan.prefill_cache_blocks)
+    buffer = ops.host_alloc(int(np.prod(shape)) * 4)
+    cache = buffer.as_numpy(np.float32, shape)
+    ops.set_data_ipc(paddle.from_dlpack(cache), setup["cache_name"])
+    # The warm-up step an engine's profile run would be: it creates the per-query channel.
+    ops.open_shm_and_get_meta_signal(rank, 0)
+    link.send(("ready", {}))
+
+    _, go = link.recv()
+    watch = PeerWatch(go["messager_pid"], "cache messager")
+    slots = len(plan.requests)  # batch slot of a request = its id
+    for index, step in enumerate(plan.steps):
+        if plan.mode == "per_query":
+            meta = ops.open_shm_and_get_meta_signal(rank, 0)
+            signal_of, channel_step = (lambda i: ops.init_signal_layerwise(meta, i)), meta.step
+        else:
+            encoder, cached = [0] * slots, [0] * slots
+            for c in step:
+                encoder[c.request], cached[c.request] = c.length, c.start
+            chunk = ops.init_kv_signal_per_query(encoder, encoder, cached, rank, layers)
+            signal_of, channel_step = chunk.layer, chunk.step
+        chunks = [Chunk(c.request, c.start, prompts[c.request][c.start:c.start + c.length],
+                        plan.request(c.request).prefill_blocks,
+                        c.start + c.length == plan.request(c.request).prompt_len)
+                  for c in step]
+        started = time.monotonic()
+
+        def after_layer(layer: int) -> None:
+            if not plan.signal_at_end:
+                ops.signal_layer_ready(signal_of(layer))
+            link.send(("layer", {"step": channel_step, "index": index, "layer": layer,
+                                 "end": time.monotonic()}))
+            watch.check(f"step {index} layer {layer}")
+
+        link.send(("step", {"step": channel_step, "index": index, "start": started}))
+        first_tokens = model.forward(chunks, cache, after_layer)
+        if plan.signal_at_end:
+            for layer in range(layers):
+                ops.signal_layer_ready(signal_of(layer))
+        for request, token in first_tokens.items():
+            link.send(("first_token", {"request": request, "token": token,
+                                       "time": time.monotonic()}))
+    link.send(("done", {}))
+    link.recv()  # ("exit", {}): the messager has read everything it needs
+    watch.close()
+    ops.host_free(buffer)
