@@ -67,6 +67,9 @@ def main(args) -> int:
             plan = make_plan(model, prompt_lens, mode, args.transport, args.cache_blocks,
                              args.decode_steps, args.batch, args.chunk_tokens,
                              args.signal_at_end)
+            for length, why in plan.rejected:
+                print(f"pdhal demo: rejected a {length}-token prompt up front: {why}",
+                      file=sys.stderr)
             if not args.json:
                 print(f"pdhal demo: {mode}, {len(plan.requests)} requests, {model.layers} "
                       f"layers, {len(plan.steps)} steps, transport {args.transport}",

@@ -16,6 +16,8 @@ def main(role: str) -> int:
     from pdhal.demo import decoder, messager, worker
 
     run = {"worker": worker.run, "messager": messager.run, "decoder": decoder.run}[role]
+    if role != "messager":
+        import paddle  # noqa: F401  (first: it installs a SIGTERM handler that we replace)
     # SIGTERM from the parent unwinds normally, so pdhal removes this process's segments.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     link = connect(role)
@@ -23,9 +25,9 @@ def main(role: str) -> int:
     try:
         run(link, setup)
     except Exception as exc:  # every failure goes to the parent, then exit 1
-        detail = str(exc) if isinstance(exc, DemoError) else traceback.format_exc(limit=4)
-        link.send(("error", {"role": role, "error": f"{type(exc).__name__}: {exc}",
-                             "detail": detail}))
+        error = str(exc) if isinstance(exc, DemoError) else f"{type(exc).__name__}: {exc}"
+        detail = error if isinstance(exc, DemoError) else traceback.format_exc(limit=4)
+        link.send(("error", {"role": role, "error": error, "detail": detail}))
         return 1
     return 0
 

@@ -8,13 +8,16 @@ connection must prove it knows a random key, so nothing else on the host can joi
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
 ADDRESS_VAR = "PDHAL_DEMO_CONTROL"
+_GLOG_LINE = re.compile(r"[IWE]\d{4} |WARNING: Logging before InitGoogleLogging")
 KEY_VAR = "PDHAL_DEMO_KEY"
 
 
@@ -30,24 +33,41 @@ class Hub:
         self._listener = Listener(("127.0.0.1", 0), authkey=self._key)
         self.links: dict[str, Connection] = {}
         self.processes: dict[str, subprocess.Popen] = {}
+        #: Each child's stderr (Mooncake logs there at INFO level, whatever it is told).
+        self.logs = tempfile.TemporaryDirectory(prefix="pdhal-demo-")
 
     def start(self, role: str, env: dict[str, str]) -> None:
         """Launch `python -m pdhal.demo.child ROLE` with `env` and wait for it to connect."""
         host, port = self._listener.address
         env = dict(env, **{ADDRESS_VAR: f"{host}:{port}", KEY_VAR: self._key.hex()})
-        self.processes[role] = subprocess.Popen([sys.executable, "-m", "pdhal.demo.child", role],
-                                                env=env)
+        with open(self.log_path(role), "wb") as log:
+            self.processes[role] = subprocess.Popen(
+                [sys.executable, "-m", "pdhal.demo.child", role], env=env, stderr=log)
         link = self._listener.accept()
         hello = link.recv()
         if hello != ("hello", role):
             raise DemoError(f"expected the {role} to connect, got {hello!r}")
         self.links[role] = link
 
+    def log_path(self, role: str) -> str:
+        return os.path.join(self.logs.name, f"{role}.log")
+
+    def log_tail(self, role: str, lines: int = 15) -> str:
+        """The last lines a child wrote to stderr, without Mooncake's routine glog lines."""
+        with open(self.log_path(role), errors="replace") as log:
+            kept = [line for line in log if not _GLOG_LINE.match(line)]
+        return "".join(kept[-lines:])
+
     def pid(self, role: str) -> int:
         return self.processes[role].pid
 
     def stop(self, grace: float) -> None:
         """Give the processes `grace` s to exit, terminate the rest, close the listener."""
+        for link in self.links.values():
+            try:
+                link.send(("exit", {}))  # a process waiting for its next message stops
+            except OSError:
+                pass  # it has gone already
         deadline = time.monotonic() + grace
         for process in self.processes.values():
             try:
@@ -63,6 +83,7 @@ class Hub:
         for link in self.links.values():
             link.close()
         self._listener.close()
+        self.logs.cleanup()
 
 
 def connect(role: str) -> Connection:

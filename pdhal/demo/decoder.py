@@ -106,7 +106,9 @@ def run(link, setup: dict) -> None:
     link.send(("ready", endpoint.describe()))
     first_tokens = {}
     while len(first_tokens) < len(plan.requests):
-        _, message = link.recv()  # ("request", ...): its blocks are here, with its first token
+        kind, message = link.recv()  # ("request", ...): its blocks and first token are here
+        if kind == "exit":  # the run failed elsewhere
+            return
         first_tokens[message["request"]] = message["token"]
         link.send(("inserted", {"request": message["request"], "time": time.monotonic()}))
     link.send(("verified", verify(plan, cache, first_tokens)))

@@ -176,7 +176,6 @@ class Pipeline:
             self.progress.request_arrived(m["request"], m["time"] - self.timeline.start)
         elif kind == "verified":
             self.verification = m
-            self.hub.links["decoder"].send(("exit", {}))
 
     def _maybe_hand_over(self, request: int) -> None:
         if request in self.first_token and request in self.sent_at:
@@ -198,11 +197,11 @@ class Pipeline:
                     continue
                 if kind == "error":
                     after = ("" if self.killed_at is None else
-                             f" ({1e3 * (time.monotonic() - self.killed_at):.0f} ms after the "
-                             f"kill)")
-                    raise DemoError(f"the {role} {status}; the {who} reported{after}: "
-                                    f"{m['error']}")
-        raise DemoError(f"the {role} {status} and nothing else reported it")
+                             f" {1e3 * (time.monotonic() - self.killed_at):.0f} ms after the "
+                             f"kill")
+                    raise DemoError(f"the {role} exited ({status}); the {who} reported it"
+                                    f"{after}: {m['error']}")
+        raise DemoError(f"the {role} exited ({status}) and nothing else reported it")
 
     def run(self) -> dict:
         try:
@@ -229,8 +228,12 @@ class Pipeline:
                     handlers[role](kind, message)
                 self.progress.update()
             self.progress.update(force=True)
+        except DemoError as exc:
+            logs = "".join(f"\n--- {role}'s stderr (last lines) ---\n{self.hub.log_tail(role)}"
+                           for role in self.hub.processes if self.hub.log_tail(role).strip())
+            raise DemoError(f"{exc}{logs}") from None
         finally:
-            self.hub.stop(grace=10.0 if self.verification is not None else 0.0)
+            self.hub.stop(grace=10.0)
         return summarize(self.timeline, self.plan, self.verification)
 
 
