@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 import pdhal
+from pdhal import _names
 from pdhal.demo.control import DemoError, Hub
 from pdhal.demo.plan import Plan
 from pdhal.demo.report import Timeline, summarize
@@ -121,8 +122,9 @@ class Pipeline:
         return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
     def start(self) -> None:
+        # A namespace of its own inside the caller's, so runs never meet each other's segments.
         tag = f"demo{os.getpid()}.{self.plan.mode}"
-        env = _child_env(tag)
+        env = _child_env(f"{_names.namespace()}.{tag}")
         common = {"plan": self.plan.to_json(), "rank": 0, "host": self.options.host,
                   "protocol": self.options.protocol}
         self.hub.start("decoder", env)

@@ -1,0 +1,143 @@
+"""`pdhal demo` end to end: three real processes, every received byte checked.
+
+These run the real Paddle model (small: a few layers, short prompts) and the real
+transports: `shm`, and Mooncake's transfer engine over TCP on loopback (installed by
+`make test` with Debian's libibverbs1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pdhal.demo.control import DemoError
+from pdhal.demo.model import ModelConfig
+from pdhal.demo.plan import make_plan
+from pdhal.demo.transport import block_runs, require_mooncake
+
+pytestmark = pytest.mark.paddle
+
+SMALL = ["--layers", "4", "--prompt-lens", "64,100,200,333", "--batch", "2",
+         "--chunk-tokens", "128", "--decode-steps", "3"]
+
+
+def demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdhal", "demo", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def expected_bytes(prompts: list[int], layers: int) -> int:
+    block = ModelConfig().block_bytes()
+    return sum(-(-n // 64) for n in prompts) * 2 * layers * block
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_both_modes_verify_every_byte(transport, tmp_path):
+    plot = tmp_path / "timeline.png"
+    run = demo(*SMALL, "--mode", "both", "--transport", transport, "--json", "--plot", str(plot))
+    assert run.returncode == 0, run.stderr
+    summaries = json.loads(run.stdout)
+    assert [s["mode"] for s in summaries] == ["per_query", "per_chunk"]
+    for s in summaries:
+        assert s["ok"] and not s["bad_blocks"] and not s["bad_tokens"]
+        assert s["transport"] == transport and s["requests"] == 4 and s["layers"] == 4
+        assert s["bytes_moved"] == s["verified_bytes"] == expected_bytes([64, 100, 200, 333], 4)
+        assert 0 < s["overlap_efficiency"] <= 1
+        assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["max"]
+    # per_chunk splits the 200- and 333-token prompts over 128-token steps
+    assert summaries[1]["steps"] == -(-(64 + 100 + 200 + 333) // 128)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_human_output_shows_progress_and_summary():
+    run = demo(*SMALL, "--mode", "per_chunk")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("on decode at") == 4  # one progress line per request
+    assert "every byte verified, decode tokens match the reference" in run.stdout
+    assert "overlap efficiency" in run.stdout and "time to first token" in run.stdout
+
+
+@pytest.mark.parametrize("mode", ["per_query", "per_chunk"])
+def test_killed_messager_is_reported_by_the_worker(mode):
+    start = time.monotonic()
+    run = demo(*SMALL, "--mode", mode, "--layers", "8", "--fault", "kill-messager")
+    assert run.returncode == 1
+    assert "the messager exited (killed by signal 9); the worker reported it" in run.stderr
+    assert "the cache messager (pid" in run.stderr and "died" in run.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_prompt_bigger_than_the_cache_is_rejected_up_front():
+    run = demo(*SMALL, "--mode", "per_query", "--prompt-lens", "64,5000", "--cache-blocks", "16")
+    assert run.returncode == 0, run.stderr
+    assert ("rejected a 5000-token prompt up front: needs 79 blocks of 64 tokens, the whole "
+            "cache has 16") in run.stderr
+    assert "requests 1 " in run.stdout and "every byte verified" in run.stdout
+    run = demo("--prompt-lens", "5000", "--cache-blocks", "16")
+    assert run.returncode == 1 and "no request fits the cache" in run.stderr
+
+
+def _fake_mooncake(tmp_path, error: str) -> str:
+    package = tmp_path / "mooncake"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "engine.py").write_text(f"raise ImportError({error!r})\n")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("error, advice", [
+    ("libibverbs.so.1: cannot open shared object file: No such file or directory",
+     "install Debian's libibverbs1 (apt-get install libibverbs1)"),
+    ("No module named 'mooncake.engine'", "pip install 'pdhal[mooncake]'"),
+])
+def test_missing_mooncake_says_what_to_install(tmp_path, monkeypatch, error, advice):
+    fake = _fake_mooncake(tmp_path, error)
+    monkeypatch.syspath_prepend(fake)
+    for name in [m for m in sys.modules if m.startswith("mooncake")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(DemoError, match=re.escape(advice)):
+        require_mooncake()
+    env = dict(os.environ, PYTHONPATH=fake)
+    run = subprocess.run([sys.executable, "-m", "pdhal", "demo", *SMALL, "--transport",
+                          "mooncake"], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 1 and advice in run.stderr
+
+
+def test_per_chunk_plan_splits_long_prompts_within_the_token_budget():
+    plan = make_plan(ModelConfig(layers=2), [64, 300, 50], "per_chunk", "shm", cache_blocks=32,
+                     decode_steps=2, batch=4, chunk_tokens=128)
+    assert all(sum(c.length for c in step) <= 128 for step in plan.steps)
+    for request in plan.requests:
+        chunks = [c for step in plan.steps for c in step if c.request == request.id]
+        assert [c.start for c in chunks] == list(np.cumsum([0] + [c.length for c in chunks])[:-1])
+        assert sum(c.length for c in chunks) == request.prompt_len
+    prefill = [b for r in plan.requests for b in r.prefill_blocks]
+    decode = [b for r in plan.requests for b in r.decode_blocks]
+    assert len(set(prefill)) == len(prefill) and len(set(decode)) == len(decode)
+    assert prefill != decode[:len(prefill)]  # placement differs between the two sides
+
+
+def test_block_runs_pair_only_blocks_consecutive_on_both_sides():
+    assert block_runs([0, 1, 2, 5], [10, 11, 3, 4]) == [(0, 10, 2), (2, 3, 1), (5, 4, 1)]
+
+
+def test_verification_catches_one_wrong_byte():
+    from pdhal.demo.decoder import TinyDecoder, reference_prefill, verify
+
+    plan = make_plan(ModelConfig(layers=3), [70, 40], "per_query", "shm", cache_blocks=8,
+                     decode_steps=2, batch=2, chunk_tokens=0)
+    cache = np.zeros(plan.model.cache_shape(plan.decode_cache_blocks), np.float32)
+    first = reference_prefill(TinyDecoder(plan.model), plan, cache)
+    clean = verify(plan, cache.copy(), first)
+    assert not clean["bad_blocks"] and not clean["bad_tokens"]
+    request = plan.requests[1]
+    cache.view(np.uint8)[2, 1, request.decode_blocks[0], 0, 5, 0] ^= 1  # one bit of layer 2's V
+    bad = verify(plan, cache, first)
+    assert bad["bad_blocks"] == [{"request": 1, "layer": 2, "kv": "V"}]
