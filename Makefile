@@ -6,17 +6,26 @@ PY := $(VENV)/bin/python
 BACKENDS := $(wildcard backends/*/pyproject.toml)
 STAMP := $(VENV)/.pdhal-installed
 
-.PHONY: test demo bench stress sanitize clean
+.PHONY: test demo bench stress sanitize clean ibverbs
 
 $(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h csrc/build_ffi.py $(BACKENDS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
-	$(PY) -m pip install -q -e '.[test]' $(foreach b,$(BACKENDS),-e $(dir $(b)))
+	$(PY) -m pip install -q -e '.[test,demo,mooncake]' $(foreach b,$(BACKENDS),-e $(dir $(b)))
 	touch $@
+
+# Mooncake's wheel links libibverbs.so.1 (Debian: libibverbs1). Installed when we can (root
+# with apt, as in CI); otherwise the demo says what to install when --transport mooncake.
+ibverbs:
+	@if /sbin/ldconfig -p | grep -q 'libibverbs\.so\.1 '; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q libibverbs1 >/dev/null || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }; \
+	else echo "libibverbs1 is not installed and this is not root: the mooncake tests will fail"; fi
 
 # The suite, then the conformance kit against every in-tree backend (cuda and xpu on the
 # simulated runtimes of tests/sim).
-test: $(STAMP)
+test: $(STAMP) ibverbs
 	$(PY) -m pytest -q -p no:cacheprovider
 	$(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cpu
 	PDHAL_XPURT=$$($(PY) tests/sim/build.py libxpurt.so) \
@@ -25,7 +34,7 @@ test: $(STAMP)
 	  $(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cuda
 
 demo: $(STAMP)
-	$(VENV)/bin/pdhal demo
+	$(VENV)/bin/pdhal demo --plot demo-timeline.png
 
 # 10,000,000 signals per channel kind between two processes; prints RSS before and after.
 stress: $(STAMP)
@@ -34,6 +43,7 @@ stress: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/bench_signals.py
 	$(PY) bench/bench_sender.py
+	$(PY) bench/bench_demo.py
 
 # The C core under AddressSanitizer + UBSan, then the suite. Tests that load paddle are left
 # out: paddle's own C++ aborts under ASan at exit (alloc/dealloc mismatch inside paddle).

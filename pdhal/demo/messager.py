@@ -6,6 +6,7 @@ wait in pdhal), and it sends exactly the blocks that signal made ready.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -28,6 +29,11 @@ class Shipper:
                             for layer in range(plan.model.layers)}
         self.unfinished = {r.id for r in plan.requests}
 
+    @functools.lru_cache(maxsize=4096)  # the same block range recurs in every layer
+    def _runs(self, request_id: int, first: int, end: int) -> list:
+        request = self.plan.request(request_id)
+        return block_runs(request.prefill_blocks[first:end], request.decode_blocks[first:end])
+
     def send(self, step: int, layer: int, ready: list[tuple[int, int]]) -> None:
         """Send layer `layer` of each (request, tokens now in the cache) in `ready`."""
         start = time.monotonic()
@@ -38,8 +44,7 @@ class Shipper:
             end = -(-tokens // self.bs) if whole else tokens // self.bs
             first = self.sent_blocks[request_id, layer]
             if end > first:
-                runs += block_runs(request.prefill_blocks[first:end],
-                                   request.decode_blocks[first:end])
+                runs += self._runs(request_id, first, end)
                 nbytes += 2 * (end - first) * self.plan.model.block_bytes()
                 self.sent_blocks[request_id, layer] = end
             if whole and layer == self.plan.model.layers - 1:
@@ -54,11 +59,15 @@ class Shipper:
             self.link.send(("sent", {"request": request_id, "time": now}))
 
 
-def _per_query(shipper: Shipper, plan: Plan, rank: int) -> None:
-    """Progress is one (step, layer) word: send every layer up to it, older steps whole."""
+def _per_query(shipper: Shipper, plan: Plan, reader) -> None:
+    """Progress is one (step, layer) word: send every layer up to it, older steps whole.
+
+    `reader` was opened before the worker was told to go, so its current step is the
+    worker's warm-up step and plan step i is channel step base + 1 + i.
+    """
     layers = plan.model.layers
-    with ops.open_kv_signal_reader(rank, 0, timeout=WAIT_TIMEOUT_S) as reader:
-        seen = reader.current()  # the worker's warm-up step
+    with reader:
+        seen = reader.current()
         base = seen[0]
         done = {index: -1 for index in range(len(plan.steps))}  # last layer sent per step
         while shipper.unfinished:
@@ -96,10 +105,13 @@ def run(link, setup: dict) -> None:
     else:
         sender = MooncakeSender(src, setup["decode"], dst_shape, setup["host"],
                                 setup["protocol"])
+    if plan.mode == "per_query":  # before "ready": the worker's first step must come after
+        reader = ops.open_kv_signal_reader(setup["rank"], 0, timeout=WAIT_TIMEOUT_S)
     link.send(("ready", {"pid": os.getpid()}))
     shipper = Shipper(link, plan, sender)
     if plan.mode == "per_query":
-        _per_query(shipper, plan, setup["rank"])
-    else:
+        _per_query(shipper, plan, reader)
+    else:  # the ring hands over every step from the first, whenever the reader attaches
         _per_chunk(shipper, setup["rank"])
     link.send(("done", {}))
+    link.recv()  # ("exit", {}): stay alive until then, the worker takes an exit for a death

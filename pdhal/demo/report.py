@@ -61,6 +61,8 @@ def summarize(timeline: Timeline, plan, verification: dict) -> dict:
         "ttft_ms": {"mean": 1e3 * statistics.fmean(ttft), "p50": 1e3 * statistics.median(ttft),
                     "max": 1e3 * max(ttft)},
         "overlap_efficiency": timeline.overlap_efficiency(),
+        # transfer time not hidden behind compute: last byte sent after the last layer computed
+        "exposed_transfer_ms": 1e3 * (timeline.measured_end() - max(timeline.layer_end.values())),
         "verified_bytes": verification["checked_bytes"],
         "bad_blocks": verification["bad_blocks"],
         "bad_tokens": verification["bad_tokens"],
@@ -79,7 +81,8 @@ def format_summary(s: dict) -> str:
         f"; verified {s['verified_bytes'] / 2**20:.1f} MiB",
         f"  time to first token on decode: mean {s['ttft_ms']['mean']:.0f} ms, "
         f"p50 {s['ttft_ms']['p50']:.0f} ms, max {s['ttft_ms']['max']:.0f} ms",
-        f"  compute {s['compute_s']:.2f} s, last byte at {s['wall_s']:.2f} s, "
+        f"  compute {s['compute_s']:.2f} s, last byte at {s['wall_s']:.2f} s "
+        f"({s['exposed_transfer_ms']:.1f} ms after the last layer), "
         f"overlap efficiency {s['overlap_efficiency']:.3f}",
     ]
     for r in s["rejected"]:

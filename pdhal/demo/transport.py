@@ -8,6 +8,8 @@ cache. The decode side opens its end with `DecodeEndpoint` and hands the message
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from pdhal import ops
@@ -87,12 +89,18 @@ class ShmSender:
     def __init__(self, src: np.ndarray, decode: dict, dst_shape: tuple[int, ...]):
         self.src = src
         self.dst = ops.share_external_data(src, decode["name"], dst_shape)
+        self._block = int(np.prod(src.shape[3:])) * src.itemsize
+        self._src_row = src.shape[2] * self._block  # bytes of one layer's K (or V)
+        self._dst_row = dst_shape[2] * self._block
 
     def write(self, layer: int, runs: list[Run]) -> None:
+        # memmove on addresses: a numpy slice assignment costs more than copying a block.
+        src_base, dst_base, block = self.src.ctypes.data, self.dst.ctypes.data, self._block
         for kv in (0, 1):
-            src, dst = self.src[layer, kv], self.dst[layer, kv]
+            src = src_base + (2 * layer + kv) * self._src_row
+            dst = dst_base + (2 * layer + kv) * self._dst_row
             for s, d, n in runs:
-                dst[d:d + n] = src[s:s + n]
+                ctypes.memmove(dst + d * block, src + s * block, n * block)
 
 
 class MooncakeSender:
@@ -107,6 +115,16 @@ class MooncakeSender:
         self._dst_base = decode["address"]
         self._src_blocks, self._dst_blocks = src.shape[2], dst_shape[2]
         self._block = int(np.prod(src.shape[3:])) * src.itemsize
+        self._connect()
+
+    def _connect(self) -> None:
+        """Open the connection now (a read into scratch memory), not in the first layer."""
+        self._scratch = np.zeros(4096, np.uint8)
+        self._engine.register(self._scratch.ctypes.data, self._scratch.nbytes)
+        rc = self._engine.engine.transfer_sync_read(self._target, self._scratch.ctypes.data,
+                                                    self._dst_base, self._scratch.nbytes)
+        if rc != 0:
+            raise DemoError(f"Mooncake could not reach the decode side at {self._target} ({rc})")
 
     def write(self, layer: int, runs: list[Run]) -> None:
         srcs, dsts, lens = [], [], []

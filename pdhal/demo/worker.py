@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import select
 import time
+from multiprocessing.connection import wait
 
 import numpy as np
 
@@ -29,6 +30,10 @@ class PeerWatch:
     def check(self, where: str) -> None:
         if select.select([self._fd], [], [], 0)[0]:
             raise DemoError(f"the {self._what} died; the prefill worker stopped at {where}")
+
+    def fileno(self) -> int:
+        """Readable once the process has exited (for multiprocessing.connection.wait)."""
+        return self._fd
 
     def close(self) -> None:
         os.close(self._fd)
@@ -84,6 +89,9 @@ def run(link, setup: dict) -> None:
             link.send(("first_token", {"request": request, "token": token,
                                        "time": time.monotonic()}))
     link.send(("done", {}))
-    link.recv()  # ("exit", {}): the messager has read everything it needs
+    # Wait for ("exit", {}): the messager has sent everything. It may die before that, too.
+    if link not in wait([link, watch]):
+        watch.check("the end of the prefill, before the messager had sent everything")
+    link.recv()
     watch.close()
     ops.host_free(buffer)
