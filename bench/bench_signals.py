@@ -2,7 +2,9 @@
 
 1. Cross-process one-way signal latency: a reader blocked in pdhal's futex wait, against a
    reader polling the same channel with a 1 ms sleep (the baseline engines use today).
-   Target: pdhal's p50 at least 20x lower.
+   Target: pdhal's p50 at least 20x lower. Measured twice: through the Python API (both
+   ends Python), and with C on both ends through pdhal.h (bench/c_wake.c), which shows what
+   the protocol costs without an interpreter waking up.
 2. Dispatch cost of `pdhal.ops.signal_layer_ready` against calling the backend's function
    directly. Target: at most 1.2x.
 """
@@ -59,6 +61,20 @@ def one_way_latency(style: str) -> list[float]:
     return [(seen[str(k)] - t) / 1000 for k, t in sent.items() if str(k) in seen]
 
 
+def c_latency(style: str) -> tuple[float, float]:
+    """(p50, p99) with C on both ends (bench/c_wake.c over pdhal.h): no interpreter wakes."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    exe = os.path.join(here, "build", "c_wake")
+    csrc = os.path.join(here, "..", "csrc")
+    os.makedirs(os.path.dirname(exe), exist_ok=True)
+    sources = [os.path.join(here, "c_wake.c")] + [os.path.join(csrc, f"{name}.c") for name in
+                                                  ("segment", "progress", "wait", "errors")]
+    subprocess.run(["gcc", "-O2", f"-I{csrc}", "-o", exe, *sources, "-lpthread"], check=True)
+    out = subprocess.run([exe, style, str(SIGNALS), str(int(GAP_S * 1e6))], check=True,
+                         capture_output=True, text=True).stdout.split()
+    return float(out[0]), float(out[1])
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1]
 
@@ -93,6 +109,12 @@ def main() -> int:
     print(f"  1 ms sleep-poll reader             {p50:9.1f} {p99:9.1f}")
     print(f"  ratio poll / pdhal                 {p50 / f50:9.1f}x {p99 / f99:8.1f}x"
           f"   (target p50 >= 20x: {'met' if p50 / f50 >= 20 else 'NOT met'})")
+    (cf50, cf99), (cp50, cp99) = c_latency("futex"), c_latency("poll")
+    print("  the same with C on both ends (bench/c_wake.c, pdhal.h):")
+    print(f"  pdhal futex wait                   {cf50:9.1f} {cf99:9.1f}")
+    print(f"  1 ms sleep-poll reader             {cp50:9.1f} {cp99:9.1f}")
+    print(f"  ratio poll / pdhal                 {cp50 / cf50:9.1f}x {cp99 / cf99:8.1f}x"
+          f"   (target p50 >= 20x: {'met' if cp50 / cf50 >= 20 else 'NOT met'})")
     via_ops, direct = dispatch_overhead()
     _signals.close_producer_channels()
     print("dispatch of signal_layer_ready (ns/call)")
