@@ -19,25 +19,43 @@ import argparse
 import json
 import sys
 
-from pdhal.demo.model import ModelConfig
-from pdhal.demo.plan import MODES, make_plan
-from pdhal.demo.transport import TRANSPORTS
-
+# Nothing heavy is imported here: every `pdhal` command builds the demo's argument parser.
+MODES = ("per_query", "per_chunk")
+TRANSPORTS = ("shm", "mooncake")
 DEFAULT_PROMPTS = "64,96,128,200,256,320,384,512"
+
+
+MAX_REQUESTS = 512  # a per_chunk step table holds at most this many requests
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _prompt_lens(text: str) -> list[int]:
+    try:
+        lens = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not 1 <= len(lens) <= MAX_REQUESTS:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_REQUESTS} prompts, got {len(lens)}")
+    return lens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
     parser.add_argument("--transport", choices=TRANSPORTS, default="shm")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--prompt-lens", default=DEFAULT_PROMPTS,
+    parser.add_argument("--layers", type=_positive, default=32)
+    parser.add_argument("--prompt-lens", type=_prompt_lens, default=DEFAULT_PROMPTS,
                         help="comma-separated prompt lengths, one request each")
-    parser.add_argument("--cache-blocks", type=int, default=64,
+    parser.add_argument("--cache-blocks", type=_positive, default=64,
                         help="blocks of 64 tokens in each side's KV cache")
-    parser.add_argument("--batch", type=int, default=4, help="per_query: prompts per step")
-    parser.add_argument("--chunk-tokens", type=int, default=512,
+    parser.add_argument("--batch", type=_positive, default=4, help="per_query: prompts per step")
+    parser.add_argument("--chunk-tokens", type=_positive, default=512,
                         help="per_chunk: tokens per step (long prompts are split)")
-    parser.add_argument("--decode-steps", type=int, default=4)
+    parser.add_argument("--decode-steps", type=_positive, default=4)
     parser.add_argument("--signal-at-end", action="store_true",
                         help="baseline: post every layer signal only after the forward pass")
     parser.add_argument("--host", default="127.0.0.1", help="Mooncake: this host's address")
@@ -51,20 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     from pdhal.demo import pipeline, report
     from pdhal.demo.control import DemoError
+    from pdhal.demo.model import ModelConfig
+    from pdhal.demo.plan import make_plan
 
-    try:
-        prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
-    except ValueError:
-        print(f"pdhal demo: --prompt-lens must be comma-separated integers, got "
-              f"{args.prompt_lens!r}", file=sys.stderr)
-        return 2
     model = ModelConfig(layers=args.layers)
     options = pipeline.Options(host=args.host, protocol=args.protocol, fault=args.fault,
                                progress=not args.json)
     summaries, timelines = [], []
     try:
         for mode in MODES if args.mode == "both" else [args.mode]:
-            plan = make_plan(model, prompt_lens, mode, args.transport, args.cache_blocks,
+            plan = make_plan(model, args.prompt_lens, mode, args.transport, args.cache_blocks,
                              args.decode_steps, args.batch, args.chunk_tokens,
                              args.signal_at_end)
             for length, why in plan.rejected:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -117,7 +118,7 @@ class Pipeline:
         process = self.hub.processes[role]
         try:
             code = process.wait(2)
-        except Exception:
+        except subprocess.TimeoutExpired:
             return "still running"
         return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 

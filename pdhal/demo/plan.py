@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from pdhal.demo import MODES
 from pdhal.demo.model import ModelConfig
-
-MODES = ("per_query", "per_chunk")
 
 
 @dataclass(frozen=True)
@@ -55,10 +54,6 @@ class Plan:
 
     def request(self, request_id: int) -> Request:
         return self.requests[request_id]
-
-    def layer_bytes(self, request: Request) -> int:
-        """Bytes of one layer of a request's cache (K and V, whole blocks)."""
-        return 2 * len(request.prefill_blocks) * self.model.block_bytes()
 
 
 def _blocks(tokens: int, block_size: int) -> int:

@@ -15,8 +15,6 @@ import numpy as np
 from pdhal import ops
 from pdhal.demo.control import DemoError
 
-TRANSPORTS = ("shm", "mooncake")
-
 Run = tuple[int, int, int]  # (source block, destination block, count)
 
 
