@@ -7,10 +7,11 @@ import os
 from pdhal import _core, _names
 
 
-def cleanup() -> tuple[list[str], list[str]]:
-    """(removed, left) paths among this user's pdhal segments in every namespace."""
+def cleanup(namespace: str | None = None) -> tuple[list[str], list[str]]:
+    """(removed, left) paths among this user's pdhal segments in `namespace` (default:
+    every namespace)."""
     folder = _names.shm_dir()
-    mine = f"pdhal.{os.geteuid()}."
+    mine = f"pdhal.{os.geteuid()}." + ("" if namespace is None else f"{namespace}.")
     removed, left = [], []
     for entry in sorted(os.listdir(folder)):
         if not entry.startswith(mine):

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import segments_of
 from pdhal.demo.control import DemoError
 from pdhal.demo.model import ModelConfig
 from pdhal.demo.plan import make_plan
@@ -72,6 +73,14 @@ def test_killed_messager_is_reported_by_the_worker(mode):
     assert "the messager exited (killed by signal 9); the worker reported it" in run.stderr
     assert "the cache messager (pid" in run.stderr and "died" in run.stderr
     assert time.monotonic() - start < 60
+
+
+def test_killed_worker_is_reported_by_the_messager_and_its_segments_reclaimed(namespace):
+    run = demo(*SMALL, "--mode", "per_chunk", "--layers", "8", "--fault", "kill-worker")
+    assert run.returncode == 1
+    assert "the worker exited (killed by signal 9); the messager reported it" in run.stderr
+    assert "ProducerDiedError" in run.stderr
+    assert not segments_of(namespace)  # what the killed worker created is gone too
 
 
 def test_prompt_bigger_than_the_cache_is_rejected_up_front():

@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="baseline: post every layer signal only after the forward pass")
     parser.add_argument("--host", default="127.0.0.1", help="Mooncake: this host's address")
     parser.add_argument("--protocol", default="tcp", help="Mooncake: tcp, or rdma on a cluster")
-    parser.add_argument("--fault", choices=["kill-messager"],
-                        help="show fault handling: SIGKILL the messager mid-step")
+    parser.add_argument("--fault", choices=["kill-messager", "kill-worker"],
+                        help="show fault handling: SIGKILL that process mid-step")
     parser.add_argument("--plot", metavar="FILE.png", help="timeline of compute and transfer")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 import pdhal
-from pdhal import _names
+from pdhal import _cleanup, _names
 from pdhal.demo.control import DemoError, Hub
 from pdhal.demo.plan import Plan
 from pdhal.demo.report import Timeline, summarize
@@ -30,7 +30,7 @@ REPORT_GRACE_S = 10.0  # after a process dies, how long the others get to report
 class Options:
     host: str = "127.0.0.1"
     protocol: str = "tcp"
-    fault: str | None = None  # "kill-messager": SIGKILL it halfway through the first step
+    fault: str | None = None  # "kill-messager" / "kill-worker": SIGKILL it mid first step
     progress: bool = True
 
 
@@ -96,6 +96,8 @@ class Pipeline:
         self.verification: dict | None = None
         self.finished: set[str] = set()
         self.killed_at: float | None = None
+        # A namespace of its own inside the caller's, so runs never meet each other's segments.
+        self.namespace = f"{_names.namespace()}.demo{os.getpid()}.{plan.mode}"
 
     # -- start-up ----------------------------------------------------------------------
 
@@ -123,19 +125,17 @@ class Pipeline:
         return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
     def start(self) -> None:
-        # A namespace of its own inside the caller's, so runs never meet each other's segments.
-        tag = f"demo{os.getpid()}.{self.plan.mode}"
-        env = _child_env(f"{_names.namespace()}.{tag}")
+        env = _child_env(self.namespace)
         common = {"plan": self.plan.to_json(), "rank": 0, "host": self.options.host,
                   "protocol": self.options.protocol}
         self.hub.start("decoder", env)
-        self.hub.links["decoder"].send(common | {"cache_name": f"{tag}.decode_cache"})
+        self.hub.links["decoder"].send(common | {"cache_name": "decode_cache"})
         decode = self._expect("decoder", "ready")
         self.hub.start("worker", env)
-        self.hub.links["worker"].send(common | {"cache_name": f"{tag}.prefill_cache"})
+        self.hub.links["worker"].send(common | {"cache_name": "prefill_cache"})
         self._expect("worker", "ready")
         self.hub.start("messager", env)
-        self.hub.links["messager"].send(common | {"prefill_cache": f"{tag}.prefill_cache",
+        self.hub.links["messager"].send(common | {"prefill_cache": "prefill_cache",
                                                   "decode": decode})
         messager = self._expect("messager", "ready")
         self.timeline.start = time.monotonic()
@@ -151,9 +151,10 @@ class Pipeline:
             self.timeline.layer_end[m["step"], m["layer"]] = m["end"]
             for c in self.plan.steps[m["index"]]:
                 self.progress.computed[c.request] = (c.start + c.length, m["layer"] + 1)
-            if (self.options.fault == "kill-messager" and self.killed_at is None
+            if (self.options.fault and self.killed_at is None
                     and m["layer"] == self.plan.model.layers // 2):
-                os.kill(self.hub.pid("messager"), signal.SIGKILL)
+                victim = self.options.fault.removeprefix("kill-")
+                os.kill(self.hub.pid(victim), signal.SIGKILL)
                 self.killed_at = time.monotonic()
         elif kind == "first_token":
             self.first_token[m["request"]] = m["token"]
@@ -237,6 +238,8 @@ class Pipeline:
             raise DemoError(f"{exc}{logs}") from None
         finally:
             self.hub.stop(grace=10.0)
+            # A process killed outright (the fault demos) leaves its segments: reclaim them.
+            _cleanup.cleanup(self.namespace)
         return summarize(self.timeline, self.plan, self.verification)
 
 
