@@ -59,7 +59,8 @@ def prompt_tokens(config: ModelConfig, request_seed: int, length: int) -> list[i
 
 
 class TinyDecoder:
-    """RMSNorm → attention over the paged cache → RMSNorm → MLP, `layers` times."""
+    """RMSNorm → attention over the paged cache → RMSNorm → MLP, `layers` times, then an
+    unembedding to the next token."""
 
     def __init__(self, config: ModelConfig):
         import paddle
@@ -68,17 +69,22 @@ class TinyDecoder:
         self.config = config
         rng = np.random.default_rng(config.seed)
         d, f = config.hidden, config.ffn
+        # Residual branches scaled by 1/sqrt(2L) so that 32 layers do not drown the prompt in
+        # one common direction (every prompt then predicted the same token).
+        branch = 1.0 / math.sqrt(2 * config.layers)
 
-        def weight(*shape):
+        def weight(*shape, scale=1.0):
             return paddle.to_tensor(rng.standard_normal(shape).astype(np.float32)
-                                    / np.float32(math.sqrt(shape[0])))
+                                    * np.float32(scale / math.sqrt(shape[0])))
 
         self.embedding = weight(config.vocab, d)
         self.layers = [
-            {name: weight(d, d) for name in ("wq", "wk", "wv", "wo")}
-            | {"w1": weight(d, f), "w2": weight(f, d)}
+            {name: weight(d, d) for name in ("wq", "wk", "wv")}
+            | {"wo": weight(d, d, scale=branch), "w1": weight(d, f),
+               "w2": weight(f, d, scale=branch)}
             for _ in range(config.layers)
         ]
+        self.unembedding = weight(d, config.vocab)
 
     def _positions(self, start: int, count: int):
         d = self.config.hidden
@@ -138,6 +144,6 @@ class TinyDecoder:
         tokens = {}
         for chunk, h in zip(chunks, hidden):
             if chunk.last:
-                logits = paddle.matmul(self._rms(h[-1:]), self.embedding, transpose_y=True)
+                logits = paddle.matmul(self._rms(h[-1:]), self.unembedding)
                 tokens[chunk.request] = int(logits.argmax(axis=-1).item())
         return tokens

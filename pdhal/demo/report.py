@@ -66,6 +66,7 @@ def summarize(timeline: Timeline, plan, verification: dict) -> dict:
         "verified_bytes": verification["checked_bytes"],
         "bad_blocks": verification["bad_blocks"],
         "bad_tokens": verification["bad_tokens"],
+        "tokens": verification["tokens"],  # per request: the first token, then decoded ones
         "ok": not verification["bad_blocks"] and not verification["bad_tokens"],
     }
 
