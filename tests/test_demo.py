@@ -150,3 +150,34 @@ def test_verification_catches_one_wrong_byte():
     cache.view(np.uint8)[2, 1, request.decode_blocks[0], 0, 5, 0] ^= 1  # one bit of layer 2's V
     bad = verify(plan, cache, first)
     assert bad["bad_blocks"] == [{"request": 1, "layer": 2, "kv": "V"}]
+
+
+def test_decoder_started_by_hand_elsewhere_connects_with_the_printed_command():
+    """--decoder remote: the decode receiver is started from the command the demo prints, as
+    on another host (loopback stands in for the network here; Mooncake carries the blocks)."""
+    parent = subprocess.Popen([sys.executable, "-m", "pdhal", "demo", *SMALL, "--mode",
+                               "per_query", "--transport", "mooncake", "--decoder", "remote",
+                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        for line in parent.stderr:
+            if line.rstrip().endswith("python -m pdhal.demo.child decoder"):
+                break
+        assignments = line.split(" python -m")[0].split()
+        env = dict(os.environ, **dict(a.split("=", 1) for a in assignments))
+        assert env["PDHAL_DEMO_HOST"] == "<decode-host-ip>"
+        env["PDHAL_DEMO_HOST"] = "127.0.0.1"
+        decoder = subprocess.run([sys.executable, "-m", "pdhal.demo.child", "decoder"], env=env,
+                                 capture_output=True, timeout=240)
+        out, err = parent.communicate(timeout=60)
+    finally:
+        parent.kill()
+    assert decoder.returncode == 0 and parent.returncode == 0, err
+    [summary] = json.loads(out)
+    assert summary["ok"] and summary["transport"] == "mooncake"
+    assert summary["verified_bytes"] == expected_bytes([64, 100, 200, 333], 4)
+
+
+def test_remote_decoder_needs_mooncake():
+    run = demo("--decoder", "remote")
+    assert run.returncode == 2 and "--decoder remote needs --transport mooncake" in run.stderr

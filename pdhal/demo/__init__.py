@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--signal-at-end", action="store_true",
                         help="baseline: post every layer signal only after the forward pass")
     parser.add_argument("--host", default="127.0.0.1", help="Mooncake: this host's address")
+    parser.add_argument("--decoder", choices=["local", "remote"], default="local",
+                        help="remote: start no decoder, print the command that starts one on "
+                             "the decode host and wait for it (Mooncake only)")
+    parser.add_argument("--control-host", default="127.0.0.1",
+                        help="address the control listener binds (0.0.0.0 for a remote "
+                             "decoder; it only admits processes holding its random key)")
     parser.add_argument("--protocol", default="tcp", help="Mooncake: tcp, or rdma on a cluster")
     parser.add_argument("--fault", choices=["kill-messager", "kill-worker"],
                         help="show fault handling: SIGKILL that process mid-step")
@@ -73,8 +79,13 @@ def main(args) -> int:
     from pdhal.demo.plan import make_plan
 
     model = ModelConfig(layers=args.layers)
+    if args.decoder == "remote" and args.transport != "mooncake":
+        print("pdhal demo: --decoder remote needs --transport mooncake (shm stays on one host)",
+              file=sys.stderr)
+        return 2
     options = pipeline.Options(host=args.host, protocol=args.protocol, fault=args.fault,
-                               progress=not args.json)
+                               progress=not args.json, remote_decoder=args.decoder == "remote",
+                               control_host=args.control_host)
     summaries, timelines = [], []
     try:
         for mode in MODES if args.mode == "both" else [args.mode]:

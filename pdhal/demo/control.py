@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 
 ADDRESS_VAR = "PDHAL_DEMO_CONTROL"
@@ -25,25 +27,57 @@ class DemoError(Exception):
     """A failure the demo reports in one line and exits non-zero for."""
 
 
-class Hub:
-    """The parent's end: starts role processes and holds one connection to each."""
+ACCEPT_POLL_S = 0.5  # how often a wait for a connection checks that the process lives
 
-    def __init__(self):
+
+class Hub:
+    """The parent's end: starts role processes and holds one connection to each.
+
+    The listener binds `bind` (127.0.0.1 unless a process runs on another host, which
+    reaches it at `advertise`).
+    """
+
+    def __init__(self, bind: str = "127.0.0.1", advertise: str | None = None):
         self._key = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=self._key)
+        previous = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(ACCEPT_POLL_S)  # accept() returns now and then to check
+        try:
+            self._listener = Listener((bind, 0), authkey=self._key)
+        finally:
+            socket.setdefaulttimeout(previous)
+        self._advertise = advertise or bind
         self.links: dict[str, Connection] = {}
         self.processes: dict[str, subprocess.Popen] = {}
         #: Each child's stderr (Mooncake logs there at INFO level, whatever it is told).
         self.logs = tempfile.TemporaryDirectory(prefix="pdhal-demo-")
 
+    def child_env(self) -> dict[str, str]:
+        """What a role process needs in its environment to connect here."""
+        return {ADDRESS_VAR: f"{self._advertise}:{self._listener.address[1]}",
+                KEY_VAR: self._key.hex()}
+
     def start(self, role: str, env: dict[str, str]) -> None:
         """Launch `python -m pdhal.demo.child ROLE` with `env` and wait for it to connect."""
-        host, port = self._listener.address
-        env = dict(env, **{ADDRESS_VAR: f"{host}:{port}", KEY_VAR: self._key.hex()})
         with open(self.log_path(role), "wb") as log:
-            self.processes[role] = subprocess.Popen(
-                [sys.executable, "-m", "pdhal.demo.child", role], env=env, stderr=log)
-        link = self._listener.accept()
+            process = subprocess.Popen([sys.executable, "-m", "pdhal.demo.child", role],
+                                       env=env | self.child_env(), stderr=log)
+        self.processes[role] = process
+        self.accept(role, 120.0, lambda: process.poll() is None)
+
+    def accept(self, role: str, timeout: float, alive=lambda: True) -> None:
+        """Wait up to `timeout` s for `role` to connect (while `alive()` holds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                link = self._listener.accept()
+                break
+            except TimeoutError:
+                if not alive():
+                    raise DemoError(f"the {role} exited before it connected") from None
+                if time.monotonic() > deadline:
+                    raise DemoError(f"the {role} did not connect within {timeout:.0f} s") from None
+            except AuthenticationError:
+                continue  # something without the key: not ours, keep waiting
         hello = link.recv()
         if hello != ("hello", role):
             raise DemoError(f"expected the {role} to connect, got {hello!r}")
@@ -54,6 +88,8 @@ class Hub:
 
     def log_tail(self, role: str, lines: int = 15) -> str:
         """The last lines a child wrote to stderr, without Mooncake's routine glog lines."""
+        if role not in self.processes:
+            return ""  # it runs elsewhere
         with open(self.log_path(role), errors="replace") as log:
             kept = [line for line in log if not _GLOG_LINE.match(line)]
         return "".join(kept[-lines:])

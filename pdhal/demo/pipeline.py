@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,12 +25,16 @@ from pdhal.demo.transport import require_mooncake
 
 SILENCE_TIMEOUT_S = 120.0  # no event from any process for this long: report a hang
 REPORT_GRACE_S = 10.0  # after a process dies, how long the others get to report it
+REMOTE_WAIT_S = 300.0  # how long to wait for a decoder started by hand
 
 
 @dataclass
 class Options:
     host: str = "127.0.0.1"
     protocol: str = "tcp"
+    #: Start no decoder here: wait for one started by hand (on another host) to connect.
+    remote_decoder: bool = False
+    control_host: str = "127.0.0.1"  # where the control listener binds (remote decoder)
     fault: str | None = None  # "kill-messager" / "kill-worker": SIGKILL it mid first step
     progress: bool = True
 
@@ -87,7 +92,9 @@ class Pipeline:
 
     def __init__(self, plan: Plan, options: Options):
         self.plan, self.options = plan, options
-        self.hub = Hub()
+        advertise = (socket.gethostname() if options.control_host in ("0.0.0.0", "::")
+                     else options.control_host)
+        self.hub = Hub(options.control_host, advertise)
         self.timeline = Timeline()
         self.progress = Progress(plan, options.progress)
         self.step_index: dict[int, int] = {}  # channel step -> index in plan.steps
@@ -117,7 +124,9 @@ class Pipeline:
         return payload
 
     def _exit_status(self, role: str) -> str:
-        process = self.hub.processes[role]
+        process = self.hub.processes.get(role)
+        if process is None:
+            return "disconnected"  # it ran on another host
         try:
             code = process.wait(2)
         except subprocess.TimeoutExpired:
@@ -128,7 +137,10 @@ class Pipeline:
         env = _child_env(self.namespace)
         common = {"plan": self.plan.to_json(), "rank": 0, "host": self.options.host,
                   "protocol": self.options.protocol}
-        self.hub.start("decoder", env)
+        if self.options.remote_decoder:
+            self._await_remote_decoder()
+        else:
+            self.hub.start("decoder", env)
         self.hub.links["decoder"].send(common | {"cache_name": "decode_cache"})
         decode = self._expect("decoder", "ready")
         self.hub.start("worker", env)
@@ -140,6 +152,16 @@ class Pipeline:
         messager = self._expect("messager", "ready")
         self.timeline.start = time.monotonic()
         self.hub.links["worker"].send(("go", {"messager_pid": messager["pid"]}))
+
+    def _await_remote_decoder(self) -> None:
+        env = self.hub.child_env() | {"PDHAL_NAMESPACE": self.namespace,
+                                      "PDHAL_DEMO_HOST": "<decode-host-ip>"}
+        command = " ".join(f"{k}={v}" for k, v in env.items())
+        print(f"pdhal demo: waiting {REMOTE_WAIT_S:.0f} s for the decode receiver; on the decode "
+              f"host (pdhal[demo,mooncake] installed) run, with its address for "
+              f"<decode-host-ip>:\n  {command} python -m pdhal.demo.child decoder",
+              file=sys.stderr, flush=True)
+        self.hub.accept("decoder", REMOTE_WAIT_S)
 
     # -- events ------------------------------------------------------------------------
 
@@ -175,9 +197,10 @@ class Pipeline:
             self.hub.links["worker"].send(("exit", {}))
 
     def _on_decoder(self, kind: str, m: dict) -> None:
-        if kind == "inserted":
-            self.timeline.inserted[m["request"]] = m["time"]
-            self.progress.request_arrived(m["request"], m["time"] - self.timeline.start)
+        if kind == "inserted":  # timed here: the decoder's clock may be another host's
+            now = time.monotonic()
+            self.timeline.inserted[m["request"]] = now
+            self.progress.request_arrived(m["request"], now - self.timeline.start)
         elif kind == "verified":
             self.verification = m
 
