@@ -181,3 +181,14 @@ def test_decoder_started_by_hand_elsewhere_connects_with_the_printed_command():
 def test_remote_decoder_needs_mooncake():
     run = demo("--decoder", "remote")
     assert run.returncode == 2 and "--decoder remote needs --transport mooncake" in run.stderr
+
+
+def test_a_child_that_dies_before_connecting_is_reported_not_waited_on():
+    from pdhal.demo.control import Hub
+
+    hub = Hub()
+    start = time.monotonic()
+    with pytest.raises(DemoError, match="the no-such-role exited before it connected"):
+        hub.start("no-such-role", dict(os.environ))
+    assert time.monotonic() - start < 30
+    hub.stop(grace=1.0)
