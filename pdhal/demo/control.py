@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
@@ -39,12 +39,7 @@ class Hub:
 
     def __init__(self, bind: str = "127.0.0.1", advertise: str | None = None):
         self._key = secrets.token_bytes(16)
-        previous = socket.getdefaulttimeout()
-        socket.setdefaulttimeout(ACCEPT_POLL_S)  # accept() returns now and then to check
-        try:
-            self._listener = Listener((bind, 0), authkey=self._key)
-        finally:
-            socket.setdefaulttimeout(previous)
+        self._listener = Listener((bind, 0), authkey=self._key)
         self._advertise = advertise or bind
         self.links: dict[str, Connection] = {}
         self.processes: dict[str, subprocess.Popen] = {}
@@ -65,20 +60,38 @@ class Hub:
         self.accept(role, 120.0, lambda: process.poll() is None)
 
     def accept(self, role: str, timeout: float, alive=lambda: True) -> None:
-        """Wait up to `timeout` s for `role` to connect (while `alive()` holds)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                link = self._listener.accept()
-                break
-            except TimeoutError:
-                if not alive():
-                    raise DemoError(f"the {role} exited before it connected") from None
-                if time.monotonic() > deadline:
-                    raise DemoError(f"the {role} did not connect within {timeout:.0f} s") from None
-            except AuthenticationError:
-                continue  # something without the key: not ours, keep waiting
+        """Wait up to `timeout` s for `role` to connect (while `alive()` holds).
+
+        Listener.accept cannot time out, so a watchdog thread that sees the process die (or
+        the time run out) connects itself, with the key, and says why.
+        """
+        settled = threading.Event()
+
+        def watchdog() -> None:
+            deadline = time.monotonic() + timeout
+            while not settled.wait(ACCEPT_POLL_S):
+                why = (f"the {role} exited before it connected" if not alive() else
+                       f"the {role} did not connect within {timeout:.0f} s"
+                       if time.monotonic() > deadline else None)
+                if why:
+                    with Client(self._listener.address, authkey=self._key) as link:
+                        link.send(("abort", why))
+                    return
+
+        threading.Thread(target=watchdog, name=f"pdhal-demo-accept-{role}", daemon=True).start()
+        try:
+            while True:
+                try:
+                    link = self._listener.accept()
+                    break
+                except AuthenticationError:
+                    continue  # something without the key: not ours, keep waiting
+        finally:
+            settled.set()
         hello = link.recv()
+        if hello[0] == "abort":
+            link.close()
+            raise DemoError(hello[1])
         if hello != ("hello", role):
             raise DemoError(f"expected the {role} to connect, got {hello!r}")
         self.links[role] = link
