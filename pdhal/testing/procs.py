@@ -13,11 +13,22 @@ support = _registry.selection().candidate.backend.test_support()
 """
 
 
-def child(code: str, **kwargs) -> subprocess.Popen:
-    """A Python child with this environment, `ops` and `support` already bound."""
+def child(code: str, hold: bool = False, **kwargs) -> subprocess.Popen:
+    """A Python child with this environment, `ops` and `support` already bound.
+
+    With `hold`, the child stays alive after `code` until finish(): a producer whose last
+    signals are still queued on a device stream must not exit (and unlink its channel)
+    before the reader has them.
+    """
+    if hold:
+        code = textwrap.dedent(code) + "\nimport sys\nsys.stdin.read()\n"
+        kwargs["stdin"] = subprocess.PIPE
     return subprocess.Popen([sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code)],
                             env=dict(os.environ), **kwargs)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Release a held child, then require it to exit 0 within `timeout` s."""
+    if proc.stdin is not None:
+        proc.stdin.close()
     assert proc.wait(timeout=timeout) == 0, f"child exited {proc.returncode}"

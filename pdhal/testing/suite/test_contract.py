@@ -47,8 +47,7 @@ def test_per_query_signals_cross_processes_in_order(support):
             meta = ops.open_shm_and_get_meta_signal(0, 0)
             for layer in range({LAYERS}):
                 ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream)
-        import time; time.sleep(0.5)
-    """)
+    """, hold=True)
     with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
         since = (0, -1)
         while since != (STEPS, LAYERS - 1):
@@ -66,7 +65,7 @@ def test_per_chunk_records_cross_processes_exactly_once_in_order(support):
                                                  0, {LAYERS})
             for layer in range({LAYERS}):
                 ops.signal_layer_ready(chunk.layer(layer), stream)
-    """)
+    """, hold=True)
     out = array.array("i", [0] * 1538)
     for step in range(1, STEPS + 1):
         for layer in range(LAYERS):
