@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdhal import ops
-from pdhal.demo.model import Chunk, TinyDecoder, prompt_tokens
+from pdhal.demo.model import Chunk, TinyDecoder
 from pdhal.demo.plan import Plan
 from pdhal.demo.transport import DecodeEndpoint
 
@@ -54,15 +54,9 @@ def decode(model: TinyDecoder, cache: np.ndarray, slots: list[DecodeSlot],
 
 def reference_prefill(model: TinyDecoder, plan: Plan, cache: np.ndarray) -> dict[int, int]:
     """The prefill the worker ran, step for step, into `cache` at the decode block tables."""
-    first_tokens = {}
+    first_tokens, prompts = {}, plan.prompts()
     for step in plan.steps:
-        chunks = []
-        for c in step:
-            request = plan.request(c.request)
-            tokens = prompt_tokens(plan.model, request.id, request.prompt_len)
-            chunks.append(Chunk(request.id, c.start, tokens[c.start:c.start + c.length],
-                                request.decode_blocks, c.start + c.length == request.prompt_len))
-        first_tokens |= model.forward(chunks, cache)
+        first_tokens |= model.forward(plan.chunks(step, prompts, "decode"), cache)
     return first_tokens
 
 

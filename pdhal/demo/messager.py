@@ -6,7 +6,6 @@ wait in pdhal), and it sends exactly the blocks that signal made ready.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 
@@ -29,11 +28,6 @@ class Shipper:
                             for layer in range(plan.model.layers)}
         self.unfinished = {r.id for r in plan.requests}
 
-    @functools.lru_cache(maxsize=4096)  # the same block range recurs in every layer
-    def _runs(self, request_id: int, first: int, end: int) -> list:
-        request = self.plan.request(request_id)
-        return block_runs(request.prefill_blocks[first:end], request.decode_blocks[first:end])
-
     def send(self, step: int, layer: int, ready: list[tuple[int, int]]) -> None:
         """Send layer `layer` of each (request, tokens now in the cache) in `ready`."""
         start = time.monotonic()
@@ -44,7 +38,8 @@ class Shipper:
             end = -(-tokens // self.bs) if whole else tokens // self.bs
             first = self.sent_blocks[request_id, layer]
             if end > first:
-                runs += self._runs(request_id, first, end)
+                runs += block_runs(request.prefill_blocks[first:end],
+                                   request.decode_blocks[first:end])
                 nbytes += 2 * (end - first) * self.plan.model.block_bytes()
                 self.sent_blocks[request_id, layer] = end
             if whole and layer == self.plan.model.layers - 1:
@@ -56,7 +51,7 @@ class Shipper:
                                  "bytes": nbytes}))
         for request_id in finished:
             self.unfinished.discard(request_id)
-            self.link.send(("sent", {"request": request_id, "time": now}))
+            self.link.send(("sent", {"request": request_id}))
 
 
 def _per_query(shipper: Shipper, plan: Plan, reader) -> None:

@@ -99,7 +99,7 @@ class Pipeline:
         self.progress = Progress(plan, options.progress)
         self.step_index: dict[int, int] = {}  # channel step -> index in plan.steps
         self.first_token: dict[int, int] = {}
-        self.sent_at: dict[int, float] = {}
+        self.sent: set[int] = set()  # requests whose last block the messager has sent
         self.verification: dict | None = None
         self.finished: set[str] = set()
         self.killed_at: float | None = None
@@ -187,10 +187,12 @@ class Pipeline:
     def _on_messager(self, kind: str, m: dict) -> None:
         if kind == "xfer":
             self.timeline.transfers.append(m)
-            for c in self.plan.steps[self.step_index[m["step"]]]:
+            # The worker's "step" comes on another connection and may not be read yet.
+            index = self.step_index.get(m["step"])
+            for c in self.plan.steps[index] if index is not None else []:
                 self.progress.sent[c.request] = (c.start + c.length, m["layer"] + 1)
         elif kind == "sent":
-            self.sent_at[m["request"]] = m["time"]
+            self.sent.add(m["request"])
             self._maybe_hand_over(m["request"])
         elif kind == "done":
             self.finished.add("messager")
@@ -205,7 +207,7 @@ class Pipeline:
             self.verification = m
 
     def _maybe_hand_over(self, request: int) -> None:
-        if request in self.first_token and request in self.sent_at:
+        if request in self.first_token and request in self.sent:
             self.hub.links["decoder"].send(("request", {"request": request,
                                                         "token": self.first_token[request]}))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from pdhal.demo import MODES
-from pdhal.demo.model import ModelConfig
+from pdhal.demo.model import Chunk, ModelConfig, prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,21 @@ class Plan:
 
     def request(self, request_id: int) -> Request:
         return self.requests[request_id]
+
+    def prompts(self) -> dict[int, list[int]]:
+        """Every request's prompt tokens (deterministic from the model's seed)."""
+        return {r.id: prompt_tokens(self.model, r.id, r.prompt_len) for r in self.requests}
+
+    def chunks(self, step: list[ChunkPlan], prompts: dict[int, list[int]],
+               side: str) -> list[Chunk]:
+        """The model's input for `step`, placed by the `side` ("prefill"/"decode") tables."""
+        out = []
+        for c in step:
+            request = self.request(c.request)
+            table = request.prefill_blocks if side == "prefill" else request.decode_blocks
+            out.append(Chunk(request.id, c.start, prompts[request.id][c.start:c.start + c.length],
+                             table, c.start + c.length == request.prompt_len))
+        return out
 
 
 def _blocks(tokens: int, block_size: int) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 
 from pdhal import ops
 from pdhal.demo.control import DemoError
-from pdhal.demo.model import Chunk, TinyDecoder, prompt_tokens
+from pdhal.demo.model import TinyDecoder
 from pdhal.demo.plan import Plan
 
 
@@ -45,7 +45,7 @@ def run(link, setup: dict) -> None:
     plan = Plan.from_json(setup["plan"])
     rank, layers = setup["rank"], plan.model.layers
     model = TinyDecoder(plan.model)
-    prompts = {r.id: prompt_tokens(plan.model, r.id, r.prompt_len) for r in plan.requests}
+    prompts = plan.prompts()
     shape = plan.model.cache_shape(plan.prefill_cache_blocks)
     buffer = ops.host_alloc(int(np.prod(shape)) * 4)
     cache = buffer.as_numpy(np.float32, shape)
@@ -67,10 +67,7 @@ def run(link, setup: dict) -> None:
                 encoder[c.request], cached[c.request] = c.length, c.start
             chunk = ops.init_kv_signal_per_query(encoder, encoder, cached, rank, layers)
             signal_of, channel_step = chunk.layer, chunk.step
-        chunks = [Chunk(c.request, c.start, prompts[c.request][c.start:c.start + c.length],
-                        plan.request(c.request).prefill_blocks,
-                        c.start + c.length == plan.request(c.request).prompt_len)
-                  for c in step]
+        chunks = plan.chunks(step, prompts, "prefill")
         started = time.monotonic()
 
         def after_layer(layer: int) -> None:
@@ -86,8 +83,7 @@ def run(link, setup: dict) -> None:
             for layer in range(layers):
                 ops.signal_layer_ready(signal_of(layer))
         for request, token in first_tokens.items():
-            link.send(("first_token", {"request": request, "token": token,
-                                       "time": time.monotonic()}))
+            link.send(("first_token", {"request": request, "token": token}))
     link.send(("done", {}))
     # Wait for ("exit", {}): the messager has sent everything. It may die before that, too.
     if link not in wait([link, watch]):
