@@ -1,8 +1,10 @@
 """The demo's pipeline, measured side by side in one run (these machines are shared and noisy).
 
 1. Layer-wise streaming against posting every layer only after the forward pass (same
-   model, prompts and transport): time to first token on decode, transfer time left exposed
-   after the last layer, overlap efficiency. Target: overlap efficiency >= 0.9, 32 layers.
+   model, prompts and transport): time to first token on decode, also counted from the end
+   of each request's prefill (compute time varies run to run on a shared machine; this
+   part does not), transfer time left exposed after the last layer, overlap efficiency.
+   Target: overlap efficiency >= 0.9, 32 layers.
 2. `shm` transport throughput against a plain memcpy of the same bytes. Target >= 0.8x.
    The transport is measured with the messager alone on the CPU (every layer posted after
    the forward pass, one step), as the memcpy is; the in-pipeline figure, with the model
@@ -80,9 +82,9 @@ def transfer_engine_bench(block_size: int, batch: int, seconds: int = 3) -> floa
 
 
 def row(label: str, s: dict) -> str:
-    return (f"  {label:38s} TTFT mean {s['ttft_ms']['mean']:6.0f} ms  p50 "
-            f"{s['ttft_ms']['p50']:6.0f} ms | exposed transfer {s['exposed_transfer_ms']:6.1f} ms"
-            f" | overlap efficiency {s['overlap_efficiency']:.3f}")
+    return (f"  {label:38s} TTFT mean {s['ttft_ms']['mean']:5.0f} ms, after prefill "
+            f"{s['ttft_after_prefill_ms']['mean']:6.1f} ms | exposed transfer "
+            f"{s['exposed_transfer_ms']:5.1f} ms | overlap efficiency {s['overlap_efficiency']:.3f}")
 
 
 def main() -> None:
@@ -95,9 +97,10 @@ def main() -> None:
         at_end = demo(transport, signal_at_end=True)
         print(row(f"{transport}, signal per layer", layerwise))
         print(row(f"{transport}, all after the forward pass", at_end))
-        print(f"  -> {transport}: TTFT at end / layer-wise {at_end['ttft_ms']['mean'] / layerwise['ttft_ms']['mean']:.3f}x, "
-              f"exposed transfer {at_end['exposed_transfer_ms'] / max(layerwise['exposed_transfer_ms'], 1e-3):.1f}x; "
-              f"overlap efficiency {layerwise['overlap_efficiency']:.3f} "
+        after = (at_end["ttft_after_prefill_ms"]["mean"]
+                 / layerwise["ttft_after_prefill_ms"]["mean"])
+        print(f"  -> {transport}: TTFT after prefill, at end / layer-wise {after:.1f}x; overlap "
+              f"efficiency {layerwise['overlap_efficiency']:.3f} "
               f"({'meets' if layerwise['overlap_efficiency'] >= 0.9 else 'MISSES'} >= 0.9)")
         if transport == "shm":
             shm_pipelined = layerwise

@@ -97,7 +97,6 @@ class Pipeline:
         self.hub = Hub(options.control_host, advertise)
         self.timeline = Timeline()
         self.progress = Progress(plan, options.progress)
-        self.step_index: dict[int, int] = {}  # channel step -> index in plan.steps
         self.first_token: dict[int, int] = {}
         self.sent: set[int] = set()  # requests whose last block the messager has sent
         self.verification: dict | None = None
@@ -167,7 +166,7 @@ class Pipeline:
 
     def _on_worker(self, kind: str, m: dict) -> None:
         if kind == "step":
-            self.step_index[m["step"]] = m["index"]
+            self.timeline.step_index[m["step"]] = m["index"]
             self.timeline.step_start[m["step"]] = m["start"]
         elif kind == "layer":
             self.timeline.layer_end[m["step"], m["layer"]] = m["end"]
@@ -188,7 +187,7 @@ class Pipeline:
         if kind == "xfer":
             self.timeline.transfers.append(m)
             # The worker's "step" comes on another connection and may not be read yet.
-            index = self.step_index.get(m["step"])
+            index = self.timeline.step_index.get(m["step"])
             for c in self.plan.steps[index] if index is not None else []:
                 self.progress.sent[c.request] = (c.start + c.length, m["layer"] + 1)
         elif kind == "sent":

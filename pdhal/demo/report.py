@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 class Timeline:
     start: float = 0.0  # the worker was told to go
     step_start: dict[int, float] = field(default_factory=dict)  # channel step -> start
+    step_index: dict[int, int] = field(default_factory=dict)  # channel step -> plan.steps[i]
     layer_end: dict[tuple[int, int], float] = field(default_factory=dict)  # (step, layer)
     transfers: list[dict] = field(default_factory=list)  # messager "xfer" events
     inserted: dict[int, float] = field(default_factory=dict)  # request -> on decode
@@ -40,10 +41,23 @@ class Timeline:
         return (self.ideal_end() - self.start) / (self.measured_end() - self.start)
 
 
+def _prefill_end(timeline: Timeline, plan) -> dict[int, float]:
+    """When each request's last layer of its last chunk was computed."""
+    ends = {}
+    for step, index in timeline.step_index.items():
+        for c in plan.steps[index]:
+            if c.start + c.length == plan.request(c.request).prompt_len:
+                ends[c.request] = timeline.layer_end[step, plan.model.layers - 1]
+    return ends
+
+
 def summarize(timeline: Timeline, plan, verification: dict) -> dict:
     bytes_moved = sum(x["bytes"] for x in timeline.transfers)
     busy = sum(x["end"] - x["start"] for x in timeline.transfers)
     ttft = [t - timeline.start for t in timeline.inserted.values()]
+    prefill_end = _prefill_end(timeline, plan)
+    # the part of TTFT that is not compute: from a request's last layer to decode having it
+    after_prefill = [t - prefill_end[r] for r, t in timeline.inserted.items()]
     compute = timeline.compute_intervals()
     return {
         "mode": plan.mode,
@@ -60,6 +74,8 @@ def summarize(timeline: Timeline, plan, verification: dict) -> dict:
         "wall_s": timeline.measured_end() - timeline.start,
         "ttft_ms": {"mean": 1e3 * statistics.fmean(ttft), "p50": 1e3 * statistics.median(ttft),
                     "max": 1e3 * max(ttft)},
+        "ttft_after_prefill_ms": {"mean": 1e3 * statistics.fmean(after_prefill),
+                                  "max": 1e3 * max(after_prefill)},
         "overlap_efficiency": timeline.overlap_efficiency(),
         # transfer time not hidden behind compute: last byte sent after the last layer computed
         "exposed_transfer_ms": 1e3 * (timeline.measured_end() - max(timeline.layer_end.values())),
@@ -81,7 +97,9 @@ def format_summary(s: dict) -> str:
         f"  moved {s['bytes_moved'] / 2**20:.1f} MiB at {s['transfer_throughput_gib_s']:.2f} GiB/s"
         f"; verified {s['verified_bytes'] / 2**20:.1f} MiB",
         f"  time to first token on decode: mean {s['ttft_ms']['mean']:.0f} ms, "
-        f"p50 {s['ttft_ms']['p50']:.0f} ms, max {s['ttft_ms']['max']:.0f} ms",
+        f"p50 {s['ttft_ms']['p50']:.0f} ms, max {s['ttft_ms']['max']:.0f} ms; after a "
+        f"request's prefill ended: mean {s['ttft_after_prefill_ms']['mean']:.1f} ms, max "
+        f"{s['ttft_after_prefill_ms']['max']:.1f} ms",
         f"  compute {s['compute_s']:.2f} s, last byte at {s['wall_s']:.2f} s "
         f"({s['exposed_transfer_ms']:.1f} ms after the last layer), "
         f"overlap efficiency {s['overlap_efficiency']:.3f}",
