@@ -87,7 +87,7 @@ def test_prompt_bigger_than_the_cache_is_rejected_up_front():
     run = demo(*SMALL, "--mode", "per_query", "--prompt-lens", "64,5000", "--cache-blocks", "16")
     assert run.returncode == 0, run.stderr
     assert ("rejected a 5000-token prompt up front: needs 79 blocks of 64 tokens, the whole "
-            "cache has 16") in run.stderr
+            "cache has 15 (block 0 is reserved)") in run.stderr
     assert "requests 1 " in run.stdout and "every byte verified" in run.stdout
     run = demo("--prompt-lens", "5000", "--cache-blocks", "16")
     assert run.returncode == 1 and "no request fits the cache" in run.stderr

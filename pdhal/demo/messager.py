@@ -31,21 +31,20 @@ class Shipper:
     def send(self, step: int, layer: int, ready: list[tuple[int, int]]) -> None:
         """Send layer `layer` of each (request, tokens now in the cache) in `ready`."""
         start = time.monotonic()
-        runs, finished, nbytes = [], [], 0
+        src, dst, finished = [], [], []
         for request_id, tokens in ready:
             request = self.plan.request(request_id)
             whole = tokens == request.prompt_len
             end = -(-tokens // self.bs) if whole else tokens // self.bs
             first = self.sent_blocks[request_id, layer]
-            if end > first:
-                runs += block_runs(request.prefill_blocks[first:end],
-                                   request.decode_blocks[first:end])
-                nbytes += 2 * (end - first) * self.plan.model.block_bytes()
-                self.sent_blocks[request_id, layer] = end
+            src += request.prefill_blocks[first:end]
+            dst += request.decode_blocks[first:end]
+            self.sent_blocks[request_id, layer] = max(first, end)
             if whole and layer == self.plan.model.layers - 1:
                 finished.append(request_id)
-        if runs:
-            self.sender.write(layer, runs)
+        if src:  # runs span requests where both tables are consecutive: fewer, longer copies
+            self.sender.write(layer, block_runs(src, dst))
+        nbytes = 2 * len(src) * self.plan.model.block_bytes()
         now = time.monotonic()
         self.link.send(("xfer", {"step": step, "layer": layer, "start": start, "end": now,
                                  "bytes": nbytes}))

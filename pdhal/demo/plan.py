@@ -88,28 +88,31 @@ def make_plan(model: ModelConfig, prompt_lens: list[int], mode: str, transport: 
     bs = model.block_size
     requests: list[Request] = []
     rejected: list[tuple[int, str]] = []
-    prefill_used = decode_used = 0
-    decode_blocks_total = cache_blocks
+    prefill_used = 0
+    # The decode side keeps block 0 unused (the null block engines reserve), so its tables
+    # differ from the prefill side's and a transfer that ignored them would fail
+    # verification. Prompt blocks come from the bottom; the blocks a request grows into
+    # while decoding, from the top.
+    decode_next, decode_top = 1, cache_blocks
     for length in prompt_lens:
         need = _blocks(length, bs)
-        need_decode = _blocks(length + decode_steps, bs)
+        grow = _blocks(length + decode_steps, bs) - need
         if length < 1:
             rejected.append((length, "a prompt needs at least one token"))
-        elif need_decode > cache_blocks:
-            rejected.append((length, f"needs {need_decode} blocks of {bs} tokens, the whole "
-                                     f"cache has {cache_blocks}"))
-        elif prefill_used + need > cache_blocks or decode_used + need_decode > cache_blocks:
+        elif need + grow > cache_blocks - 1:
+            rejected.append((length, f"needs {need + grow} blocks of {bs} tokens, the whole "
+                                     f"cache has {cache_blocks - 1} (block 0 is reserved)"))
+        elif prefill_used + need > cache_blocks or decode_next + need > decode_top - grow:
             rejected.append((length, f"the cache ({cache_blocks} blocks) is full with the "
                                      f"requests before it"))
         else:
-            # The decode side allocates from the top down, so the two block tables differ
-            # and a transfer that ignored them would be caught by verification.
-            decode = list(range(decode_blocks_total - decode_used - need_decode,
-                                decode_blocks_total - decode_used))
+            decode = (list(range(decode_next, decode_next + need))
+                      + list(range(decode_top - grow, decode_top)))
             requests.append(Request(len(requests), length,
                                     list(range(prefill_used, prefill_used + need)), decode))
             prefill_used += need
-            decode_used += need_decode
+            decode_next += need
+            decode_top -= grow
     steps: list[list[ChunkPlan]] = []
     if mode == "per_query":
         for i in range(0, len(requests), batch):
