@@ -257,8 +257,9 @@ class Pipeline:
                 self.progress.update()
             self.progress.update(force=True)
         except DemoError as exc:
-            logs = "".join(f"\n--- {role}'s stderr (last lines) ---\n{self.hub.log_tail(role)}"
-                           for role in self.hub.processes if self.hub.log_tail(role).strip())
+            tails = {role: self.hub.log_tail(role) for role in self.hub.processes}
+            logs = "".join(f"\n--- {role}'s stderr (last lines) ---\n{tail}"
+                           for role, tail in tails.items() if tail.strip())
             raise DemoError(f"{exc}{logs}") from None
         finally:
             self.hub.stop(grace=10.0)

@@ -128,10 +128,9 @@ def plot(timelines: list[tuple[str, Timeline]], path: str) -> None:
     fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 1.8 * len(timelines) + 0.6),
                              squeeze=False)
     for ax, (title, t) in zip(axes[:, 0], timelines):
-        colors = ["tab:blue", "tab:cyan"]
-        ax.broken_barh([(1e3 * (b - t.start), 1e3 * (e - b)) for b, e, _ in
-                        t.compute_intervals()], (10, 8),
-                       facecolors=[colors[layer % 2] for _, _, layer in t.compute_intervals()])
+        compute = t.compute_intervals()
+        ax.broken_barh([(1e3 * (b - t.start), 1e3 * (e - b)) for b, e, _ in compute], (10, 8),
+                       facecolors=[["tab:blue", "tab:cyan"][layer % 2] for _, _, layer in compute])
         ax.broken_barh([(1e3 * (x["start"] - t.start), 1e3 * (x["end"] - x["start"]))
                         for x in t.transfers], (0, 8),
                        facecolors=[["tab:orange", "tab:red"][x["layer"] % 2]
