@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,14 +34,14 @@ ACCEPT_POLL_S = 0.5  # how often a wait for a connection checks that the process
 class Hub:
     """The parent's end: starts role processes and holds one connection to each.
 
-    The listener binds `bind` (127.0.0.1 unless a process runs on another host, which
-    reaches it at `advertise`).
+    The listener binds `bind`: 127.0.0.1 unless a process runs on another host (then an
+    address that host reaches, or 0.0.0.0, advertised as this host's name).
     """
 
-    def __init__(self, bind: str = "127.0.0.1", advertise: str | None = None):
+    def __init__(self, bind: str = "127.0.0.1"):
         self._key = secrets.token_bytes(16)
         self._listener = Listener((bind, 0), authkey=self._key)
-        self._advertise = advertise or bind
+        self._advertise = socket.gethostname() if bind in ("0.0.0.0", "::") else bind
         self.links: dict[str, Connection] = {}
         self.processes: dict[str, subprocess.Popen] = {}
         #: Each child's stderr (Mooncake logs there at INFO level, whatever it is told).

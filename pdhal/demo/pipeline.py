@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -92,9 +91,7 @@ class Pipeline:
 
     def __init__(self, plan: Plan, options: Options):
         self.plan, self.options = plan, options
-        advertise = (socket.gethostname() if options.control_host in ("0.0.0.0", "::")
-                     else options.control_host)
-        self.hub = Hub(options.control_host, advertise)
+        self.hub = Hub(options.control_host)
         self.timeline = Timeline()
         self.progress = Progress(plan, options.progress)
         self.first_token: dict[int, int] = {}
