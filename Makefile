@@ -36,9 +36,12 @@ test: $(STAMP) ibverbs
 demo: $(STAMP)
 	$(VENV)/bin/pdhal demo --plot demo-timeline.png
 
-# 10,000,000 signals per channel kind between two processes; prints RSS before and after.
+# 10,000,000 signals per channel kind between two processes (prints RSS before and after),
+# then 1,000,000 publishes to four readers, on one CPU and spread.
 stress: $(STAMP)
 	$(PY) -m pytest -q -s -p no:cacheprovider stress
+	PDHAL_MANY_READERS_PUBLISHES=1000000 \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/test_signals.py -k lose_no_wake
 
 bench: $(STAMP)
 	$(PY) bench/bench_signals.py

@@ -4,6 +4,8 @@ reordered or torn."""
 from __future__ import annotations
 
 import array
+import os
+import subprocess
 import time
 
 import pytest
@@ -71,6 +73,74 @@ def test_per_query_free_running_never_tears():
     assert producer.wait(timeout=30) == 0
     reader.close()
     assert count > 1
+
+
+MANY_READERS_PUBLISHES = int(os.environ.get("PDHAL_MANY_READERS_PUBLISHES", "50000"))
+
+
+@pytest.mark.parametrize("cpus", ["one CPU", "every CPU"])
+def test_one_writer_and_four_readers_lose_no_wake(cpus):
+    """Four reader processes wait on one per-query channel while its writer publishes in
+    bursts, all pinned to one CPU (so preemption lands inside waits) or spread. Each reader
+    sees progress only grow and reaches the end. After each of 10 bursts the writer lets
+    every reader block, then publishes one probe value: a reader whose wake-up was lost
+    sleeps on until its wait slice ends (up to 200 ms) or the next burst, 100 ms later, so
+    each reader must see every probe within 50 ms. `make stress` runs 1,000,000 publishes."""
+    layers, bursts = 25, 10
+    steps = MANY_READERS_PUBLISHES // layers // bursts * bursts
+    probes = [(b + 1) * steps // bursts for b in range(bursts)]  # steps whose last layer
+    affinity = sorted(os.sched_getaffinity(0))
+    pin = f"os.sched_setaffinity(0, {set(affinity[:1] if cpus == 'one CPU' else affinity)})"
+    writer = python_child(f"""
+        import os, sys, time
+        {pin}
+        from pdhal import ops
+        meta = ops.open_shm_and_get_meta_signal(0, 0)
+        print("created", flush=True)
+        sys.stdin.readline()  # every reader is attached
+        published = []
+        for step in range(1, {steps} + 1):
+            if step > 1:
+                meta = ops.open_shm_and_get_meta_signal(0, 0)
+            for layer in range({layers}):
+                signal = ops.init_signal_layerwise(meta, layer)
+                if step in {probes} and layer == {layers - 1}:
+                    time.sleep(0.02)  # every reader catches up and blocks
+                    published.append(time.monotonic_ns())
+                    ops.signal_layer_ready(signal)
+                    time.sleep(0.1)
+                else:
+                    ops.signal_layer_ready(signal)
+        print(*published, flush=True)
+        sys.stdin.read()  # alive until the readers are done
+    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline() == "created\n"
+    readers = [python_child(f"""
+        import os, time
+        {pin}
+        from pdhal import ops
+        reader = ops.open_kv_signal_reader(0, 0, timeout=30)
+        print("ready", flush=True)
+        since, seen, probes = reader.current(), [], {probes}
+        while since != ({steps}, {layers - 1}):
+            now = reader.wait(since, timeout=10)
+            assert since < now and now[1] < {layers}, (since, now)
+            if len(seen) < len(probes) and now >= (probes[len(seen)], {layers - 1}):
+                seen.append(time.monotonic_ns())
+            since = now
+        print(*seen, flush=True)
+    """, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    for reader in readers:
+        assert reader.stdout.readline() == "ready\n"
+    writer.stdin.write("go\n")
+    writer.stdin.flush()
+    seen = [list(map(int, reader.communicate(timeout=600)[0].split())) for reader in readers]
+    assert [reader.returncode for reader in readers] == [0] * 4
+    published = list(map(int, writer.stdout.readline().split()))
+    writer.stdin.close()
+    assert writer.wait(timeout=30) == 0
+    delays_ms = sorted((times[b] - published[b]) / 1e6 for times in seen for b in range(bursts))
+    assert delays_ms[-1] < 50, f"probes seen late (ms): {delays_ms[-8:]}"
 
 
 def _expected_table(step: int) -> list[tuple[int, int, int]]:
