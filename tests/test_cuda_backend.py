@@ -30,39 +30,6 @@ def sim(monkeypatch):
     return sim
 
 
-CHECK_LAYERS = """
-    import ctypes, numpy as np
-    from pdhal import ops
-    kv = ops.share_external_data(np.zeros(1, np.uint8), "kv", [{size}])
-    reader = ops.open_kv_signal_reader(0, 0)
-    since = (1, -1)
-    while since[1] < {layers} - 1:
-        since = reader.wait(since, timeout=10)
-        for layer in range(since[1] + 1):  # every signalled layer is already written
-            got = ctypes.string_at(kv.address + layer * {block}, {block})
-            assert got == bytes([layer + 1]) * {block}, (since, layer, got[:4])
-"""
-
-
-@pytest.mark.parametrize("through", ["host function", "sender"])
-def test_no_signal_is_visible_before_the_kernels_write(sim, through):
-    layers, block = 8, 64
-    dev = sim.malloc(layers * block)
-    stream = sim.stream()
-    ops.set_data_ipc(DeviceTensor(dev, layers * block, "gpu:0"), "kv")
-    meta = ops.open_shm_and_get_meta_signal(0, 0)
-    checker = python_child(CHECK_LAYERS.format(size=layers * block, layers=layers, block=block))
-    sender = ops.create_kv_signal_sender() if through == "sender" else None
-    for layer in range(layers):
-        sim.launch_write(stream, dev + layer * block, bytes([layer + 1]) * block, 30000)
-        ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream, sender)
-    with ops.open_kv_signal_reader(0, 0) as reader:
-        assert reader.current() == (1, -1)  # the first kernel is still sleeping
-    assert checker.wait(timeout=30) == 0
-    if sender:
-        ops.destroy_kv_signal_sender(sender)
-
-
 def test_10000_layers_across_4_streams_arrive_complete_and_in_stream_order(sim):
     streams, steps, layers = 4, 25, 100
     reader = python_child(f"""

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import pdhal
-from pdhal import _core, _names, ops
+from pdhal import _names, ops
 
 
 def _mode(path: str) -> int:

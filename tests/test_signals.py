@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import python_child, run_child
+from conftest import python_child
 from pdhal import ops
 import pdhal
 

@@ -18,6 +18,7 @@ class SimulatedRuntimeSupport(TestSupport):
 
     malloc = free = stream_create = kernel = ""
     malloc_kind_argument = False
+    asynchronous = True  # the kernel runs on the simulated stream's thread
 
     def __init__(self, library_path: str):
         self.ffi = FFI()

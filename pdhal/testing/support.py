@@ -28,6 +28,10 @@ class TestSupport:
 
     #: Device string of DeviceTensor, e.g. "gpu:0".
     device = "cpu"
+    #: True when delayed_write returns before its write is done (work queued on a stream).
+    #: The kit then also checks that a signal posted behind pending work is not visible
+    #: yet, so the ordering checks cannot pass merely because the work was already done.
+    asynchronous = False
 
     def alloc(self, nbytes: int) -> DeviceTensor:
         """Device memory that set_data_ipc and get_peer_mem_addr accept, zero-filled."""

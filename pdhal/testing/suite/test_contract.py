@@ -107,6 +107,9 @@ def test_a_layer_is_signalled_only_after_the_work_before_it(support, through):
         support.delayed_write(stream, kv.address + layer * BLOCK, bytes([layer + 1]) * BLOCK,
                               20000)
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream, sender)
+    if support.asynchronous:
+        with ops.open_kv_signal_reader(0, 0) as reader:
+            assert reader.current() == (meta.step, -1), "a signal overtook the first write"
     if sender is not None:
         ops.destroy_kv_signal_sender(sender)
     finish(checker)
