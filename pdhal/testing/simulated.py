@@ -44,10 +44,14 @@ class SimulatedRuntimeSupport(TestSupport):
 
     def stream(self):
         if self._stream is None:
-            s = self.ffi.new("void **")
-            assert getattr(self.lib, self.stream_create)(s) == 0
-            self._stream = int(self.ffi.cast("uintptr_t", s[0]))
+            self._stream = self.new_stream()
         return self._stream
+
+    def new_stream(self) -> int:
+        """A stream of its own (stream() hands out one shared stream)."""
+        s = self.ffi.new("void **")
+        assert getattr(self.lib, self.stream_create)(s) == 0
+        return int(self.ffi.cast("uintptr_t", s[0]))
 
     def delayed_write(self, stream, address: int, data: bytes, delay_us: int) -> None:
         try:
@@ -56,8 +60,9 @@ class SimulatedRuntimeSupport(TestSupport):
             raise UnsupportedError(f"{self.library_path} has no test kernel {self.kernel}: the "
                                    f"kit's ordering checks need a simulated runtime or a "
                                    f"backend TestSupport of its own") from None
-        kernel(self.ffi.cast("void *", stream or 0), self.ffi.cast("void *", address), data,
-               len(data), delay_us)
+        rc = kernel(self.ffi.cast("void *", stream or 0), self.ffi.cast("void *", address), data,
+                    len(data), delay_us)
+        assert rc == 0, f"{self.kernel} failed with {rc}"
 
     def release(self) -> None:
         while self._allocations:
