@@ -89,7 +89,7 @@ void pdhal_progress_publish(pdhal_segment *seg, uint32_t slot, uint64_t value);
 /* Wait until the per-query progress exceeds `since`: 0 with *now set, -ETIMEDOUT,
  * -EINTR (a signal arrived or a 200 ms slice ended: let the caller's signal handlers run,
  * then call again with the same deadline), or -EOWNERDEAD when the producer died. Spins
- * `spin_ns` first. Blocking calls below return -EINTR the same way. */
+ * `spin_ns` first (within the deadline). Blocking calls below return -EINTR the same way. */
 int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns, uint32_t spin_ns,
                         uint64_t *now);
 
@@ -103,9 +103,10 @@ int pdhal_ring_begin_step(pdhal_segment *seg, const int32_t *table, uint32_t cou
 /* Deliver the next (step, layer) record into out: [count, layer, triples...]. Returns 1 when
  * a record was written, 0 when none is pending and the deadline has passed (deadline 0 means
  * "do not wait"), -ENOSPC if `capacity` words cannot hold it (nothing consumed), -EINTR,
- * -EOWNERDEAD. *step gets the record's step. Single reader. */
+ * -EOWNERDEAD. *step gets the record's step. Spins `spin_ns` (within the deadline) before
+ * sleeping. Single reader. */
 int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t deadline_ns,
-                    uint64_t *step);
+                    uint32_t spin_ns, uint64_t *step);
 uint64_t pdhal_ring_latest_step(pdhal_segment *seg);
 
 /* ---- pending stores (progress.c) ---- */

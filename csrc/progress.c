@@ -52,6 +52,8 @@ int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns,
     struct pdhal_segment_header *h = seg->hdr;
     if (spin_ns) {
         int64_t spin_end = pdhal_now_ns() + spin_ns;
+        if (spin_end > deadline_ns)
+            spin_end = deadline_ns;
         do {
             uint64_t v = pdhal_progress_load(seg);
             if (v > since) {

@@ -137,11 +137,14 @@ static enum slot_state read_slot(pdhal_segment *seg, int32_t *out, uint32_t capa
 }
 
 int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t deadline_ns,
-                    uint64_t *step)
+                    uint32_t spin_ns, uint64_t *step)
 {
     struct pdhal_segment_header *h = seg->hdr;
     if (!seg->ring)
         return pdhal_fail(EPROTOTYPE, "%s is not a per-chunk channel", seg->path);
+    int64_t spin_end = deadline_ns > 0 && spin_ns ? pdhal_now_ns() + spin_ns : 0;
+    if (spin_end > deadline_ns)
+        spin_end = deadline_ns;
     for (;;) {
         uint32_t seen = atomic_load_explicit(&h->seq, memory_order_acquire);
         *step = seg->cursor_step;
@@ -159,6 +162,8 @@ int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t
         case SLOT_NOT_YET:
             break;
         }
+        if (spin_end && pdhal_now_ns() < spin_end)
+            continue;
         int rc = pdhal_segment_require_producer(seg);
         if (rc)
             return rc;

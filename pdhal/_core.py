@@ -83,12 +83,13 @@ def check(rc: int, what: str, *args, overrides: dict | None = None) -> int:
 
 
 def deadline_ns(timeout: float | None) -> int:
-    """Absolute CLOCK_MONOTONIC deadline for `timeout` seconds (None: no deadline)."""
+    """Absolute CLOCK_MONOTONIC deadline for `timeout` seconds (None or inf: no deadline)."""
     if timeout is None:
         return FOREVER_NS
-    if timeout < 0:
-        raise InvalidArgumentError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
-    return time.monotonic_ns() + int(timeout * 1e9)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise InvalidArgumentError(f"timeout must be a number of seconds >= 0 or None, got "
+                                   f"{timeout!r}")
+    return min(FOREVER_NS, time.monotonic_ns() + int(min(timeout, FOREVER_NS / 1e9) * 1e9))
 
 
 def pack_progress(step: int, layer: int) -> int:
@@ -178,17 +179,17 @@ class Segment:
     def publish(self, slot: int, value: int) -> None:
         lib.pdhal_progress_publish(self.ptr, slot, value)
 
-    def wait(self, since: int, timeout: float | None, spin_us: int = 0) -> int:
+    def wait(self, since: int, timeout: float | None, spin_ns: int = 0) -> int:
         """Block until the per-query progress word exceeds `since`; return the word."""
         # The messager's per-layer loop: kept to the fewest Python steps between the wake-up
         # and the caller (bench/bench_signals.py measures it).
         ptr, now = self.ptr, ffi.new("uint64_t *")
         deadline = FOREVER_NS if timeout is None else deadline_ns(timeout)
-        rc = lib.pdhal_progress_wait(ptr, since, deadline, spin_us * 1000, now)
+        rc = lib.pdhal_progress_wait(ptr, since, deadline, spin_ns, now)
         while rc == _EINTR:  # handlers ran; resume with the same deadline
-            rc = lib.pdhal_progress_wait(ptr, since, deadline, spin_us * 1000, now)
+            rc = lib.pdhal_progress_wait(ptr, since, deadline, spin_ns, now)
         if rc < 0:
-            _raise(rc, f"waiting on {self.path}")
+            _raise(rc, "waiting for progress")
         return now[0]
 
     # per-chunk ring
@@ -202,13 +203,15 @@ class Segment:
               overrides={errno.ETIMEDOUT: BackPressureTimeoutError})
         return step[0]
 
-    def ring_next(self, out, capacity: int, timeout: float | None) -> int | None:
+    def ring_next(self, out, capacity: int, timeout: float | None, spin_ns: int = 0
+                  ) -> int | None:
         """Write the next record into the int32 cdata `out`; its step, or None if none came.
 
         timeout 0 means "do not wait"."""
         step = ffi.new("uint64_t *")
         deadline = 0 if timeout == 0 else deadline_ns(timeout)
-        rc = _retry_interrupted(lib.pdhal_ring_next, self.ptr, out, capacity, deadline, step)
+        rc = _retry_interrupted(lib.pdhal_ring_next, self.ptr, out, capacity, deadline,
+                                spin_ns, step)
         check(rc, "reading %s", self.path)
         return step[0] if rc == 1 else None
 

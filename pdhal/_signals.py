@@ -23,6 +23,8 @@ from pdhal._errors import (
 from pdhal._tensors import int_list, writable_int32
 
 _NO_LAYER = -1
+#: The longest spin a wait accepts, in microseconds: longer is a poll loop, not a spin.
+MAX_SPIN_US = 1_000_000
 
 
 class LayerSignal:
@@ -206,11 +208,12 @@ class ProgressReader:
              spin_us: int = 0) -> tuple[int, int]:
         """Block until progress passes `since` and return it.
 
-        Raises SignalTimeoutError after `timeout` seconds and ProducerDiedError (within a
-        second) if the producer dies. Ctrl-C interrupts the wait.
+        Spins `spin_us` microseconds (at most a second) before it sleeps: worth it only
+        when layers come faster than the spin. Raises SignalTimeoutError after `timeout`
+        seconds and ProducerDiedError (within a second) if the producer dies. Ctrl-C
+        interrupts the wait.
         """
-        word = self._segment.wait((since[0] << _core.LAYER_BITS) | (since[1] + 1), timeout,
-                                  spin_us)
+        word = self._segment.wait(since_word(since), timeout, spin_ns(spin_us))
         return word >> _core.LAYER_BITS, (word & _core.LAYER_MASK) - 1
 
     def producer_alive(self) -> bool:
@@ -228,6 +231,27 @@ class ProgressReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def since_word(since) -> int:
+    """The progress word a wait must pass: `since` as (step, layer), layer -1 for none."""
+    try:
+        step, layer = since
+        step, layer = step.__index__(), layer.__index__()
+    except (AttributeError, TypeError, ValueError):
+        raise InvalidArgumentError(f"since must be a (step, layer) pair of integers, got "
+                                   f"{since!r}") from None
+    if not (0 <= step < 1 << (64 - _core.LAYER_BITS) and _NO_LAYER <= layer <= _core.MAX_LAYER):
+        raise InvalidArgumentError(f"since must have 0 <= step < 2**{64 - _core.LAYER_BITS} and "
+                                   f"-1 <= layer <= {_core.MAX_LAYER}, got {since!r}")
+    return _core.pack_progress(step, layer)
+
+
+def spin_ns(spin_us) -> int:
+    """`spin_us`, checked, in nanoseconds (the unit of the C waits)."""
+    if type(spin_us) is int and spin_us == 0:  # the usual case, on the per-layer path
+        return 0
+    return _names.validate_index(spin_us, "spin_us", MAX_SPIN_US + 1) * 1000
 
 
 def open_kv_signal_reader(rank: int, device_id: int = 0, timeout: float | None = 60.0
@@ -249,17 +273,20 @@ class ChunkReader:
         self._segment = _core.Segment.open(path, _core.KIND_CHUNK, timeout,
                                            exclusive_reader=True)
 
-    def next(self, out, wait: bool = True, timeout: float | None = None) -> int | None:
+    def next(self, out, wait: bool = True, timeout: float | None = None,
+             spin_us: int = 0) -> int | None:
         """Write the next record into `out`; returns its step, or None (and -1, -1) if none.
 
         Without `wait` it returns at once; with it, it blocks until a record comes, the
-        timeout passes (None: no limit) or the producer dies (ProducerDiedError).
+        timeout passes (None: no limit) or the producer dies (ProducerDiedError), spinning
+        `spin_us` microseconds before it sleeps.
         """
         words, capacity = writable_int32(out, "out", minimum=2)
-        return self._next_into(words, capacity, wait, timeout)
+        return self._next_into(words, capacity, wait, timeout, spin_ns(spin_us))
 
-    def _next_into(self, words, capacity: int, wait: bool, timeout: float | None) -> int | None:
-        step = self._segment.ring_next(words, capacity, timeout if wait else 0)
+    def _next_into(self, words, capacity: int, wait: bool, timeout: float | None,
+                   spin: int) -> int | None:
+        step = self._segment.ring_next(words, capacity, timeout if wait else 0, spin)
         if step is None:
             words[0] = words[1] = -1
         return step
@@ -278,13 +305,15 @@ _chunk_readers: dict[tuple[int, str], ChunkReader] = {}
 
 
 def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
-                         timeout: float | None = None) -> None:
+                         timeout: float | None = None, spin_us: int = 0) -> None:
     """Fill `out` (int32, >= 2 + 3 * requests words) with the next per-chunk record.
 
     Layout: out[0] request count, out[1] layer, then (slot, cached tokens, chunk tokens)
     triples; -1, -1 when nothing is pending. Every (step, layer) comes exactly once, in order.
+    With `wait_flag`, spins `spin_us` microseconds before it sleeps.
     """
-    words, capacity = writable_int32(out, "out", minimum=2)  # bad `out`: fail before waiting
+    words, capacity = writable_int32(out, "out", minimum=2)  # bad input: fail before waiting
+    spin = spin_ns(spin_us)
     key = (os.getpid(), _names.channel_path("chunk", rank_id, device_id))
     reader = _chunk_readers.get(key)
     if reader is None:
@@ -297,7 +326,7 @@ def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
             return
         _chunk_readers[key] = reader
     try:
-        reader._next_into(words, capacity, wait_flag, timeout)
+        reader._next_into(words, capacity, wait_flag, timeout, spin)
     except ProducerDiedError:
         # The next call attaches to the restarted producer's channel and resumes there.
         del _chunk_readers[key]

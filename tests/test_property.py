@@ -129,6 +129,30 @@ class Channels(RuleBasedStateMachine):
         if hasattr(result, "close"):  # garbage that happened to be valid (host_alloc(5))
             result.close()
 
+    @rule(method=st.sampled_from(["wait", "next", "poll"]), args=st.data())
+    def garbage_wait(self, method, args):
+        """A reader's waits with garbage since / timeout / spin_us: a PdhalError, or (garbage
+        that happens to be valid) a wait bounded by a short timeout."""
+        since, spin_us, timeout = (args.draw(st.one_of(garbage, st.tuples(garbage, garbage)))
+                                   for _ in range(3))
+        if timeout is None or type(timeout) in (int, float) and not timeout < 0.01:
+            timeout = 0.01  # valid, but long enough to slow the run down
+        if type(spin_us) is int and spin_us > 1000:
+            spin_us = 1000
+        try:
+            if method == "wait":
+                if self.meta is None:
+                    return
+                with ops.open_kv_signal_reader(0, 0, timeout=0) as reader:
+                    reader.wait(since, timeout=timeout, spin_us=spin_us)
+            else:  # rank 1 has no producer: valid garbage must not eat the model's records
+                ops.get_output_kv_signal(self.out, 1, method == "next", timeout=timeout,
+                                         spin_us=spin_us)
+        except pdhal.PdhalError:
+            pass
+        finally:
+            CALLS["garbage"] += 1
+
     def teardown(self):
         if self.reader is not None:
             self.reader.close()

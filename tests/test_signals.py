@@ -236,6 +236,69 @@ def test_wait_times_out_with_a_clear_error():
         assert 0.1 <= time.monotonic() - start < 0.3
 
 
+def test_bad_waits_are_pdhal_errors_that_say_what_was_expected():
+    ops.open_shm_and_get_meta_signal(0, 0)
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        for kwargs, expected in [
+            ({"since": (1,)}, "since must be a .step, layer. pair of integers, got .1,."),
+            ({"since": (1, 2 ** 20)}, "-1 <= layer <= 1048574, got .1, 1048576."),
+            ({"since": (-1, 0)}, "0 <= step < 2..44"),
+            ({"timeout": float("nan")}, "timeout must be a number of seconds >= 0 or None"),
+            ({"timeout": "1"}, "timeout must be a number of seconds >= 0 or None, got '1'"),
+            ({"spin_us": -5}, "spin_us must be in .0, 1000001., got -5"),
+            ({"spin_us": 0.5}, "spin_us must be an integer"),
+        ]:
+            with pytest.raises(pdhal.InvalidArgumentError, match=expected):
+                reader.wait(**{"since": (0, -1), **kwargs})
+        assert reader.wait((0, -1), timeout=float("inf")) == (1, -1)  # inf: no deadline
+
+
+def test_a_spin_runs_before_the_sleep_and_ends_at_the_deadline():
+    """A wait spins (it burns CPU) for spin_us, then sleeps (it does not); a spin longer than
+    the timeout does not stretch it. Both waits."""
+    ops.open_shm_and_get_meta_signal(0, 0)
+    ops.init_kv_signal_per_query([8], [8], [0], 0, 4)  # a step whose layers never come
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        start = time.monotonic()
+        with pytest.raises(pdhal.SignalTimeoutError):
+            reader.wait(reader.current(), timeout=0.05, spin_us=1_000_000)
+        assert time.monotonic() - start < 0.5
+    with ops.open_kv_chunk_reader(0, 0) as reader:
+        out = array.array("i", [0] * 8)
+        start = time.monotonic()
+        assert reader.next(out, timeout=0.05, spin_us=1_000_000) is None
+        assert time.monotonic() - start < 0.5 and list(out[:2]) == [-1, -1]
+        for spin_us, cpu in ((0, lambda s: s < 0.02), (200_000, lambda s: s >= 0.05)):
+            start = time.process_time()
+            assert reader.next(out, timeout=0.3, spin_us=spin_us) is None
+            assert cpu(time.process_time() - start), (spin_us, time.process_time() - start)
+
+
+def test_spinning_readers_get_every_record_once_in_order():
+    steps, layers = 300, 8
+    producer = python_child(f"""
+        import time
+        from pdhal import ops
+        for step in range(1, {steps} + 1):
+            meta = ops.open_shm_and_get_meta_signal(0, 0)
+            chunk = ops.init_kv_signal_per_query([step], [step], [0], 0, {layers})
+            for layer in range({layers}):
+                if layer % 3 == 0:
+                    time.sleep(0.0002)  # some records come within the spin, some after it
+                ops.signal_layer_ready(chunk.layer(layer))
+                ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer))
+    """)
+    query = ops.open_kv_signal_reader(0, 0, timeout=30)
+    out = array.array("i", [0] * 8)
+    for step in range(1, steps + 1):
+        for layer in range(layers):
+            ops.get_output_kv_signal(out, 0, True, timeout=30, spin_us=100)
+            assert (out[0], out[1], out[4]) == (1, layer, step), (step, layer, list(out[:5]))
+    assert query.wait((steps, layers - 2), timeout=30, spin_us=100) == (steps, layers - 1)
+    query.close()
+    assert producer.wait(timeout=30) == 0
+
+
 def test_ops_are_the_backends_own_functions():
     from pdhal import _cpu, _signals
 
