@@ -89,7 +89,8 @@ def deadline_ns(timeout: float | None) -> int:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
         raise InvalidArgumentError(f"timeout must be a number of seconds >= 0 or None, got "
                                    f"{timeout!r}")
-    return min(FOREVER_NS, time.monotonic_ns() + int(min(timeout, FOREVER_NS / 1e9) * 1e9))
+    timeout_ns = min(timeout * 1e9, FOREVER_NS)  # inf, or past any clock: no deadline
+    return min(FOREVER_NS, time.monotonic_ns() + int(timeout_ns))
 
 
 def pack_progress(step: int, layer: int) -> int:
