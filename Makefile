@@ -8,7 +8,7 @@ STAMP := $(VENV)/.pdhal-installed
 
 .PHONY: test demo bench stress sanitize clean ibverbs
 
-$(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h csrc/build_ffi.py $(BACKENDS)
+$(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py $(BACKENDS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
 	$(PY) -m pip install -q -e '.[test,demo,mooncake]' $(foreach b,$(BACKENDS),-e $(dir $(b)))

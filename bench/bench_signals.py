@@ -74,13 +74,16 @@ def one_way_latency(style: str) -> list[float]:
 
 
 def build_c_wake() -> str:
+    import pdhal
+
     here = os.path.dirname(os.path.abspath(__file__))
     exe = os.path.join(here, "build", "c_wake")
     csrc = os.path.join(here, "..", "csrc")
     os.makedirs(os.path.dirname(exe), exist_ok=True)
     sources = [os.path.join(here, "c_wake.c")] + [os.path.join(csrc, f"{name}.c") for name in
                                                   ("segment", "progress", "wait", "errors")]
-    subprocess.run(["gcc", "-O2", f"-I{csrc}", "-o", exe, *sources, "-lpthread"], check=True)
+    subprocess.run(["gcc", "-O2", f"-I{pdhal.get_include()}", "-o", exe, *sources,
+                    "-lpthread"], check=True)
     return exe
 
 

@@ -45,7 +45,7 @@ static int read_all(const char *path, enum style style, int pipe_fd, int n, int6
         } else if (style == FUTEX) {
             int rc;
             do /* a wait returns -EINTR at each slice end, for callers that check signals */
-                rc = pdhal_progress_wait(seg, since + 1, pdhal_now_ns() + 10000000000LL, 0, &now);
+                rc = pdhal_progress_wait(seg, since, pdhal_now_ns() + 10000000000LL, 0, &now);
             while (rc == -EINTR);
             if (rc)
                 return fprintf(stderr, "wait: %s\n", pdhal_last_error()), 1;

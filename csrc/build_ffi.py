@@ -9,11 +9,13 @@ import pathlib
 from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
+#: The public header ships inside the package (pdhal.get_include()) for engine kernels.
+INCLUDE = HERE.parent / "pdhal" / "include"
 SOURCES = ["errors.c", "wait.c", "segment.c", "progress.c", "ring.c", "sender.c"]
 
 
 def read_cdef() -> str:
-    header = (HERE / "pdhal.h").read_text()
+    header = (INCLUDE / "pdhal.h").read_text()
     start = header.index("/* PDHAL_CDEF_BEGIN */") + len("/* PDHAL_CDEF_BEGIN */")
     return header[start:header.index("/* PDHAL_CDEF_END */")]
 
@@ -31,7 +33,7 @@ ffibuilder.set_source(
     "pdhal._pdhal_c",
     '#include "pdhal.h"',
     sources=[os.path.relpath(HERE / s) for s in SOURCES],
-    include_dirs=[os.path.relpath(HERE)],
+    include_dirs=[os.path.relpath(INCLUDE)],
     extra_compile_args=compile_args(),
     extra_link_args=["-fsanitize=address,undefined"] if os.environ.get("PDHAL_SANITIZE") else [],
     libraries=["pthread"],

@@ -42,10 +42,38 @@ def current_backend() -> str:
     return _registry.selection().candidate.name
 
 
+def get_include() -> str:
+    """Directory of pdhal.h, the C API for engine kernels and C/C++ cache messagers
+    (compile with -I, link against get_library())."""
+    import os
+
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
+
+
+def get_library() -> str:
+    """Path of the shared library that exports pdhal.h's functions (link against it, e.g.
+    `gcc ... /path/from/get_library`; load the result into a Python process)."""
+    import importlib.util
+
+    return importlib.util.find_spec("pdhal._pdhal_c").origin
+
+
+def channel_path(mode: str, rank: int, device_id: int = 0) -> str:
+    """Path of the progress channel of (PDHAL_NAMESPACE, rank, device_id), mode "per_query"
+    or "per_chunk": what C code passes to pdhal_segment_open."""
+    from pdhal import _names
+
+    kinds = {"per_query": "query", "per_chunk": "chunk"}
+    if mode not in kinds:
+        raise InvalidArgumentError(f"mode must be 'per_query' or 'per_chunk', got {mode!r}")
+    return _names.channel_path(kinds[mode], rank, device_id)
+
+
 __all__ = [
     "Availability", "Backend", "BackendLoadError", "BackendNotFoundError",
     "BackendUnavailableError", "BackPressureTimeoutError", "ChannelBusyError",
     "ClosedHandleError", "DeviceError", "InvalidArgumentError", "InvalidTypeError",
     "PdhalError", "Platform", "ProducerDiedError", "ReaderDiedError", "SegmentError",
-    "SignalTimeoutError", "UnsupportedError", "current_backend", "current_platform", "hookimpl",
+    "SignalTimeoutError", "UnsupportedError", "channel_path", "current_backend",
+    "current_platform", "get_include", "get_library", "hookimpl",
 ]

@@ -1,0 +1,102 @@
+"""pdhal.h as an engine uses it: the installed header compiles as C and as C++, and a cache
+messager written in C, built against pdhal.get_include() and pdhal.get_library(), reads a
+Python producer's signals from another process (a process that never imports pdhal)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pdhal
+from pdhal import ops
+from pdhal._core import pack_progress, unpack_progress
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# The messager process: loads the C library (which brings pdhal's C core with it) and runs
+# one of its loops; prints what the loop returned.
+MESSAGER = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+mode, path, a, b = sys.argv[2], sys.argv[3].encode(), int(sys.argv[4]), int(sys.argv[5])
+print("ready", flush=True)
+if mode == "per_query":
+    seen = (ctypes.c_uint64 * 4096)()
+    n = lib.messager_per_query(path, ctypes.c_uint64(a), ctypes.c_uint64(b), seen, 4096)
+    print(json.dumps([n] + list(seen[:max(n, 0)])))
+else:
+    out = (ctypes.c_int32 * (a * 1538))()
+    n = lib.messager_per_chunk(path, a, out)
+    print(json.dumps([n] + [list(out[i * 1538:i * 1538 + 5]) for i in range(max(n, 0))]))
+assert "pdhal" not in sys.modules
+"""
+
+
+def test_the_installed_header_compiles_as_c_and_as_cxx(tmp_path):
+    source = tmp_path / "kernel.c"
+    source.write_text('#include "pdhal.h"\n'
+                      "int check(void) { return pdhal_abi_version() == PDHAL_ABI_VERSION; }\n")
+    for compiler, language in (("gcc", "c"), ("g++", "c++")):
+        subprocess.run([compiler, "-x", language, "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
+                        "-pedantic", f"-I{pdhal.get_include()}", str(source)], check=True)
+
+
+@pytest.fixture(scope="module")
+def messager_library(tmp_path_factory) -> str:
+    library = tmp_path_factory.mktemp("c") / "libmessager.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror",
+                    f"-I{pdhal.get_include()}", "-o", str(library),
+                    os.path.join(HERE, "c", "messager.c"), pdhal.get_library()], check=True)
+    return str(library)
+
+
+def _start_messager(library: str, mode: str, a: int, b: int) -> subprocess.Popen:
+    messager = subprocess.Popen([sys.executable, "-c", MESSAGER, library, mode,
+                                 pdhal.channel_path(mode, 0), str(a), str(b)],
+                                stdout=subprocess.PIPE, text=True)
+    assert messager.stdout.readline() == "ready\n"
+    time.sleep(0.05)  # it is in its first wait before the first signal
+    return messager
+
+
+def test_a_c_messager_waits_on_per_query_progress(messager_library):
+    layers = 40
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    messager = _start_messager(messager_library, "per_query", pack_progress(meta.step, -1),
+                               pack_progress(meta.step, layers - 1))
+    for layer in range(layers):
+        time.sleep(0.001 * (layer % 3))  # some layers find the messager asleep
+        ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer))
+    n, *words = json.loads(messager.communicate(timeout=60)[0])
+    assert n > 0, f"messager_per_query failed: {os.strerror(-n)}"
+    seen = [unpack_progress(word) for word in words]
+    assert seen == sorted(set(seen)) and seen[-1] == (meta.step, layers - 1), seen
+
+
+def test_a_c_messager_reads_every_per_chunk_record_once_in_order(messager_library):
+    steps, layers = 40, 6  # more steps than the ring holds: the producer waits for C
+    messager = _start_messager(messager_library, "per_chunk", steps * layers, 0)
+    for step in range(1, steps + 1):
+        chunk = ops.init_kv_signal_per_query([0, 64 + step], [0, 64 + step], [0, step], 0,
+                                             layers)
+        for layer in range(layers):
+            ops.signal_layer_ready(chunk.layer(layer))
+    n, *records = json.loads(messager.communicate(timeout=60)[0])
+    assert n == steps * layers, f"messager_per_chunk: {n}"
+    assert records == [[1, layer, 1, step, 64 + step] for step in range(1, steps + 1)
+                       for layer in range(layers)]
+
+
+def test_the_library_exports_every_function_of_the_header():
+    from pdhal._core import lib as cffi_lib  # its cdef is the header's API region
+
+    functions = [name for name in dir(cffi_lib) if callable(getattr(cffi_lib, name))]
+    library = ctypes.CDLL(pdhal.get_library())
+    assert len(functions) > 25
+    assert [name for name in functions if not hasattr(library, name)] == []
