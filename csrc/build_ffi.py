@@ -3,8 +3,11 @@
 The cdef is the region of pdhal.h between PDHAL_CDEF_BEGIN and PDHAL_CDEF_END, so the
 compiler and cffi read the very same prototypes.
 """
+import hashlib
 import os
 import pathlib
+import re
+import tempfile
 
 from cffi import FFI
 
@@ -27,6 +30,24 @@ def compile_args() -> list[str]:
     return args
 
 
+def export_map(cdef: str) -> str:
+    """A linker version script exporting the module's init and the functions the header
+    declares, nothing else: the C core's internals stay out of engines' symbol tables."""
+    functions = sorted(set(re.findall(r"\b(pdhal_\w+)\s*\(", cdef)))
+    script = "{ global: PyInit__pdhal_c; %s; local: *; };\n" % "; ".join(functions)
+    digest = hashlib.sha256(script.encode()).hexdigest()[:16]
+    path = pathlib.Path(tempfile.gettempdir()) / f"pdhal-exports-{digest}.map"
+    path.write_text(script)
+    return str(path)
+
+
+def link_args(cdef: str) -> list[str]:
+    args = [f"-Wl,--version-script={export_map(cdef)}"]
+    if os.environ.get("PDHAL_SANITIZE"):
+        args.append("-fsanitize=address,undefined")
+    return args
+
+
 ffibuilder = FFI()
 ffibuilder.cdef(read_cdef())
 ffibuilder.set_source(
@@ -35,7 +56,7 @@ ffibuilder.set_source(
     sources=[os.path.relpath(HERE / s) for s in SOURCES],
     include_dirs=[os.path.relpath(INCLUDE)],
     extra_compile_args=compile_args(),
-    extra_link_args=["-fsanitize=address,undefined"] if os.environ.get("PDHAL_SANITIZE") else [],
+    extra_link_args=link_args(read_cdef()),
     libraries=["pthread"],
 )
 

@@ -93,10 +93,12 @@ def test_a_c_messager_reads_every_per_chunk_record_once_in_order(messager_librar
                        for layer in range(layers)]
 
 
-def test_the_library_exports_every_function_of_the_header():
+def test_the_library_exports_the_header_s_functions_and_no_internals():
     from pdhal._core import lib as cffi_lib  # its cdef is the header's API region
 
     functions = [name for name in dir(cffi_lib) if callable(getattr(cffi_lib, name))]
     library = ctypes.CDLL(pdhal.get_library())
     assert len(functions) > 25
     assert [name for name in functions if not hasattr(library, name)] == []
+    for internal in ("pdhal_fail", "pdhal_wait_change", "pdhal_segment_ref"):
+        assert not hasattr(library, internal), f"{internal} is exported"
