@@ -48,15 +48,16 @@ def link_args(cdef: str) -> list[str]:
     return args
 
 
+CDEF = read_cdef()
 ffibuilder = FFI()
-ffibuilder.cdef(read_cdef())
+ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "pdhal._pdhal_c",
     '#include "pdhal.h"',
     sources=[os.path.relpath(HERE / s) for s in SOURCES],
     include_dirs=[os.path.relpath(INCLUDE)],
     extra_compile_args=compile_args(),
-    extra_link_args=link_args(read_cdef()),
+    extra_link_args=link_args(CDEF),
     libraries=["pthread"],
 )
 
