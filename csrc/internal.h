@@ -12,6 +12,7 @@
 
 #include <assert.h>
 #include <stdatomic.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -24,6 +25,10 @@
 #define PDHAL_LAYER_MASK ((UINT64_C(1) << PDHAL_LAYER_BITS) - 1)
 #define PDHAL_WAIT_SLICE_NS (200LL * 1000 * 1000) /* liveness probe at least this often */
 #define PDHAL_BUFFER_HEADER_BYTES 4096            /* buffer payload starts page aligned */
+/* The largest buffer payload: far beyond any KV cache, and small enough that the header
+ * size plus the payload cannot wrap. */
+#define PDHAL_MAX_BODY_BYTES (UINT64_C(1) << 46)
+#define PDHAL_MAX_RING_SLOTS 4096
 
 /* Byte ranges of the OFD locks taken on a segment's file. */
 #define PDHAL_LOCK_PRODUCER 0
@@ -76,12 +81,22 @@ struct pdhal_segment {
     struct pdhal_segment_header *hdr;
     struct pdhal_ring_slot *ring; /* NULL unless PDHAL_KIND_CHUNK */
     size_t map_bytes;
+    /* The layout, copied once validated: shared memory is input, and a value re-read from
+     * the header could have been changed since (to 0, or past the mapping) by another
+     * process. Every index into the mapping is bounded by these. */
+    uint32_t kind;
+    uint32_t ring_slots;
+    uint64_t body_bytes;
     int fd;             /* carries our OFD lock; -1 after close or in a forked child */
     int is_creator;
+    int is_reader;      /* opened with PDHAL_OPEN_EXCLUSIVE_READER */
     pid_t pid;          /* process that opened the handle */
     _Atomic int refs;   /* the handle + pending stores */
+    pthread_mutex_t publish_lock; /* per-chunk producer: one step table written at a time */
+    _Atomic int reading;          /* per-chunk reader: a thread is inside a call */
     uint64_t cursor_step;  /* per-chunk reader: next record to deliver */
     uint32_t cursor_layer;
+    uint64_t unacked_step; /* per-chunk reader: delivered whole, not acknowledged (0: none) */
     struct pdhal_segment *next_open; /* fork registry */
     char path[256];
 };

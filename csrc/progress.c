@@ -9,11 +9,14 @@
 #include <errno.h>
 #include <stdlib.h>
 
+/* The progress word of `slot`, or NULL when the segment has no such slot. */
 static _Atomic uint64_t *progress_word(pdhal_segment *seg, uint32_t slot)
 {
     if (slot == PDHAL_QUERY_SLOT)
         return &seg->hdr->progress;
-    return &seg->ring[slot].progress;
+    if (seg->ring && slot < seg->ring_slots)
+        return &seg->ring[slot].progress;
+    return NULL;
 }
 
 uint64_t pdhal_progress_load(pdhal_segment *seg)
@@ -25,6 +28,8 @@ uint64_t pdhal_progress_load(pdhal_segment *seg)
 void pdhal_progress_publish(pdhal_segment *seg, uint32_t slot, uint64_t value)
 {
     _Atomic uint64_t *word = progress_word(seg, slot);
+    if (!word)
+        return;
     uint64_t cur = atomic_load_explicit(word, memory_order_relaxed);
     /* release: pairs with the acquire loads of readers, so data written before the signal
      * (the layer's KV cache, the ring slot's table) is visible once the value is. A value
@@ -37,11 +42,19 @@ void pdhal_progress_publish(pdhal_segment *seg, uint32_t slot, uint64_t value)
 
 int pdhal_progress_begin_step(pdhal_segment *seg, uint64_t *step)
 {
-    uint64_t cur = pdhal_progress_load(seg);
-    uint64_t next = (cur >> PDHAL_LAYER_BITS) + 1;
-    if (next >> (64 - PDHAL_LAYER_BITS))
-        return pdhal_fail(EOVERFLOW, "step counter of %s is exhausted", seg->path);
-    pdhal_progress_publish(seg, PDHAL_QUERY_SLOT, next << PDHAL_LAYER_BITS);
+    _Atomic uint64_t *word = &seg->hdr->progress;
+    uint64_t cur = atomic_load_explicit(word, memory_order_relaxed);
+    uint64_t next;
+    /* One compare-and-swap from the word we read: two threads starting steps at once (or a
+     * layer landing meanwhile) make the loser retry, so every caller gets a step of its own.
+     * release: pairs with the readers' acquire loads, as in pdhal_progress_publish. */
+    do {
+        next = (cur >> PDHAL_LAYER_BITS) + 1;
+        if (next >> (64 - PDHAL_LAYER_BITS))
+            return pdhal_fail(EOVERFLOW, "step counter of %s is exhausted", seg->path);
+    } while (!atomic_compare_exchange_weak_explicit(word, &cur, next << PDHAL_LAYER_BITS,
+                                                    memory_order_release, memory_order_relaxed));
+    pdhal_bump_and_wake(&seg->hdr->seq, &seg->hdr->waiters);
     *step = next;
     return 0;
 }
@@ -96,9 +109,16 @@ struct pdhal_store {
 
 pdhal_store *pdhal_store_new(pdhal_segment *seg, uint32_t slot, uint64_t value)
 {
-    pdhal_store *st = malloc(sizeof *st);
-    if (!st)
+    if (!progress_word(seg, slot)) {
+        pdhal_fail(EINVAL, "slot %u is not a progress slot of %s (it has %u ring slots)", slot,
+                   seg->path, seg->ring_slots);
         return NULL;
+    }
+    pdhal_store *st = malloc(sizeof *st);
+    if (!st) {
+        pdhal_fail(ENOMEM, "out of memory");
+        return NULL;
+    }
     pdhal_segment_ref(seg);
     st->seg = seg;
     st->slot = slot;

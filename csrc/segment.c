@@ -25,6 +25,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -74,9 +75,9 @@ static void registry_remove(pdhal_segment *seg)
 
 /* ---- locks ---- */
 
-static int lock_byte(int fd, off_t byte)
+static int lock_byte(int fd, off_t byte, short type)
 {
-    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = byte, .l_len = 1};
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = byte, .l_len = 1};
     return fcntl(fd, F_OFD_SETLK, &fl) == 0 ? 0 : -errno;
 }
 
@@ -122,8 +123,33 @@ static pdhal_segment *segment_new(const char *path)
     seg->fd = -1;
     seg->pid = getpid();
     atomic_init(&seg->refs, 1);
+    atomic_init(&seg->reading, 0);
+    pthread_mutex_init(&seg->publish_lock, NULL);
     strncpy(seg->path, path, sizeof seg->path - 1);
     return seg;
+}
+
+/* Free a handle nobody else can reach yet (create and open failing half-way). */
+static void segment_destroy(pdhal_segment *seg)
+{
+    if (seg->hdr)
+        munmap(seg->hdr, seg->map_bytes);
+    if (seg->fd >= 0)
+        close(seg->fd);
+    pthread_mutex_destroy(&seg->publish_lock);
+    free(seg);
+}
+
+/* Keep the layout (validated by the caller) in the handle, and point at the ring. */
+static void adopt_layout(pdhal_segment *seg, uint32_t kind, uint32_t ring_slots,
+                         uint64_t body_bytes)
+{
+    seg->kind = kind;
+    seg->ring_slots = ring_slots;
+    seg->body_bytes = body_bytes;
+    seg->ring = kind == PDHAL_KIND_CHUNK
+                    ? (struct pdhal_ring_slot *)((char *)seg->hdr + sizeof(struct pdhal_segment_header))
+                    : NULL;
 }
 
 static int map_segment(pdhal_segment *seg, int fd, uint64_t bytes)
@@ -144,25 +170,68 @@ static int map_segment(pdhal_segment *seg, int fd, uint64_t bytes)
 /* Map every page of a buffer now: a KV cache is touched whole anyway, and a page fault per
  * 4 KiB on first touch made the first copy through a fresh mapping 4x slower. Best effort:
  * older kernels (EINVAL) or a short memory cgroup leave the pages to fault in later. */
-static void prefault_buffer(pdhal_segment *seg, uint32_t kind)
+static void prefault_buffer(pdhal_segment *seg)
 {
-    if (kind == PDHAL_KIND_BUFFER)
+    if (seg->kind == PDHAL_KIND_BUFFER)
         (void)madvise(seg->hdr, seg->map_bytes, MADV_POPULATE_WRITE);
 }
 
-static void attach_ring(pdhal_segment *seg, uint32_t kind)
+/* The folder part of `path` ("." when it has none) into `dir`. */
+static void folder_of(const char *path, char dir[256])
 {
-    seg->ring = kind == PDHAL_KIND_CHUNK
-                    ? (struct pdhal_ring_slot *)((char *)seg->hdr + sizeof(struct pdhal_segment_header))
-                    : NULL;
+    const char *slash = strrchr(path, '/');
+    if (!slash) {
+        strcpy(dir, ".");
+        return;
+    }
+    size_t n = slash == path ? 1 : (size_t)(slash - path);
+    memcpy(dir, path, n);
+    dir[n] = '\0';
 }
 
+/* A usable name in a safe folder: 1..255 bytes (the handle keeps it whole, so close unlinks
+ * exactly it), in a folder that no other user may fill with files of their own choosing. */
 static int check_path(const char *path)
 {
     size_t n = strnlen(path, 256);
     if (n == 0 || n >= 256)
         return pdhal_fail(ENAMETOOLONG, "segment path must be 1..255 bytes, got %zu", n);
+    char dir[256];
+    folder_of(path, dir);
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return pdhal_fail(errno, "cannot use folder %s for pdhal segments: %s", dir,
+                          strerror(errno));
+    if ((st.st_mode & S_IWOTH) && !(st.st_mode & S_ISVTX))
+        return pdhal_fail(EPERM,
+                          "folder %s is writable by every user and has no sticky bit, so any "
+                          "user could replace pdhal's segments there: set PDHAL_SHM_DIR to a "
+                          "folder only you can write, or `chmod +t %s`",
+                          dir, dir);
     return 0;
+}
+
+/* Reserve every byte of the file now, so a full tmpfs is an error here and never a SIGBUS
+ * on first touch (in the producer, or in a reader of a segment that looked complete). */
+static int reserve(int fd, const char *path, uint64_t bytes)
+{
+    int rc;
+    do
+        rc = posix_fallocate(fd, 0, (off_t)bytes);
+    while (rc == EINTR);
+    if (rc == 0)
+        return 0;
+    if (rc == ENOSPC) {
+        char dir[256];
+        folder_of(path, dir);
+        struct statvfs vfs;
+        unsigned long long have =
+            statvfs(dir, &vfs) == 0 ? (unsigned long long)vfs.f_bavail * vfs.f_frsize : 0;
+        return pdhal_fail(ENOSPC, "no space in %s: need %llu bytes, have %llu", dir,
+                          (unsigned long long)bytes, have);
+    }
+    return pdhal_fail(rc, "cannot reserve %llu bytes for %s: %s", (unsigned long long)bytes,
+                      path, strerror(rc));
 }
 
 static void sleep_briefly(void)
@@ -201,7 +270,7 @@ int pdhal_segment_reclaim(const char *path)
     }
     /* Taking the producer lock ourselves proves nobody alive holds it, and keeps any other
      * reclaimer from judging this same file until we have unlinked it. */
-    if (lock_byte(fd, PDHAL_LOCK_PRODUCER) != 0) {
+    if (lock_byte(fd, PDHAL_LOCK_PRODUCER, F_WRLCK) != 0) {
         rc = 0; /* alive (or being reclaimed by someone else right now) */
         goto out;
     }
@@ -224,16 +293,18 @@ int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, u
     int rc = check_path(path);
     if (rc)
         return rc;
-    if (kind == PDHAL_KIND_CHUNK && (ring_slots < 2 || ring_slots > 4096))
+    if (kind == PDHAL_KIND_CHUNK && (ring_slots < 2 || ring_slots > PDHAL_MAX_RING_SLOTS))
         return pdhal_fail(EINVAL, "ring_slots must be 2..4096, got %u", ring_slots);
     if (kind != PDHAL_KIND_CHUNK)
         ring_slots = 0;
+    if (kind == PDHAL_KIND_BUFFER && (body_bytes == 0 || body_bytes > PDHAL_MAX_BODY_BYTES))
+        return pdhal_fail(EINVAL, "buffer size must be 1..2^46 bytes, got %llu",
+                          (unsigned long long)body_bytes);
+    if (kind != PDHAL_KIND_BUFFER)
+        body_bytes = 0;
     uint64_t bytes = segment_bytes(kind, body_bytes, ring_slots);
     if (bytes == 0)
         return pdhal_fail(EINVAL, "unknown segment kind %u", kind);
-    if (kind == PDHAL_KIND_BUFFER && (body_bytes == 0 || body_bytes > (UINT64_C(1) << 46)))
-        return pdhal_fail(EINVAL, "buffer size must be 1..2^46 bytes, got %llu",
-                          (unsigned long long)body_bytes);
 
     int fd = -1;
     for (int attempt = 0; attempt < 16 && fd < 0; attempt++) {
@@ -273,12 +344,14 @@ int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, u
     seg->is_creator = 1;
     /* O_WRONLY: mode 0200 grants it to non-root creators too, and a write lock needs it. */
     seg->fd = reopen(fd, O_WRONLY);
-    if (seg->fd < 0 || fchmod(fd, 0200) != 0 || lock_byte(seg->fd, PDHAL_LOCK_PRODUCER) != 0 ||
-        ftruncate(fd, (off_t)bytes) != 0) {
+    if (seg->fd < 0 || fchmod(fd, 0200) != 0 ||
+        lock_byte(seg->fd, PDHAL_LOCK_PRODUCER, F_WRLCK) != 0) {
         rc = pdhal_fail(errno, "cannot initialise %s: %s", path, strerror(errno));
         goto fail;
     }
-    rc = map_segment(seg, fd, bytes);
+    rc = reserve(fd, path, bytes);
+    if (rc == 0)
+        rc = map_segment(seg, fd, bytes);
     if (rc)
         goto fail;
     struct pdhal_segment_header *h = seg->hdr;
@@ -291,8 +364,8 @@ int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, u
     h->ring_slots = ring_slots;
     h->max_requests = PDHAL_MAX_REQUESTS;
     h->body_bytes = body_bytes;
-    attach_ring(seg, kind);
-    prefault_buffer(seg, kind);
+    adopt_layout(seg, kind, ring_slots, body_bytes);
+    prefault_buffer(seg);
     /* The file was fresh (zero-filled), so every atomic starts at 0. Publishing the mode is
      * the ready flag; the header stores above are ordered before it by the syscall. */
     if (fchmod(fd, 0600) != 0) {
@@ -304,13 +377,9 @@ int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, u
     *out = seg;
     return 0;
 fail:
-    if (seg->hdr)
-        munmap(seg->hdr, seg->map_bytes);
-    if (seg->fd >= 0)
-        close(seg->fd);
+    segment_destroy(seg);
     close(fd);
     unlink(path);
-    free(seg);
     return rc;
 }
 
@@ -328,75 +397,73 @@ static int validate(pdhal_segment *seg, const struct stat *st, uint32_t kind)
     if (h->kind != kind)
         return pdhal_fail(EPROTOTYPE, "%s is a segment of kind %u, expected kind %u", seg->path,
                           h->kind, kind);
-    uint64_t expect = segment_bytes(h->kind, h->body_bytes, h->ring_slots);
-    if (h->size != (uint64_t)st->st_size || expect != h->size ||
-        (kind == PDHAL_KIND_CHUNK && (h->ring_slots < 2 || h->max_requests != PDHAL_MAX_REQUESTS)))
+    /* Each layout field in its own range before any size is computed from it. */
+    uint32_t slots = h->ring_slots;
+    uint64_t body = h->body_bytes;
+    int layout_ok = kind == PDHAL_KIND_CHUNK
+                        ? slots >= 2 && slots <= PDHAL_MAX_RING_SLOTS && body == 0 &&
+                              h->max_requests == PDHAL_MAX_REQUESTS
+                    : kind == PDHAL_KIND_BUFFER ? slots == 0 && body >= 1 && body <= PDHAL_MAX_BODY_BYTES
+                                                : slots == 0 && body == 0;
+    if (!layout_ok)
+        return pdhal_fail(EMSGSIZE,
+                          "%s has an impossible layout (ring_slots %u, body_bytes %llu, "
+                          "max_requests %u): corrupt or written by another pdhal",
+                          seg->path, slots, (unsigned long long)body, h->max_requests);
+    uint64_t expect = segment_bytes(kind, body, slots);
+    if (h->size != (uint64_t)st->st_size || expect != h->size)
         return pdhal_fail(EMSGSIZE,
                           "%s has size %lld, header says %llu, layout needs %llu: corrupt or "
                           "written by another pdhal",
                           seg->path, (long long)st->st_size, (unsigned long long)h->size,
                           (unsigned long long)expect);
+    adopt_layout(seg, kind, slots, body);
     return 0;
 }
 
-int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, int exclusive_reader,
-                       pdhal_segment **out)
+/* Why an open found nothing usable yet (the caller waits and tries again). */
+enum not_yet { MISSING, INITIALISING, PRODUCER_DEAD };
+
+/* One attempt: 0 with *out set, -EAGAIN with *why set when the caller should wait, or
+ * another -errno. */
+static int try_open(const char *path, uint32_t kind, uint32_t flags, pdhal_segment **out,
+                    enum not_yet *why)
 {
-    *out = NULL;
-    int rc = check_path(path);
-    if (rc)
-        return rc;
-    struct stat st;
-    int fd;
-    int64_t entered = pdhal_now_ns();
-    for (;;) {
-        int initialising = 0;
-        fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-        if (fd < 0) {
-            if (errno == ELOOP)
-                return pdhal_fail(ELOOP, "%s is a symbolic link: refusing to follow it", path);
-            if (errno == EACCES)
-                initialising = 1; /* mode 0200 while its creator fills it (non-root view) */
-            else if (errno != ENOENT)
-                return pdhal_fail(errno, "cannot open %s: %s", path, strerror(errno));
-        } else {
-            if (fstat(fd, &st) != 0) {
-                rc = pdhal_fail(errno, "fstat %s: %s", path, strerror(errno));
-                close(fd);
-                return rc;
-            }
-            if (st.st_uid != geteuid()) {
-                close(fd);
-                return pdhal_fail(EPERM, "%s belongs to uid %u, expected our uid %u: refusing it",
-                                  path, (unsigned)st.st_uid, (unsigned)geteuid());
-            }
-            if (!S_ISREG(st.st_mode)) {
-                close(fd);
-                return pdhal_fail(EINVAL, "%s is not a regular file", path);
-            }
-            unsigned mode = st.st_mode & 07777;
-            if (mode == 0600)
-                break;
-            close(fd);
-            if (mode != 0200)
-                return pdhal_fail(EACCES, "%s has mode %04o, expected 0600: refusing it", path, mode);
-            initialising = 1;
+    int fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno == ELOOP)
+            return pdhal_fail(ELOOP, "%s is a symbolic link: refusing to follow it", path);
+        if (errno == EACCES) { /* mode 0200 while its creator fills it (non-root view) */
+            *why = INITIALISING;
+            return -EAGAIN;
         }
-        int64_t now = pdhal_now_ns();
-        if (now >= deadline_ns) {
-            if (initialising)
-                return pdhal_fail(ETIMEDOUT, "%s is still being initialised by its creator", path);
-            return pdhal_fail(ENOENT, "%s does not exist (its producer has not started, or has "
-                                      "closed it)", path);
+        if (errno == ENOENT) {
+            *why = MISSING;
+            return -EAGAIN;
         }
-        if (now - entered > PDHAL_WAIT_SLICE_NS) /* let the caller run signal handlers */
-            return pdhal_fail(EINTR, "interrupted (a wait slice ended)");
-        sleep_briefly();
+        return pdhal_fail(errno, "cannot open %s: %s", path, strerror(errno));
     }
-    if ((uint64_t)st.st_size < sizeof(struct pdhal_segment_header)) {
+    struct stat st;
+    int rc = 0;
+    if (fstat(fd, &st) != 0)
+        rc = pdhal_fail(errno, "fstat %s: %s", path, strerror(errno));
+    else if (st.st_uid != geteuid())
+        rc = pdhal_fail(EPERM, "%s belongs to uid %u, expected our uid %u: refusing it", path,
+                        (unsigned)st.st_uid, (unsigned)geteuid());
+    else if (!S_ISREG(st.st_mode))
+        rc = pdhal_fail(EINVAL, "%s is not a regular file", path);
+    else if ((st.st_mode & 07777) == 0200) {
+        *why = INITIALISING;
+        rc = -EAGAIN;
+    } else if ((st.st_mode & 07777) != 0600)
+        rc = pdhal_fail(EACCES, "%s has mode %04o, expected 0600: refusing it", path,
+                        (unsigned)(st.st_mode & 07777));
+    else if ((uint64_t)st.st_size < sizeof(struct pdhal_segment_header))
+        rc = pdhal_fail(EMSGSIZE, "%s is %lld bytes, smaller than a pdhal header", path,
+                        (long long)st.st_size);
+    if (rc) {
         close(fd);
-        return pdhal_fail(EMSGSIZE, "%s is %lld bytes, smaller than a pdhal header", path,
-                          (long long)st.st_size);
+        return rc;
     }
     pdhal_segment *seg = segment_new(path);
     if (!seg) {
@@ -410,31 +477,76 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, int
     close(fd); /* the mapping keeps what it needs */
     if (rc == 0)
         rc = validate(seg, &st, kind);
-    if (rc == 0) {
-        attach_ring(seg, kind);
-        prefault_buffer(seg, kind);
+    if (rc == 0 && (flags & PDHAL_OPEN_LIVE_PRODUCER)) {
+        int alive = pdhal_segment_producer_alive(seg);
+        if (alive == 0) {
+            *why = PRODUCER_DEAD;
+            rc = -EAGAIN;
+        } else if (alive < 0) {
+            rc = alive;
+        }
     }
-    if (rc == 0 && exclusive_reader) {
-        if (lock_byte(seg->fd, PDHAL_LOCK_READER) != 0)
+    if (rc == 0 && (flags & PDHAL_OPEN_EXCLUSIVE_READER)) {
+        if (lock_byte(seg->fd, PDHAL_LOCK_READER, F_WRLCK) != 0)
             rc = pdhal_fail(EBUSY, "%s already has a reader attached (one reader per channel)",
                             path);
         else /* release: a producer that sees the pid also sees our lock (pairs with acquire) */
             atomic_store_explicit(&seg->hdr->reader_pid, (int32_t)getpid(), memory_order_release);
+        seg->is_reader = 1;
+    } else if (rc == 0 && kind == PDHAL_KIND_QUERY) {
+        /* Per-query readers share the reader byte, so the producer can tell that one is
+         * attached (and that the last one left) the way the per-chunk producer does. */
+        if (lock_byte(seg->fd, PDHAL_LOCK_READER, F_RDLCK) != 0)
+            rc = pdhal_fail(errno, "cannot register as a reader of %s: %s", path,
+                            strerror(errno));
     }
     if (rc) {
-        if (seg->hdr)
-            munmap(seg->hdr, seg->map_bytes);
-        if (seg->fd >= 0)
-            close(seg->fd);
-        free(seg);
+        segment_destroy(seg);
         return rc;
     }
+    *out = seg;
+    return 0;
+}
+
+int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, uint32_t flags,
+                       pdhal_segment **out)
+{
+    *out = NULL;
+    int rc = check_path(path);
+    if (rc)
+        return rc;
+    if (flags & ~(uint32_t)(PDHAL_OPEN_EXCLUSIVE_READER | PDHAL_OPEN_LIVE_PRODUCER))
+        return pdhal_fail(EINVAL, "unknown open flags %#x", flags);
+    int64_t entered = pdhal_now_ns();
+    pdhal_segment *seg = NULL;
+    for (;;) {
+        enum not_yet why = MISSING;
+        rc = try_open(path, kind, flags, &seg, &why);
+        if (rc != -EAGAIN)
+            break;
+        int64_t now = pdhal_now_ns();
+        if (now >= deadline_ns) {
+            if (why == INITIALISING)
+                return pdhal_fail(ETIMEDOUT, "%s is still being initialised by its creator", path);
+            if (why == PRODUCER_DEAD)
+                return pdhal_fail(ENOENT, "%s is left by a producer that died, and no new "
+                                          "producer has taken it over", path);
+            return pdhal_fail(ENOENT, "%s does not exist (its producer has not started, or has "
+                                      "closed it)", path);
+        }
+        if (now - entered > PDHAL_WAIT_SLICE_NS) /* let the caller run signal handlers */
+            return pdhal_fail(EINTR, "interrupted (a wait slice ended)");
+        sleep_briefly();
+    }
+    if (rc)
+        return rc;
     if (kind == PDHAL_KIND_CHUNK) {
-        /* Resume after what a previous reader consumed: the producer never overwrites an
-         * unread step, so everything from there on is still in the ring. */
+        /* Resume after what a previous reader finished: the producer never overwrites an
+         * unfinished step, so everything from there on is still in the ring. */
         seg->cursor_step = atomic_load_explicit(&seg->hdr->consumed, memory_order_acquire) + 1;
         seg->cursor_layer = 0;
     }
+    prefault_buffer(seg);
     registry_add(seg);
     *out = seg;
     return 0;
@@ -447,6 +559,7 @@ void pdhal_segment_unref(pdhal_segment *seg)
     if (atomic_fetch_sub(&seg->refs, 1) != 1)
         return;
     munmap(seg->hdr, seg->map_bytes);
+    pthread_mutex_destroy(&seg->publish_lock);
     free(seg);
 }
 
@@ -502,13 +615,13 @@ int pdhal_segment_reader_attached(pdhal_segment *seg)
 
 int32_t pdhal_segment_creator_pid(pdhal_segment *seg) { return seg->hdr->creator_pid; }
 
-uint32_t pdhal_segment_ring_slots(pdhal_segment *seg) { return seg->hdr->ring_slots; }
+uint32_t pdhal_segment_ring_slots(pdhal_segment *seg) { return seg->ring_slots; }
 
 void *pdhal_segment_body(pdhal_segment *seg)
 {
-    if (seg->hdr->kind != PDHAL_KIND_BUFFER)
+    if (seg->kind != PDHAL_KIND_BUFFER)
         return NULL;
     return (char *)seg->hdr + PDHAL_BUFFER_HEADER_BYTES;
 }
 
-uint64_t pdhal_segment_body_bytes(pdhal_segment *seg) { return seg->hdr->body_bytes; }
+uint64_t pdhal_segment_body_bytes(pdhal_segment *seg) { return seg->body_bytes; }

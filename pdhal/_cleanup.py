@@ -11,6 +11,8 @@ def cleanup(namespace: str | None = None) -> tuple[list[str], list[str]]:
     """(removed, left) paths among this user's pdhal segments in `namespace` (default:
     every namespace)."""
     folder = _names.shm_dir()
+    if namespace is not None:
+        namespace = _names.validate_namespace(namespace, "namespace")
     mine = f"pdhal.{os.geteuid()}." + ("" if namespace is None else f"{namespace}.")
     removed, left = [], []
     for entry in sorted(os.listdir(folder)):

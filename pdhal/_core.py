@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import threading
 import time
 
 from pdhal._errors import (
@@ -24,8 +25,8 @@ except ImportError as e:  # pragma: no cover - only on a broken install
         "(`pip install -e .` in a checkout, or `make test`) so cffi builds csrc/"
     ) from e
 
-#: The C ABI this Python code was written against; see PDHAL_ABI_VERSION in csrc/pdhal.h.
-ABI_VERSION = 1
+#: The C ABI this Python code was written against; see PDHAL_ABI_VERSION in pdhal.h.
+ABI_VERSION = 2
 if lib.pdhal_abi_version() != ABI_VERSION:  # pragma: no cover - only on a stale build
     raise ImportError(
         f"pdhal's compiled core speaks ABI {lib.pdhal_abi_version()}, this Python code expects "
@@ -35,6 +36,8 @@ if lib.pdhal_abi_version() != ABI_VERSION:  # pragma: no cover - only on a stale
 KIND_QUERY = lib.PDHAL_KIND_QUERY
 KIND_CHUNK = lib.PDHAL_KIND_CHUNK
 KIND_BUFFER = lib.PDHAL_KIND_BUFFER
+OPEN_EXCLUSIVE_READER = lib.PDHAL_OPEN_EXCLUSIVE_READER
+OPEN_LIVE_PRODUCER = lib.PDHAL_OPEN_LIVE_PRODUCER
 QUERY_SLOT = lib.PDHAL_QUERY_SLOT
 LAYER_BITS = lib.PDHAL_LAYER_BITS
 MAX_LAYER = lib.PDHAL_MAX_LAYER
@@ -56,7 +59,7 @@ _ERROR_CLASSES = {
     errno.ETIMEDOUT: SignalTimeoutError,
     errno.EINVAL: InvalidArgumentError,
     errno.E2BIG: InvalidArgumentError,
-    errno.ENOSPC: InvalidArgumentError,
+    errno.ENOBUFS: InvalidArgumentError,
     errno.ENAMETOOLONG: InvalidArgumentError,
 }
 
@@ -114,7 +117,10 @@ def _retry_interrupted(call, *args):
 
 
 class Segment:
-    """A handle on one shared-memory segment (a progress channel or a shared buffer)."""
+    """A handle on one shared-memory segment (a progress channel or a shared buffer).
+
+    Thread-safe to use from several threads; close() while another thread is inside a call
+    (a wait) lets that call finish on the mapping, which is released after it."""
 
     __slots__ = ("_ptr", "path", "kind", "is_producer", "ring_slots", "__weakref__")
 
@@ -135,12 +141,14 @@ class Segment:
         return cls(out[0], path, kind, True)
 
     @classmethod
-    def open(cls, path: str, kind: int, timeout: float | None, exclusive_reader: bool = False
-             ) -> Segment:
-        """Open an existing segment, waiting up to `timeout` seconds for it to appear."""
+    def open(cls, path: str, kind: int, timeout: float | None, flags: int = 0) -> Segment:
+        """Open an existing segment, waiting up to `timeout` seconds for it to appear.
+
+        `flags`: OPEN_EXCLUSIVE_READER (the per-chunk reader), OPEN_LIVE_PRODUCER (a
+        segment whose producer died counts as missing: wait for a new producer)."""
         out = ffi.new("pdhal_segment **")
         rc = _retry_interrupted(lib.pdhal_segment_open, path.encode(), kind,
-                                deadline_ns(timeout), int(exclusive_reader), out)
+                                deadline_ns(timeout), flags, out)
         check(rc, "opening %s", path, overrides={errno.ETIMEDOUT: SegmentError})
         return cls(out[0], path, kind, False)
 
@@ -156,13 +164,19 @@ class Segment:
         return self._ptr is None
 
     def close(self) -> None:
-        """Release the handle; the producer's close unlinks the name. Idempotent."""
-        ptr, self._ptr = self._ptr, None
-        if ptr is not None:
-            ffi.release(ptr)
+        """Release the handle; the producer's close unlinks the name. Idempotent.
+
+        Dropping the reference (rather than freeing) is what makes a concurrent call safe:
+        a call in progress holds the pointer, and the handle is freed when the last holder
+        lets go, which without one is right here."""
+        self._ptr = None
 
     def producer_alive(self) -> bool:
         return bool(check(lib.pdhal_segment_producer_alive(self.ptr), "probing %s", self.path))
+
+    def reader_attached(self) -> bool:
+        return bool(check(lib.pdhal_segment_reader_attached(self.ptr), "probing the reader of %s",
+                          self.path))
 
     @property
     def creator_pid(self) -> int:
@@ -208,13 +222,17 @@ class Segment:
                   ) -> int | None:
         """Write the next record into the int32 cdata `out`; its step, or None if none came.
 
-        timeout 0 means "do not wait"."""
+        timeout 0 means "do not wait". Acknowledges the records delivered before."""
         step = ffi.new("uint64_t *")
         deadline = 0 if timeout == 0 else deadline_ns(timeout)
         rc = _retry_interrupted(lib.pdhal_ring_next, self.ptr, out, capacity, deadline,
                                 spin_ns, step)
         check(rc, "reading %s", self.path)
         return step[0] if rc == 1 else None
+
+    def ring_ack(self) -> None:
+        """Acknowledge every record delivered so far (see pdhal_ring_ack)."""
+        check(lib.pdhal_ring_ack(self.ptr), "acknowledging records of %s", self.path)
 
     # buffers
     def body(self):
@@ -230,7 +248,7 @@ class Segment:
         """A pending store (C `pdhal_store *`) for a device callback; caller hands it off."""
         store = lib.pdhal_store_new(self.ptr, slot, value)
         if store == ffi.NULL:
-            raise MemoryError("pdhal_store_new: out of memory")
+            _raise(-errno.EINVAL, "preparing a layer signal")
         return store
 
 
@@ -250,17 +268,22 @@ def reclaim(path: str) -> bool:
 
 
 class Sender:
-    """A C sender thread: posts (event, store) pairs, runs stores after their events fire."""
+    """A C sender thread: posts (event, store) pairs, runs stores after their events fire.
 
-    __slots__ = ("_ptr", "__weakref__")
+    Thread-safe: posts from several threads queue in the order they get the lock, and
+    destroy() waits for posts in progress (then refuses later ones)."""
+
+    __slots__ = ("_ptr", "_lock", "_destroy_event", "__weakref__")
 
     def __init__(self, wait_fn=ffi.NULL, destroy_fn=ffi.NULL):
         """`wait_fn` / `destroy_fn`: C function pointers (cdata or int addresses) or NULL."""
         out = ffi.new("pdhal_sender **")
-        check(lib.pdhal_sender_create(_fn(wait_fn, "pdhal_event_wait_fn"),
-                                      _fn(destroy_fn, "pdhal_event_destroy_fn"), out),
+        self._destroy_event = _fn(destroy_fn, "pdhal_event_destroy_fn")
+        check(lib.pdhal_sender_create(_fn(wait_fn, "pdhal_event_wait_fn"), self._destroy_event,
+                                      out),
               "creating the KV signal sender")
         self._ptr = ffi.gc(out[0], lib.pdhal_sender_destroy)
+        self._lock = threading.Lock()
 
     @property
     def ptr(self):
@@ -274,19 +297,29 @@ class Sender:
 
     def post(self, event, store) -> None:
         """Queue (event, store); ownership of both passes to the sender, even on failure."""
-        check(lib.pdhal_sender_post(self.ptr, _event(event), store), "posting a layer signal")
+        with self._lock:
+            ptr = self._ptr
+            if ptr is None:
+                lib.pdhal_store_free(store)
+                if event is not None and self._destroy_event != ffi.NULL:
+                    self._destroy_event(_event(event))
+                raise ClosedHandleError("the KV signal sender was destroyed")
+            check(lib.pdhal_sender_post(ptr, _event(event), store), "posting a layer signal")
 
     @property
     def pending(self) -> int:
-        return lib.pdhal_sender_pending(self.ptr)
+        with self._lock:
+            return lib.pdhal_sender_pending(self.ptr)
 
     @property
     def failures(self) -> int:
-        return lib.pdhal_sender_failures(self.ptr)
+        with self._lock:
+            return lib.pdhal_sender_failures(self.ptr)
 
     def destroy(self) -> int:
         """Deliver everything queued, join the thread; returns the failed event waits."""
-        ptr, self._ptr = self._ptr, None
+        with self._lock:
+            ptr, self._ptr = self._ptr, None
         if ptr is None:
             return 0
         ffi.gc(ptr, None)  # detach the safety-net destructor: we destroy it here

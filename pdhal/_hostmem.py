@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 from pdhal._core import ffi
 from pdhal._errors import ClosedHandleError, InvalidArgumentError
@@ -16,6 +17,7 @@ class HostBuffer:
 
     def __init__(self, address: int, nbytes: int, pinned: bool):
         self._address = address
+        self._close_lock = threading.Lock()
         self.nbytes = nbytes
         #: True when the pages are locked in RAM (DMA-able without a bounce copy).
         self.pinned = pinned
@@ -53,10 +55,11 @@ class HostBuffer:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Free the memory. Idempotent."""
-        if self._address is not None:
-            self._release()
-            self._address = None
+        """Free the memory. Idempotent, also from several threads at once."""
+        with self._close_lock:
+            if self._address is not None:
+                self._release()
+                self._address = None
 
     def __enter__(self) -> HostBuffer:
         return self

@@ -1,4 +1,9 @@
-"""Segment names: namespace, uid, kind, rank and device, validated; never ftok."""
+"""Segment names: namespace, uid, kind, rank and device, validated; never ftok.
+
+A name is `pdhal.<uid>.<namespace>.<kind>.<rest>`: the namespace has no '.', so the first
+four dots always split the same way and two different (namespace, kind, rest) never share a
+file (a buffer named "q.query.r0.d0" cannot be namespace "a.buf.q"'s channel).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import re
 from pdhal._errors import InvalidArgumentError
 
 _NAME_PART = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def shm_dir() -> str:
@@ -17,7 +23,16 @@ def shm_dir() -> str:
 
 def namespace() -> str:
     """The namespace (PDHAL_NAMESPACE, default "default") that keeps deployments apart."""
-    return validate_name(os.environ.get("PDHAL_NAMESPACE", "default"), "PDHAL_NAMESPACE")
+    return validate_namespace(os.environ.get("PDHAL_NAMESPACE", "default"))
+
+
+def validate_namespace(value: object, what: str = "PDHAL_NAMESPACE") -> str:
+    """Return `value` if it is a namespace: 1-64 of letters, digits, '_' or '-' (no '.')."""
+    if not isinstance(value, str) or not _NAMESPACE.fullmatch(value):
+        raise InvalidArgumentError(
+            f"{what} must be 1-64 characters of letters, digits, '_' or '-' (no '.', which "
+            f"separates the parts of a segment name), got {value!r}")
+    return value
 
 
 def validate_name(value: object, what: str) -> str:

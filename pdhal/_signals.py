@@ -63,6 +63,11 @@ class SignalMeta:
         self.rank = rank
         self.device_id = device_id
 
+    def reader_alive(self) -> bool:
+        """Whether a cache messager has this channel open now (a ProgressReader, in any
+        process): a producer that streams into a channel nobody reads can say so."""
+        return self.segment.reader_attached()
+
     def __repr__(self) -> str:
         return f"SignalMeta(rank={self.rank}, device_id={self.device_id}, step={self.step})"
 
@@ -191,12 +196,17 @@ def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_deco
 # ---- consumer side -------------------------------------------------------------------
 
 class ProgressReader:
-    """The messager's view of a per-query channel: current() and wait()."""
+    """The messager's view of a per-query channel: current() and wait().
+
+    Safe to share between threads. While it is open the producer sees a reader attached
+    (SignalMeta.reader_alive)."""
 
     def __init__(self, rank: int, device_id: int = 0, timeout: float | None = 60.0):
-        """Open the channel of (rank, device_id), waiting up to `timeout` s for it to exist."""
+        """Open the channel of (rank, device_id), waiting up to `timeout` s for a live
+        producer's channel (one left by a dead producer is waited past, for its successor)."""
         path = _names.channel_path("query", rank, device_id)
-        self._segment = _core.Segment.open(path, _core.KIND_QUERY, timeout)
+        self._segment = _core.Segment.open(path, _core.KIND_QUERY, timeout,
+                                           _core.OPEN_LIVE_PRODUCER)
         self.rank = rank
         self.device_id = device_id
 
@@ -263,15 +273,20 @@ def open_kv_signal_reader(rank: int, device_id: int = 0, timeout: float | None =
 class ChunkReader:
     """The single reader of a per-chunk channel: each (step, layer) once, in order.
 
-    The producer never overwrites a step this reader has not finished, so a reader that
-    attaches late, or restarts, resumes at the first step not fully consumed (a step that
-    was half delivered when a reader died is delivered again from layer 0).
+    A step is finished once its last record was delivered and acknowledged: by ack(), or by
+    asking for the next record. The producer never overwrites an unfinished step, so a
+    reader that attaches late, or restarts after a crash, resumes at the first unfinished
+    step, from layer 0: delivery is exactly once while the reader lives and at least once
+    across its crash. One thread at a time may read (another gets ChannelBusyError).
     """
 
     def __init__(self, rank: int, device_id: int = 0, timeout: float | None = 60.0):
+        """Attach as the reader of (rank, device_id), waiting up to `timeout` s for a live
+        producer's channel (one left by a dead producer is waited past, for its successor)."""
         path = _names.channel_path("chunk", rank, device_id)
-        self._segment = _core.Segment.open(path, _core.KIND_CHUNK, timeout,
-                                           exclusive_reader=True)
+        self._segment = _core.Segment.open(
+            path, _core.KIND_CHUNK, timeout,
+            _core.OPEN_EXCLUSIVE_READER | _core.OPEN_LIVE_PRODUCER)
 
     def next(self, out, wait: bool = True, timeout: float | None = None,
              spin_us: int = 0) -> int | None:
@@ -291,7 +306,14 @@ class ChunkReader:
             words[0] = words[1] = -1
         return step
 
+    def ack(self) -> None:
+        """Acknowledge every record delivered so far, without asking for another (e.g.
+        before a clean shutdown: close() alone leaves the last step to a successor)."""
+        self._segment.ring_ack()
+
     def close(self) -> None:
+        """Detach. A step whose last record was delivered but not acknowledged is delivered
+        again, from layer 0, to the next reader."""
         self._segment.close()
 
     def __enter__(self) -> ChunkReader:
@@ -302,6 +324,18 @@ class ChunkReader:
 
 
 _chunk_readers: dict[tuple[int, str], ChunkReader] = {}
+_chunk_readers_lock = threading.Lock()
+
+
+def _process_chunk_reader(rank_id: int, device_id: int, timeout: float | None
+                          ) -> tuple[tuple[int, str], ChunkReader]:
+    """This process's reader of (rank_id, device_id), attached on first use."""
+    key = (os.getpid(), _names.channel_path("chunk", rank_id, device_id))
+    with _chunk_readers_lock:  # two threads' first calls must not both attach
+        reader = _chunk_readers.get(key)
+        if reader is None:
+            reader = _chunk_readers[key] = ChunkReader(rank_id, device_id, timeout)
+    return key, reader
 
 
 def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
@@ -309,27 +343,27 @@ def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
     """Fill `out` (int32, >= 2 + 3 * requests words) with the next per-chunk record.
 
     Layout: out[0] request count, out[1] layer, then (slot, cached tokens, chunk tokens)
-    triples; -1, -1 when nothing is pending. Every (step, layer) comes exactly once, in order.
-    With `wait_flag`, spins `spin_us` microseconds before it sleeps.
+    triples; -1, -1 when nothing is pending. Every (step, layer) comes exactly once, in order
+    (a call acknowledges the record before it; see ChunkReader). With `wait_flag`, spins
+    `spin_us` microseconds before it sleeps, and waits up to `timeout` s (None: no limit) for
+    a record, or for a producer when none is running. One thread at a time.
     """
     words, capacity = writable_int32(out, "out", minimum=2)  # bad input: fail before waiting
     spin = spin_ns(spin_us)
-    key = (os.getpid(), _names.channel_path("chunk", rank_id, device_id))
-    reader = _chunk_readers.get(key)
-    if reader is None:
-        try:
-            reader = ChunkReader(rank_id, device_id, timeout if wait_flag else 0)
-        except SegmentError as e:
-            if wait_flag or e.errno != errno.ENOENT:
-                raise
-            words[0] = words[1] = -1
-            return
-        _chunk_readers[key] = reader
+    try:
+        key, reader = _process_chunk_reader(rank_id, device_id, timeout if wait_flag else 0)
+    except SegmentError as e:
+        if wait_flag or e.errno != errno.ENOENT:
+            raise
+        words[0] = words[1] = -1
+        return
     try:
         reader._next_into(words, capacity, wait_flag, timeout, spin)
     except ProducerDiedError:
-        # The next call attaches to the restarted producer's channel and resumes there.
-        del _chunk_readers[key]
+        # The next call waits for the restarted producer's channel and resumes there.
+        with _chunk_readers_lock:
+            if _chunk_readers.get(key) is reader:
+                del _chunk_readers[key]
         reader.close()
         raise
 

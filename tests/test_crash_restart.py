@@ -121,3 +121,83 @@ def test_cleanup_removes_dead_segments_only():
     assert f"removed {dead}" in proc.stdout
     assert not os.path.exists(dead)
     assert os.path.exists(_names.channel_path("query", 0, 0)) and live.step == 1
+
+
+# ---- acknowledgement: what "finished" means to a restarted messager -------------------
+
+READ_AND_DIE = """
+import array, os, signal
+from pdhal import ops
+out = array.array("i", [0] * 1538)
+with ops.open_kv_chunk_reader(0, 0, timeout=10) as reader:
+    for _ in range({records}):
+        reader.next(out, timeout=10)
+    {then}
+os.kill(os.getpid(), signal.SIGKILL)  # a messager dying right after the records came
+"""
+
+
+@pytest.mark.parametrize("then, resumes_at", [
+    ("pass", (1, 0)),  # the last layer of step 1 came, unacknowledged: step 1 again
+    ("reader.ack()", (2, 0)),  # acknowledged: step 1 is finished
+])
+def test_a_messager_dying_after_a_steps_last_layer_gets_it_again_unless_acknowledged(
+        then, resumes_at):
+    for step in (1, 2):
+        chunk = ops.init_kv_signal_per_query([step], [step], [0], 0, 2)
+        ops.signal_layer_ready(chunk.layer(0))
+        ops.signal_layer_ready(chunk.layer(1))
+    dead = python_child(READ_AND_DIE.format(records=2, then=then))
+    assert dead.wait(timeout=30) == -signal.SIGKILL
+    out = array.array("i", [0] * 1538)
+    with ops.open_kv_chunk_reader(0, 0, timeout=10) as reader:
+        step = reader.next(out, timeout=10)
+        assert (step, out[1]) == resumes_at and out[4] == resumes_at[0]
+
+
+def test_asking_for_the_next_record_acknowledges_the_last():
+    chunk = ops.init_kv_signal_per_query([1], [1], [0], 0, 1)
+    ops.signal_layer_ready(chunk.layer(0))
+    chunk = ops.init_kv_signal_per_query([2], [2], [0], 0, 1)
+    dead = python_child(READ_AND_DIE.format(records=2, then="pass"))  # 2nd: no record, waits
+    ops.signal_layer_ready(chunk.layer(0))
+    assert dead.wait(timeout=30) == -signal.SIGKILL
+    out = array.array("i", [0] * 1538)
+    with ops.open_kv_chunk_reader(0, 0, timeout=10) as reader:
+        assert reader.next(out, timeout=10) == 2  # step 1 was acknowledged by the 2nd call
+
+
+PRODUCE_ONE = """
+import sys
+from pdhal import ops
+c = ops.init_kv_signal_per_query([{tokens}], [{tokens}], [0], 0, 1)
+ops.signal_layer_ready(c.layer(0))
+print("published", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_messager_outliving_its_producer_waits_for_the_next_one():
+    """After ProducerDiedError, the next call waits (up to its timeout) for a new producer
+    instead of attaching to the dead one's file again and failing at once, over and over."""
+    first = python_child(PRODUCE_ONE.format(tokens=1), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert first.stdout.readline() == "published\n"
+    out = array.array("i", [0] * 1538)
+    ops.get_output_kv_signal(out, 0, True, timeout=5)
+    assert list(out[:5]) == [1, 0, 0, 0, 1]
+    first.kill()
+    first.wait()
+    with pytest.raises(pdhal.ProducerDiedError):
+        ops.get_output_kv_signal(out, 0, True, timeout=5)
+    start = time.monotonic()
+    with pytest.raises(pdhal.SegmentError, match="left by a producer that died"):
+        ops.get_output_kv_signal(out, 0, True, timeout=0.3)
+    assert 0.3 <= time.monotonic() - start < 1.0
+    ops.get_output_kv_signal(out, 0, False)  # no wait: nothing pending, no error
+    assert list(out[:2]) == [-1, -1]
+    second = python_child(PRODUCE_ONE.format(tokens=7), stdin=subprocess.PIPE)
+    ops.get_output_kv_signal(out, 0, True, timeout=30)  # waits for it, then reads
+    assert list(out[:5]) == [1, 0, 0, 0, 7]
+    second.stdin.close()
+    assert second.wait(timeout=30) == 0

@@ -196,3 +196,25 @@ def test_timeout_holds_under_a_signal_every_millisecond():
         sys.exit(1)
     """)
     assert child.wait(timeout=15) == 0
+
+
+def test_a_per_query_producer_sees_whether_its_messager_is_attached():
+    import subprocess
+
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    assert not meta.reader_alive()
+    messager = python_child("""
+        import sys
+        from pdhal import ops
+        reader = ops.open_kv_signal_reader(0, 0, timeout=10)
+        print("attached", flush=True)
+        sys.stdin.read()
+    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert messager.stdout.readline() == "attached\n"
+    local = ops.open_kv_signal_reader(0, 0)  # a second reader shares the reader's lock
+    assert meta.reader_alive()
+    local.close()
+    assert meta.reader_alive()
+    messager.send_signal(signal.SIGKILL)
+    messager.wait(timeout=10)
+    assert not meta.reader_alive()

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import pdhal
@@ -176,3 +177,158 @@ def test_unlinked_from_outside_keeps_existing_mappings_working():
     with pytest.raises(pdhal.SegmentError, match="does not exist"):
         ops.open_kv_signal_reader(0, 0, timeout=0)
     reader.close()
+
+
+# ---- shared memory is input: a full tmpfs, a hostile writer, impossible layouts -------
+
+FULL_TMPFS = """
+import errno, os, subprocess, sys, tempfile
+folder = tempfile.mkdtemp()
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", folder], check=True)
+os.environ["PDHAL_SHM_DIR"] = folder
+import pdhal
+from pdhal import ops
+filler = os.open(os.path.join(folder, "filler"), os.O_CREAT | os.O_WRONLY)
+try:  # another user's files, say
+    while True:
+        os.write(filler, b"x" * 4096)
+except OSError:
+    os.close(filler)
+for what, call in [("per query", lambda: ops.open_shm_and_get_meta_signal(0, 0)),
+                   ("per chunk", lambda: ops.init_kv_signal_per_query([3], [3], [0], 0, 2)),
+                   ("host memory", lambda: ops.host_alloc(1 << 20))]:
+    try:
+        call()
+    except pdhal.SegmentError as e:
+        assert e.errno == errno.ENOSPC, (what, e)
+        assert f"no space in {folder}: need " in str(e) and ", have " in str(e), (what, e)
+    else:
+        raise AssertionError(f"{what}: no error on a full tmpfs")
+    assert os.listdir(folder) == ["filler"], (what, os.listdir(folder))
+os.remove(os.path.join(folder, "filler"))
+# Room for the header but not the ring: every byte is reserved at creation, so the steps
+# that reach the ring's far pages fail up front (they once died of SIGBUS at step 2).
+with open(os.path.join(folder, "filler"), "wb") as filler:
+    filler.write(b"x" * (64 - 24) * 1024)
+try:
+    ops.init_kv_signal_per_query([3], [3], [0], 0, 2)
+except pdhal.SegmentError as e:
+    assert e.errno == errno.ENOSPC, e
+else:
+    raise AssertionError("a per-chunk channel bigger than the free space was created")
+print("ok")
+"""
+
+
+def test_a_full_tmpfs_is_a_clear_error_never_a_sigbus():
+    """In a mount namespace of its own (so nothing is left mounted), with a 64 KiB tmpfs."""
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"needs user and mount namespaces (unshare -rm): {probe.stderr!r}")
+    proc = subprocess.run(["unshare", "-rm", sys.executable, "-c", FULL_TMPFS],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", (proc.returncode, proc.stderr)
+
+
+HOSTILE_WRITER = """
+import array, os, struct
+from pdhal import _names, ops
+chunk = ops.init_kv_signal_per_query([3], [3], [0], 0, 2)
+reader = ops.open_kv_chunk_reader(0, 0)
+path = _names.channel_path("chunk", 0, 0)
+out = array.array("i", [0] * 1538)
+for ring_slots in (0, 2**31, 1):  # the header's ring_slots, rewritten behind both handles
+    with open(path, "r+b") as f:
+        f.seek(32)
+        f.write(struct.pack("<I", ring_slots))
+    ops.signal_layer_ready(chunk.layer(0))
+    ops.signal_layer_ready(chunk.layer(1))
+    got = [(reader.next(out, timeout=5), list(out[:5])) for _ in range(2)]
+    assert got == [(chunk.step, [1, 0, 0, 0, 3]), (chunk.step, [1, 1, 0, 0, 3])], got
+    chunk = ops.init_kv_signal_per_query([3], [3], [0], 0, 2)
+# A record count beyond any table, written into the slot being read: refused, not copied.
+slot = 256 + (chunk.step % 16) * 6208
+with open(path, "r+b") as f:
+    f.seek(slot + 8)
+    f.write(struct.pack("<I", 600))
+ops.signal_layer_ready(chunk.layer(0))
+try:
+    reader.next(out, timeout=5)
+except Exception as e:
+    assert "corrupt" in str(e), e
+else:
+    raise AssertionError("a count of 600 was delivered")
+print("ok")
+"""
+
+
+def test_a_layout_rewritten_after_validation_is_never_trusted():
+    """Another process of our uid rewrites ring_slots (0 once gave SIGFPE, 2**31 SIGSEGV, in
+    the reader and the producer) and a slot's count: both sides go on from their own copy."""
+    proc = subprocess.run([sys.executable, "-c", HOSTILE_WRITER], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", (proc.returncode, proc.stderr)
+
+
+WRAPPING_BUFFER = """
+import errno, os, struct
+import numpy as np
+import pdhal
+from pdhal import _names, ops
+path = _names.buffer_path("evil")
+size = 2048
+header = struct.pack("<QIIQiIIIQ", 0x4745534C41484450, 1, 3, size, os.getpid(), os.geteuid(),
+                     0, 512, 2**64 - 4096 + size)
+fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+os.write(fd, header.ljust(size, b"\\0"))
+os.close(fd)
+try:
+    ops.share_external_data(np.zeros(1, np.uint8), "evil", [1], timeout=0)
+except pdhal.SegmentError as e:
+    assert e.errno == errno.EMSGSIZE and "impossible layout" in str(e), e
+else:
+    raise AssertionError("accepted")
+finally:
+    os.unlink(path)
+print("ok")
+"""
+
+
+def test_a_buffer_whose_size_wraps_is_refused():
+    """4096 + body_bytes once wrapped to the file's size and passed validation, handing out
+    a body that starts past the mapping and is nearly 2**64 bytes long (in a child: that was
+    a crash)."""
+    proc = subprocess.run([sys.executable, "-c", WRAPPING_BUFFER], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", (proc.returncode, proc.stderr)
+
+
+def test_a_folder_anyone_may_write_needs_the_sticky_bit(tmp_path, monkeypatch):
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    folder.chmod(0o777)
+    monkeypatch.setenv("PDHAL_SHM_DIR", str(folder))
+    with pytest.raises(pdhal.SegmentError, match="writable by every user and has no sticky"):
+        ops.open_shm_and_get_meta_signal(0, 0)
+    with pytest.raises(pdhal.SegmentError, match="no sticky"):
+        ops.open_kv_signal_reader(0, 0, timeout=0)
+    assert os.listdir(folder) == []
+    folder.chmod(0o1777)
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    assert meta.step == 1
+    from pdhal import _signals
+
+    _signals.close_producer_channels()
+    assert os.listdir(folder) == []
+
+
+def test_names_of_different_namespaces_never_meet(monkeypatch):
+    """Buffer "q.query.r0.d0" of namespace "a" and namespace "a.buf.q"'s rank-0 channel once
+    named the same file."""
+    monkeypatch.setenv("PDHAL_NAMESPACE", "a")
+    buffer = _names.buffer_path("q.query.r0.d0")
+    monkeypatch.setenv("PDHAL_NAMESPACE", "a.buf.q")
+    with pytest.raises(pdhal.InvalidArgumentError, match="PDHAL_NAMESPACE must be .*no '.'"):
+        _names.channel_path("query", 0, 0)
+    monkeypatch.setenv("PDHAL_NAMESPACE", "a-buf-q")
+    assert _names.channel_path("query", 0, 0) != buffer

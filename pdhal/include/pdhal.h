@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 /* PDHAL_CDEF_BEGIN */
-#define PDHAL_ABI_VERSION 1
+#define PDHAL_ABI_VERSION 2
 #define PDHAL_SEGMENT_VERSION 1
 #define PDHAL_LAYER_BITS 20
 #define PDHAL_MAX_LAYER 1048574
@@ -33,6 +33,10 @@ extern "C" {
 #define PDHAL_KIND_QUERY 1
 #define PDHAL_KIND_CHUNK 2
 #define PDHAL_KIND_BUFFER 3
+
+/* Flags of pdhal_segment_open. */
+#define PDHAL_OPEN_EXCLUSIVE_READER 1
+#define PDHAL_OPEN_LIVE_PRODUCER 2
 
 typedef struct pdhal_segment pdhal_segment;
 typedef struct pdhal_store pdhal_store;
@@ -52,22 +56,30 @@ int64_t pdhal_now_ns(void);
 
 /* ---- segments (segment.c) ---- */
 /* Create the segment at `path` as its producer: exclusive create, mode 0600, header filled
- * before the mode says "ready", producer lock held for the handle's life. A segment left by a
- * dead producer is reclaimed; a live one gives -EBUSY. `body_bytes` is the payload size for
- * PDHAL_KIND_BUFFER, ignored otherwise. */
+ * before the mode says "ready", producer lock held for the handle's life, every byte of the
+ * file reserved (-ENOSPC, naming the folder, when it does not fit: never a SIGBUS later). A
+ * segment left by a dead producer is reclaimed; a live one gives -EBUSY. `body_bytes` is the
+ * payload size for PDHAL_KIND_BUFFER, ignored otherwise. A folder that others may write
+ * without the sticky bit is refused (-EPERM). */
 int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, uint32_t ring_slots,
                          pdhal_segment **out);
-/* Open an existing segment, waiting until `deadline_ns` for it to exist and be initialised.
- * Validates owner, mode, magic, version, kind and size. With `exclusive_reader`, also takes
- * the single-reader lock (-EBUSY if another reader holds it). */
-int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, int exclusive_reader,
+/* Open an existing segment, waiting until `deadline_ns` for it to exist and be initialised
+ * (-ENOENT or -ETIMEDOUT after it; -EINTR each 200 ms slice, as the waits below).
+ * Validates owner, mode, magic, version, kind, size and layout, then copies the layout into
+ * the handle: later changes to the shared header are never trusted. Flags:
+ * PDHAL_OPEN_EXCLUSIVE_READER takes the per-chunk single-reader lock (-EBUSY if another
+ * reader holds it); PDHAL_OPEN_LIVE_PRODUCER treats a segment whose producer died like a
+ * missing one (wait for its successor). A per-query reader is counted as attached
+ * (pdhal_segment_reader_attached) while its handle is open. */
+int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, uint32_t flags,
                        pdhal_segment **out);
 /* Drop the handle: the creator (in its own process) unlinks the name; the mapping lives on
  * while signals posted through it are pending. NULL is a no-op. */
 void pdhal_segment_close(pdhal_segment *seg);
 /* 1 while the segment's producer holds its lock, 0 once it is gone, or -errno. */
 int pdhal_segment_producer_alive(pdhal_segment *seg);
-/* 1 while a reader holds the single-reader lock, 0 otherwise, or -errno. */
+/* 1 while a reader is attached (per chunk: the single reader; per query: any reader), 0
+ * otherwise, or -errno. */
 int pdhal_segment_reader_attached(pdhal_segment *seg);
 int32_t pdhal_segment_creator_pid(pdhal_segment *seg);
 uint32_t pdhal_segment_ring_slots(pdhal_segment *seg);
@@ -81,10 +93,12 @@ int pdhal_segment_reclaim(const char *path);
 
 /* ---- per-query progress (progress.c) ---- */
 uint64_t pdhal_progress_load(pdhal_segment *seg);
-/* Start step+1 with no layer (one atomic store); returns the new step in *step. */
+/* Start step+1 with no layer (one atomic compare-and-swap, so threads starting steps at once
+ * each get their own); returns the new step in *step. */
 int pdhal_progress_begin_step(pdhal_segment *seg, uint64_t *step);
 /* Publish `value` into the progress word of `slot` (PDHAL_QUERY_SLOT or a ring slot) if it
- * is larger than what is there, then wake waiters. Safe from any thread, lock-free. */
+ * is larger than what is there, then wake waiters. Safe from any thread, lock-free. A slot
+ * outside the ring stores nothing. */
 void pdhal_progress_publish(pdhal_segment *seg, uint32_t slot, uint64_t value);
 /* Wait until the per-query progress exceeds `since`: 0 with *now set, -ETIMEDOUT,
  * -EINTR (a signal arrived or a 200 ms slice ended: let the caller's signal handlers run,
@@ -97,21 +111,30 @@ int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns,
 /* Publish the next step's request table (count triples of slot, cached, chunk tokens) into
  * the ring. Waits, until deadline, for the reader (attached or not yet) to finish the step
  * whose slot is reused (-ETIMEDOUT); -EPIPE at once if a reader had attached and died.
- * Returns the step in *step. */
+ * Returns the step in *step. Threads of one process may call it at once: they publish one
+ * after the other, each its own step. */
 int pdhal_ring_begin_step(pdhal_segment *seg, const int32_t *table, uint32_t count,
                           uint32_t num_layers, int64_t deadline_ns, uint64_t *step);
 /* Deliver the next (step, layer) record into out: [count, layer, triples...]. Returns 1 when
  * a record was written, 0 when none is pending and the deadline has passed (deadline 0 means
- * "do not wait"), -ENOSPC if `capacity` words cannot hold it (nothing consumed), -EINTR,
+ * "do not wait"), -ENOBUFS if `capacity` words cannot hold it (nothing consumed), -EINTR,
  * -EOWNERDEAD. *step gets the record's step. Spins `spin_ns` (within the deadline) before
- * sleeping. Single reader. */
+ * sleeping. Needs a handle opened with PDHAL_OPEN_EXCLUSIVE_READER (-EPERM otherwise), used
+ * by one thread at a time (-EBUSY while another thread is inside a call on it).
+ * Calling it acknowledges every record delivered before (see pdhal_ring_ack). */
 int pdhal_ring_next(pdhal_segment *seg, int32_t *out, uint32_t capacity, int64_t deadline_ns,
                     uint32_t spin_ns, uint64_t *step);
-uint64_t pdhal_ring_latest_step(pdhal_segment *seg);
+/* Acknowledge every record delivered so far: a step counts as finished (its ring slot free
+ * for the producer, and skipped by a restarted reader) once its last layer was delivered AND
+ * acknowledged, here or by the next pdhal_ring_next. A reader that dies before that gets the
+ * step again, from layer 0, when it restarts: delivery is at least once across a crash and
+ * exactly once otherwise. Same handle rules as pdhal_ring_next. */
+int pdhal_ring_ack(pdhal_segment *seg);
 
 /* ---- pending stores (progress.c) ---- */
 /* A progress store to run later, e.g. from a device host function. Holds the segment's
- * mapping alive until it runs. NULL on allocation failure. */
+ * mapping alive until it runs. NULL (pdhal_last_error says why) when out of memory or when
+ * `slot` is neither PDHAL_QUERY_SLOT nor a slot of the segment's ring. */
 pdhal_store *pdhal_store_new(pdhal_segment *seg, uint32_t slot, uint64_t value);
 /* Run the store and free it: matches the CUDA host function signature void(*)(void *). */
 void pdhal_store_run(void *store);
