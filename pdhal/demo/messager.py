@@ -53,16 +53,14 @@ class Shipper:
             self.link.send(("sent", {"request": request_id}))
 
 
-def _per_query(shipper: Shipper, plan: Plan, reader) -> None:
+def _per_query(shipper: Shipper, plan: Plan, reader, base: int) -> None:
     """Progress is one (step, layer) word: send every layer up to it, older steps whole.
 
-    `reader` was opened before the worker was told to go, so its current step is the
-    worker's warm-up step and plan step i is channel step base + 1 + i.
+    `base` is the worker's warm-up step, so plan step i is channel step base + 1 + i.
     """
     layers = plan.model.layers
     with reader:
-        seen = reader.current()
-        base = seen[0]
+        seen = (base, -1)
         done = {index: -1 for index in range(len(plan.steps))}  # last layer sent per step
         while shipper.unfinished:
             seen = reader.wait(seen, timeout=WAIT_TIMEOUT_S)
@@ -99,12 +97,17 @@ def run(link, setup: dict) -> None:
     else:
         sender = MooncakeSender(src, setup["decode"], dst_shape, setup["host"],
                                 setup["protocol"])
-    if plan.mode == "per_query":  # before "ready": the worker's first step must come after
+    if plan.mode == "per_query":
+        # Before "ready", so the worker (which starts only after both are ready) has not
+        # begun its first step. The channel exists before the warm-up step is published in
+        # it, so wait for that step rather than read what is there: (0, -1) would shift
+        # every step by one.
         reader = ops.open_kv_signal_reader(setup["rank"], 0, timeout=WAIT_TIMEOUT_S)
+        base, _ = reader.wait((0, -1), timeout=WAIT_TIMEOUT_S)
     link.send(("ready", {"pid": os.getpid()}))
     shipper = Shipper(link, plan, sender)
     if plan.mode == "per_query":
-        _per_query(shipper, plan, reader)
+        _per_query(shipper, plan, reader, base)
     else:  # the ring hands over every step from the first, whenever the reader attaches
         _per_chunk(shipper, setup["rank"])
     link.send(("done", {}))

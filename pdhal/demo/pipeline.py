@@ -100,7 +100,7 @@ class Pipeline:
         self.finished: set[str] = set()
         self.killed_at: float | None = None
         # A namespace of its own inside the caller's, so runs never meet each other's segments.
-        self.namespace = f"{_names.namespace()}.demo{os.getpid()}.{plan.mode}"
+        self.namespace = f"{_names.namespace()}-demo{os.getpid()}-{plan.mode}"
 
     # -- start-up ----------------------------------------------------------------------
 

@@ -71,10 +71,14 @@ def run(link, setup: dict) -> None:
         started = time.monotonic()
 
         def after_layer(layer: int) -> None:
+            # The layer's end is read before its signal: the messager may start its transfer
+            # the moment the signal lands, and no transfer may seem to start before its
+            # layer was done (overlap efficiency <= 1 and exposed transfer >= 0 rest on it).
+            end = time.monotonic()
             if not plan.signal_at_end:
                 ops.signal_layer_ready(signal_of(layer))
             link.send(("layer", {"step": channel_step, "index": index, "layer": layer,
-                                 "end": time.monotonic()}))
+                                 "end": end}))
             watch.check(f"step {index} layer {layer}")
 
         link.send(("step", {"step": channel_step, "index": index, "start": started}))
