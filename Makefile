@@ -57,5 +57,15 @@ sanitize: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not paddle"
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
+# The C core's memory ordering under ThreadSanitizer (tests/c/race_test.c): a layer publish
+# that is not a release, or a read that is not an acquire, is a data race on the payload.
+.PHONY: tsan
+tsan:
+	mkdir -p build
+	gcc -std=gnu11 -O1 -g -Wno-tsan -fsanitize=thread -DPDHAL_TEST_HOOKS -Ipdhal/include -Icsrc \
+	  -o build/race_test_tsan tests/c/race_test.c csrc/*.c -lpthread
+	for check in lost_wake query_payload ring_payload; do \
+	  TSAN_OPTIONS=halt_on_error=1 build/race_test_tsan $$check || exit 1; done
+
 clean:
 	rm -rf $(VENV) build pdhal/*.so

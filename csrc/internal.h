@@ -101,6 +101,23 @@ struct pdhal_segment {
     char path[256];
 };
 
+/* Test-only hooks that widen race windows on purpose (tests/c/race_test.c): a build with
+ * -DPDHAL_TEST_HOOKS calls pdhal_test_hook at these points; release builds compile them out. */
+enum pdhal_hook_point {
+    PDHAL_HOOK_WAIT_BEFORE_REGISTER, /* a waiter has read the word, is about to register */
+    PDHAL_HOOK_WAKE_BETWEEN,         /* a writer between its sequence bump and waiter check */
+};
+#ifdef PDHAL_TEST_HOOKS
+extern void (*pdhal_test_hook)(enum pdhal_hook_point point);
+#define PDHAL_HOOK(point)                                                                       \
+    do {                                                                                         \
+        if (pdhal_test_hook)                                                                     \
+            pdhal_test_hook(point);                                                              \
+    } while (0)
+#else
+#define PDHAL_HOOK(point) ((void)0)
+#endif
+
 /* errors.c */
 int pdhal_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

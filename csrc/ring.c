@@ -65,12 +65,18 @@ static int wait_for_reader(pdhal_segment *seg, uint64_t need, int64_t deadline_n
 }
 
 /* Take the producer's publish lock by one wait slice before `deadline_ns`: 0, -ETIMEDOUT
- * once the deadline passed, -EINTR when only the slice ended (the caller calls again). */
+ * once the deadline passed, -EINTR when only the slice ended (the caller calls again).
+ * pthread_mutex_timedlock takes CLOCK_REALTIME: the slice (<= 200 ms) is converted at the
+ * call, so a clock step can only lengthen or shorten one slice. */
 static int lock_publish(pdhal_segment *seg, int64_t deadline_ns)
 {
     int64_t until = pdhal_deadline_slice(deadline_ns);
-    struct timespec abs = {.tv_sec = until / 1000000000LL, .tv_nsec = until % 1000000000LL};
-    int rc = pthread_mutex_clocklock(&seg->publish_lock, CLOCK_MONOTONIC, &abs);
+    struct timespec abs;
+    clock_gettime(CLOCK_REALTIME, &abs);
+    int64_t wall = (int64_t)abs.tv_sec * 1000000000LL + abs.tv_nsec + (until - pdhal_now_ns());
+    abs.tv_sec = wall / 1000000000LL;
+    abs.tv_nsec = wall % 1000000000LL;
+    int rc = pthread_mutex_timedlock(&seg->publish_lock, &abs);
     if (rc == 0)
         return 0;
     if (rc != ETIMEDOUT)

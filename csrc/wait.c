@@ -10,6 +10,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#ifdef PDHAL_TEST_HOOKS
+void (*pdhal_test_hook)(enum pdhal_hook_point point);
+#endif
+
 int64_t pdhal_now_ns(void)
 {
     struct timespec ts;
@@ -48,6 +52,7 @@ int pdhal_wait_change(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_
 {
     if (pdhal_now_ns() >= deadline_ns)
         return -ETIMEDOUT;
+    PDHAL_HOOK(PDHAL_HOOK_WAIT_BEFORE_REGISTER);
     /* seq_cst: pairs with the seq_cst bump + waiters load in pdhal_bump_and_wake, so either
      * the writer sees our registration or we see its new value (Dekker). */
     atomic_fetch_add(waiters, 1);
@@ -66,7 +71,9 @@ int pdhal_wait_change(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_
 
 void pdhal_bump_and_wake(_Atomic uint32_t *word, _Atomic uint32_t *waiters)
 {
-    atomic_fetch_add(word, 1); /* seq_cst: pairs with pdhal_wait_change */
-    if (atomic_load(waiters) != 0)
+    atomic_fetch_add(word, 1); /* seq_cst: pairs with pdhal_wait_change (bump, THEN look) */
+    PDHAL_HOOK(PDHAL_HOOK_WAKE_BETWEEN);
+    uint32_t sleeping = atomic_load(waiters);
+    if (sleeping != 0)
         pdhal_futex_wake_all(word);
 }
