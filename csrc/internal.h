@@ -106,6 +106,7 @@ struct pdhal_segment {
 enum pdhal_hook_point {
     PDHAL_HOOK_WAIT_BEFORE_REGISTER, /* a waiter has read the word, is about to register */
     PDHAL_HOOK_WAKE_BETWEEN,         /* a writer between its sequence bump and waiter check */
+    PDHAL_HOOK_RING_COPIED,          /* a reader has copied a table, not yet re-checked it */
 };
 #ifdef PDHAL_TEST_HOOKS
 extern void (*pdhal_test_hook)(enum pdhal_hook_point point);

@@ -178,6 +178,7 @@ static enum slot_state read_slot(pdhal_segment *seg, int32_t *out, uint32_t capa
         return SLOT_NO_ROOM;
     for (uint32_t i = 0; i < 3 * count; i++)
         out[2 + i] = atomic_load_explicit(&slot->table[i], memory_order_relaxed);
+    PDHAL_HOOK(PDHAL_HOOK_RING_COPIED);
     /* acquire fence: pairs with the release fence of a writer that started rewriting the slot
      * while we copied; then the re-read of progress shows it. */
     atomic_thread_fence(memory_order_acquire);

@@ -248,7 +248,10 @@ class Segment:
         """A pending store (C `pdhal_store *`) for a device callback; caller hands it off."""
         store = lib.pdhal_store_new(self.ptr, slot, value)
         if store == ffi.NULL:
-            _raise(-errno.EINVAL, "preparing a layer signal")
+            detail = ffi.string(lib.pdhal_last_error()).decode(errors="replace")
+            if detail == "out of memory":
+                raise MemoryError(f"preparing a layer signal: {detail}")
+            raise InvalidArgumentError(f"preparing a layer signal: {detail}")
         return store
 
 

@@ -169,3 +169,9 @@ def test_shared_buffers_are_mapped_in_whole_before_first_use():
             ops.share_external_data(np.empty(0, np.uint8), "kv", ({size},))
             assert resident_kib("{buf.path}") >= {size} // 1024
         """, cwd=os.path.dirname(__file__))
+
+
+def test_a_view_larger_than_the_buffer_is_refused():
+    with ops.host_alloc(4096) as buf:
+        with pytest.raises(pdhal.InvalidArgumentError, match="needs 8192 bytes, the buffer has 4096"):
+            buf.as_numpy("float32", (2048,))

@@ -29,7 +29,7 @@ def race_test(tmp_path_factory) -> str:
     return binary
 
 
-@pytest.mark.parametrize("check", ["lost_wake", "query_payload", "ring_payload"])
+@pytest.mark.parametrize("check", ["lost_wake", "query_payload", "ring_payload", "ring_lapped"])
 def test_race_checks_hold(race_test, check):
     """lost_wake makes the reader register while the writer sits between its two steps:
     with the steps in the wrong order (look for waiters, then bump), the reader sleeps

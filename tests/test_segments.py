@@ -332,3 +332,66 @@ def test_names_of_different_namespaces_never_meet(monkeypatch):
         _names.channel_path("query", 0, 0)
     monkeypatch.setenv("PDHAL_NAMESPACE", "a-buf-q")
     assert _names.channel_path("query", 0, 0) != buffer
+
+
+def test_a_file_grown_or_shrunk_behind_a_valid_header_is_refused():
+    ops.open_shm_and_get_meta_signal(0, 0)
+    path = _names.channel_path("query", 0, 0)
+    for size in (4096, 200):  # header untouched; the file around it is not what it says
+        os.truncate(path, size)
+        with pytest.raises(pdhal.SegmentError, match="size|smaller than a pdhal header") as e:
+            ops.open_kv_signal_reader(0, 0, timeout=0)
+        assert e.value.errno == errno.EMSGSIZE
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing a file's owner needs root")
+def test_a_dead_segment_of_another_uid_is_never_reclaimed():
+    subprocess.run([sys.executable, "-c", "import os; from pdhal import ops; "
+                    "ops.open_shm_and_get_meta_signal(0, 0); os._exit(0)"], check=True)
+    path = _names.channel_path("query", 0, 0)
+    os.chown(path, 65534, 65534)
+    try:
+        with pytest.raises(pdhal.SegmentError, match="belongs to uid 65534.*refusing to touch"):
+            ops.open_shm_and_get_meta_signal(0, 0)
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)
+
+
+def test_a_path_of_256_bytes_is_refused_not_truncated(tmp_path, monkeypatch):
+    """The handle keeps 255 bytes: a longer name would be created but never unlinked."""
+    name_len = len(os.path.basename(_names.channel_path("query", 0, 0)))
+    folder = tmp_path / ("f" * (256 - len(str(tmp_path)) - 2 - name_len))
+    folder.mkdir()
+    monkeypatch.setenv("PDHAL_SHM_DIR", str(folder))
+    assert len(_names.channel_path("query", 0, 0)) == 256
+    with pytest.raises(pdhal.InvalidArgumentError, match="1..255 bytes, got 256"):
+        ops.open_shm_and_get_meta_signal(0, 0)
+    assert os.listdir(folder) == []
+
+
+def test_a_store_for_a_slot_outside_the_ring_is_refused():
+    from pdhal import _core
+
+    chunk = ops.init_kv_signal_per_query([3], [3], [0], 0, 2)
+    with pytest.raises(pdhal.InvalidArgumentError, match="slot 99 is not a progress slot"):
+        chunk.segment.new_store(99, 1)
+    assert chunk.segment.ring_slots == 16
+    query = ops.open_shm_and_get_meta_signal(0, 0).segment
+    with pytest.raises(pdhal.InvalidArgumentError, match="slot 0 is not a progress slot"):
+        query.new_store(0, 1)  # a per-query channel has no ring
+    store = query.new_store(_core.QUERY_SLOT, 1)
+    _core.free_store(store)
+
+
+def test_only_the_reader_handle_reads_the_ring():
+    from pdhal import _core
+
+    ops.init_kv_signal_per_query([3], [3], [0], 0, 1)
+    path = _names.channel_path("chunk", 0, 0)
+    other = _core.Segment.open(path, _core.KIND_CHUNK, 1)  # not as the reader
+    out = _core.ffi.new("int32_t[]", 1538)
+    with pytest.raises(pdhal.SegmentError, match="not opened as its reader") as e:
+        other.ring_next(out, 1538, 0)
+    assert e.value.errno == errno.EPERM
+    other.close()

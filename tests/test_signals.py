@@ -305,3 +305,26 @@ def test_ops_are_the_backends_own_functions():
     assert ops.signal_layer_ready is _cpu.signal_layer_ready
     assert ops.init_signal_layerwise is _signals.init_signal_layerwise
     assert ops.cuda_host_alloc is ops.host_alloc
+
+
+def test_backpressure_timeout_is_read_from_the_environment(monkeypatch):
+    """No reader: the ring's 16 steps fill, then the 17th waits PDHAL_BACKPRESSURE_TIMEOUT."""
+    monkeypatch.setenv("PDHAL_BACKPRESSURE_TIMEOUT", "0.2")
+    for step in range(16):
+        ops.init_kv_signal_per_query([1], [1], [0], 0, 1)
+    start = time.monotonic()
+    with pytest.raises(pdhal.BackPressureTimeoutError, match="no cache messager is attached"):
+        ops.init_kv_signal_per_query([1], [1], [0], 0, 1)
+    assert 0.2 <= time.monotonic() - start < 1.0
+    for bad in ("abc", "0", "-1", "nan", ""):
+        monkeypatch.setenv("PDHAL_BACKPRESSURE_TIMEOUT", bad)
+        with pytest.raises(pdhal.InvalidArgumentError, match="PDHAL_BACKPRESSURE_TIMEOUT must"):
+            ops.init_kv_signal_per_query([1], [1], [0], 0, 1)
+
+
+def test_each_device_of_a_rank_has_its_own_channel():
+    a = ops.open_shm_and_get_meta_signal(0, 0)
+    b = ops.open_shm_and_get_meta_signal(0, 1)
+    ops.signal_layer_ready(ops.init_signal_layerwise(b, 5))
+    with ops.open_kv_signal_reader(0, 0) as r0, ops.open_kv_signal_reader(0, 1) as r1:
+        assert (r0.current(), r1.current()) == ((a.step, -1), (b.step, 5))

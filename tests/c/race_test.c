@@ -12,6 +12,9 @@
  *                    that is not a release (or a load that is not an acquire) is a data race
  *                    on the buffer.
  *   ring_payload     the same through the per-chunk ring (step tables and layer records).
+ *   ring_lapped      a writer rewrites the slot while the reader copies its table (what a
+ *                    second producer or a corrupting process does): the reader must refuse
+ *                    the record, never deliver the torn table.
  *
  * The payload checks publish through the reader's handle: ThreadSanitizer follows release
  * and acquire per address, and the producer's mapping of the file is at another address than
@@ -248,10 +251,46 @@ static int ring_payload(void)
     return bad != 0;
 }
 
+/* ---- ring_lapped ---- */
+
+static void lap_the_slot(enum pdhal_hook_point point)
+{
+    if (point != PDHAL_HOOK_RING_COPIED)
+        return;
+    struct pdhal_ring_slot *slot = &reader->ring[1 % reader->ring_slots];
+    atomic_store(&slot->progress, 0); /* as a writer starting to rewrite it does */
+    atomic_store(&slot->table[0], 99);
+}
+
+static int ring_lapped(void)
+{
+#ifdef PDHAL_TEST_HOOKS
+    pdhal_test_hook = lap_the_slot;
+#else
+    fprintf(stderr, "race_test: ring_lapped needs a build with -DPDHAL_TEST_HOOKS\n");
+    return 2;
+#endif
+    open_pair(PDHAL_KIND_CHUNK, PDHAL_OPEN_EXCLUSIVE_READER);
+    int32_t table[3] = {1, 2, 3}, out[PDHAL_RECORD_WORDS];
+    uint64_t step;
+    if (pdhal_ring_begin_step(producer, table, 1, 1, pdhal_now_ns() + 1000000000LL, &step))
+        die("pdhal_ring_begin_step", -1);
+    pdhal_progress_publish(producer, (uint32_t)(step % pdhal_segment_ring_slots(producer)),
+                           (step << PDHAL_LAYER_BITS) | 1);
+    int rc = pdhal_ring_next(reader, out, PDHAL_RECORD_WORDS, 0, 0, &step);
+    close_pair();
+    if (rc != -EPROTO) {
+        fprintf(stderr, "race_test: a slot rewritten during the copy gave %d (record %d %d %d "
+                        "%d %d), expected -EPROTO\n", rc, out[0], out[1], out[2], out[3], out[4]);
+        return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
-        fprintf(stderr, "usage: race_test lost_wake|query_payload|ring_payload\n");
+        fprintf(stderr, "usage: race_test lost_wake|query_payload|ring_payload|ring_lapped\n");
         return 2;
     }
     if (!strcmp(argv[1], "lost_wake"))
@@ -260,6 +299,8 @@ int main(int argc, char **argv)
         return query_payload();
     if (!strcmp(argv[1], "ring_payload"))
         return ring_payload();
+    if (!strcmp(argv[1], "ring_lapped"))
+        return ring_lapped();
     fprintf(stderr, "race_test: unknown check %s\n", argv[1]);
     return 2;
 }

@@ -1,0 +1,246 @@
+"""Mutation testing: plant each bug of mutants.toml in a scratch copy of the repository and
+run the tests named for it; a bug the tests do not notice is a survivor.
+
+    python tests/mutation/run.py            # every mutant (make mutate)
+    python tests/mutation/run.py --fast     # the CI subset (make mutate-ci)
+    python tests/mutation/run.py --only ID  # one mutant (repeatable)
+    python tests/mutation/run.py --check    # every `find` occurs once; nothing runs
+
+The copy gets its own C extension when a mutant changes csrc/ (built with the project's
+cffi build script), and runs with PYTHONPATH pointing at it, so the installed editable
+checkout is never touched. Mutants claimed equivalent are proven so for C (identical object
+code) and listed apart, not counted. Exit status 1 when the score is below --min-score
+(90%), or, with --fast, when any mutant survives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+PYTHON = sys.executable
+TEST_TIMEOUT_S = 900
+
+
+def load(path: str) -> list[dict]:
+    with open(path, "rb") as f:
+        mutants = tomllib.load(f)["mutant"]
+    seen = set()
+    for m in mutants:
+        assert m["id"] not in seen, f"duplicate mutant id {m['id']}"
+        seen.add(m["id"])
+        assert ("tests" in m) != ("equivalent" in m), f"{m['id']}: tests or equivalent"
+    return mutants
+
+
+def check_finds(mutants: list[dict]) -> list[str]:
+    """Problems with the mutants' `find` texts against the current sources."""
+    problems = []
+    for m in mutants:
+        with open(os.path.join(ROOT, m["file"])) as f:
+            count = f.read().count(m["find"])
+        if count != 1:
+            problems.append(f"{m['id']}: `find` occurs {count} times in {m['file']}")
+    return problems
+
+
+def scratch_copy() -> str:
+    """The repository's files (tracked and new, not ignored) plus its built extension and
+    simulated runtimes, in a fresh folder."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    built = glob.glob(os.path.join(ROOT, "pdhal", "_pdhal_c*.so")) + \
+        glob.glob(os.path.join(ROOT, "tests", "sim", "build", "*.so"))
+    dest = tempfile.mkdtemp(prefix="pdhal-mutant-")
+    for rel in files + [os.path.relpath(p, ROOT) for p in built]:
+        src = os.path.join(ROOT, rel)
+        if os.path.isfile(src):
+            os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dest, rel))
+    return dest
+
+
+def apply(copy: str, m: dict) -> None:
+    path = os.path.join(copy, m["file"])
+    with open(path) as f:
+        text = f.read()
+    assert text.count(m["find"]) == 1, f"{m['id']}: find text not unique in {m['file']}"
+    with open(path, "w") as f:
+        f.write(text.replace(m["find"], m["replace"]))
+
+
+def build_extension(copy: str) -> str | None:
+    """Rebuild pdhal._pdhal_c in the copy; None when it built, else the compiler's output."""
+    for old in glob.glob(os.path.join(copy, "pdhal", "_pdhal_c*.so")):
+        os.remove(old)
+    # cffi compiles in tmpdir with the build script's relative source paths: the copy's root.
+    code = ("import sys; sys.path.insert(0, 'csrc'); import build_ffi; "
+            "build_ffi.ffibuilder.compile(tmpdir='.')")
+    proc = subprocess.run([PYTHON, "-c", code], cwd=copy, capture_output=True, text=True)
+    if proc.returncode != 0 or not glob.glob(os.path.join(copy, "pdhal", "_pdhal_c*.so")):
+        return proc.stdout + proc.stderr
+    return None
+
+
+def object_code(source_root: str, rel: str) -> bytes:
+    """The .text of one C file of csrc/, compiled as the extension compiles it."""
+    out = tempfile.mktemp(suffix=".o")
+    subprocess.run(["gcc", "-std=gnu11", "-O2", "-fPIC", "-c", f"-I{source_root}/pdhal/include",
+                    f"-I{source_root}/csrc", "-o", out, os.path.join(source_root, rel)],
+                   check=True)
+    text = out + ".text"
+    subprocess.run(["objcopy", "-O", "binary", "--only-section=.text", out, text], check=True)
+    with open(text, "rb") as f:
+        data = f.read()
+    os.remove(out)
+    os.remove(text)
+    return data
+
+
+#: The simulated runtime a conformance-kit run binds (as `make test` runs the kit).
+KIT_RUNTIMES = {"xpu": ("PDHAL_XPURT", "libxpurt.so"), "cuda": ("PDHAL_CUDART", "libcudart_sim.so")}
+
+
+def env_for(copy: str, test: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([copy, os.path.join(copy, "backends", "cuda"),
+                                         os.path.join(copy, "backends", "xpu")])
+    if test.startswith("kit:") and test[4:] in KIT_RUNTIMES:
+        var, lib = KIT_RUNTIMES[test[4:]]
+        env[var] = subprocess.run([PYTHON, "tests/sim/build.py", lib], cwd=copy, env=env,
+                                  capture_output=True, text=True, check=True).stdout.strip()
+    return env
+
+
+def command(test: str) -> list[str]:
+    if test.startswith("kit:"):
+        return [PYTHON, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                "--pdhal-backend", test[4:]]
+    if test.startswith("make:"):
+        return ["make", "-s", test[5:]]
+    return [PYTHON, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test]
+
+
+def run_tests(copy: str, tests: list[str]) -> str | None:
+    """None when every test passed; else which one failed (or timed out)."""
+    for test in tests:
+        try:
+            proc = subprocess.run(command(test), cwd=copy, env=env_for(copy, test),
+                                  capture_output=True,
+                                  text=True, timeout=TEST_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return f"{test}: timed out"
+        if proc.returncode != 0:
+            with open(os.path.join(tempfile.gettempdir(), "pdhal-mutate-last-failure.log"),
+                      "w") as log:
+                log.write(f"$ {' '.join(command(test))}\n{proc.stdout}{proc.stderr}")
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+            return f"{test}: exit {proc.returncode}: " + " | ".join(tail)
+    return None
+
+
+def run_one(m: dict) -> tuple[str, str]:
+    """(outcome, detail): killed, survived, stillborn (did not build) or equivalent."""
+    copy = scratch_copy()
+    try:
+        apply(copy, m)
+        if "equivalent" in m:
+            if m["file"].endswith(".c") and \
+                    object_code(copy, m["file"]) != object_code(ROOT, m["file"]):
+                return "error", "claimed equivalent, but its object code differs"
+            return "equivalent", m["equivalent"]
+        if m["file"].startswith("csrc/"):
+            failed = build_extension(copy)
+            if failed:
+                return "stillborn", failed.strip().splitlines()[-1]
+        failed = run_tests(copy, m["tests"])
+        return ("killed", failed) if failed else ("survived", "every named test passed")
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def baseline(mutants: list[dict]) -> None:
+    """The named tests must pass without any mutant, or a 'kill' would mean nothing."""
+    tests = sorted({t for m in mutants for t in m.get("tests", [])})
+    copy = scratch_copy()
+    try:
+        failed = run_tests(copy, tests)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    if failed:
+        sys.exit(f"mutate: the tests fail without any mutant ({failed}); fix them first")
+
+
+def module_of(m: dict) -> str:
+    return m["file"].split("/")[0] if m["file"].startswith("backends/") else m["file"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fast", action="store_true", help="the CI subset (fast = true)")
+    parser.add_argument("--only", action="append", metavar="ID", help="run just this mutant")
+    parser.add_argument("--check", action="store_true", help="check the find texts and stop")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip running the named tests unmutated first")
+    parser.add_argument("--min-score", type=float, default=0.9,
+                        help="fail below this share of non-equivalent mutants killed (0.9)")
+    parser.add_argument("--mutants", default=os.path.join(HERE, "mutants.toml"))
+    args = parser.parse_args(argv)
+    mutants = load(args.mutants)
+    problems = check_finds(mutants)
+    if problems or args.check:
+        print("\n".join(problems) or f"{len(mutants)} mutants, every find text unique")
+        return 1 if problems else 0
+    if args.only:
+        unknown = set(args.only) - {m["id"] for m in mutants}
+        if unknown:
+            parser.error(f"unknown mutant(s): {', '.join(sorted(unknown))}")
+        mutants = [m for m in mutants if m["id"] in args.only]
+    elif args.fast:
+        mutants = [m for m in mutants if m.get("fast")]
+    if not args.no_baseline:
+        baseline(mutants)
+    results: dict[str, list[tuple[dict, str, str]]] = collections.defaultdict(list)
+    for m in mutants:
+        start = time.monotonic()
+        outcome, detail = run_one(m)
+        results[outcome].append((m, outcome, detail))
+        print(f"{outcome:>10}  {m['id']:<34} {time.monotonic() - start:5.0f} s  {detail}",
+              flush=True)
+    counted = [r for outcome in ("killed", "survived") for r in results[outcome]]
+    print("\nscore per module (killed / planted, equivalent ones left out):")
+    per_module: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for m, outcome, _ in counted:
+        per_module[module_of(m)][1] += 1
+        per_module[module_of(m)][0] += outcome == "killed"
+    for module, (killed, total) in sorted(per_module.items()):
+        print(f"  {module:<40} {killed:3d} / {total:3d}")
+    killed = len(results["killed"])
+    score = killed / len(counted) if counted else 1.0
+    print(f"\nkilled {killed} of {len(counted)} ({100 * score:.0f}%); "
+          f"equivalent {len(results['equivalent'])}; stillborn {len(results['stillborn'])}")
+    for m, _, detail in results["equivalent"]:
+        print(f"  equivalent: {m['id']}: {detail}")
+    for m, _, _ in results["survived"]:
+        print(f"  SURVIVED: {m['id']} ({m['file']}): {m['why']}")
+    for m, _, detail in results["stillborn"] + results["error"]:
+        print(f"  BROKEN MUTANT: {m['id']}: {detail}")
+    if results["stillborn"] or results["error"]:
+        return 1
+    if args.fast:
+        return 1 if results["survived"] else 0
+    return 0 if score >= args.min_score else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
