@@ -45,7 +45,9 @@ class CudaPlatform(Platform):
     device_control_env_var = "CUDA_VISIBLE_DEVICES"
 
     def device_count(self) -> int:
-        return _runtime.device_count()[0]
+        count, rc = _runtime.device_count()
+        _runtime.check(rc, "cudaGetDeviceCount")  # a failed count is not "no devices"
+        return count
 
     @property
     def capabilities(self) -> dict[str, object]:
