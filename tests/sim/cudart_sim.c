@@ -5,7 +5,10 @@
  * block must add its offset); cudaPointerGetAttributes reports unregistered memory as type 0
  * with success. Also exports the driver's cuMemGetAddressRange_v2, which real systems take
  * from libcuda. SIM_CUDA_DEVICES (default 8) sets the device count; SIM_CUDA_NO_DRIVER makes
- * cudaGetDeviceCount fail with 35 like a machine without a driver. */
+ * cudaGetDeviceCount fail with 35 like a machine without a driver.
+ * Every cuda* entry point (and cuMemGetAddressRange_v2) can be told to fail, see sim_fail in
+ * sim_device.h, with the error a real runtime gives there: out of memory for allocations,
+ * a launch failure for waits (a kernel fault before the event), invalid values elsewhere. */
 #define _GNU_SOURCE
 #include "sim_device.h"
 
@@ -18,8 +21,13 @@
 enum {
     cudaSuccess = 0,
     cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
     cudaErrorInsufficientDriver = 35,
+    cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
+    cudaErrorMapBufferObjectFailed = 205,
+    cudaErrorInvalidResourceHandle = 400,
+    cudaErrorLaunchFailure = 719,
 };
 
 typedef void *cudaStream_t;
@@ -47,21 +55,28 @@ const char *cudaGetErrorString(int error)
     switch (error) {
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInsufficientDriver:
         return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorMapBufferObjectFailed: return "mapping of buffer object failed";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
     default: return "unknown error";
     }
 }
 
 int cudaRuntimeGetVersion(int *version)
 {
+    SIM_FAILPOINT(cudaErrorInvalidValue);
     *version = 12080;
     return cudaSuccess;
 }
 
 int cudaGetDeviceCount(int *count)
 {
+    SIM_FAILPOINT(cudaErrorNoDevice);
     if (no_driver()) {
         *count = 0;
         return cudaErrorInsufficientDriver;
@@ -73,6 +88,7 @@ int cudaGetDeviceCount(int *count)
 
 int cudaSetDevice(int device)
 {
+    SIM_FAILPOINT(cudaErrorInvalidDevice);
     int count;
     int rc = cudaGetDeviceCount(&count);
     if (rc)
@@ -85,28 +101,33 @@ int cudaSetDevice(int device)
 
 int cudaGetDevice(int *device)
 {
+    SIM_FAILPOINT(cudaErrorInvalidValue);
     *device = current_device;
     return cudaSuccess;
 }
 
 int cudaStreamCreate(cudaStream_t *s)
 {
+    SIM_FAILPOINT(cudaErrorMemoryAllocation);
     *s = sim_stream_new();
     return cudaSuccess;
 }
 int cudaStreamDestroy(cudaStream_t s)
 {
+    SIM_FAILPOINT(cudaErrorInvalidResourceHandle);
     sim_stream_free(s);
     return cudaSuccess;
 }
 int cudaStreamSynchronize(cudaStream_t s)
 {
+    int fault = sim_should_fail(__func__); /* reported once the stream is drained */
     sim_stream_sync(stream_of(s));
-    return cudaSuccess;
+    return fault ? cudaErrorLaunchFailure : cudaSuccess;
 }
 
 int cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *data)
 {
+    SIM_FAILPOINT(cudaErrorLaunchFailure);
     if (!fn)
         return cudaErrorInvalidValue;
     sim_stream_host_fn(stream_of(stream), fn, data);
@@ -115,11 +136,13 @@ int cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *data)
 
 int cudaEventCreateWithFlags(cudaEvent_t *ev, unsigned int flags)
 {
+    SIM_FAILPOINT(cudaErrorMemoryAllocation);
     *ev = sim_event_new();
     return cudaSuccess;
 }
 int cudaEventRecord(cudaEvent_t ev, cudaStream_t stream)
 {
+    SIM_FAILPOINT(cudaErrorInvalidResourceHandle);
     if (!ev)
         return cudaErrorInvalidValue;
     sim_event_record(ev, stream_of(stream));
@@ -127,26 +150,34 @@ int cudaEventRecord(cudaEvent_t ev, cudaStream_t stream)
 }
 int cudaEventSynchronize(cudaEvent_t ev)
 {
+    int fault = sim_should_fail(__func__); /* reported once the event is reached */
     if (!ev)
         return cudaErrorInvalidValue;
     sim_event_wait(ev);
-    return cudaSuccess;
+    return fault ? cudaErrorLaunchFailure : cudaSuccess;
 }
 int cudaEventDestroy(cudaEvent_t ev)
 {
+    SIM_FAILPOINT(cudaErrorInvalidResourceHandle);
     sim_event_free(ev);
     return cudaSuccess;
 }
 
 int cudaMalloc(void **ptr, size_t size)
 {
+    SIM_FAILPOINT(cudaErrorMemoryAllocation);
     *ptr = size ? sim_malloc(size) : NULL;
     return *ptr ? cudaSuccess : cudaErrorInvalidValue;
 }
-int cudaFree(void *ptr) { return sim_free(ptr) == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+int cudaFree(void *ptr)
+{
+    SIM_FAILPOINT(cudaErrorInvalidValue);
+    return sim_free(ptr) == 0 ? cudaSuccess : cudaErrorInvalidValue;
+}
 
 int cudaHostAlloc(void **ptr, size_t size, unsigned int flags)
 {
+    SIM_FAILPOINT(cudaErrorMemoryAllocation);
     if (!size)
         return cudaErrorInvalidValue;
     uint64_t *raw = malloc(size + 16);
@@ -158,6 +189,7 @@ int cudaHostAlloc(void **ptr, size_t size, unsigned int flags)
 }
 int cudaFreeHost(void *ptr)
 {
+    SIM_FAILPOINT(cudaErrorInvalidValue);
     uint64_t *raw = (uint64_t *)ptr - 2;
     if (!ptr || raw[0] != HOST_MAGIC)
         return cudaErrorInvalidValue;
@@ -170,6 +202,7 @@ int sim_live_host_buffers(void) { return live_host_buffers; }
 
 int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr)
 {
+    SIM_FAILPOINT(cudaErrorInvalidValue);
     memset(attr, 0, sizeof *attr);
     void *base;
     uint64_t size;
@@ -191,6 +224,7 @@ int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr
 
 int cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *ptr)
 {
+    SIM_FAILPOINT(cudaErrorInvalidValue);
     void *base;
     uint64_t size;
     if (sim_alloc_range(ptr, &base, &size) != 0)
@@ -199,14 +233,20 @@ int cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *ptr)
 }
 int cudaIpcOpenMemHandle(void **ptr, cudaIpcMemHandle_t handle, unsigned int flags)
 {
+    SIM_FAILPOINT(cudaErrorMapBufferObjectFailed);
     *ptr = sim_ipc_open(handle.reserved);
     return *ptr ? cudaSuccess : cudaErrorInvalidValue;
 }
-int cudaIpcCloseMemHandle(void *ptr) { return cudaSuccess; }
+int cudaIpcCloseMemHandle(void *ptr)
+{
+    SIM_FAILPOINT(cudaErrorInvalidValue);
+    return cudaSuccess;
+}
 
 /* Driver API (libcuda on real systems). */
 int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t ptr)
 {
+    SIM_FAILPOINT(cudaErrorInvalidValue);
     void *b;
     uint64_t s;
     if (sim_alloc_range((void *)(uintptr_t)ptr, &b, &s) != 0)

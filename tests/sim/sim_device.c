@@ -1,4 +1,5 @@
-/* sim_device.c: streams as worker threads, events, shared-memory device memory. */
+/* sim_device.c: streams as worker threads, events, shared-memory device memory, and
+ * failure injection for the runtimes' entry points. */
 #define _GNU_SOURCE
 #include "sim_device.h"
 
@@ -17,6 +18,106 @@ static atomic_int live_events, live_streams, live_threads;
 int sim_live_events(void) { return live_events; }
 int sim_live_streams(void) { return live_streams; }
 int sim_live_threads(void) { return live_threads; }
+
+/* ---- failure injection: a small table of (function name, calls left to fail) ---- */
+
+#define SIM_FAIL_NAMES 64
+
+static struct failpoint {
+    char name[64];
+    int remaining; /* calls left to fail; -1: every call */
+    int failed;    /* calls made to fail so far */
+} failpoints[SIM_FAIL_NAMES];
+static pthread_mutex_t fail_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int fail_armed; /* entries with remaining != 0: lets calls skip the lock */
+
+/* The entry for `function`, made if `create`; NULL if absent (or no room). fail_lock held. */
+static struct failpoint *failpoint(const char *function, int create)
+{
+    for (int i = 0; i < SIM_FAIL_NAMES && failpoints[i].name[0]; i++)
+        if (strcmp(failpoints[i].name, function) == 0)
+            return &failpoints[i];
+    if (!create || strlen(function) >= sizeof failpoints[0].name)
+        return NULL;
+    for (int i = 0; i < SIM_FAIL_NAMES; i++)
+        if (!failpoints[i].name[0]) {
+            strcpy(failpoints[i].name, function);
+            return &failpoints[i];
+        }
+    return NULL;
+}
+
+static void recount_armed(void)
+{
+    int armed = 0;
+    for (int i = 0; i < SIM_FAIL_NAMES; i++)
+        armed += failpoints[i].remaining != 0;
+    atomic_store(&fail_armed, armed);
+}
+
+int sim_fail(const char *function, int count)
+{
+    pthread_mutex_lock(&fail_lock);
+    struct failpoint *f = failpoint(function, 1);
+    if (f)
+        f->remaining = count < 0 ? -1 : count;
+    recount_armed();
+    pthread_mutex_unlock(&fail_lock);
+    return f ? 0 : -1;
+}
+
+void sim_fail_clear(void)
+{
+    pthread_mutex_lock(&fail_lock);
+    memset(failpoints, 0, sizeof failpoints);
+    recount_armed();
+    pthread_mutex_unlock(&fail_lock);
+}
+
+int sim_failed_calls(const char *function)
+{
+    pthread_mutex_lock(&fail_lock);
+    struct failpoint *f = failpoint(function, 0);
+    int failed = f ? f->failed : 0;
+    pthread_mutex_unlock(&fail_lock);
+    return failed;
+}
+
+int sim_should_fail(const char *function)
+{
+    if (!atomic_load(&fail_armed))
+        return 0;
+    pthread_mutex_lock(&fail_lock);
+    struct failpoint *f = failpoint(function, 0);
+    int fail = f && f->remaining != 0;
+    if (fail) {
+        f->failed++;
+        if (f->remaining > 0 && --f->remaining == 0)
+            recount_armed();
+    }
+    pthread_mutex_unlock(&fail_lock);
+    return fail;
+}
+
+/* SIM_FAIL="name[:count],...": failures armed before the first call (child processes). */
+__attribute__((constructor)) static void fail_from_env(void)
+{
+    const char *env = getenv("SIM_FAIL");
+    if (!env)
+        return;
+    char *copy = strdup(env), *save = NULL;
+    for (char *item = strtok_r(copy, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        char *colon = strchr(item, ':');
+        int count = -1;
+        if (colon) {
+            *colon = '\0';
+            count = atoi(colon + 1);
+        }
+        if (*item && sim_fail(item, count) != 0)
+            fprintf(stderr, "sim: cannot inject failures into %s\n", item);
+    }
+    free(copy);
+}
 
 /* ---- events: a generation counter; record asks for the next generation ---- */
 

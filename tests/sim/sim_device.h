@@ -37,6 +37,27 @@ int sim_alloc_range(const void *ptr, void **base, uint64_t *size);
 /* A second mapping of the allocation holding ptr, at the same offset; NULL if unknown. */
 void *sim_peer_alias(const void *ptr);
 
+/* Failure injection, set at run time by a test: the next `count` calls of the runtime entry
+ * point named `function` fail (count -1: every call; 0: stop failing). Returns 0, or -1 when
+ * the name is too long or the table of names is full. SIM_FAIL="name[:count],..." in the
+ * environment does the same when the library is loaded (no count: every call), so a child
+ * process can be told too. Each simulated runtime holds its own table. A failing wait
+ * (event or stream) still waits, then fails, like a fault in the work before it: the
+ * caller may destroy the event at once, as after any wait. */
+int sim_fail(const char *function, int count);
+/* Forget every injected failure and every count. */
+void sim_fail_clear(void);
+/* How many calls of `function` have been made to fail so far. */
+int sim_failed_calls(const char *function);
+/* Whether this call of `function` is to fail (consumes one of its count). */
+int sim_should_fail(const char *function);
+/* The first statement of a runtime entry point: return `code` when a test asked for it. */
+#define SIM_FAILPOINT(code)                                                                     \
+    do {                                                                                         \
+        if (sim_should_fail(__func__))                                                           \
+            return (code);                                                                       \
+    } while (0)
+
 /* Leak accounting for tests. */
 int sim_live_events(void);
 int sim_live_streams(void);

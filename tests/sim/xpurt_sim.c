@@ -3,7 +3,10 @@
  * Built twice: the full runtime, and with -DSIM_OLD_RUNTIME one without the KL3 additions
  * (IPC handles and the CUDA-compatible cudaPointerGetAttributes), like older runtimes.
  * Error codes: 0 success, XPUERR_INVALID for a bad argument. Device count: SIM_XPU_DEVICES
- * (default 8). */
+ * (default 8). Every xpu_* entry point (and cudaPointerGetAttributes) can be told to fail, see
+ * sim_fail in sim_device.h: allocations with XPUERR_NOMEM, waits with XPUERR_KEXCEPTION (a
+ * kernel fault before the event), the device count with XPUERR_NODEV, others XPUERR_INVALID.
+ * The values are the simulator's own; pdhal relies only on "non-zero is an error". */
 #define _GNU_SOURCE
 #include "sim_device.h"
 
@@ -14,6 +17,9 @@
 #include <time.h>
 
 #define XPUERR_INVALID 1
+#define XPUERR_NODEV 2
+#define XPUERR_NOMEM 3
+#define XPUERR_KEXCEPTION 12
 
 typedef void *XPUStream;
 typedef void *XPUEvent;
@@ -31,16 +37,19 @@ static sim_stream *stream_of(XPUStream s) { return s ? (sim_stream *)s : sim_def
 
 int xpu_device_count(int *count)
 {
+    SIM_FAILPOINT(XPUERR_NODEV);
     *count = device_count();
     return 0;
 }
 int xpu_current_device(int *devid)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     *devid = current_device;
     return 0;
 }
 int xpu_set_device(int devid)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     if (devid < 0 || devid >= device_count())
         return XPUERR_INVALID;
     current_device = devid;
@@ -48,6 +57,7 @@ int xpu_set_device(int devid)
 }
 int xpu_get_runtime_version(uint32_t *major, uint32_t *minor)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     *major = 4;
     *minor = 31;
     return 0;
@@ -55,13 +65,19 @@ int xpu_get_runtime_version(uint32_t *major, uint32_t *minor)
 
 int xpu_malloc(void **ptr, uint64_t size, int kind)
 {
+    SIM_FAILPOINT(XPUERR_NOMEM);
     *ptr = size && kind == 0 ? sim_malloc(size) : NULL;
     return *ptr ? 0 : XPUERR_INVALID;
 }
-int xpu_free(void *ptr) { return sim_free(ptr) == 0 ? 0 : XPUERR_INVALID; }
+int xpu_free(void *ptr)
+{
+    SIM_FAILPOINT(XPUERR_INVALID);
+    return sim_free(ptr) == 0 ? 0 : XPUERR_INVALID;
+}
 
 int xpu_host_alloc(void **ptr, uint64_t size, unsigned int flags)
 {
+    SIM_FAILPOINT(XPUERR_NOMEM);
     if (!size || flags)
         return XPUERR_INVALID;
     /* A header in front lets xpu_host_free refuse memory it did not hand out. */
@@ -75,6 +91,7 @@ int xpu_host_alloc(void **ptr, uint64_t size, unsigned int flags)
 }
 int xpu_host_free(void *ptr)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     uint64_t *raw = (uint64_t *)ptr - 2;
     if (!ptr || raw[0] != 0x5850554841ULL)
         return XPUERR_INVALID;
@@ -87,17 +104,20 @@ int sim_live_host_buffers(void) { return live_host_buffers; }
 
 int xpu_memcpy(void *dst, const void *src, uint64_t size, int kind)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     memcpy(dst, src, size);
     return 0;
 }
 
 int xpu_event_create(XPUEvent *ev)
 {
+    SIM_FAILPOINT(XPUERR_NOMEM);
     *ev = sim_event_new();
     return 0;
 }
 int xpu_event_record(XPUEvent ev, XPUStream stream)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     if (!ev)
         return XPUERR_INVALID;
     sim_event_record(ev, stream_of(stream));
@@ -105,35 +125,41 @@ int xpu_event_record(XPUEvent ev, XPUStream stream)
 }
 int xpu_event_wait(XPUEvent ev)
 {
+    int fault = sim_should_fail(__func__); /* reported once the event is reached */
     if (!ev)
         return XPUERR_INVALID;
     sim_event_wait(ev);
-    return 0;
+    return fault ? XPUERR_KEXCEPTION : 0;
 }
 int xpu_event_destroy(XPUEvent ev)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     sim_event_free(ev);
     return 0;
 }
 int xpu_stream_create(XPUStream *s)
 {
+    SIM_FAILPOINT(XPUERR_NOMEM);
     *s = sim_stream_new();
     return 0;
 }
 int xpu_stream_destroy(XPUStream s)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     sim_stream_free(s);
     return 0;
 }
 int xpu_stream_wait_event(XPUStream s, XPUEvent ev)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     sim_stream_wait_event(stream_of(s), ev);
     return 0;
 }
 int xpu_wait(XPUStream s)
 {
+    int fault = sim_should_fail(__func__); /* reported once the stream is drained */
     sim_stream_sync(stream_of(s));
-    return 0;
+    return fault ? XPUERR_KEXCEPTION : 0;
 }
 
 /* Test-only "kernel": after delay_us, copy n bytes (captured now) from src to dst. */
@@ -150,10 +176,12 @@ typedef struct {
 
 int xpu_ipc_get_memhandle(XPUIpcMemHandle *handle, void *devptr)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     return sim_ipc_handle(devptr, handle->reserved) == 0 ? 0 : XPUERR_INVALID;
 }
 int xpu_ipc_open_memhandle(void **devptr, XPUIpcMemHandle handle, unsigned int flags)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     *devptr = sim_ipc_open(handle.reserved);
     return *devptr ? 0 : XPUERR_INVALID;
 }
@@ -167,6 +195,7 @@ struct cudaPointerAttributes {
 };
 int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr)
 {
+    SIM_FAILPOINT(XPUERR_INVALID);
     memset(attr, 0, sizeof *attr);
     attr->hostPointer = sim_peer_alias(ptr);
     if (attr->hostPointer) {
