@@ -23,6 +23,14 @@
 
 #define PDHAL_MAGIC 0x4745534c41484450ULL /* "PDHALSEG" little-endian */
 #define PDHAL_LAYER_MASK ((UINT64_C(1) << PDHAL_LAYER_BITS) - 1)
+
+/* The header's constants are plain numbers (cffi reads them); tie each to its definition. */
+static_assert(PDHAL_MAX_LAYER == (1 << PDHAL_LAYER_BITS) - 2,
+              "layer L is stored as L + 1 in the low bits, and all ones is never a layer");
+static_assert(PDHAL_RECORD_WORDS == 2 + 3 * PDHAL_MAX_REQUESTS,
+              "a record is count, layer, then (slot, cached, chunk) per request");
+static_assert(PDHAL_QUERY_SLOT == UINT32_MAX, "the per-query slot is no ring slot");
+static_assert(PDHAL_DEFAULT_RING_SLOTS >= 2, "back-pressure needs two slots at least");
 #define PDHAL_WAIT_SLICE_NS (200LL * 1000 * 1000) /* liveness probe at least this often */
 #define PDHAL_BUFFER_HEADER_BYTES 4096            /* buffer payload starts page aligned */
 /* The largest buffer payload: far beyond any KV cache, and small enough that the header
@@ -124,6 +132,9 @@ int pdhal_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3
 
 /* wait.c */
 int64_t pdhal_deadline_slice(int64_t deadline_ns);
+/* What a blocking call returns for a pdhal_wait_change result other than 0 and -ETIMEDOUT
+ * (whose meaning is the caller's): -EINTR, or the futex's error, with the detail set. */
+int pdhal_wait_failed(int rc, const char *path);
 int pdhal_futex_wait(_Atomic uint32_t *word, uint32_t expected, int64_t deadline_ns);
 void pdhal_futex_wake_all(_Atomic uint32_t *word);
 /* Wait for `*word` to move away from `seen`, for at most one slice before `deadline_ns`:

@@ -30,6 +30,7 @@ void pdhal_progress_publish(pdhal_segment *seg, uint32_t slot, uint64_t value)
     _Atomic uint64_t *word = progress_word(seg, slot);
     if (!word)
         return;
+    /* relaxed: only a first guess for the compare-and-swap below, which re-reads it */
     uint64_t cur = atomic_load_explicit(word, memory_order_relaxed);
     /* release: pairs with the acquire loads of readers, so data written before the signal
      * (the layer's KV cache, the ring slot's table) is visible once the value is. A value
@@ -43,7 +44,7 @@ void pdhal_progress_publish(pdhal_segment *seg, uint32_t slot, uint64_t value)
 int pdhal_progress_begin_step(pdhal_segment *seg, uint64_t *step)
 {
     _Atomic uint64_t *word = &seg->hdr->progress;
-    uint64_t cur = atomic_load_explicit(word, memory_order_relaxed);
+    uint64_t cur = atomic_load_explicit(word, memory_order_relaxed); /* first guess, as above */
     uint64_t next;
     /* One compare-and-swap from the word we read: two threads starting steps at once (or a
      * layer landing meanwhile) make the loser retry, so every caller gets a step of its own.
@@ -76,6 +77,7 @@ int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns,
         } while (pdhal_now_ns() < spin_end);
     }
     for (;;) {
+        /* acquire: the progress read next is at least as new as this sequence value */
         uint32_t seen = atomic_load_explicit(&h->seq, memory_order_acquire);
         uint64_t v = pdhal_progress_load(seg);
         if (v > since) {
@@ -92,10 +94,8 @@ int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns,
             return pdhal_fail(ETIMEDOUT, "no progress past step %llu layer %lld on %s",
                               (unsigned long long)(since >> PDHAL_LAYER_BITS),
                               (long long)(since & PDHAL_LAYER_MASK) - 1, seg->path);
-        if (rc == -EINTR)
-            return pdhal_fail(EINTR, "interrupted (a signal, or a wait slice ended)");
         if (rc < 0)
-            return pdhal_fail(-rc, "futex wait on %s failed", seg->path);
+            return pdhal_wait_failed(rc, seg->path);
     }
 }
 

@@ -31,6 +31,7 @@ static int wait_for_reader(pdhal_segment *seg, uint64_t need, int64_t deadline_n
 {
     struct pdhal_segment_header *h = seg->hdr;
     for (;;) {
+        /* acquire: `consumed` read next is at least as new as this sequence value */
         uint32_t seen = atomic_load_explicit(&h->reader_seq, memory_order_acquire);
         if (consumed(seg) >= need)
             return 0;
@@ -57,10 +58,8 @@ static int wait_for_reader(pdhal_segment *seg, uint64_t need, int64_t deadline_n
                               attached > 0 ? "the cache messager is stalled or too slow"
                                            : "no cache messager is attached");
         }
-        if (rc == -EINTR)
-            return pdhal_fail(EINTR, "interrupted (a signal, or a wait slice ended)");
         if (rc < 0)
-            return pdhal_fail(-rc, "futex wait on %s failed", seg->path);
+            return pdhal_wait_failed(rc, seg->path);
     }
 }
 
@@ -105,11 +104,12 @@ static int publish_step(pdhal_segment *seg, const int32_t *table, uint32_t count
     atomic_thread_fence(memory_order_release);
     for (uint32_t i = 0; i < 3 * count; i++)
         atomic_store_explicit(&slot->table[i], table[i], memory_order_relaxed);
-    atomic_store_explicit(&slot->count, count, memory_order_relaxed);
+    atomic_store_explicit(&slot->count, count, memory_order_relaxed); /* under the seqlock */
     atomic_store_explicit(&slot->num_layers, num_layers, memory_order_relaxed);
     /* release: the table is visible before the step is (pairs with acquire in read_slot) */
     atomic_store_explicit(&slot->progress, s << PDHAL_LAYER_BITS, memory_order_release);
-    atomic_store_explicit(&h->latest_step, s, memory_order_release);
+    /* relaxed: latest_step is read only by this process's producer, under publish_lock */
+    atomic_store_explicit(&h->latest_step, s, memory_order_relaxed);
     pdhal_bump_and_wake(&h->seq, &h->waiters);
     *step = s;
     return 0;
@@ -170,6 +170,7 @@ static enum slot_state read_slot(pdhal_segment *seg, int32_t *out, uint32_t capa
         return SLOT_LAPPED;
     if (pstep < seg->cursor_step || (p & PDHAL_LAYER_MASK) <= seg->cursor_layer)
         return SLOT_NOT_YET;
+    /* relaxed: read under the seqlock, validated by the re-check of progress below */
     uint32_t count = atomic_load_explicit(&slot->count, memory_order_relaxed);
     uint32_t num_layers = atomic_load_explicit(&slot->num_layers, memory_order_relaxed);
     if (count > PDHAL_MAX_REQUESTS)
@@ -233,6 +234,7 @@ static int next_record(pdhal_segment *seg, int32_t *out, uint32_t capacity, int6
     if (spin_end > deadline_ns)
         spin_end = deadline_ns;
     for (;;) {
+        /* acquire: the slot read next is at least as new as this sequence value */
         uint32_t seen = atomic_load_explicit(&h->seq, memory_order_acquire);
         *step = seg->cursor_step;
         switch (read_slot(seg, out, capacity)) {
@@ -257,10 +259,8 @@ static int next_record(pdhal_segment *seg, int32_t *out, uint32_t capacity, int6
         if (deadline_ns <= 0 || pdhal_now_ns() >= deadline_ns)
             return 0;
         rc = pdhal_wait_change(&h->seq, &h->waiters, seen, deadline_ns);
-        if (rc == -EINTR)
-            return pdhal_fail(EINTR, "interrupted (a signal, or a wait slice ended)");
-        if (rc < 0 && rc != -ETIMEDOUT)
-            return pdhal_fail(-rc, "futex wait on %s failed", seg->path);
+        if (rc < 0 && rc != -ETIMEDOUT) /* a timeout: loop, see nothing came, return 0 */
+            return pdhal_wait_failed(rc, seg->path);
     }
 }
 

@@ -552,11 +552,17 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, uin
     return 0;
 }
 
-void pdhal_segment_ref(pdhal_segment *seg) { atomic_fetch_add(&seg->refs, 1); }
+/* relaxed: a reference is only ever taken from one already held, so the count cannot reach 0
+ * meanwhile; nothing is published by taking it. */
+void pdhal_segment_ref(pdhal_segment *seg)
+{
+    atomic_fetch_add_explicit(&seg->refs, 1, memory_order_relaxed);
+}
 
 void pdhal_segment_unref(pdhal_segment *seg)
 {
-    if (atomic_fetch_sub(&seg->refs, 1) != 1)
+    /* acq_rel: every use before another holder's release happens before the last one frees */
+    if (atomic_fetch_sub_explicit(&seg->refs, 1, memory_order_acq_rel) != 1)
         return;
     munmap(seg->hdr, seg->map_bytes);
     pthread_mutex_destroy(&seg->publish_lock);

@@ -25,7 +25,7 @@ struct pdhal_sender {
     pthread_cond_t wake;
     struct sender_entry *head, *tail; /* guarded by lock */
     int stopping;                     /* guarded by lock */
-    _Atomic uint64_t pending;
+    _Atomic uint64_t pending;  /* counters for callers to read: relaxed, they order nothing */
     _Atomic uint64_t failures;
     pdhal_event_wait_fn wait;
     pdhal_event_destroy_fn destroy;
@@ -55,13 +55,13 @@ static void *sender_main(void *arg)
         } else {
             /* The device could not confirm the layer: publishing would claim data that may
              * not be there. Count it; destroy reports it. */
-            atomic_fetch_add(&s->failures, 1);
+            atomic_fetch_add_explicit(&s->failures, 1, memory_order_relaxed);
             pdhal_store_free(e->store);
         }
         if (s->destroy && e->event)
             s->destroy(e->event);
         free(e);
-        atomic_fetch_sub(&s->pending, 1);
+        atomic_fetch_sub_explicit(&s->pending, 1, memory_order_relaxed);
     }
 }
 
@@ -107,7 +107,7 @@ int pdhal_sender_post(pdhal_sender *s, void *event, pdhal_store *store)
     e->event = event;
     e->store = store;
     e->next = NULL;
-    atomic_fetch_add(&s->pending, 1);
+    atomic_fetch_add_explicit(&s->pending, 1, memory_order_relaxed);
     pthread_mutex_lock(&s->lock);
     if (s->tail)
         s->tail->next = e;
@@ -138,13 +138,19 @@ int pdhal_sender_destroy(pdhal_sender *s)
     pthread_cond_signal(&s->wake);
     pthread_mutex_unlock(&s->lock);
     pthread_join(s->thread, NULL);
-    int failures = (int)atomic_load(&s->failures);
+    int failures = (int)atomic_load_explicit(&s->failures, memory_order_relaxed); /* joined */
     pthread_mutex_destroy(&s->lock);
     pthread_cond_destroy(&s->wake);
     free(s);
     return failures;
 }
 
-uint64_t pdhal_sender_pending(pdhal_sender *s) { return atomic_load(&s->pending); }
+uint64_t pdhal_sender_pending(pdhal_sender *s)
+{
+    return atomic_load_explicit(&s->pending, memory_order_relaxed);
+}
 
-uint64_t pdhal_sender_failures(pdhal_sender *s) { return atomic_load(&s->failures); }
+uint64_t pdhal_sender_failures(pdhal_sender *s)
+{
+    return atomic_load_explicit(&s->failures, memory_order_relaxed);
+}

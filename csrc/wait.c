@@ -65,8 +65,15 @@ int pdhal_wait_change(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_
         if (rc == -ETIMEDOUT)
             rc = -EINTR;
     }
-    atomic_fetch_sub(waiters, 1);
+    atomic_fetch_sub(waiters, 1); /* seq_cst like the add; only a hint for writers */
     return rc;
+}
+
+int pdhal_wait_failed(int rc, const char *path)
+{
+    if (rc == -EINTR)
+        return pdhal_fail(EINTR, "interrupted (a signal, or a wait slice ended)");
+    return pdhal_fail(-rc, "futex wait on %s failed", path);
 }
 
 void pdhal_bump_and_wake(_Atomic uint32_t *word, _Atomic uint32_t *waiters)

@@ -48,6 +48,7 @@ typedef struct pdhal_sender pdhal_sender;
 typedef int (*pdhal_event_wait_fn)(void *event);
 typedef int (*pdhal_event_destroy_fn)(void *event); /* result ignored */
 
+/* PDHAL_ABI_VERSION of the compiled core: a caller built against another header refuses it. */
 int pdhal_abi_version(void);
 /* Detail of the last failure on this thread (never NULL). */
 const char *pdhal_last_error(void);
@@ -81,9 +82,12 @@ int pdhal_segment_producer_alive(pdhal_segment *seg);
 /* 1 while a reader is attached (per chunk: the single reader; per query: any reader), 0
  * otherwise, or -errno. */
 int pdhal_segment_reader_attached(pdhal_segment *seg);
+/* Pid of the process that created the segment (as its header says; for messages only). */
 int32_t pdhal_segment_creator_pid(pdhal_segment *seg);
+/* Steps in the ring of a PDHAL_KIND_CHUNK segment (as validated at open), else 0. */
 uint32_t pdhal_segment_ring_slots(pdhal_segment *seg);
-/* Payload of a PDHAL_KIND_BUFFER segment (page aligned) and its size. */
+/* Payload of a PDHAL_KIND_BUFFER segment (page aligned; NULL for other kinds), valid while
+ * the handle is, and its size in bytes (as validated at open). */
 void *pdhal_segment_body(pdhal_segment *seg);
 uint64_t pdhal_segment_body_bytes(pdhal_segment *seg);
 /* Unlink `path` if it is one of our pdhal segments whose producer is dead: 1 removed, 0 left
@@ -92,6 +96,7 @@ uint64_t pdhal_segment_body_bytes(pdhal_segment *seg);
 int pdhal_segment_reclaim(const char *path);
 
 /* ---- per-query progress (progress.c) ---- */
+/* The per-query progress word now (acquire: what was written before it is visible). */
 uint64_t pdhal_progress_load(pdhal_segment *seg);
 /* Start step+1 with no layer (one atomic compare-and-swap, so threads starting steps at once
  * each get their own); returns the new step in *step. */
@@ -142,11 +147,13 @@ void pdhal_store_run(void *store);
 void pdhal_store_free(pdhal_store *store);
 
 /* ---- async sender (sender.c) ---- */
-/* One long-lived thread; `wait` may be NULL (no device event: store in queue order). */
+/* Start a sender: one long-lived thread, with every signal blocked, until destroy. `wait`
+ * may be NULL (no device events: stores run in queue order). 0 with *out set, or -errno. */
 int pdhal_sender_create(pdhal_event_wait_fn wait, pdhal_event_destroy_fn destroy,
                         pdhal_sender **out);
 /* Queue (event, store): the thread waits for the event, runs the store, destroys the event.
- * Takes ownership of both, also on failure. */
+ * Takes ownership of both, also on failure. Safe from several threads, but not concurrently
+ * with pdhal_sender_destroy; -ECHILD in a forked child (the thread is the parent's). */
 int pdhal_sender_post(pdhal_sender *sender, void *event, pdhal_store *store);
 /* Deliver everything queued, join the thread, free. Returns the number of stores dropped
  * because their event wait failed (0 in a healthy run), or -errno. */
