@@ -25,8 +25,10 @@ struct pdhal_sender {
     pthread_cond_t wake;
     struct sender_entry *head, *tail; /* guarded by lock */
     int stopping;                     /* guarded by lock */
-    _Atomic uint64_t pending;  /* counters for callers to read: relaxed, they order nothing */
-    _Atomic uint64_t failures;
+    /* release on the thread's decrement, acquire on reading it: a caller that sees pending
+     * reach 0 also sees everything the thread did for those entries (stores, event frees) */
+    _Atomic uint64_t pending;
+    _Atomic uint64_t failures; /* a statistic: relaxed */
     pdhal_event_wait_fn wait;
     pdhal_event_destroy_fn destroy;
     pthread_t thread;
@@ -61,7 +63,7 @@ static void *sender_main(void *arg)
         if (s->destroy && e->event)
             s->destroy(e->event);
         free(e);
-        atomic_fetch_sub_explicit(&s->pending, 1, memory_order_relaxed);
+        atomic_fetch_sub_explicit(&s->pending, 1, memory_order_release);
     }
 }
 
@@ -147,7 +149,7 @@ int pdhal_sender_destroy(pdhal_sender *s)
 
 uint64_t pdhal_sender_pending(pdhal_sender *s)
 {
-    return atomic_load_explicit(&s->pending, memory_order_relaxed);
+    return atomic_load_explicit(&s->pending, memory_order_acquire);
 }
 
 uint64_t pdhal_sender_failures(pdhal_sender *s)
