@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BACKENDS := $(wildcard backends/*/pyproject.toml)
 STAMP := $(VENV)/.pdhal-installed
 
-.PHONY: test demo bench stress sanitize clean ibverbs
+.PHONY: test demo bench stress sanitize clean ibverbs fuzz fuzz-ci
 
 $(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py $(BACKENDS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,3 +77,33 @@ mutate-ci: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build pdhal/*.so
+
+# ---- fuzzing (tests/fuzz) --------------------------------------------------------------------
+# libFuzzer + ASan + UBSan over the segment validator and the per-chunk record decoder, built
+# from csrc/ directly (tests/fuzz/fuzz_segment.c says what it covers). `make fuzz-ci`: 30 s per
+# harness mode (validate, hostile); `make fuzz`: FUZZ_SECONDS with both modes mixed. A crash,
+# leak, UB report or hang fails the target and leaves its input in tests/fuzz/build/.
+FUZZ_SECONDS ?= 300
+FUZZ_CI_SECONDS ?= 30
+FUZZ_CC ?= clang
+FUZZ_BUILD := tests/fuzz/build
+FUZZ_BIN := $(FUZZ_BUILD)/fuzz_segment
+FUZZ_SRCS := $(addprefix csrc/,errors.c wait.c segment.c progress.c ring.c sender.c)
+FUZZ_CFLAGS := -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+	-I pdhal/include -I csrc
+
+.PHONY: fuzz-toolchain
+fuzz-toolchain:
+	@FUZZ_CC=$(FUZZ_CC) sh tests/fuzz/ensure_clang.sh
+
+$(FUZZ_BIN): tests/fuzz/fuzz_segment.c $(FUZZ_SRCS) csrc/internal.h pdhal/include/pdhal.h \
+		| fuzz-toolchain
+	mkdir -p $(FUZZ_BUILD)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ tests/fuzz/fuzz_segment.c $(FUZZ_SRCS) -lpthread
+
+fuzz-ci: $(FUZZ_BIN)
+	sh tests/fuzz/run.sh $(FUZZ_BIN) validate $(FUZZ_CI_SECONDS)
+	sh tests/fuzz/run.sh $(FUZZ_BIN) hostile $(FUZZ_CI_SECONDS)
+
+fuzz: $(FUZZ_BIN)
+	sh tests/fuzz/run.sh $(FUZZ_BIN) any $(FUZZ_SECONDS)
