@@ -51,14 +51,13 @@ def build_baseline() -> str:
 def run(style: str, sim, baseline) -> tuple[list[float], float, float]:
     import numpy as np
 
-    from pdhal import _core, _signals, ops
-    from pdhal_xpu import _backend
+    from pdhal import _core, _registry, _signals, ops
 
     meta = ops.open_shm_and_get_meta_signal(0, 0)
     reader = subprocess.Popen([sys.executable, "-c", READER, str(LAYERS)],
                               stdout=subprocess.PIPE, text=True)
     assert reader.stdout.readline().strip() == "ready"
-    rt = _backend._runtime
+    rt = _registry.selection().candidate.backend.runtime
     finished = np.zeros(LAYERS, dtype=np.uint64)
     stream = sim.ffi.new("void **")
     sim.lib.xpu_stream_create(stream)

@@ -1,19 +1,20 @@
-"""The backend interface every pdhal plugin implements."""
+"""The backend interface every pdhal plugin implements, and the check of what it declares."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from pdhal._errors import BackendLoadError
 from pdhal._platform import Platform
 
-#: Ops a backend must provide; the device-independent ones come from pdhal itself.
+#: The ops a backend implements: the device-specific part of pdhal.ops. Everything else in
+#: pdhal.ops (channels, readers, tables, destroying a sender) is pdhal's own, the same on
+#: every device.
 BACKEND_OPS = (
     "signal_layer_ready",
     "create_kv_signal_sender",
-    "destroy_kv_signal_sender",
     "host_alloc",
     "host_free",
     "get_peer_mem_addr",
@@ -51,14 +52,9 @@ class Backend:
         raise NotImplementedError
 
     def ops(self) -> dict[str, Callable]:
-        """The backend's implementations of BACKEND_OPS (valid after load()): by default the
-        functions of those names in the module defining this class (or, for a subclass
-        living elsewhere, the nearest base class's module that has them all)."""
-        for cls in type(self).__mro__:
-            module = sys.modules[cls.__module__]
-            if all(callable(getattr(module, name, None)) for name in BACKEND_OPS):
-                return {name: getattr(module, name) for name in BACKEND_OPS}
-        return {}
+        """The backend's implementation of each op in BACKEND_OPS, by name (valid after
+        load()). pdhal.ops binds these very objects: no dispatch on the per-layer path."""
+        raise NotImplementedError
 
     def info(self) -> dict[str, object]:
         """Runtime facts for `pdhal info` (library path, versions, ...)."""
@@ -67,3 +63,25 @@ class Backend:
     def test_support(self):
         """The pdhal.testing.TestSupport the conformance kit uses (None: not supported)."""
         return None
+
+
+def check_ops(table: object, who: str) -> dict[str, Callable]:
+    """`table` if it maps every name of BACKEND_OPS, and nothing else, to a callable; else a
+    BackendLoadError naming exactly what is missing, not callable or unknown."""
+    if not isinstance(table, dict):
+        raise BackendLoadError(f"{who}: ops() returned {type(table).__name__}, expected a dict "
+                               f"of op name -> callable")
+    missing = [name for name in BACKEND_OPS if name not in table]
+    broken = [name for name in BACKEND_OPS if name in table and not callable(table[name])]
+    unknown = sorted(set(table) - set(BACKEND_OPS))
+    problems = []
+    if missing:
+        problems.append(f"does not implement {', '.join(missing)}")
+    if broken:
+        problems.append(f"gives non-callables for {', '.join(broken)}")
+    if unknown:
+        problems.append(f"offers ops pdhal does not know: {', '.join(unknown)} (backend ops "
+                        f"are {', '.join(BACKEND_OPS)})")
+    if problems:
+        raise BackendLoadError(f"{who} " + "; ".join(problems))
+    return table

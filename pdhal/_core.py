@@ -304,10 +304,14 @@ class Sender:
             ptr = self._ptr
             if ptr is None:
                 lib.pdhal_store_free(store)
-                if event is not None and self._destroy_event != ffi.NULL:
-                    self._destroy_event(_event(event))
+                self.discard(event)
                 raise ClosedHandleError("the KV signal sender was destroyed")
             check(lib.pdhal_sender_post(ptr, _event(event), store), "posting a layer signal")
+
+    def discard(self, event) -> None:
+        """Destroy a device event that will never be posted (what post does on failure)."""
+        if event is not None and self._destroy_event != ffi.NULL:
+            self._destroy_event(_event(event))
 
     @property
     def pending(self) -> int:

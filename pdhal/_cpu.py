@@ -3,10 +3,7 @@
 Work submitted "to a stream" on the CPU is already done when the call returns, so a layer
 signal is stored at once (or, with a sender, as soon as the sender thread reaches it). Host
 memory is a pdhal shared-memory segment, locked in RAM when RLIMIT_MEMLOCK allows, which is
-also what makes it shareable with set_data_ipc.
-
-The module-level functions named in BACKEND_OPS (destroy_kv_signal_sender imported) are
-the backend's ops (Backend.ops).
+also what makes it shareable with set_data_ipc. CpuBackend.ops() names the functions below.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from pdhal._errors import InvalidArgumentError, InvalidTypeError, UnsupportedErr
 from pdhal._hookspecs import hookimpl
 from pdhal._hostmem import HostBuffer
 from pdhal._platform import Platform
-from pdhal._sender import KVSignalSender, destroy_kv_signal_sender, require_signal
+from pdhal._sender import KVSignalSender, require_signal
 from pdhal._tensors import is_paddle_tensor, memory_ref
 
 
@@ -218,6 +215,12 @@ class CpuBackend(Backend):
     def platform(self) -> Platform:
         return CpuPlatform()
 
+    def ops(self) -> dict:
+        return {"signal_layer_ready": signal_layer_ready,
+                "create_kv_signal_sender": create_kv_signal_sender,
+                "host_alloc": host_alloc, "host_free": host_free,
+                "get_peer_mem_addr": get_peer_mem_addr, "set_data_ipc": set_data_ipc,
+                "share_external_data": share_external_data}
 
     def info(self) -> dict[str, object]:
         return {"runtime": "none (host memory and threads)"}

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import ClassVar
 
 from pdhal._errors import InvalidArgumentError
 
-DeviceId = int | str  # an index, or a "GPU-<uuid>" / "MIG-<uuid>" entry
+DeviceId = int | str  # an index, or a platform-specific name (e.g. a CUDA "GPU-<uuid>")
 
 
-def parse_visible_devices(value: str | None, var: str) -> list[DeviceId] | None:
+def parse_visible_devices(value: str | None, var: str,
+                          named: Callable[[str], bool] = lambda entry: False
+                          ) -> list[DeviceId] | None:
     """Parse a *_VISIBLE_DEVICES list: None when unset (all devices visible).
 
-    Entries are non-negative integers or GPU-/MIG- UUIDs; anything else is an error, where
-    vendor runtimes would silently drop the rest of the list.
+    Entries are non-negative integers, or names that `named` accepts (the platform's own
+    syntax); anything else is an error, where vendor runtimes would silently drop the rest
+    of the list.
     """
     if value is None:
         return None
@@ -25,12 +29,11 @@ def parse_visible_devices(value: str | None, var: str) -> list[DeviceId] | None:
             return []
         if entry.isdigit():
             entries.append(int(entry))
-        elif entry.startswith(("GPU-", "MIG-")) and len(entry) > 4:
+        elif named(entry):
             entries.append(entry)
         else:
-            raise InvalidArgumentError(
-                f"{var}={value!r}: entry {entry!r} is neither a device index nor a GPU-/MIG- "
-                f"UUID")
+            raise InvalidArgumentError(f"{var}={value!r}: entry {entry!r} is neither a device "
+                                       f"index nor a device name of this platform")
     if len(set(entries)) != len(entries):
         raise InvalidArgumentError(f"{var}={value!r} lists a device twice")
     return entries
@@ -53,11 +56,16 @@ class Platform:
         """What this platform offers (e.g. host functions, IPC, pinned memory)."""
         return {}
 
+    def is_device_name(self, entry: str) -> bool:
+        """Whether a visibility-list entry that is not an index names a device (override for
+        a platform with device names, as CUDA's GPU-/MIG- UUIDs)."""
+        return False
+
     def visible_devices(self, env: dict[str, str] | None = None) -> list[DeviceId] | None:
         """The parsed visibility list of `env` (default os.environ); None if unrestricted."""
         env = os.environ if env is None else env
         var = self.device_control_env_var
-        return parse_visible_devices(env.get(var), var)
+        return parse_visible_devices(env.get(var), var, self.is_device_name)
 
     def physical_device_id(self, local_rank: int) -> DeviceId:
         """The physical device (index or UUID) that local device `local_rank` is."""

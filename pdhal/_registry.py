@@ -17,7 +17,7 @@ from importlib import metadata
 import pluggy
 
 from pdhal import _hookspecs
-from pdhal._backend import BACKEND_OPS, Availability, Backend
+from pdhal._backend import Availability, Backend, check_ops
 from pdhal._errors import (
     BackendLoadError,
     BackendNotFoundError,
@@ -25,6 +25,8 @@ from pdhal._errors import (
     PdhalError,
 )
 from pdhal._platform import Platform
+from pdhal import _signals
+from pdhal._sender import destroy_kv_signal_sender
 
 log = logging.getLogger("pdhal")
 
@@ -176,25 +178,27 @@ def _choose() -> tuple[Candidate, str, list[Candidate]]:
     return cand, reason, candidates
 
 
-def _resolve() -> Selection:
-    from pdhal import _signals
+#: The ops that are pdhal's own, the same on every backend (see BACKEND_OPS for the rest).
+COMMON_OPS = {
+    **_signals.COMMON_OPS,
+    "destroy_kv_signal_sender": destroy_kv_signal_sender,
+}
 
+
+def _resolve() -> Selection:
     cand, reason, candidates = _choose()
     backend = cand.backend
     try:
         backend.load()
         platform = backend.platform()
-        backend_ops = backend.ops()
+        backend_ops = check_ops(backend.ops(), cand.describe())
     except PdhalError:
         raise
     except Exception as e:
         raise BackendLoadError(f"{cand.describe()} failed to load its runtime: "
                                f"{type(e).__name__}: {e}") from e
-    missing = [op for op in BACKEND_OPS if not callable(backend_ops.get(op))]
-    if missing:
-        raise BackendLoadError(f"{cand.describe()} does not implement {', '.join(missing)}")
-    table = dict(_signals.COMMON_OPS)
-    table.update({op: backend_ops[op] for op in BACKEND_OPS})
+    table = dict(COMMON_OPS)
+    table.update(backend_ops)
     table["cuda_host_alloc"] = table["host_alloc"]
     table["cuda_host_free"] = table["host_free"]
     return Selection(cand, reason, table, platform, candidates)

@@ -21,8 +21,16 @@ class RuntimeLibrary:
     #: Words for messages, e.g. "XPU runtime".
     title: ClassVar[str] = "runtime"
 
-    def __init__(self, path: str, found_by: str):
-        """dlopen `path`; OSError (with the loader's reason) when it cannot be loaded."""
+    @classmethod
+    def find_library(cls) -> tuple[str, str]:
+        """(path or soname to dlopen, how it was found): override per runtime."""
+        raise NotImplementedError
+
+    def __init__(self, path: str | None = None, found_by: str = ""):
+        """dlopen `path` (default: where find_library() points); OSError, with the loader's
+        reason, when it cannot be loaded."""
+        if path is None:
+            path, found_by = self.find_library()
         self.path = path
         self.found_by = found_by
         self.ffi = FFI()

@@ -39,8 +39,13 @@ class KVSignalSender:
         """Queue `signal` to be stored once `event` (a device event handle, or None) fires.
 
         The sender owns `event` from here on, also if posting fails."""
-        store = signal.new_store()
+        try:
+            store = signal.new_store()
+        except BaseException:
+            self._sender.discard(event)
+            raise
         if store is None:
+            self._sender.discard(event)
             raise InvalidTypeError("post() needs a signal that publishes something; skip no-op "
                                    "signals (steps without prefill requests) before recording")
         self._sender.post(event, store)

@@ -151,8 +151,7 @@ def test_a_failed_event_wait_publishes_nothing_later_signals_flow_and_close_repo
 
 def test_a_failed_event_wait_on_the_default_xpu_sender_is_reported_when_it_closes(
         xpu, namespace):
-    from pdhal_xpu import _backend
-
+    default_sender = _registry.selection().candidate.backend.default_sender
     sim = xpu.sim
     stream = sim.stream()
     meta = ops.open_shm_and_get_meta_signal(0, 0)
@@ -161,12 +160,12 @@ def test_a_failed_event_wait_on_the_default_xpu_sender_is_reported_when_it_close
         assert reader.wait((1, -1), timeout=10) == (1, 0)
         sim.fail("xpu_event_wait", 1)
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, 1), stream)
-        drain(_backend._default_sender.get())
+        drain(default_sender.get())
         assert reader.current() == (1, 0)
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, 2), stream)
         assert reader.wait((1, 0), timeout=10) == (1, 2)
     with pytest.raises(pdhal.DeviceError, match=r"^1 layer signal\(s\) were not delivered"):
-        _backend._default_sender.close()
+        default_sender.close()
     assert no_channel_left_mapped(namespace)
 
 

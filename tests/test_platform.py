@@ -13,10 +13,23 @@ def test_parse_visible_devices():
     assert parse_visible_devices(None, "V") is None
     assert parse_visible_devices("", "V") == []
     assert parse_visible_devices("4, 5,6", "V") == [4, 5, 6]
-    assert parse_visible_devices("GPU-8f2a,MIG-1c3d", "V") == ["GPU-8f2a", "MIG-1c3d"]
-    for bad in ("1,x", "1,,2", "-1", "GPU-", "2,2"):
+    named = lambda entry: entry.startswith("GPU-")  # a platform's own device names  # noqa: E731
+    assert parse_visible_devices("GPU-8f2a,3", "V", named) == ["GPU-8f2a", 3]
+    for bad in ("1,x", "1,,2", "-1", "GPU-8f2a", "2,2"):
         with pytest.raises(pdhal.InvalidArgumentError, match="V="):
             parse_visible_devices(bad, "V")
+
+
+def test_cuda_device_names_are_the_cuda_platform_s_own():
+    """GPU-/MIG- UUIDs are CUDA syntax: the cuda platform accepts them, the core does not."""
+    from pdhal_cuda._backend import CudaPlatform
+
+    platform = CudaPlatform(runtime=None)
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-aa,MIG-bb,2"}
+    assert platform.visible_devices(env) == ["GPU-aa", "MIG-bb", 2]
+    assert platform.child_env(["MIG-bb"], base=env)["CUDA_VISIBLE_DEVICES"] == "MIG-bb"
+    with pytest.raises(pdhal.InvalidArgumentError, match="neither a device index"):
+        platform.visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-"})
 
 
 def test_physical_device_id_follows_the_visibility_list(monkeypatch):
@@ -45,10 +58,10 @@ def test_child_on_device_5_of_4567_gets_a_valid_device(monkeypatch):
     assert proc.stdout.strip() == "5"
 
 
-def test_child_env_with_uuids_and_invisible_devices(monkeypatch):
-    monkeypatch.setenv("PDHAL_CPU_VISIBLE_DEVICES", "GPU-aa,GPU-bb")
+def test_child_env_and_invisible_devices(monkeypatch):
+    monkeypatch.setenv("PDHAL_CPU_VISIBLE_DEVICES", "4,6")
     platform = pdhal.current_platform()
-    assert platform.child_env(["GPU-bb"])["PDHAL_CPU_VISIBLE_DEVICES"] == "GPU-bb"
+    assert platform.child_env([6])["PDHAL_CPU_VISIBLE_DEVICES"] == "6"
     with pytest.raises(pdhal.InvalidArgumentError, match="not visible to this process"):
         platform.child_env([3])
     with pytest.raises(pdhal.InvalidArgumentError, match="at least one"):

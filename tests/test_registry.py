@@ -25,7 +25,8 @@ def plugin_env(tmp_path_factory):
                         "--no-build-isolation", "--target", str(target),
                         os.path.join(PLUGINS, name)], check=True)
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(target)
+    # prepended: a run against a scratch copy of pdhal (make mutate) keeps its own on the path
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
     return env
 
 
@@ -103,3 +104,21 @@ def test_import_is_light():
     heavy = {m for m in modules if m.split(".")[0] in ("paddle", "numpy", "torch", "cupy")
              or ("cuda" in m or "xpu" in m) and not m.startswith("__editable__")}
     assert not heavy, heavy
+
+
+def test_a_backend_missing_ops_is_told_exactly_which():
+    from pdhal._backend import check_ops
+    from pdhal.plugin import reference_ops
+
+    table = reference_ops()
+    del table["host_free"], table["set_data_ipc"]
+    table["host_fre"] = print
+    table["get_peer_mem_addr"] = 42
+    with pytest.raises(pdhal.BackendLoadError) as info:
+        check_ops(table, "backend 'x'")
+    message = str(info.value)
+    assert "backend 'x' does not implement host_free, set_data_ipc" in message
+    assert "gives non-callables for get_peer_mem_addr" in message
+    assert "offers ops pdhal does not know: host_fre" in message
+    with pytest.raises(pdhal.BackendLoadError, match="returned list, expected a dict"):
+        check_ops([], "backend 'x'")

@@ -300,9 +300,10 @@ def test_spinning_readers_get_every_record_once_in_order():
 
 
 def test_ops_are_the_backends_own_functions():
-    from pdhal import _cpu, _signals
+    from pdhal import _cpu, _registry, _signals
 
     assert ops.signal_layer_ready is _cpu.signal_layer_ready
+    assert ops.host_free is _registry.selection().candidate.backend.ops()["host_free"]
     assert ops.init_signal_layerwise is _signals.init_signal_layerwise
     assert ops.cuda_host_alloc is ops.host_alloc
 

@@ -38,23 +38,6 @@ CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 MEMORY_TYPES = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}
 
 
-def find_library() -> tuple[str, str]:
-    """(path or soname, how it was found): PDHAL_CUDART, then the nvidia-cuda-runtime wheel,
-    then libcudart.so.13 / .12 through the system loader."""
-    explicit = os.environ.get("PDHAL_CUDART")
-    if explicit:
-        return explicit, "PDHAL_CUDART"
-    spec = importlib.util.find_spec("nvidia")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        found = sorted(glob.glob(os.path.join(folder, "cuda_runtime", "lib", "libcudart.so.*")))
-        if found:
-            return found[-1], "nvidia-cuda-runtime wheel"
-    for soname in ("libcudart.so.13", "libcudart.so.12"):
-        if _loadable(soname):
-            return soname, "system loader"
-    return "libcudart.so.12", "system loader"
-
-
 def _loadable(soname: str) -> bool:
     import ctypes
 
@@ -72,8 +55,25 @@ class CudaRuntime(RuntimeLibrary):
     cdef = CDEF
     title = "CUDA runtime"
 
+    @classmethod
+    def find_library(cls) -> tuple[str, str]:
+        """(path or soname, how it was found): PDHAL_CUDART, then the nvidia-cuda-runtime wheel,
+        then libcudart.so.13 / .12 through the system loader."""
+        explicit = os.environ.get("PDHAL_CUDART")
+        if explicit:
+            return explicit, "PDHAL_CUDART"
+        spec = importlib.util.find_spec("nvidia")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            found = sorted(glob.glob(os.path.join(folder, "cuda_runtime", "lib", "libcudart.so.*")))
+            if found:
+                return found[-1], "nvidia-cuda-runtime wheel"
+        for soname in ("libcudart.so.13", "libcudart.so.12"):
+            if _loadable(soname):
+                return soname, "system loader"
+        return "libcudart.so.12", "system loader"
+
     def __init__(self):
-        super().__init__(*find_library())
+        super().__init__()
         self._driver = None
 
     def error_text(self, rc: int) -> str:

@@ -1,8 +1,6 @@
 """The `xpu` backend: layer signals through the async sender, peer aliases, XPU memory.
-
-The module-level functions named in BACKEND_OPS (destroy_kv_signal_sender imported) are
-the backend's ops (Backend.ops).
-"""
+Everything an XPU runtime shares with other runtimes (binding, host memory, events and the
+sender) comes from pdhal.plugin.RuntimeBackend."""
 
 from __future__ import annotations
 
@@ -10,22 +8,16 @@ import sys
 
 from pdhal import InvalidArgumentError, InvalidTypeError
 from pdhal.plugin import (
-    Availability,
-    Backend,
-    HostBuffer,
-    KVSignalSender,
     Platform,
     ProcessSender,
+    RuntimeBackend,
     SharedDeviceBuffer,
-    destroy_kv_signal_sender,
     memory_ref,
     publish_shared,
     request_shared,
     require_signal,
-    validate_index,
 )
-
-_runtime = None  # the XpuRuntime, bound when the backend is first asked about availability
+from pdhal_xpu._runtime import XpuRuntime
 
 
 class XpuPlatform(Platform):
@@ -33,12 +25,15 @@ class XpuPlatform(Platform):
     #: Kunlunxin's visibility variable (ids or nothing else).
     device_control_env_var = "XPU_VISIBLE_DEVICES"
 
+    def __init__(self, runtime: XpuRuntime):
+        self.runtime = runtime
+
     def device_count(self) -> int:
-        return _runtime.device_count()
+        return self.runtime.device_count()
 
     @property
     def capabilities(self) -> dict[str, object]:
-        rt = _runtime
+        rt = self.runtime
         return {
             "host_function": False,
             "async_sender": True,
@@ -49,159 +44,97 @@ class XpuPlatform(Platform):
         }
 
 
-# ---- streams and signals -------------------------------------------------------------
-
-def stream_handle(stream) -> int:
-    """The XPUStream address of `stream`: an int handle, an object exposing `xpu_stream` or
-    `raw_stream`, or None for Paddle's current XPU stream (if Paddle is already imported and
-    built for XPU), else the default stream (0)."""
-    if stream is None:
-        paddle = sys.modules.get("paddle")
-        if paddle is not None and paddle.is_compiled_with_xpu():
-            current = paddle.device.current_stream()
-            stream = getattr(current, "stream_base", current)
-        else:
-            return 0
-    if isinstance(stream, int) and not isinstance(stream, bool):
-        if stream < 0:
-            raise InvalidArgumentError(f"stream handle must be >= 0, got {stream}")
-        return stream
-    for attr in ("xpu_stream", "raw_stream"):
-        if hasattr(stream, attr):
-            return int(getattr(stream, attr))
-    raise InvalidTypeError(f"stream must be an int XPUStream handle or expose xpu_stream / "
-                           f"raw_stream, got {type(stream).__name__}")
-
-
-def create_kv_signal_sender() -> KVSignalSender:
-    """A long-lived sender thread that waits on XPU events with xpu_event_wait."""
-    rt = _runtime
-    return KVSignalSender(rt.address(rt.lib.xpu_event_wait),
-                          rt.address(rt.lib.xpu_event_destroy), backend="xpu")
-
-
-_default_sender = ProcessSender(create_kv_signal_sender)
-
-
-def signal_layer_ready(signal, stream=None, sender: KVSignalSender | None = None) -> None:
-    """Record an event on `stream` after the layer's work; the sender thread stores the
-    signal once the event fires (the process's default sender if none is given)."""
-    require_signal(signal)
-    if signal.segment is None:
-        return
-    if sender is None:
-        sender = _default_sender.get()
-    elif not isinstance(sender, KVSignalSender) or sender.backend != "xpu":
-        raise InvalidArgumentError(f"sender must come from the xpu backend's "
-                                   f"create_kv_signal_sender, got {sender!r}")
-    rt = _runtime
-    event = rt.ffi.new("XPUEvent *")
-    rt.check(rt.lib.xpu_event_create(event), "xpu_event_create")
-    rc = rt.lib.xpu_event_record(event[0], rt.pointer(stream_handle(stream)))
-    if rc != 0:
-        rt.lib.xpu_event_destroy(event[0])
-        rt.check(rc, "xpu_event_record")
-    sender.post(rt.address(event[0]), signal)
-
-
-# ---- memory --------------------------------------------------------------------------
-
-class XpuHostBuffer(HostBuffer):
-    """Pinned host memory from xpu_host_alloc, returned with xpu_host_free."""
-
-    def _release(self) -> None:
-        rt = _runtime
-        rt.check(rt.lib.xpu_host_free(rt.pointer(self._address)), "xpu_host_free")
-
-
-def host_alloc(nbytes: int) -> XpuHostBuffer:
-    """Pinned host memory from the XPU runtime."""
-    nbytes = validate_index(nbytes, "nbytes", 1 << 46)
-    if nbytes == 0:
-        raise InvalidArgumentError("nbytes must be at least 1")
-    rt = _runtime
-    ptr = rt.ffi.new("void **")
-    rt.check(rt.lib.xpu_host_alloc(ptr, nbytes, 0), f"xpu_host_alloc({nbytes})")
-    return XpuHostBuffer(rt.address(ptr[0]), nbytes, pinned=True)
-
-
-def host_free(buf: HostBuffer) -> None:
-    """Free memory from host_alloc, through the runtime that allocated it."""
-    if not isinstance(buf, XpuHostBuffer):
-        raise InvalidTypeError(f"host_free needs a buffer from the xpu backend's host_alloc, "
-                               f"got {type(buf).__name__}")
-    buf.close()
-
-
-def get_peer_mem_addr(ptr_or_tensor) -> int:
-    """The peer alias of XPU device memory that an RDMA NIC can register
-    (cudaPointerGetAttributes' hostPointer)."""
-    ref = memory_ref(ptr_or_tensor, "ptr_or_tensor")
-    rt = _runtime
-    get_attributes = rt.optional("cudaPointerGetAttributes")
-    attrs = rt.ffi.new("struct cudaPointerAttributes *")
-    rt.check(get_attributes(attrs, rt.pointer(ref.address)), "cudaPointerGetAttributes")
-    if attrs.hostPointer == rt.ffi.NULL:
-        raise InvalidArgumentError(
-            f"memory at {ref.address:#x} has no peer address: the XPU runtime does not know it "
-            f"as device memory, so a NIC cannot register it")
-    return rt.address(attrs.hostPointer)
-
-
-def set_data_ipc(tensor, name: str) -> None:
-    """Share XPU device memory under `name` through an XPU IPC handle."""
-    ref = memory_ref(tensor, "tensor")
-    if ref.nbytes is None:
-        raise InvalidTypeError("set_data_ipc needs a tensor or array, not a raw address")
-    rt = _runtime
-    get_handle = rt.optional("xpu_ipc_get_memhandle")
-    handle = rt.ffi.new("XPUIpcMemHandle *")
-    rt.check(get_handle(handle, rt.pointer(ref.address)), "xpu_ipc_get_memhandle")
-    publish_shared(name, {"handle": bytes(rt.ffi.buffer(handle)).hex(), "nbytes": ref.nbytes})
-
-
-def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
-    """Map the XPU memory shared as `name`; returns a SharedDeviceBuffer of `like`'s dtype."""
-    record, shape, dtype, need = request_shared(like, name, shape, timeout)
-    rt = _runtime
-    open_handle = rt.optional("xpu_ipc_open_memhandle")
-    handle = rt.ffi.new("XPUIpcMemHandle *")
-    rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
-    ptr = rt.ffi.new("void **")
-    rt.check(open_handle(ptr, handle[0], 0), "xpu_ipc_open_memhandle")
-    return SharedDeviceBuffer(rt.address(ptr[0]), shape, dtype, need)
-
-
-class XpuBackend(Backend):
+class XpuBackend(RuntimeBackend):
     name = "xpu"
     priority = 100
+    runtime_class = XpuRuntime
+    host_alloc_symbol, host_free_symbol = "xpu_host_alloc", "xpu_host_free"
+    event_create_symbol, event_record_symbol = "xpu_event_create", "xpu_event_record"
+    event_wait_symbol, event_destroy_symbol = "xpu_event_wait", "xpu_event_destroy"
+    stream_attributes = ("xpu_stream", "raw_stream")
+    device_word = "XPU device"
 
-    def availability(self) -> Availability:
-        from pdhal_xpu._runtime import XpuRuntime, find_library
+    def __init__(self):
+        super().__init__()
+        #: The sender a signal goes through when the engine passes none (XPU has no host
+        #: functions): one per process, created on first use, flushed at exit.
+        self.default_sender = ProcessSender(self.create_kv_signal_sender)
 
-        global _runtime
-        if _runtime is None or _runtime.path != find_library()[0]:
-            _runtime = None
-            try:
-                _runtime = XpuRuntime()
-            except OSError as e:
-                return Availability(False, f"XPU runtime not loadable: {e}")
+    def device_count_now(self) -> tuple[int, str]:
         try:
-            count = _runtime.device_count()
-        except Exception as e:
-            return Availability(False, f"xpu_device_count failed: {e}")
-        if count == 0:
-            return Availability(False, f"no XPU device ({_runtime.path})")
-        return Availability(True, f"{count} XPU device(s)")
+            return self.runtime.device_count(), ""
+        except Exception as e:  # detection says "no" with the reason, never raises
+            return 0, str(e)
 
     def platform(self) -> Platform:
-        return XpuPlatform()
+        return XpuPlatform(self.runtime)
 
-
-    def info(self) -> dict[str, object]:
-        return {} if _runtime is None else _runtime.describe()
+    def ops(self) -> dict:
+        return {"signal_layer_ready": self.signal_layer_ready,
+                "create_kv_signal_sender": self.create_kv_signal_sender,
+                "host_alloc": self.host_alloc, "host_free": self.host_free,
+                "get_peer_mem_addr": self.get_peer_mem_addr, "set_data_ipc": self.set_data_ipc,
+                "share_external_data": self.share_external_data}
 
     def test_support(self):
         from pdhal_xpu.testing import XpuTestSupport
 
-        return XpuTestSupport(_runtime.path)
+        return XpuTestSupport(self.runtime.path)
+
+    # ---- signals -------------------------------------------------------------------
+
+    def framework_stream(self):
+        """Paddle's current XPU stream, if Paddle is already imported and built for XPU."""
+        paddle = sys.modules.get("paddle")
+        if paddle is None or not paddle.is_compiled_with_xpu():
+            return None
+        current = paddle.device.current_stream()
+        return getattr(current, "stream_base", current)
+
+    def signal_layer_ready(self, signal, stream=None, sender=None) -> None:
+        """Record an event on `stream` after the layer's work; the sender thread stores the
+        signal once the event fires (the process's default sender if none is given)."""
+        require_signal(signal)
+        if signal.segment is None:
+            return
+        sender = self.default_sender.get() if sender is None else self.require_sender(sender)
+        self.post_behind_event(signal, stream, sender)
+
+    # ---- memory --------------------------------------------------------------------
+
+    def get_peer_mem_addr(self, ptr_or_tensor) -> int:
+        """The peer alias of XPU device memory that an RDMA NIC can register
+        (cudaPointerGetAttributes' hostPointer)."""
+        ref = memory_ref(ptr_or_tensor, "ptr_or_tensor")
+        rt = self.runtime
+        get_attributes = rt.optional("cudaPointerGetAttributes")
+        attrs = rt.ffi.new("struct cudaPointerAttributes *")
+        rt.check(get_attributes(attrs, rt.pointer(ref.address)), "cudaPointerGetAttributes")
+        if attrs.hostPointer == rt.ffi.NULL:
+            raise InvalidArgumentError(
+                f"memory at {ref.address:#x} has no peer address: the XPU runtime does not "
+                f"know it as device memory, so a NIC cannot register it")
+        return rt.address(attrs.hostPointer)
+
+    def set_data_ipc(self, tensor, name: str) -> None:
+        """Share XPU device memory under `name` through an XPU IPC handle."""
+        ref = memory_ref(tensor, "tensor")
+        if ref.nbytes is None:
+            raise InvalidTypeError("set_data_ipc needs a tensor or array, not a raw address")
+        rt = self.runtime
+        get_handle = rt.optional("xpu_ipc_get_memhandle")
+        handle = rt.ffi.new("XPUIpcMemHandle *")
+        rt.check(get_handle(handle, rt.pointer(ref.address)), "xpu_ipc_get_memhandle")
+        publish_shared(name, {"handle": bytes(rt.ffi.buffer(handle)).hex(),
+                              "nbytes": ref.nbytes})
+
+    def share_external_data(self, like, name: str, shape, timeout: float | None = 60.0):
+        """Map the XPU memory shared as `name`; a SharedDeviceBuffer of `like`'s dtype."""
+        record, shape, dtype, need = request_shared(like, name, shape, timeout)
+        rt = self.runtime
+        open_handle = rt.optional("xpu_ipc_open_memhandle")
+        handle = rt.ffi.new("XPUIpcMemHandle *")
+        rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
+        ptr = rt.ffi.new("void **")
+        rt.check(open_handle(ptr, handle[0], 0), "xpu_ipc_open_memhandle")
+        return SharedDeviceBuffer(rt.address(ptr[0]), shape, dtype, need)

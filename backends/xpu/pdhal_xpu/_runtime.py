@@ -31,28 +31,25 @@ int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr
 """
 
 
-def find_library() -> tuple[str, str]:
-    """(path or soname, how it was found): PDHAL_XPURT, then Paddle's XPU wheel, then the
-    system loader. Paddle is located without being imported."""
-    explicit = os.environ.get("PDHAL_XPURT")
-    if explicit:
-        return explicit, "PDHAL_XPURT"
-    spec = importlib.util.find_spec("paddle")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        candidate = os.path.join(folder, "libs", "libxpurt.so")
-        if os.path.exists(candidate):
-            return candidate, "paddle wheel"
-    return "libxpurt.so", "system loader"
-
-
 class XpuRuntime(RuntimeLibrary):
     """libxpurt.so, bound where it was found."""
 
     cdef = CDEF
     title = "XPU runtime"
 
-    def __init__(self):
-        super().__init__(*find_library())
+    @classmethod
+    def find_library(cls) -> tuple[str, str]:
+        """(path or soname, how it was found): PDHAL_XPURT, then Paddle's XPU wheel, then the
+        system loader. Paddle is located without being imported."""
+        explicit = os.environ.get("PDHAL_XPURT")
+        if explicit:
+            return explicit, "PDHAL_XPURT"
+        spec = importlib.util.find_spec("paddle")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            candidate = os.path.join(folder, "libs", "libxpurt.so")
+            if os.path.exists(candidate):
+                return candidate, "paddle wheel"
+        return "libxpurt.so", "system loader"
 
     def version(self) -> str:
         major, minor = self.ffi.new("uint32_t *"), self.ffi.new("uint32_t *")

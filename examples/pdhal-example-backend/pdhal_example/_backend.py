@@ -12,8 +12,7 @@ from pdhal.plugin import (
     Backend,
     KVSignalSender,
     Platform,
-    destroy_kv_signal_sender,
-    reference_memory_ops,
+    reference_ops,
     require_signal,
 )
 from pdhal.testing import DeviceTensor, TestSupport
@@ -93,7 +92,7 @@ class ExampleTestSupport(TestSupport):
         self._buffers = []
 
     def alloc(self, nbytes: int) -> DeviceTensor:
-        buf = reference_memory_ops()["host_alloc"](nbytes)
+        buf = reference_ops()["host_alloc"](nbytes)
         self._buffers.append(buf)
         return DeviceTensor(buf.address, nbytes, "cpu")
 
@@ -130,11 +129,12 @@ class ExampleBackend(Backend):
     def ops(self):
         # Replace the memory ops with your runtime's (pinned host memory, the address a NIC
         # registers, IPC handles); the template borrows pdhal's reference implementations.
+        # Over a vendor runtime, pdhal.plugin.RuntimeBackend gives host memory, events and
+        # the sender from the names of the runtime's functions.
         return {
+            **reference_ops(),
             "signal_layer_ready": signal_layer_ready,
             "create_kv_signal_sender": create_kv_signal_sender,
-            "destroy_kv_signal_sender": destroy_kv_signal_sender,
-            **reference_memory_ops(),
         }
 
     def test_support(self):

@@ -1,0 +1,170 @@
+"""RuntimeBackend: the shapes every accelerator backend shares, parameterised by the names
+of its runtime's functions, so that a backend is mostly calls into its runtime.
+
+A backend over a vendor runtime (CUDA, XPU, ...) subclasses it, names the runtime's symbols
+as class attributes, and writes the few ops that really differ (how a layer signal follows
+the stream, the peer address, the IPC handle). It gets: the runtime bound in availability()
+and held on the instance, stream handles parsed, pinned host memory freed by the runtime
+that allocated it, layer signals posted behind a device event to a sender thread, and the
+sender itself.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pdhal._backend import Availability, Backend
+from pdhal._errors import InvalidArgumentError, InvalidTypeError
+from pdhal._hostmem import HostBuffer
+from pdhal._names import validate_index
+from pdhal._runtime_library import RuntimeLibrary
+from pdhal._sender import KVSignalSender
+from pdhal._signals import LayerSignal
+
+
+class RuntimeHostBuffer(HostBuffer):
+    """Pinned host memory from a runtime's allocator, returned to that same runtime."""
+
+    def __init__(self, runtime: RuntimeLibrary, free_symbol: str, address: int, nbytes: int):
+        super().__init__(address, nbytes, pinned=True)
+        self._runtime = runtime
+        self._free_symbol = free_symbol
+
+    def _release(self) -> None:
+        rt = self._runtime
+        rt.check(getattr(rt.lib, self._free_symbol)(rt.pointer(self._address)),
+                 self._free_symbol)
+
+
+class RuntimeBackend(Backend):
+    """A Backend over a RuntimeLibrary. Subclasses set the class attributes below and
+    implement device_count_now(), platform() and ops(); the methods below are ready-made
+    ops (host_alloc, host_free, create_kv_signal_sender) and helpers for the others."""
+
+    #: The RuntimeLibrary subclass to bind; its find_library() says where from.
+    runtime_class: ClassVar[type[RuntimeLibrary]]
+    #: Pinned host memory: alloc(void **ptr, size, unsigned flags) and free(void *ptr).
+    host_alloc_symbol: ClassVar[str] = ""
+    host_free_symbol: ClassVar[str] = ""
+    #: Device events: create(event *, *event_create_args), record(event, stream),
+    #: wait(event), destroy(event).
+    event_create_symbol: ClassVar[str] = ""
+    event_create_args: ClassVar[tuple] = ()
+    event_record_symbol: ClassVar[str] = ""
+    event_wait_symbol: ClassVar[str] = ""
+    event_destroy_symbol: ClassVar[str] = ""
+    #: Attributes under which framework stream objects expose their raw handle.
+    stream_attributes: ClassVar[tuple[str, ...]] = ()
+    #: Words for the device in messages ("GPU", "XPU device").
+    device_word: ClassVar[str] = "device"
+
+    def __init__(self):
+        #: The bound runtime, None until availability() found one.
+        self.runtime: RuntimeLibrary | None = None
+
+    # ---- binding -------------------------------------------------------------------
+
+    def bind_runtime(self) -> str | None:
+        """Bind the runtime where runtime_class.find_library() points now (again, if that
+        changed since); None once bound, else why it cannot be loaded."""
+        path = self.runtime_class.find_library()[0]
+        if self.runtime is None or self.runtime.path != path:
+            self.runtime = None
+            try:
+                self.runtime = self.runtime_class()
+            except OSError as e:
+                return f"{self.runtime_class.title} not loadable: {e}"
+        return None
+
+    def device_count_now(self) -> tuple[int, str]:
+        """(devices, "" or why none can be counted), from the bound runtime."""
+        raise NotImplementedError
+
+    def availability(self) -> Availability:
+        why = self.bind_runtime()
+        if why is not None:
+            return Availability(False, why)
+        count, why = self.device_count_now()
+        if why:
+            return Availability(False, why)
+        if count == 0:
+            return Availability(False, f"no {self.device_word} ({self.runtime.path})")
+        return Availability(True, f"{count} {self.device_word}(s)")
+
+    def info(self) -> dict[str, object]:
+        return {} if self.runtime is None else self.runtime.describe()
+
+    # ---- streams -------------------------------------------------------------------
+
+    def framework_stream(self) -> object | None:
+        """The current stream of a framework already imported (Paddle built for this
+        device), or None for the runtime's default stream. Override per device."""
+        return None
+
+    def stream_handle(self, stream) -> int:
+        """The raw stream handle of `stream`: an int, an object exposing one of
+        stream_attributes, or None (the framework's current stream, else the default 0)."""
+        if stream is None:
+            stream = self.framework_stream()
+            if stream is None:
+                return 0
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            if stream < 0:
+                raise InvalidArgumentError(f"stream handle must be >= 0, got {stream}")
+            return stream
+        for attribute in self.stream_attributes:
+            if hasattr(stream, attribute):
+                return int(getattr(stream, attribute))
+        raise InvalidTypeError(
+            f"stream must be an int {self.name} stream handle or expose "
+            f"{' / '.join(self.stream_attributes)}, got {type(stream).__name__}")
+
+    # ---- host memory ---------------------------------------------------------------
+
+    def host_alloc(self, nbytes: int) -> RuntimeHostBuffer:
+        """Pinned host memory from the runtime's host allocator."""
+        nbytes = validate_index(nbytes, "nbytes", 1 << 46)
+        if nbytes == 0:
+            raise InvalidArgumentError("nbytes must be at least 1")
+        rt = self.runtime
+        ptr = rt.ffi.new("void **")
+        rt.check(getattr(rt.lib, self.host_alloc_symbol)(ptr, nbytes, 0),
+                 f"{self.host_alloc_symbol}({nbytes})")
+        return RuntimeHostBuffer(rt, self.host_free_symbol, rt.address(ptr[0]), nbytes)
+
+    def host_free(self, buf: HostBuffer) -> None:
+        """Free memory from host_alloc, through the runtime that allocated it."""
+        if not isinstance(buf, RuntimeHostBuffer) or buf._runtime is not self.runtime:
+            raise InvalidTypeError(f"host_free needs a buffer from the {self.name} backend's "
+                                   f"host_alloc, got {type(buf).__name__}")
+        buf.close()
+
+    # ---- layer signals behind device events ----------------------------------------
+
+    def create_kv_signal_sender(self) -> KVSignalSender:
+        """A long-lived sender thread that waits on this runtime's device events."""
+        rt = self.runtime
+        return KVSignalSender(rt.address(getattr(rt.lib, self.event_wait_symbol)),
+                              rt.address(getattr(rt.lib, self.event_destroy_symbol)),
+                              backend=self.name)
+
+    def require_sender(self, sender: object) -> KVSignalSender:
+        if not isinstance(sender, KVSignalSender) or sender.backend != self.name:
+            raise InvalidArgumentError(f"sender must come from the {self.name} backend's "
+                                       f"create_kv_signal_sender, got {sender!r}")
+        return sender
+
+    def post_behind_event(self, signal: LayerSignal, stream, sender: KVSignalSender) -> None:
+        """Record an event on `stream` now and hand (event, signal) to `sender`, whose
+        thread stores the signal once the event fired: the layer counts as ready only after
+        the work queued before this call."""
+        rt = self.runtime
+        handle = rt.pointer(self.stream_handle(stream))
+        event = rt.ffi.new("void **")
+        rt.check(getattr(rt.lib, self.event_create_symbol)(event, *self.event_create_args),
+                 self.event_create_symbol)
+        rc = getattr(rt.lib, self.event_record_symbol)(event[0], handle)
+        if rc != 0:
+            getattr(rt.lib, self.event_destroy_symbol)(event[0])
+            rt.check(rc, self.event_record_symbol)
+        sender.post(rt.address(event[0]), signal)
