@@ -54,19 +54,26 @@ def check_finds(mutants: list[dict]) -> list[str]:
     return problems
 
 
-def scratch_copy() -> str:
+def snapshot() -> str:
     """The repository's files (tracked and new, not ignored) plus its built extension and
-    simulated runtimes, in a fresh folder."""
+    simulated runtimes, copied once: later edits to the checkout do not leak into the run."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     built = glob.glob(os.path.join(ROOT, "pdhal", "_pdhal_c*.so")) + \
         glob.glob(os.path.join(ROOT, "tests", "sim", "build", "*.so"))
-    dest = tempfile.mkdtemp(prefix="pdhal-mutant-")
+    dest = tempfile.mkdtemp(prefix="pdhal-mutate-base-")
     for rel in files + [os.path.relpath(p, ROOT) for p in built]:
         src = os.path.join(ROOT, rel)
         if os.path.isfile(src):
             os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
             shutil.copy2(src, os.path.join(dest, rel))
+    return dest
+
+
+def scratch_copy(base: str) -> str:
+    """A fresh copy of the snapshot for one mutant."""
+    dest = tempfile.mkdtemp(prefix="pdhal-mutant-")
+    shutil.copytree(base, dest, dirs_exist_ok=True, symlinks=True)
     return dest
 
 
@@ -149,14 +156,14 @@ def run_tests(copy: str, tests: list[str]) -> str | None:
     return None
 
 
-def run_one(m: dict) -> tuple[str, str]:
+def run_one(base: str, m: dict) -> tuple[str, str]:
     """(outcome, detail): killed, survived, stillborn (did not build) or equivalent."""
-    copy = scratch_copy()
+    copy = scratch_copy(base)
     try:
         apply(copy, m)
         if "equivalent" in m:
             if m["file"].endswith(".c") and \
-                    object_code(copy, m["file"]) != object_code(ROOT, m["file"]):
+                    object_code(copy, m["file"]) != object_code(base, m["file"]):
                 return "error", "claimed equivalent, but its object code differs"
             return "equivalent", m["equivalent"]
         if m["file"].startswith("csrc/"):
@@ -169,10 +176,10 @@ def run_one(m: dict) -> tuple[str, str]:
         shutil.rmtree(copy, ignore_errors=True)
 
 
-def baseline(mutants: list[dict]) -> None:
+def baseline(base: str, mutants: list[dict]) -> None:
     """The named tests must pass without any mutant, or a 'kill' would mean nothing."""
     tests = sorted({t for m in mutants for t in m.get("tests", [])})
-    copy = scratch_copy()
+    copy = scratch_copy(base)
     try:
         failed = run_tests(copy, tests)
     finally:
@@ -208,15 +215,29 @@ def main(argv: list[str] | None = None) -> int:
         mutants = [m for m in mutants if m["id"] in args.only]
     elif args.fast:
         mutants = [m for m in mutants if m.get("fast")]
-    if not args.no_baseline:
-        baseline(mutants)
+    base = snapshot()
+    try:
+        if not args.no_baseline:
+            baseline(base, mutants)
+        results = run_all(base, mutants)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return report(results, args)
+
+
+def run_all(base: str, mutants: list[dict]) -> dict[str, list[tuple[dict, str, str]]]:
     results: dict[str, list[tuple[dict, str, str]]] = collections.defaultdict(list)
     for m in mutants:
         start = time.monotonic()
-        outcome, detail = run_one(m)
+        outcome, detail = run_one(base, m)
         results[outcome].append((m, outcome, detail))
         print(f"{outcome:>10}  {m['id']:<34} {time.monotonic() - start:5.0f} s  {detail}",
               flush=True)
+    return results
+
+
+def report(results: dict[str, list[tuple[dict, str, str]]], args) -> int:
+    """Print the score per module and what survived; the exit status."""
     counted = [r for outcome in ("killed", "survived") for r in results[outcome]]
     print("\nscore per module (killed / planted, equivalent ones left out):")
     per_module: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
