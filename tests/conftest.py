@@ -11,14 +11,11 @@ import uuid
 
 import pytest
 
-from pdhal import _published, _registry, _signals
+from pdhal import _registry
+from pdhal.testing.reset import release_process_state, remove_leftovers, segments_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def segments_of(namespace: str) -> list[str]:
-    prefix = f"pdhal.{os.geteuid()}.{namespace}."
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+__all__ = ["python_child", "run_child", "segments_of"]
 
 
 @pytest.fixture(autouse=True)
@@ -30,15 +27,8 @@ def namespace(monkeypatch):
     monkeypatch.delenv("PDHAL_PLUGINS", raising=False)
     _registry.reset()
     yield ns
-    _signals.close_producer_channels()
-    _published.unpublish_all()
-    for reader in list(_signals._chunk_readers.values()):
-        reader.close()
-    _signals._chunk_readers.clear()
-    _registry.reset()
-    left = segments_of(ns)
-    for name in left:  # clean up so one failure does not cascade, then fail
-        os.unlink(os.path.join("/dev/shm", name))
+    release_process_state()
+    left = remove_leftovers(ns)  # removed, so one failure does not cascade; then fail
     assert not left, f"segments left behind: {left}"
 
 

@@ -102,3 +102,31 @@ def test_the_library_exports_the_header_s_functions_and_no_internals():
     assert [name for name in functions if not hasattr(library, name)] == []
     for internal in ("pdhal_fail", "pdhal_wait_change", "pdhal_segment_ref"):
         assert not hasattr(library, internal), f"{internal} is exported"
+
+
+def test_a_core_of_another_abi_is_refused_at_import_with_the_fix():
+    """A stale build (its PDHAL_ABI_VERSION differs from the Python code's) must not be used:
+    importing pdhal's core says both versions and how to rebuild."""
+    code = """
+import sys, types
+real = __import__("pdhal._pdhal_c", fromlist=["lib"])
+class StaleLib:
+    def __getattr__(self, name):
+        return getattr(real.lib, name)
+    def pdhal_abi_version(self):
+        return 1
+fake = types.ModuleType("pdhal._pdhal_c")
+fake.ffi, fake.lib = real.ffi, StaleLib()
+sys.modules["pdhal._pdhal_c"] = fake
+try:
+    import pdhal._core
+except ImportError as e:
+    print(e)
+else:
+    print("imported")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "compiled core speaks ABI 1, this Python code expects 2" in proc.stdout
+    assert "pip install -e ." in proc.stdout

@@ -3,12 +3,12 @@ test (nothing may be left in /dev/shm), and child processes with the same enviro
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
 
-from pdhal import _names, _published, _registry, _signals
+from pdhal import _registry
+from pdhal.testing.reset import release_process_state, remove_leftovers
 
 
 @pytest.fixture(autouse=True)
@@ -17,15 +17,8 @@ def namespace(monkeypatch, support):
     monkeypatch.setenv("PDHAL_NAMESPACE", ns)
     yield ns
     support.release()
-    _signals.close_producer_channels()
-    _published.unpublish_all()
-    for reader in list(_signals._chunk_readers.values()):
-        reader.close()
-    _signals._chunk_readers.clear()
-    prefix = f"pdhal.{os.geteuid()}.{ns}."
-    left = [n for n in os.listdir(_names.shm_dir()) if n.startswith(prefix)]
-    for name in left:
-        os.unlink(os.path.join(_names.shm_dir(), name))
+    release_process_state(forget_backend=False)
+    left = remove_leftovers(ns)
     assert not left, f"segments left behind: {left}"
 
 
