@@ -1,5 +1,6 @@
 # `make test` and `make demo` set everything up themselves: a venv in .venv with pdhal and
-# every backend distribution under backends/ installed editable, plus the test extras.
+# every backend distribution under backends/ and the demo (demo/) installed editable, plus the
+# test extras.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,10 +9,12 @@ STAMP := $(VENV)/.pdhal-installed
 
 .PHONY: test demo bench stress sanitize clean ibverbs fuzz fuzz-ci
 
-$(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py $(BACKENDS)
+$(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py $(BACKENDS) \
+		demo/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
-	$(PY) -m pip install -q -e '.[test,demo,mooncake]' $(foreach b,$(BACKENDS),-e $(dir $(b)))
+	$(PY) -m pip install -q -e '.[test]' $(foreach b,$(BACKENDS),-e $(dir $(b))) \
+	  -e 'demo[mooncake]'
 	touch $@
 
 # Mooncake's wheel links libibverbs.so.1 (Debian: libibverbs1). Installed when we can (root
@@ -88,7 +91,7 @@ FUZZ_CI_SECONDS ?= 30
 FUZZ_CC ?= clang
 FUZZ_BUILD := tests/fuzz/build
 FUZZ_BIN := $(FUZZ_BUILD)/fuzz_segment
-FUZZ_SRCS := $(addprefix csrc/,errors.c wait.c segment.c progress.c ring.c sender.c)
+FUZZ_SRCS := $(wildcard csrc/*.c)
 FUZZ_CFLAGS := -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
 	-I pdhal/include -I csrc
 

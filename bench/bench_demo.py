@@ -27,9 +27,9 @@ import sys
 import time
 
 from pdhal import ops
-from pdhal.demo import DEFAULT_PROMPTS, pipeline
-from pdhal.demo.model import ModelConfig
-from pdhal.demo.plan import make_plan
+from pdhal_demo import DEFAULT_PROMPTS, pipeline
+from pdhal_demo.model import ModelConfig
+from pdhal_demo.plan import make_plan
 
 PROMPTS = [int(n) for n in DEFAULT_PROMPTS.split(",")]
 MODEL = ModelConfig(layers=32)

@@ -69,11 +69,48 @@ def channel_path(mode: str, rank: int, device_id: int = 0) -> str:
     return _names.channel_path(kinds[mode], rank, device_id)
 
 
+def namespace() -> str:
+    """The effective namespace (PDHAL_NAMESPACE, default "default", validated) that keeps
+    deployments on one host apart: every segment name of this process carries it."""
+    from pdhal import _names
+
+    return _names.namespace()
+
+
+def cleanup(namespace: str | None = None) -> tuple[list[str], list[str]]:
+    """Remove this user's segments in `namespace` (default: every namespace) whose producer
+    is dead, as `pdhal cleanup` does; returns (removed, left) paths."""
+    from pdhal import _cleanup
+
+    return _cleanup.cleanup(namespace)
+
+
+# Constants of the C core (pdhal.h), read on first use so `import pdhal` loads no library:
+#: RECORD_WORDS: int32 words of one per-chunk record, the buffer get_output_kv_signal and
+#:   reader.next fill: [count, layer, (slot, cached, length) * MAX_REQUESTS].
+#: MAX_REQUESTS: the most prefill requests one per-chunk step may publish.
+_CORE_CONSTANTS = ("RECORD_WORDS", "MAX_REQUESTS")
+
+
+def __getattr__(name: str):
+    if name in _CORE_CONSTANTS:
+        from pdhal import _core
+
+        value = globals()[name] = getattr(_core, name)
+        return value
+    raise AttributeError(f"module 'pdhal' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_CORE_CONSTANTS))
+
+
 __all__ = [
     "Availability", "Backend", "BackendLoadError", "BackendNotFoundError",
     "BackendUnavailableError", "BackPressureTimeoutError", "ChannelBusyError",
     "ClosedHandleError", "DeviceError", "InvalidArgumentError", "InvalidTypeError",
-    "PdhalError", "Platform", "ProducerDiedError", "ReaderDiedError", "SegmentError",
-    "SignalTimeoutError", "UnsupportedError", "channel_path", "current_backend",
-    "current_platform", "get_include", "get_library", "hookimpl",
+    "MAX_REQUESTS", "PdhalError", "Platform", "ProducerDiedError", "RECORD_WORDS",
+    "ReaderDiedError", "SegmentError", "SignalTimeoutError", "UnsupportedError",
+    "channel_path", "cleanup", "current_backend", "current_platform", "get_include",
+    "get_library", "hookimpl", "namespace",
 ]

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from conftest import segments_of
-from pdhal.demo.control import DemoError
-from pdhal.demo.model import ModelConfig
-from pdhal.demo.plan import make_plan
-from pdhal.demo.transport import block_runs, require_mooncake
+from pdhal_demo.control import DemoError
+from pdhal_demo.model import ModelConfig
+from pdhal_demo.plan import make_plan
+from pdhal_demo.transport import block_runs, require_mooncake
 
 pytestmark = pytest.mark.paddle
 
@@ -104,7 +104,7 @@ def _fake_mooncake(tmp_path, error: str) -> str:
 @pytest.mark.parametrize("error, advice", [
     ("libibverbs.so.1: cannot open shared object file: No such file or directory",
      "install Debian's libibverbs1 (apt-get install libibverbs1)"),
-    ("No module named 'mooncake.engine'", "pip install 'pdhal[mooncake]'"),
+    ("No module named 'mooncake.engine'", "pip install 'pdhal-demo[mooncake]'"),
 ])
 def test_missing_mooncake_says_what_to_install(tmp_path, monkeypatch, error, advice):
     fake = _fake_mooncake(tmp_path, error)
@@ -138,7 +138,7 @@ def test_block_runs_pair_only_blocks_consecutive_on_both_sides():
 
 
 def test_verification_catches_one_wrong_byte():
-    from pdhal.demo.decoder import TinyDecoder, reference_prefill, verify
+    from pdhal_demo.decoder import TinyDecoder, reference_prefill, verify
 
     plan = make_plan(ModelConfig(layers=3), [70, 40], "per_query", "shm", cache_blocks=8,
                      decode_steps=2, batch=2, chunk_tokens=0)
@@ -161,13 +161,13 @@ def test_decoder_started_by_hand_elsewhere_connects_with_the_printed_command():
                               text=True)
     try:
         for line in parent.stderr:
-            if line.rstrip().endswith("python -m pdhal.demo.child decoder"):
+            if line.rstrip().endswith("python -m pdhal_demo.child decoder"):
                 break
         assignments = line.split(" python -m")[0].split()
         env = dict(os.environ, **dict(a.split("=", 1) for a in assignments))
         assert env["PDHAL_DEMO_HOST"] == "<decode-host-ip>"
         env["PDHAL_DEMO_HOST"] = "127.0.0.1"
-        decoder = subprocess.run([sys.executable, "-m", "pdhal.demo.child", "decoder"], env=env,
+        decoder = subprocess.run([sys.executable, "-m", "pdhal_demo.child", "decoder"], env=env,
                                  capture_output=True, timeout=240)
         out, err = parent.communicate(timeout=60)
     finally:
@@ -184,7 +184,7 @@ def test_remote_decoder_needs_mooncake():
 
 
 def test_a_child_that_dies_before_connecting_is_reported_not_waited_on():
-    from pdhal.demo.control import Hub
+    from pdhal_demo.control import Hub
 
     hub = Hub()
     start = time.monotonic()

@@ -67,7 +67,7 @@ def test_per_chunk_records_cross_processes_exactly_once_in_order(support):
             for layer in range({LAYERS}):
                 ops.signal_layer_ready(chunk.layer(layer), stream)
     """, hold=True)
-    out = array.array("i", [0] * 1538)
+    out = array.array("i", [0] * pdhal.RECORD_WORDS)
     for step in range(1, STEPS + 1):
         for layer in range(LAYERS):
             ops.get_output_kv_signal(out, 0, True, timeout=30)

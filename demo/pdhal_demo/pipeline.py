@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 import pdhal
-from pdhal import _cleanup, _names
-from pdhal.demo.control import DemoError, Hub
-from pdhal.demo.plan import Plan
-from pdhal.demo.report import Timeline, summarize
-from pdhal.demo.transport import require_mooncake
+from pdhal_demo.control import DemoError, Hub
+from pdhal_demo.plan import Plan
+from pdhal_demo.report import Timeline, summarize
+from pdhal_demo.transport import require_mooncake
 
 SILENCE_TIMEOUT_S = 120.0  # no event from any process for this long: report a hang
 REPORT_GRACE_S = 10.0  # after a process dies, how long the others get to report it
@@ -100,7 +99,7 @@ class Pipeline:
         self.finished: set[str] = set()
         self.killed_at: float | None = None
         # A namespace of its own inside the caller's, so runs never meet each other's segments.
-        self.namespace = f"{_names.namespace()}-demo{os.getpid()}-{plan.mode}"
+        self.namespace = f"{pdhal.namespace()}-demo{os.getpid()}-{plan.mode}"
 
     # -- start-up ----------------------------------------------------------------------
 
@@ -154,8 +153,8 @@ class Pipeline:
                                       "PDHAL_DEMO_HOST": "<decode-host-ip>"}
         command = " ".join(f"{k}={v}" for k, v in env.items())
         print(f"pdhal demo: waiting {REMOTE_WAIT_S:.0f} s for the decode receiver; on the decode "
-              f"host (pdhal[demo,mooncake] installed) run, with its address for "
-              f"<decode-host-ip>:\n  {command} python -m pdhal.demo.child decoder",
+              f"host (pdhal-demo[mooncake] installed) run, with its address for "
+              f"<decode-host-ip>:\n  {command} python -m pdhal_demo.child decoder",
               file=sys.stderr, flush=True)
         self.hub.accept("decoder", REMOTE_WAIT_S)
 
@@ -261,7 +260,7 @@ class Pipeline:
         finally:
             self.hub.stop(grace=10.0)
             # A process killed outright (the fault demos) leaves its segments: reclaim them.
-            _cleanup.cleanup(self.namespace)
+            pdhal.cleanup(self.namespace)
         return summarize(self.timeline, self.plan, self.verification)
 
 

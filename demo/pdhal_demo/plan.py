@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from pdhal.demo import MODES
-from pdhal.demo.model import Chunk, ModelConfig, prompt_tokens
+from pdhal_demo import MODES
+from pdhal_demo.model import Chunk, ModelConfig, prompt_tokens
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ import time
 
 import numpy as np
 
+import pdhal
 from pdhal import ops
-from pdhal.demo.plan import Plan
-from pdhal.demo.transport import MooncakeSender, ShmSender, block_runs
+from pdhal_demo.plan import Plan
+from pdhal_demo.transport import MooncakeSender, ShmSender, block_runs
 
 WAIT_TIMEOUT_S = 60.0  # a worker that signals nothing for this long is reported, not waited on
 
@@ -77,7 +78,7 @@ def _per_query(shipper: Shipper, plan: Plan, reader, base: int) -> None:
 
 def _per_chunk(shipper: Shipper, rank: int) -> None:
     """Each (step, layer) record lists (slot, cached, chunk) of the requests it advanced."""
-    record = np.zeros(2 + 3 * 512, np.int32)
+    record = np.zeros(pdhal.RECORD_WORDS, np.int32)
     with ops.open_kv_chunk_reader(rank, 0, timeout=WAIT_TIMEOUT_S) as reader:
         while shipper.unfinished:
             step = reader.next(record, wait=True, timeout=WAIT_TIMEOUT_S)

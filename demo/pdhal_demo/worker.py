@@ -15,9 +15,9 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from pdhal import ops
-from pdhal.demo.control import DemoError
-from pdhal.demo.model import TinyDecoder
-from pdhal.demo.plan import Plan
+from pdhal_demo.control import DemoError
+from pdhal_demo.model import TinyDecoder
+from pdhal_demo.plan import Plan
 
 
 class PeerWatch:

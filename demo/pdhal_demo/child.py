@@ -1,4 +1,4 @@
-"""Entry point of the demo's child processes: `python -m pdhal.demo.child ROLE`."""
+"""Entry point of the demo's child processes: `python -m pdhal_demo.child ROLE`."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import sys
 import traceback
 import warnings
 
-from pdhal.demo.control import DemoError, connect
+from pdhal_demo.control import DemoError, connect
 
 
 def main(role: str) -> int:
     # Paddle warns at import that it found no ccache (for building C++ extensions, unused here).
     warnings.filterwarnings("ignore", message="No ccache found")
-    from pdhal.demo import decoder, messager, worker
+    from pdhal_demo import decoder, messager, worker
 
     run = {"worker": worker.run, "messager": messager.run, "decoder": decoder.run}[role]
     if role != "messager":

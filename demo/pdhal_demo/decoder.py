@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdhal import ops
-from pdhal.demo.model import Chunk, TinyDecoder
-from pdhal.demo.plan import Plan
-from pdhal.demo.transport import DecodeEndpoint
+from pdhal_demo.model import Chunk, TinyDecoder
+from pdhal_demo.plan import Plan
+from pdhal_demo.transport import DecodeEndpoint
 
 
 @dataclass

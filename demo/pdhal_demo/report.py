@@ -119,9 +119,9 @@ def plot(timelines: list[tuple[str, Timeline]], path: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        from pdhal.demo.control import DemoError
+        from pdhal_demo.control import DemoError
 
-        raise DemoError("--plot needs matplotlib: pip install 'pdhal[demo]'") from None
+        raise DemoError("--plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,16 +1,7 @@
-"""`pdhal demo`: prefill worker → cache messager → decode receiver, layer by layer.
+"""The `pdhal demo` command, found by `pdhal` through the `pdhal.commands` entry-point group.
 
-A small Paddle model computes a batch of prompts on the prefill worker and posts a pdhal
-layer signal after each layer's K/V is written to its paged cache. The cache messager,
-woken by those signals, ships each finished layer's blocks to the decode receiver (through
-shared memory or Mooncake) while later layers are still being computed. The decode side
-verifies every byte against its own recomputation and decodes a few tokens from the
-received cache, which must match a single-process reference.
-
-Modules: `model` (the Paddle model and paged cache), `plan` (requests, blocks, steps),
-`worker`, `messager`, `decoder` (the three processes), `transport` (shm and Mooncake),
-`control` (the parent's loopback control channel), `pipeline` (the parent), `report`
-(summary, overlap efficiency, plot).
+`add_arguments(parser)` fills the subcommand's parser and imports nothing heavy (`pdhal
+--help` builds it); `main(args)` runs the demo and returns the exit status.
 """
 
 from __future__ import annotations
@@ -19,13 +10,9 @@ import argparse
 import json
 import sys
 
-# Nothing heavy is imported here: every `pdhal` command builds the demo's argument parser.
-MODES = ("per_query", "per_chunk")
-TRANSPORTS = ("shm", "mooncake")
-DEFAULT_PROMPTS = "64,96,128,200,256,320,384,512"
+from pdhal_demo import DEFAULT_PROMPTS, MODES, TRANSPORTS
 
-
-MAX_REQUESTS = 512  # a per_chunk step table holds at most this many requests
+HELP = "prefill worker -> cache messager -> decode, layer by layer"  # `pdhal --help`
 
 
 def _positive(text: str) -> int:
@@ -35,12 +22,15 @@ def _positive(text: str) -> int:
 
 
 def _prompt_lens(text: str) -> list[int]:
+    import pdhal  # a per_chunk step table holds at most pdhal.MAX_REQUESTS requests
+
     try:
         lens = [int(n) for n in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not 1 <= len(lens) <= MAX_REQUESTS:
-        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_REQUESTS} prompts, got {len(lens)}")
+    if not 1 <= len(lens) <= pdhal.MAX_REQUESTS:
+        raise argparse.ArgumentTypeError(
+            f"expected 1 to {pdhal.MAX_REQUESTS} prompts, got {len(lens)}")
     return lens
 
 
@@ -73,10 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from pdhal.demo import pipeline, report
-    from pdhal.demo.control import DemoError
-    from pdhal.demo.model import ModelConfig
-    from pdhal.demo.plan import make_plan
+    from pdhal_demo import pipeline, report
+    from pdhal_demo.control import DemoError
+    from pdhal_demo.model import ModelConfig
+    from pdhal_demo.plan import make_plan
 
     model = ModelConfig(layers=args.layers)
     if args.decoder == "remote" and args.transport != "mooncake":

@@ -13,7 +13,7 @@ import ctypes
 import numpy as np
 
 from pdhal import ops
-from pdhal.demo.control import DemoError
+from pdhal_demo.control import DemoError
 
 Run = tuple[int, int, int]  # (source block, destination block, count)
 
@@ -38,7 +38,7 @@ def require_mooncake():
             raise DemoError("Mooncake is installed but cannot load libibverbs.so.1: install "
                             "Debian's libibverbs1 (apt-get install libibverbs1)") from None
         raise DemoError("the mooncake transport needs Mooncake's transfer engine: "
-                        "pip install 'pdhal[mooncake]' (mooncake-transfer-engine-non-cuda)"
+                        "pip install 'pdhal-demo[mooncake]' (mooncake-transfer-engine-non-cuda)"
                         ) from None
     return TransferEngine
 

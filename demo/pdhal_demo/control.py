@@ -53,9 +53,9 @@ class Hub:
                 KEY_VAR: self._key.hex()}
 
     def start(self, role: str, env: dict[str, str]) -> None:
-        """Launch `python -m pdhal.demo.child ROLE` with `env` and wait for it to connect."""
+        """Launch `python -m pdhal_demo.child ROLE` with `env` and wait for it to connect."""
         with open(self.log_path(role), "wb") as log:
-            process = subprocess.Popen([sys.executable, "-m", "pdhal.demo.child", role],
+            process = subprocess.Popen([sys.executable, "-m", "pdhal_demo.child", role],
                                        env=env | self.child_env(), stderr=log)
         self.processes[role] = process
         self.accept(role, 120.0, lambda: process.poll() is None)
