@@ -14,7 +14,8 @@ from cffi import FFI
 HERE = pathlib.Path(__file__).resolve().parent
 #: The public header ships inside the package (pdhal.get_include()) for engine kernels.
 INCLUDE = HERE.parent / "pdhal" / "include"
-SOURCES = ["errors.c", "wait.c", "segment.c", "progress.c", "ring.c", "sender.c"]
+SOURCES = ["errors.c", "wait.c", "segment.c", "progress.c", "ring.c", "sender.c", "kernel.c",
+           "copy.c"]
 
 
 def read_cdef() -> str:

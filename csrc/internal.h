@@ -105,6 +105,7 @@ struct pdhal_segment {
     uint64_t cursor_step;  /* per-chunk reader: next record to deliver */
     uint32_t cursor_layer;
     uint64_t unacked_step; /* per-chunk reader: delivered whole, not acknowledged (0: none) */
+    int64_t kernel_id;     /* kernel.c: this channel's id in kernel forms (0: none) */
     struct pdhal_segment *next_open; /* fork registry */
     char path[256];
 };
@@ -115,6 +116,9 @@ enum pdhal_hook_point {
     PDHAL_HOOK_WAIT_BEFORE_REGISTER, /* a waiter has read the word, is about to register */
     PDHAL_HOOK_WAKE_BETWEEN,         /* a writer between its sequence bump and waiter check */
     PDHAL_HOOK_RING_COPIED,          /* a reader has copied a table, not yet re-checked it */
+    PDHAL_HOOK_READ_SEQ,             /* a waiter has read the sequence, not yet the progress */
+    PDHAL_HOOK_PUBLISHED,            /* a writer has stored progress, not yet bumped the seq */
+    PDHAL_HOOK_STEP_READ,            /* a step start has read the word, not yet written it */
 };
 #ifdef PDHAL_TEST_HOOKS
 extern void (*pdhal_test_hook)(enum pdhal_hook_point point);
@@ -142,6 +146,14 @@ void pdhal_futex_wake_all(_Atomic uint32_t *word);
 int pdhal_wait_change(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t seen,
                       int64_t deadline_ns);
 void pdhal_bump_and_wake(_Atomic uint32_t *word, _Atomic uint32_t *waiters);
+
+/* progress.c */
+extern pdhal_store pdhal_noop_store;
+
+/* kernel.c */
+void pdhal_kernel_forget_channel(pdhal_segment *seg);
+void pdhal_kernel_register_sender(pdhal_sender *sender, int64_t *id);
+void pdhal_kernel_forget_sender(pdhal_sender *sender, int64_t id);
 
 /* segment.c */
 void pdhal_segment_ref(pdhal_segment *seg);

@@ -38,6 +38,7 @@ void pdhal_progress_publish(pdhal_segment *seg, uint32_t slot, uint64_t value)
     while (cur < value && !atomic_compare_exchange_weak_explicit(
                               word, &cur, value, memory_order_release, memory_order_relaxed)) {
     }
+    PDHAL_HOOK(PDHAL_HOOK_PUBLISHED);
     pdhal_bump_and_wake(&seg->hdr->seq, &seg->hdr->waiters);
 }
 
@@ -53,6 +54,7 @@ int pdhal_progress_begin_step(pdhal_segment *seg, uint64_t *step)
         next = (cur >> PDHAL_LAYER_BITS) + 1;
         if (next >> (64 - PDHAL_LAYER_BITS))
             return pdhal_fail(EOVERFLOW, "step counter of %s is exhausted", seg->path);
+        PDHAL_HOOK(PDHAL_HOOK_STEP_READ);
     } while (!atomic_compare_exchange_weak_explicit(word, &cur, next << PDHAL_LAYER_BITS,
                                                     memory_order_release, memory_order_relaxed));
     pdhal_bump_and_wake(&seg->hdr->seq, &seg->hdr->waiters);
@@ -79,6 +81,7 @@ int pdhal_progress_wait(pdhal_segment *seg, uint64_t since, int64_t deadline_ns,
     for (;;) {
         /* acquire: the progress read next is at least as new as this sequence value */
         uint32_t seen = atomic_load_explicit(&h->seq, memory_order_acquire);
+        PDHAL_HOOK(PDHAL_HOOK_READ_SEQ);
         uint64_t v = pdhal_progress_load(seg);
         if (v > since) {
             *now = v;
@@ -107,6 +110,10 @@ struct pdhal_store {
     uint64_t value;
 };
 
+/* What a kernel form of a step with nothing to report stands for: a store that stores
+ * nothing and is never freed, so NULL always means an error. */
+pdhal_store pdhal_noop_store;
+
 pdhal_store *pdhal_store_new(pdhal_segment *seg, uint32_t slot, uint64_t value)
 {
     if (!progress_word(seg, slot)) {
@@ -129,13 +136,15 @@ pdhal_store *pdhal_store_new(pdhal_segment *seg, uint32_t slot, uint64_t value)
 void pdhal_store_run(void *store)
 {
     pdhal_store *st = store;
+    if (!st || st == &pdhal_noop_store) /* NULL: an error the launch line did not check */
+        return;
     pdhal_progress_publish(st->seg, st->slot, st->value);
     pdhal_store_free(st);
 }
 
 void pdhal_store_free(pdhal_store *store)
 {
-    if (!store)
+    if (!store || store == &pdhal_noop_store)
         return;
     pdhal_segment_unref(store->seg);
     free(store);

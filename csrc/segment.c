@@ -574,6 +574,8 @@ void pdhal_segment_close(pdhal_segment *seg)
     if (!seg)
         return;
     registry_remove(seg);
+    if (seg->kernel_id)
+        pdhal_kernel_forget_channel(seg);
     /* Only the creating process unlinks: a forked child dropping an inherited handle must not
      * remove its parent's segment. */
     if (seg->is_creator && seg->pid == getpid()) {

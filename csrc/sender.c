@@ -33,6 +33,7 @@ struct pdhal_sender {
     pdhal_event_destroy_fn destroy;
     pthread_t thread;
     pid_t pid; /* the thread exists only in this process, not in a forked child */
+    int64_t kernel_id; /* kernel.c: this sender's id in kernel forms */
 };
 
 static void *sender_main(void *arg)
@@ -90,12 +91,25 @@ int pdhal_sender_create(pdhal_event_wait_fn wait, pdhal_event_destroy_fn destroy
         free(s);
         return pdhal_fail(rc, "cannot start the sender thread: %s", strerror(rc));
     }
+    pdhal_kernel_register_sender(s, &s->kernel_id);
     *out = s;
     return 0;
 }
 
+int64_t pdhal_sender_kernel_id(pdhal_sender *s) { return s->kernel_id; }
+
 int pdhal_sender_post(pdhal_sender *s, void *event, pdhal_store *store)
 {
+    if (!s) { /* e.g. a kernel form that named no live sender: that call set the reason */
+        pdhal_store_free(store);
+        return -EINVAL;
+    }
+    if (!store || store == &pdhal_noop_store) { /* an error, or nothing to report */
+        if (s->destroy && event)
+            s->destroy(event);
+        return store ? 0 : pdhal_fail(EINVAL, "no store to post (the signal could not be "
+                                              "prepared)");
+    }
     struct sender_entry *e = malloc(sizeof *e);
     if (!e || s->pid != getpid()) {
         free(e);
@@ -135,6 +149,7 @@ int pdhal_sender_destroy(pdhal_sender *s)
         free(s);
         return 0;
     }
+    pdhal_kernel_forget_sender(s, s->kernel_id); /* no new kernel-form posts find it */
     pthread_mutex_lock(&s->lock);
     s->stopping = 1;
     pthread_cond_signal(&s->wake);

@@ -17,9 +17,14 @@ BACKEND_OPS = (
     "create_kv_signal_sender",
     "host_alloc",
     "host_free",
+    "host_register",
+    "host_unregister",
     "get_peer_mem_addr",
     "set_data_ipc",
     "share_external_data",
+    "unset_data_ipc",
+    "copy_blocks",
+    "synchronize",
 )
 
 

@@ -10,6 +10,7 @@ from pdhal._errors import (
     BackPressureTimeoutError,
     ChannelBusyError,
     ClosedHandleError,
+    DeviceError,
     InvalidArgumentError,
     ProducerDiedError,
     ReaderDiedError,
@@ -44,6 +45,10 @@ MAX_LAYER = lib.PDHAL_MAX_LAYER
 MAX_REQUESTS = lib.PDHAL_MAX_REQUESTS
 RECORD_WORDS = lib.PDHAL_RECORD_WORDS
 DEFAULT_RING_SLOTS = lib.PDHAL_DEFAULT_RING_SLOTS
+KERNEL_WORDS = lib.PDHAL_KERNEL_WORDS
+KERNEL_SIGNAL = lib.PDHAL_KERNEL_SIGNAL
+KERNEL_NOOP = lib.PDHAL_KERNEL_NOOP
+KERNEL_SENDER = lib.PDHAL_KERNEL_SENDER
 FOREVER_NS = 2**63 - 1
 LAYER_MASK = (1 << LAYER_BITS) - 1
 _EINTR = -errno.EINTR
@@ -60,6 +65,7 @@ _ERROR_CLASSES = {
     errno.EINVAL: InvalidArgumentError,
     errno.E2BIG: InvalidArgumentError,
     errno.ENOBUFS: InvalidArgumentError,
+    errno.ERANGE: InvalidArgumentError,
     errno.ENAMETOOLONG: InvalidArgumentError,
 }
 
@@ -243,6 +249,18 @@ class Segment:
     def body_address(self) -> int:
         return int(ffi.cast("uintptr_t", lib.pdhal_segment_body(self.ptr)))
 
+    def kernel_id(self) -> int:
+        """This producer channel's id in kernel forms (registered on first use)."""
+        channel = lib.pdhal_kernel_channel(self.ptr)
+        if channel == 0:
+            _raise(-errno.ENFILE, "registering %s for kernel forms" % self.path)
+        return channel
+
+    def set_current_chunk(self, step: int, num_layers: int) -> None:
+        """Make `step` this process's current per-chunk step (its next layer 0)."""
+        check(lib.pdhal_chunk_set_current(self.ptr, step, num_layers),
+              "making step %d of %s current", step, self.path)
+
     # deferred stores
     def new_store(self, slot: int, value: int):
         """A pending store (C `pdhal_store *`) for a device callback; caller hands it off."""
@@ -253,6 +271,39 @@ class Segment:
                 raise MemoryError(f"preparing a layer signal: {detail}")
             raise InvalidArgumentError(f"preparing a layer signal: {detail}")
         return store
+
+
+def clear_current_chunk() -> None:
+    """No per-chunk step is current in this process (a step without prefill requests)."""
+    check(lib.pdhal_chunk_set_current(ffi.NULL, 0, 0), "clearing the current step")
+
+
+def kernel_store(words):
+    """The pending store that the kernel-form `words` (int64_t[4] cdata) name."""
+    store = lib.pdhal_signal_store(words)
+    if store == ffi.NULL:
+        detail = ffi.string(lib.pdhal_last_error()).decode(errors="replace")
+        raise InvalidArgumentError(f"posting a signal given in kernel form: {detail}")
+    return store
+
+
+def run_store(store) -> None:
+    """Run a pending store now, on this thread, and free it."""
+    lib.pdhal_store_run(store)
+
+
+def copy_blocks(copy_fn, kind: int, stream: int, dst: int, dst_blocks: int, src: int,
+                src_blocks: int, block_bytes: int, dst_ids: list[int], src_ids: list[int]
+                ) -> int:
+    """pdhal_copy_blocks: copy_fn a C function address (0: memmove now); returns copies."""
+    count = len(dst_ids)
+    fn = ffi.NULL if not copy_fn else ffi.cast("pdhal_copy_fn", copy_fn)
+    return check(lib.pdhal_copy_blocks(fn, kind, ffi.cast("void *", stream),
+                                       ffi.cast("void *", dst), dst_blocks,
+                                       ffi.cast("void *", src), src_blocks, block_bytes,
+                                       ffi.new("int64_t[]", dst_ids), ffi.new("int64_t[]", src_ids),
+                                       count),
+                 "copying %d blocks", count, overrides={errno.EIO: DeviceError})
 
 
 def store_address(store) -> int:
@@ -297,6 +348,10 @@ class Sender:
     @property
     def closed(self) -> bool:
         return self._ptr is None
+
+    def kernel_id(self) -> int:
+        """This sender's id in kernel forms."""
+        return lib.pdhal_sender_kernel_id(self.ptr)
 
     def post(self, event, store) -> None:
         """Queue (event, store); ownership of both passes to the sender, even on failure."""

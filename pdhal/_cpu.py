@@ -15,9 +15,9 @@ import itertools
 import os
 import threading
 
-from pdhal import _core, _names, _published
+from pdhal import _blocks, _core, _extents, _names, _published
 from pdhal._backend import Availability, Backend
-from pdhal._errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
+from pdhal._errors import DeviceError, InvalidArgumentError, InvalidTypeError, UnsupportedError
 from pdhal._hookspecs import hookimpl
 from pdhal._hostmem import HostBuffer
 from pdhal._platform import Platform
@@ -164,26 +164,94 @@ def set_data_ipc(tensor, name: str) -> None:
 
 
 def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
-    """A tensor of `like`'s type and dtype, with `shape`, over the buffer shared as `name`."""
+    """A tensor of `like`'s type and dtype, with `shape`, over the buffer shared as `name`
+    (a numpy array, or a Paddle tensor when `like` is one; bfloat16 included)."""
     import numpy as np
 
     record, shape, dtype, need = _published.request(like, name, shape, timeout)
+    # numpy has no bfloat16: map it as int16 and let Paddle view it as what it is
+    numpy_dtype = "int16" if dtype == "bfloat16" else dtype
     try:
-        dtype = np.dtype(dtype)
+        numpy_dtype = np.dtype(numpy_dtype)
     except TypeError:
         raise UnsupportedError(f"the cpu backend maps shared buffers through numpy, which has "
                                f"no dtype {dtype}") from None
     seg = _imported.get(record["path"])
     if seg is None:
-        seg = _imported[record["path"]] = _core.Segment.open(record["path"], _core.KIND_BUFFER,
-                                                             timeout)
+        seg = _imported.setdefault(record["path"], _core.Segment.open(
+            record["path"], _core.KIND_BUFFER, timeout))
+        body = seg.body_address()
+        _extents.register(body, len(seg.body()), "cpu", f"shared buffer {name!r}")
     view = memoryview(seg.body())[record["offset"]:record["offset"] + need]
-    array = np.frombuffer(view, dtype=dtype).reshape(shape)
+    array = np.frombuffer(view, dtype=numpy_dtype).reshape(shape)
     if is_paddle_tensor(like):
         import paddle
 
-        return paddle.from_dlpack(array)
+        tensor = paddle.from_dlpack(array)
+        return tensor.view(paddle.bfloat16) if dtype == "bfloat16" else tensor
+    if dtype == "bfloat16":
+        raise UnsupportedError("a bfloat16 buffer maps as a Paddle tensor only (numpy has no "
+                               "bfloat16): pass a Paddle tensor as `like`")
     return array
+
+
+def unset_data_ipc(tensor, name: str, close_ipc: bool = True, unlink_shm: bool = True) -> None:
+    """Stop sharing `name`: remove the record this process published (readers of the name
+    then get a clear error). The cpu backend keeps mappings it imported for the process's
+    life (a numpy view over an unmapped buffer would crash), so close_ipc changes nothing."""
+    _published.unset(name, unlink_shm)
+
+
+# ---- host registration and block copies ------------------------------------------------
+
+_registered: dict[int, int] = {}  # address -> nbytes locked by host_register
+
+
+def host_register(ptr_or_tensor, nbytes: int | None = None) -> None:
+    """Lock host memory in RAM (mlock), as a NIC's registration needs it resident."""
+    ref = memory_ref(ptr_or_tensor, "ptr_or_tensor")
+    size = ref.nbytes if nbytes is None else _names.validate_index(nbytes, "nbytes", 1 << 46)
+    if not size:
+        raise InvalidArgumentError("host_register needs nbytes with a raw address")
+    if not _mapped(ref.address, size):
+        raise InvalidArgumentError(f"[{ref.address:#x}, +{size}) is not mapped in this process")
+    if _libc.mlock(ctypes.c_void_p(ref.address), ctypes.c_size_t(size)) != 0:
+        err = ctypes.get_errno()
+        raise DeviceError(f"mlock of {size} bytes at {ref.address:#x} failed: "
+                          f"{os.strerror(err)} (raise RLIMIT_MEMLOCK: ulimit -l)")
+    with _live_lock:
+        _registered[ref.address] = size
+    _extents.register(ref.address, size, "cpu", "host_register")
+
+
+def host_unregister(ptr_or_tensor) -> None:
+    """Undo host_register of the same address."""
+    address = memory_ref(ptr_or_tensor, "ptr_or_tensor").address
+    with _live_lock:
+        size = _registered.pop(address, None)
+    if size is None:
+        raise InvalidArgumentError(f"{address:#x} was not registered with host_register")
+    _libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(size))
+    _extents.forget(address)
+
+
+def copy_blocks(dst, dst_block_ids, src, src_block_ids, block_bytes: int, stream=None) -> int:
+    """Copy block src_block_ids[i] of `src` into block dst_block_ids[i] of `dst` (memmove,
+    done on return), runs of consecutive ids as one copy. Returns the copies made."""
+    return _blocks.copy_blocks(0, _host_only, 0, dst, dst_block_ids, src, src_block_ids,
+                               block_bytes)
+
+
+def _host_only(dst_device: str, src_device: str) -> int:
+    for device in (dst_device, src_device):
+        if device not in ("cpu", "unknown"):
+            raise InvalidArgumentError(f"the cpu backend copies host memory only, got {device} "
+                                       f"memory")
+    return 0
+
+
+def synchronize(stream=None) -> None:
+    """Wait for the work queued on `stream`: on the CPU it is done when queued."""
 
 
 # ---- signals -------------------------------------------------------------------------
@@ -191,11 +259,11 @@ def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
 def signal_layer_ready(signal, stream=None, sender: KVSignalSender | None = None) -> None:
     """Mark the layer ready: CPU work before this call is complete, so store now (or, with a
     sender, in order on the sender's thread)."""
-    require_signal(signal)
+    signal = require_signal(signal)
     if signal.segment is None:
         return
     if sender is None:
-        signal.segment.publish(signal.slot, signal.value)
+        signal.publish()
     else:
         sender.post(None, signal)
 
@@ -219,8 +287,10 @@ class CpuBackend(Backend):
         return {"signal_layer_ready": signal_layer_ready,
                 "create_kv_signal_sender": create_kv_signal_sender,
                 "host_alloc": host_alloc, "host_free": host_free,
+                "host_register": host_register, "host_unregister": host_unregister,
                 "get_peer_mem_addr": get_peer_mem_addr, "set_data_ipc": set_data_ipc,
-                "share_external_data": share_external_data}
+                "share_external_data": share_external_data, "unset_data_ipc": unset_data_ipc,
+                "copy_blocks": copy_blocks, "synchronize": synchronize}
 
     def info(self) -> dict[str, object]:
         return {"runtime": "none (host memory and threads)"}

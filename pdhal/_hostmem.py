@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 
+from pdhal import _extents
 from pdhal._core import ffi
 from pdhal._errors import ClosedHandleError, InvalidArgumentError
 
@@ -21,6 +22,7 @@ class HostBuffer:
         self.nbytes = nbytes
         #: True when the pages are locked in RAM (DMA-able without a bounce copy).
         self.pinned = pinned
+        _extents.register(address, nbytes, "cpu", f"host_alloc({nbytes})")
 
     @property
     def address(self) -> int:
@@ -35,6 +37,17 @@ class HostBuffer:
     def contains(self, address: int, nbytes: int = 1) -> bool:
         return (self._address is not None and self._address <= address
                 and address + nbytes <= self._address + self.nbytes)
+
+    # Named like a tensor's memory (data_ptr, numel, element_size), so every op that takes a
+    # tensor takes the buffer itself.
+    def data_ptr(self) -> int:
+        return self.address
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
 
     def memoryview(self) -> memoryview:
         return memoryview(ffi.buffer(ffi.cast("char *", self.address), self.nbytes))
@@ -59,6 +72,7 @@ class HostBuffer:
         with self._close_lock:
             if self._address is not None:
                 self._release()
+                _extents.forget(self._address)
                 self._address = None
 
     def __enter__(self) -> HostBuffer:

@@ -15,8 +15,10 @@ import os
 import threading
 from dataclasses import dataclass
 
-from pdhal import _core, _names
-from pdhal._errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
+from pdhal import _core, _extents, _names
+from pdhal._errors import InvalidArgumentError, InvalidTypeError, SegmentError, UnsupportedError
+from pdhal._names import validate_name
+from pdhal._tensors import memory_ref
 
 _published: dict[tuple[int, str], _core.Segment] = {}
 _lock = threading.Lock()
@@ -36,9 +38,40 @@ def publish(name: str, record: dict) -> None:
         _published[key] = seg
 
 
+def unpublish(name: str) -> bool:
+    """Remove our own record of `name`; whether there was one."""
+    with _lock:
+        seg = _published.pop((os.getpid(), name), None)
+    if seg is None:
+        return False
+    seg.close()
+    return True
+
+
+def unset(name: str, unlink: bool = True) -> None:
+    """unset_data_ipc's record part: remove this process's record of `name`. A record of
+    another process is its publisher's to remove (refused while that process lives); with
+    `unlink` False, nothing is removed (an importer closing only its own mapping)."""
+    validate_name(name, "buffer name")
+    if not unlink or unpublish(name):
+        return
+    path = _names.buffer_path(name)
+    try:
+        seg = _core.Segment.open(path, _core.KIND_BUFFER, 0)
+    except SegmentError:
+        raise InvalidArgumentError(f"no buffer is shared as {name!r} (never shared, or unset "
+                                   f"already)") from None
+    pid = seg.creator_pid
+    seg.close()
+    if not _core.reclaim(path):
+        raise InvalidArgumentError(f"{name!r} was shared by pid {pid}, which is alive: only its "
+                                   f"publisher unsets it")
+
+
 def lookup(name: str, timeout: float | None) -> dict:
     """The record published under `name`, waiting up to `timeout` s for it to appear."""
-    seg = _core.Segment.open(_names.buffer_path(name), _core.KIND_BUFFER, timeout)
+    seg = _core.Segment.open(_names.buffer_path(name), _core.KIND_BUFFER, timeout,
+                             _core.OPEN_LIVE_PRODUCER)  # a dead publisher's memory is gone
     try:
         return json.loads(bytes(seg.body()))
     finally:
@@ -62,12 +95,46 @@ def unpublish_all() -> None:
 
 @dataclass(frozen=True)
 class SharedDeviceBuffer:
-    """Device memory mapped from another process (the address is valid in this one)."""
+    """Device memory mapped from another process (the address is valid in this one). It
+    names its memory like a tensor does (data_ptr, numel, element_size, device), so every
+    op that takes a tensor takes it."""
 
     address: int
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
+    device: str = "gpu"  # "gpu:0", "xpu:1", ... (the importing process's view)
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+
+def mapped(address: int, shape: tuple, dtype: str, nbytes: int, device: str,
+           name: str) -> SharedDeviceBuffer:
+    """A SharedDeviceBuffer over what share_external_data mapped, its extent known to pdhal
+    (so raw addresses inside it can be bounds-checked) for the process's life."""
+    _extents.register(address, nbytes, device, f"shared buffer {name!r}")
+    return SharedDeviceBuffer(address, shape, dtype, nbytes, device)
+
+
+def data_ptr_op(share_external_data):
+    """The get_data_ptr_ipc op over a backend's share_external_data."""
+
+    def get_data_ptr_ipc(tensor, name: str, timeout: float | None = 60.0) -> int:
+        """The address, in this process, of the whole buffer shared as `name` (mapped on
+        first use): what a copy into another process's KV cache targets. `tensor` is unused
+        (FastDeploy's op takes one)."""
+        record = lookup(name, timeout)
+        shared = share_external_data("uint8", name, [record["nbytes"]], timeout)
+        return memory_ref(shared, "shared buffer").address
+
+    return get_data_ptr_ipc
 
 
 _ITEMSIZE_BEYOND_NUMPY = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -76,8 +143,9 @@ _ITEMSIZE_BEYOND_NUMPY = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 def request(like, name: str, shape, timeout: float | None) -> tuple[dict, tuple, str, int]:
     """Validate a share_external_data request: (record, shape, dtype name, bytes needed).
 
-    `like` gives the dtype; the record published under `name` must hold enough bytes."""
-    dtype = str(getattr(like, "dtype", "")).split(".")[-1]
+    `like` gives the dtype (a tensor, an array, or a dtype name); the record published under
+    `name` must hold enough bytes."""
+    dtype = (like if isinstance(like, str) else str(getattr(like, "dtype", ""))).split(".")[-1]
     if not dtype:
         raise InvalidTypeError(f"like must be a tensor or array with a dtype, got "
                                f"{type(like).__name__}")

@@ -25,7 +25,7 @@ from pdhal._errors import (
     PdhalError,
 )
 from pdhal._platform import Platform
-from pdhal import _signals
+from pdhal import _published, _signals
 from pdhal._sender import destroy_kv_signal_sender
 
 log = logging.getLogger("pdhal")
@@ -199,6 +199,7 @@ def _resolve() -> Selection:
                                f"{type(e).__name__}: {e}") from e
     table = dict(COMMON_OPS)
     table.update(backend_ops)
+    table["get_data_ptr_ipc"] = _published.data_ptr_op(backend_ops["share_external_data"])
     table["cuda_host_alloc"] = table["host_alloc"]
     table["cuda_host_free"] = table["host_free"]
     return Selection(cand, reason, table, platform, candidates)

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from pdhal import _blocks, _extents, _published
 from pdhal._backend import Availability, Backend
 from pdhal._errors import InvalidArgumentError, InvalidTypeError
 from pdhal._hostmem import HostBuffer
 from pdhal._names import validate_index
 from pdhal._runtime_library import RuntimeLibrary
 from pdhal._sender import KVSignalSender
-from pdhal._signals import LayerSignal
+from pdhal._signals import KernelSignal, LayerSignal
+from pdhal._tensors import memory_ref
 
 
 class RuntimeHostBuffer(HostBuffer):
@@ -53,6 +55,14 @@ class RuntimeBackend(Backend):
     event_record_symbol: ClassVar[str] = ""
     event_wait_symbol: ClassVar[str] = ""
     event_destroy_symbol: ClassVar[str] = ""
+    #: Host registration (the memory a NIC registers is pinned by the runtime):
+    #: register(void *ptr, size, unsigned flags) and unregister(void *ptr).
+    host_register_symbol: ClassVar[str] = ""
+    host_unregister_symbol: ClassVar[str] = ""
+    #: Asynchronous copy (dst, src, bytes, kind, stream), as cudaMemcpyAsync, and the wait
+    #: for a stream's work, sync(stream).
+    copy_symbol: ClassVar[str] = ""
+    stream_sync_symbol: ClassVar[str] = ""
     #: Attributes under which framework stream objects expose their raw handle.
     stream_attributes: ClassVar[tuple[str, ...]] = ()
     #: Words for the device in messages ("GPU", "XPU device").
@@ -139,6 +149,63 @@ class RuntimeBackend(Backend):
                                    f"host_alloc, got {type(buf).__name__}")
         buf.close()
 
+    def host_register(self, ptr_or_tensor, nbytes: int | None = None) -> None:
+        """Pin existing host memory through the runtime (what a NIC registers must be)."""
+        ref = memory_ref(ptr_or_tensor, "ptr_or_tensor")
+        size = ref.nbytes if nbytes is None else validate_index(nbytes, "nbytes", 1 << 46)
+        if not size:
+            raise InvalidArgumentError("host_register needs nbytes with a raw address")
+        rt = self.runtime
+        register = rt.optional(self.host_register_symbol)
+        rt.check(register(rt.pointer(ref.address), size, 0),
+                 f"{self.host_register_symbol}({ref.address:#x}, {size})")
+        _extents.register(ref.address, size, "cpu", "host_register")
+
+    def host_unregister(self, ptr_or_tensor) -> None:
+        """Undo host_register of the same address."""
+        address = memory_ref(ptr_or_tensor, "ptr_or_tensor").address
+        extent = _extents.find(address)
+        if extent is None or extent.start != address or extent.what != "host_register":
+            raise InvalidArgumentError(f"{address:#x} was not registered with host_register")
+        rt = self.runtime
+        rt.check(rt.optional(self.host_unregister_symbol)(rt.pointer(address)),
+                 self.host_unregister_symbol)
+        _extents.forget(address)
+
+    # ---- block copies --------------------------------------------------------------
+
+    def copy_kind(self, dst_device: str, src_device: str) -> int:
+        """The runtime's copy kind for a copy from `src_device` memory to `dst_device`."""
+        raise NotImplementedError
+
+    def copy_blocks(self, dst, dst_block_ids, src, src_block_ids, block_bytes: int,
+                    stream=None) -> int:
+        """Copy block src_block_ids[i] of `src` into block dst_block_ids[i] of `dst`,
+        ordered on `stream` after the work queued there (runs of consecutive ids as one
+        copy; every id checked first). Returns the copies issued; synchronize(stream) waits
+        for them."""
+        rt = self.runtime
+        return _blocks.copy_blocks(rt.address(getattr(rt.lib, self.copy_symbol)),
+                                   self.copy_kind, self.stream_handle(stream), dst,
+                                   dst_block_ids, src, src_block_ids, block_bytes)
+
+    def synchronize(self, stream=None) -> None:
+        """Wait until the work queued on `stream` so far has finished."""
+        rt = self.runtime
+        rt.check(getattr(rt.lib, self.stream_sync_symbol)(rt.pointer(self.stream_handle(stream))),
+                 self.stream_sync_symbol)
+
+    # ---- shared buffers ------------------------------------------------------------
+
+    def mapped(self, address: int, shape: tuple, dtype: str, nbytes: int, name: str):
+        """The SharedDeviceBuffer share_external_data returns over `address`."""
+        return _published.mapped(address, shape, dtype, nbytes, self.name_device, name)
+
+    @property
+    def name_device(self) -> str:
+        """The device kind in MemoryRef terms ("gpu", "xpu")."""
+        return {"cuda": "gpu"}.get(self.name, self.name)
+
     # ---- layer signals behind device events ----------------------------------------
 
     def create_kv_signal_sender(self) -> KVSignalSender:
@@ -154,7 +221,8 @@ class RuntimeBackend(Backend):
                                        f"create_kv_signal_sender, got {sender!r}")
         return sender
 
-    def post_behind_event(self, signal: LayerSignal, stream, sender: KVSignalSender) -> None:
+    def post_behind_event(self, signal: LayerSignal | KernelSignal, stream,
+                          sender: KVSignalSender) -> None:
         """Record an event on `stream` now and hand (event, signal) to `sender`, whose
         thread stores the signal once the event fired: the layer counts as ready only after
         the work queued before this call."""

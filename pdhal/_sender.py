@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import atexit
 import os
 import threading
@@ -9,15 +10,20 @@ from collections.abc import Callable
 
 from pdhal import _core
 from pdhal._errors import DeviceError, InvalidTypeError
-from pdhal._signals import LayerSignal
+from pdhal._signals import KernelSignal, LayerSignal, kernel_signal
 
 
-def require_signal(signal: object) -> LayerSignal:
-    if not isinstance(signal, LayerSignal):
+def require_signal(signal: object) -> LayerSignal | KernelSignal:
+    """`signal` as something a backend can post: a LayerSignal as it is, the kernel form of
+    one (its int64 words) as a KernelSignal; a pdhal error for anything else."""
+    if isinstance(signal, LayerSignal):
+        return signal
+    try:
+        return kernel_signal(signal)
+    except InvalidTypeError:
         raise InvalidTypeError(
-            f"signal must be a LayerSignal (from init_signal_layerwise or ChunkSignal.layer), "
-            f"got {type(signal).__name__}")
-    return signal
+            f"signal must be a LayerSignal (from init_signal_layerwise or ChunkSignal.layer) or "
+            f"its kernel form, got {type(signal).__name__}") from None
 
 
 class KVSignalSender:
@@ -35,7 +41,13 @@ class KVSignalSender:
         #: The backend whose device events this sender waits for.
         self.backend = backend
 
-    def post(self, event, signal: LayerSignal) -> None:
+    @property
+    def kernel_form(self) -> array.array:
+        """This sender as PDHAL_KERNEL_WORDS int64 words, for a device op that posts through
+        it (pdhal_kernel_sender): names the sender while it lives, never points at it."""
+        return array.array("q", [_core.KERNEL_SENDER, self._sender.kernel_id(), 0, 0])
+
+    def post(self, event, signal: LayerSignal | KernelSignal) -> None:
         """Queue `signal` to be stored once `event` (a device event handle, or None) fires.
 
         The sender owns `event` from here on, also if posting fails."""

@@ -8,6 +8,7 @@ signal_layer_ready); everything here is shared.
 
 from __future__ import annotations
 
+import array
 import atexit
 import errno
 import os
@@ -20,7 +21,7 @@ from pdhal._errors import (
     ProducerDiedError,
     SegmentError,
 )
-from pdhal._tensors import int_list, writable_int32
+from pdhal._tensors import int_list, memory_ref, writable_int32
 
 _NO_LAYER = -1
 #: The longest spin a wait accepts, in microseconds: longer is a poll loop, not a spin.
@@ -48,8 +49,54 @@ class LayerSignal:
         """A C pending store of this signal, for a device callback (None for a no-op)."""
         return None if self.segment is None else self.segment.new_store(self.slot, self.value)
 
+    @property
+    def kernel_form(self) -> array.array:
+        """This signal as PDHAL_KERNEL_WORDS int64 words, for a device op that posts it
+        through pdhal.h (pdhal_signal_store): the words name the channel, never point at it.
+        Hand the op a tensor over them (numpy.frombuffer, paddle.to_tensor); the op reads
+        them during its launch only."""
+        if self.segment is None:
+            return array.array("q", [_core.KERNEL_NOOP, 0, 0, 0])
+        return array.array("q", [_core.KERNEL_SIGNAL, self.segment.kernel_id(), self.slot,
+                                 self.value])
+
     def __repr__(self) -> str:
         return f"LayerSignal(step={self.step}, layer={self.layer})"
+
+
+class KernelSignal:
+    """A layer signal handed back in its kernel form (an engine passes the int64 words it
+    gave its op): posted like a LayerSignal, by the same backends."""
+
+    __slots__ = ("words", "segment")
+
+    def __init__(self, words):
+        self.words = words  # an int64_t[PDHAL_KERNEL_WORDS] copy
+        #: None for a no-op signal, as LayerSignal.segment (backends skip those)
+        self.segment = None if words[0] == _core.KERNEL_NOOP else self
+
+    def new_store(self):
+        return _core.kernel_store(self.words)
+
+    def publish(self) -> None:
+        _core.run_store(self.new_store())
+
+
+def kernel_signal(obj: object) -> KernelSignal:
+    """The KernelSignal of `obj`, the kernel form of a layer signal (4 int64 words in a
+    tensor, array or buffer); a pdhal error when it is none."""
+    ref = memory_ref(obj, "signal")
+    if ref.dtype not in ("int64", None) or ref.nbytes != 8 * _core.KERNEL_WORDS or \
+            ref.device not in ("cpu", "unknown"):
+        raise InvalidArgumentError(
+            f"a signal in kernel form is {_core.KERNEL_WORDS} int64 words in CPU memory, got "
+            f"{ref.nbytes} bytes of {ref.dtype} on {ref.device}")
+    words = _core.ffi.new("int64_t[]", _core.KERNEL_WORDS)
+    _core.ffi.memmove(words, _core.ffi.cast("int64_t *", ref.address), 8 * _core.KERNEL_WORDS)
+    if words[0] not in (_core.KERNEL_SIGNAL, _core.KERNEL_NOOP):
+        raise InvalidArgumentError(f"these words are not a layer signal's kernel form (tag "
+                                   f"{words[0]:#x})")
+    return KernelSignal(words)
 
 
 class SignalMeta:
@@ -186,10 +233,12 @@ def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_deco
         raise InvalidArgumentError(
             f"{len(requests)} prefill requests in one step, at most {_core.MAX_REQUESTS} fit")
     if not requests:
+        _core.clear_current_chunk()  # a device op's "next layer" posts nothing this step
         return ChunkSignal(None, 0, num_layers, requests)
     seg = _producer_channel("chunk", rank, device_id)
     table = [word for request in requests for word in request]
     step = seg.ring_begin_step(table, num_layers, backpressure_timeout())
+    seg.set_current_chunk(step, num_layers)
     return ChunkSignal(seg, step, num_layers, requests)
 
 

@@ -19,6 +19,8 @@ from pdhal._platform import Platform
 from pdhal._published import SharedDeviceBuffer
 from pdhal._published import publish as publish_shared
 from pdhal._published import request as request_shared
+from pdhal._published import unset as unset_shared
+from pdhal._extents import forget as forget_mapping
 from pdhal._runtime_backend import RuntimeBackend, RuntimeHostBuffer
 from pdhal._runtime_library import RuntimeLibrary
 from pdhal._sender import KVSignalSender, ProcessSender, require_signal
@@ -37,7 +39,8 @@ def reference_ops() -> dict:
 __all__ = [
     "BACKEND_OPS", "Availability", "Backend", "HostBuffer", "KVSignalSender", "LayerSignal",
     "MemoryRef", "Platform", "ProcessSender", "RuntimeBackend", "RuntimeHostBuffer",
-    "RuntimeLibrary", "STORE_CALLBACK_ADDRESS", "SharedDeviceBuffer", "free_store", "hookimpl",
-    "is_paddle_tensor", "memory_ref", "publish_shared", "reference_ops", "request_shared",
-    "require_signal", "store_address", "validate_index", "validate_name",
+    "RuntimeLibrary", "STORE_CALLBACK_ADDRESS", "SharedDeviceBuffer", "forget_mapping",
+    "free_store", "hookimpl", "is_paddle_tensor", "memory_ref", "publish_shared",
+    "reference_ops", "request_shared", "require_signal", "store_address", "unset_shared",
+    "validate_index", "validate_name",
 ]

@@ -29,6 +29,12 @@ extern "C" {
 #define PDHAL_DEFAULT_RING_SLOTS 16
 #define PDHAL_QUERY_SLOT 4294967295
 
+/* Kernel forms: PDHAL_KERNEL_WORDS int64 words, word 0 one of these tags. */
+#define PDHAL_KERNEL_WORDS 4
+#define PDHAL_KERNEL_SIGNAL 5783827313963565057 /* "PDHLK" 0 0 1 */
+#define PDHAL_KERNEL_NOOP 5783827313963565058
+#define PDHAL_KERNEL_SENDER 5783827313963565059
+
 /* Segment kinds (the header's `kind` field). */
 #define PDHAL_KIND_QUERY 1
 #define PDHAL_KIND_CHUNK 2
@@ -141,7 +147,8 @@ int pdhal_ring_ack(pdhal_segment *seg);
  * mapping alive until it runs. NULL (pdhal_last_error says why) when out of memory or when
  * `slot` is neither PDHAL_QUERY_SLOT nor a slot of the segment's ring. */
 pdhal_store *pdhal_store_new(pdhal_segment *seg, uint32_t slot, uint64_t value);
-/* Run the store and free it: matches the CUDA host function signature void(*)(void *). */
+/* Run the store and free it: matches the CUDA host function signature void(*)(void *).
+ * NULL does nothing. */
 void pdhal_store_run(void *store);
 /* Free a store that will never run (e.g. the launch failed). */
 void pdhal_store_free(pdhal_store *store);
@@ -152,8 +159,10 @@ void pdhal_store_free(pdhal_store *store);
 int pdhal_sender_create(pdhal_event_wait_fn wait, pdhal_event_destroy_fn destroy,
                         pdhal_sender **out);
 /* Queue (event, store): the thread waits for the event, runs the store, destroys the event.
- * Takes ownership of both, also on failure. Safe from several threads, but not concurrently
- * with pdhal_sender_destroy; -ECHILD in a forked child (the thread is the parent's). */
+ * Takes ownership of both, also on failure; a store that stores nothing (a no-op kernel
+ * form) destroys the event at once. A NULL store is -EINVAL; a NULL sender is -EINVAL and
+ * leaves the event to the caller (it cannot know how to destroy it). Safe from several
+ * threads, but not concurrently with pdhal_sender_destroy; -ECHILD in a forked child. */
 int pdhal_sender_post(pdhal_sender *sender, void *event, pdhal_store *store);
 /* Deliver everything queued, join the thread, free. Returns the number of stores dropped
  * because their event wait failed (0 in a healthy run), or -errno. */
@@ -162,6 +171,59 @@ int pdhal_sender_destroy(pdhal_sender *sender);
 uint64_t pdhal_sender_pending(pdhal_sender *sender);
 /* Event waits that failed so far (their stores were not run). */
 uint64_t pdhal_sender_failures(pdhal_sender *sender);
+/* ---- kernel forms (kernel.c) ----
+ * A device op (C/C++: an attention kernel's launcher) receives a layer signal or a sender as
+ * an int64 tensor of PDHAL_KERNEL_WORDS words, from Python's kernel_form. The words name
+ * things registered in this process (with a generation), never a pointer: a stale, freed or
+ * garbage tensor is refused with an error, never dereferenced. Each function reads the
+ * words once, during the call, so the engine may drop the tensor right after the launch.
+ *
+ * Per query, after the layer's cache writes, on a CUDA stream:
+ *     cudaLaunchHostFunc(stream, pdhal_store_run, pdhal_signal_store(kv_signal_data));
+ * Through a sender (a device without host functions), after recording `event`:
+ *     pdhal_sender_post(pdhal_kernel_sender(sender_words), event,
+ *                       pdhal_signal_store(kv_signal_data));
+ * Per chunk, "the next layer of the current step", with no signal argument:
+ *     cudaLaunchHostFunc(stream, pdhal_store_run, pdhal_next_chunk_layer_store());
+ */
+/* The pending store of the layer signal `words` (tag PDHAL_KERNEL_SIGNAL): run it from the
+ * device (pdhal_store_run). For PDHAL_KERNEL_NOOP (a step with nothing to report) a store
+ * that stores nothing. NULL, with pdhal_last_error set, when the words are not a live
+ * signal of this process; pdhal_store_run(NULL) does nothing, so a launch line that does
+ * not check still never crashes. */
+pdhal_store *pdhal_signal_store(const int64_t *words);
+/* The pending store of the next layer of this process's current per-chunk step: layers are
+ * numbered in the order of these calls, from 0 at each step start (which pdhal's
+ * init_kv_signal_per_query sets). NULL (with the reason) when no step is current, e.g. a
+ * step without prefill requests, or when every layer of the step was taken already.
+ * Thread-safe; a process producing several per-chunk channels names them by signal words. */
+pdhal_store *pdhal_next_chunk_layer_store(void);
+/* Make (seg, step, num_layers) the current per-chunk step of this process, its next layer
+ * 0; seg NULL clears it. pdhal's init_kv_signal_per_query calls it. 0 or -errno. */
+int pdhal_chunk_set_current(pdhal_segment *seg, uint64_t step, uint32_t num_layers);
+/* The kernel-form id of a producer channel: registers `seg` (once) so signal words can name
+ * it; the registration ends when the handle is closed. 0 on failure (table full). */
+int64_t pdhal_kernel_channel(pdhal_segment *seg);
+/* The sender named by `words` (tag PDHAL_KERNEL_SENDER) while it lives; NULL with the
+ * reason otherwise. Must not race with that sender's destroy. */
+pdhal_sender *pdhal_kernel_sender(const int64_t *words);
+/* The kernel-form id of a sender (every sender is registered from create to destroy). */
+int64_t pdhal_sender_kernel_id(pdhal_sender *sender);
+
+/* ---- block copies (copy.c) ---- */
+/* A runtime's asynchronous copy, called once per run of consecutive blocks: the ABI of
+ * cudaMemcpyAsync and xpu_memcpy_async, (dst, src, bytes, kind, stream). 0 on success. */
+typedef int (*pdhal_copy_fn)(void *dst, const void *src, uint64_t bytes, int kind,
+                             void *stream);
+/* Copy block src_ids[i] of `src` (src_blocks blocks of block_bytes) to block dst_ids[i] of
+ * `dst` (dst_blocks blocks), for i < count, in order: runs where both ids step by one are
+ * one copy. `copy` NULL copies at once with memmove (host memory); else each run is handed
+ * to `copy` with `kind` and `stream`. Every id is checked before anything is copied:
+ * -ERANGE naming the first bad one. Returns the number of copies made, or -EIO when `copy`
+ * failed (its code in pdhal_last_error; runs before it were issued). */
+int pdhal_copy_blocks(pdhal_copy_fn copy, int kind, void *stream, void *dst, uint64_t dst_blocks,
+                      const void *src, uint64_t src_blocks, uint64_t block_bytes,
+                      const int64_t *dst_ids, const int64_t *src_ids, uint64_t count);
 /* PDHAL_CDEF_END */
 
 #ifdef __cplusplus

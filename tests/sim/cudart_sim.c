@@ -12,6 +12,7 @@
 #define _GNU_SOURCE
 #include "sim_device.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +28,8 @@ enum {
     cudaErrorInvalidDevice = 101,
     cudaErrorMapBufferObjectFailed = 205,
     cudaErrorInvalidResourceHandle = 400,
+    cudaErrorHostMemoryAlreadyRegistered = 712,
+    cudaErrorHostMemoryNotRegistered = 713,
     cudaErrorLaunchFailure = 719,
 };
 
@@ -63,6 +66,10 @@ const char *cudaGetErrorString(int error)
     case cudaErrorMapBufferObjectFailed: return "mapping of buffer object failed";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorHostMemoryAlreadyRegistered:
+        return "part or all of the requested memory range is already mapped";
+    case cudaErrorHostMemoryNotRegistered:
+        return "pointer does not correspond to a registered memory region";
     default: return "unknown error";
     }
 }
@@ -123,6 +130,75 @@ int cudaStreamSynchronize(cudaStream_t s)
     int fault = sim_should_fail(__func__); /* reported once the stream is drained */
     sim_stream_sync(stream_of(s));
     return fault ? cudaErrorLaunchFailure : cudaSuccess;
+}
+
+/* Copies: the simulated device shares the host's address space, so every kind is a memmove;
+ * the asynchronous one runs in stream order. */
+int cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, cudaStream_t stream)
+{
+    SIM_FAILPOINT(cudaErrorInvalidValue);
+    if ((!dst || !src) && count)
+        return cudaErrorInvalidValue;
+    sim_stream_copy(stream_of(stream), dst, src, count);
+    return cudaSuccess;
+}
+int cudaMemcpy(void *dst, const void *src, size_t count, int kind)
+{
+    SIM_FAILPOINT(cudaErrorInvalidValue);
+    sim_stream_sync(sim_default_stream());
+    memmove(dst, src, count);
+    return cudaSuccess;
+}
+
+/* Host registration: remembered, so cudaPointerGetAttributes reports the range as host
+ * memory and unregistering an unknown pointer fails as CUDA's does. */
+#define MAX_REGISTERED 64
+static struct { const char *base; size_t size; } registered[MAX_REGISTERED];
+static pthread_mutex_t registered_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int cudaHostRegister(void *ptr, size_t size, unsigned int flags)
+{
+    SIM_FAILPOINT(cudaErrorInvalidValue);
+    int rc = cudaErrorMemoryAllocation;
+    pthread_mutex_lock(&registered_lock);
+    for (int i = 0; i < MAX_REGISTERED; i++) {
+        if (registered[i].base == ptr) {
+            rc = cudaErrorHostMemoryAlreadyRegistered;
+            break;
+        }
+        if (!registered[i].base && rc == cudaErrorMemoryAllocation) {
+            registered[i].base = ptr;
+            registered[i].size = size;
+            rc = cudaSuccess;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&registered_lock);
+    return ptr && size ? rc : cudaErrorInvalidValue;
+}
+int cudaHostUnregister(void *ptr)
+{
+    SIM_FAILPOINT(cudaErrorInvalidValue);
+    int rc = cudaErrorHostMemoryNotRegistered;
+    pthread_mutex_lock(&registered_lock);
+    for (int i = 0; i < MAX_REGISTERED; i++) {
+        if (registered[i].base && registered[i].base == ptr) {
+            registered[i].base = NULL;
+            rc = cudaSuccess;
+        }
+    }
+    pthread_mutex_unlock(&registered_lock);
+    return rc;
+}
+static int host_registered(const void *ptr)
+{
+    int found = 0;
+    pthread_mutex_lock(&registered_lock);
+    for (int i = 0; i < MAX_REGISTERED; i++)
+        found |= registered[i].base && (const char *)ptr >= registered[i].base &&
+                 (const char *)ptr < registered[i].base + registered[i].size;
+    pthread_mutex_unlock(&registered_lock);
+    return found;
 }
 
 int cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *data)
@@ -210,6 +286,11 @@ int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr
         attr->type = 2;
         attr->device = current_device;
         attr->devicePointer = (void *)ptr;
+        return cudaSuccess;
+    }
+    if (host_registered(ptr)) {
+        attr->type = 1;
+        attr->devicePointer = attr->hostPointer = (void *)ptr;
         return cudaSuccess;
     }
     /* cudaHostAlloc memory: recognised by the header only at the start of a buffer. */

@@ -157,7 +157,7 @@ void sim_event_wait(sim_event *e)
 
 /* ---- streams ---- */
 
-enum task_kind { TASK_FIRE, TASK_WAIT_EVENT, TASK_HOST_FN, TASK_WRITE, TASK_STOP };
+enum task_kind { TASK_FIRE, TASK_WAIT_EVENT, TASK_HOST_FN, TASK_WRITE, TASK_COPY, TASK_STOP };
 
 struct task {
     enum task_kind kind;
@@ -206,6 +206,9 @@ static void run_task(struct task *t)
         free(t->src);
         break;
     }
+    case TASK_COPY: /* reads its source when the stream reaches it, not at launch */
+        memmove(t->dst, t->src, t->n);
+        break;
     case TASK_STOP:
         break;
     }
@@ -312,6 +315,16 @@ void sim_stream_write(sim_stream *s, void *dst, const void *src, uint64_t n, uin
     memcpy(t->src, src, n); /* like a kernel argument: captured at launch */
     t->n = n;
     t->delay_us = delay_us;
+    enqueue(s, t);
+}
+
+void sim_stream_copy(sim_stream *s, void *dst, const void *src, uint64_t n)
+{
+    struct task *t = calloc(1, sizeof *t);
+    t->kind = TASK_COPY;
+    t->dst = dst;
+    t->src = (void *)src;
+    t->n = n;
     enqueue(s, t);
 }
 

@@ -17,6 +17,9 @@ void sim_stream_free(sim_stream *s);         /* drains first */
 sim_stream *sim_default_stream(void);
 void sim_stream_sync(sim_stream *s);          /* returns when all queued work has run */
 void sim_stream_host_fn(sim_stream *s, void (*fn)(void *), void *arg);
+/* A device copy in stream order: src is read when the stream reaches it (after the work
+ * queued before), as a runtime's asynchronous memcpy does. */
+void sim_stream_copy(sim_stream *s, void *dst, const void *src, uint64_t n);
 /* Test-only kernel: sleep delay_us, then copy n bytes from src to dst. */
 void sim_stream_write(sim_stream *s, void *dst, const void *src, uint64_t n, uint32_t delay_us);
 

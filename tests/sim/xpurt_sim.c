@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #include "sim_device.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -105,7 +106,20 @@ int sim_live_host_buffers(void) { return live_host_buffers; }
 int xpu_memcpy(void *dst, const void *src, uint64_t size, int kind)
 {
     SIM_FAILPOINT(XPUERR_INVALID);
-    memcpy(dst, src, size);
+    if (kind < 0 || kind > 2)
+        return XPUERR_INVALID;
+    sim_stream_sync(sim_default_stream()); /* synchronous: after the default stream's work */
+    memmove(dst, src, size);
+    return 0;
+}
+/* In stream order: the source is read when the stream reaches the copy. kind is
+ * XPUMemcpyKind (0 device to host, 1 host to device, 2 device to device). */
+int xpu_memcpy_async(void *dst, const void *src, uint64_t size, int kind, XPUStream stream)
+{
+    SIM_FAILPOINT(XPUERR_INVALID);
+    if (kind < 0 || kind > 2 || ((!dst || !src) && size))
+        return XPUERR_INVALID;
+    sim_stream_copy(stream_of(stream), dst, src, size);
     return 0;
 }
 
@@ -203,6 +217,41 @@ int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr
         attr->devicePointer = (void *)ptr;
     }
     return 0;
+}
+
+/* Host registration of the CUDA-compatible layer: remembered, so unregistering memory that
+ * was never registered fails. */
+#define MAX_REGISTERED 64
+static void *registered[MAX_REGISTERED];
+static pthread_mutex_t registered_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int cudaHostRegister(void *ptr, size_t size, unsigned int flags)
+{
+    SIM_FAILPOINT(XPUERR_INVALID);
+    if (!ptr || !size)
+        return XPUERR_INVALID;
+    int rc = XPUERR_INVALID;
+    pthread_mutex_lock(&registered_lock);
+    for (int i = 0; i < MAX_REGISTERED && rc; i++)
+        if (!registered[i]) {
+            registered[i] = ptr;
+            rc = 0;
+        }
+    pthread_mutex_unlock(&registered_lock);
+    return rc;
+}
+int cudaHostUnregister(void *ptr)
+{
+    SIM_FAILPOINT(XPUERR_INVALID);
+    int rc = XPUERR_INVALID;
+    pthread_mutex_lock(&registered_lock);
+    for (int i = 0; i < MAX_REGISTERED && rc; i++)
+        if (ptr && registered[i] == ptr) {
+            registered[i] = NULL;
+            rc = 0;
+        }
+    pthread_mutex_unlock(&registered_lock);
+    return rc;
 }
 #endif
 

@@ -10,18 +10,20 @@ from pdhal import InvalidArgumentError, InvalidTypeError
 from pdhal.plugin import (
     STORE_CALLBACK_ADDRESS,
     Platform,
+    forget_mapping,
     RuntimeBackend,
-    SharedDeviceBuffer,
     free_store,
     memory_ref,
     publish_shared,
     request_shared,
     require_signal,
     store_address,
+    unset_shared,
 )
 from pdhal_cuda._runtime import (
     CUDA_EVENT_DISABLE_TIMING,
     CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
+    CUDA_MEMCPY_DEFAULT,
     MEMORY_TYPES,
     CudaRuntime,
 )
@@ -63,12 +65,15 @@ class CudaBackend(RuntimeBackend):
     event_create_symbol, event_create_args = "cudaEventCreateWithFlags", (CUDA_EVENT_DISABLE_TIMING,)
     event_record_symbol, event_wait_symbol = "cudaEventRecord", "cudaEventSynchronize"
     event_destroy_symbol = "cudaEventDestroy"
+    host_register_symbol, host_unregister_symbol = "cudaHostRegister", "cudaHostUnregister"
+    copy_symbol, stream_sync_symbol = "cudaMemcpyAsync", "cudaStreamSynchronize"
     stream_attributes = ("cuda_stream",)
     device_word = "GPU"
 
     def __init__(self):
         super().__init__()
         self._opened: dict[str, int] = {}  # IPC handle -> mapped base: CUDA opens one once
+        self._imports: dict[str, tuple[str, int]] = {}  # name -> (IPC handle, address)
 
     def device_count_now(self) -> tuple[int, str]:
         count, rc = self.runtime.device_count()
@@ -84,8 +89,11 @@ class CudaBackend(RuntimeBackend):
         return {"signal_layer_ready": self.signal_layer_ready,
                 "create_kv_signal_sender": self.create_kv_signal_sender,
                 "host_alloc": self.host_alloc, "host_free": self.host_free,
+                "host_register": self.host_register, "host_unregister": self.host_unregister,
                 "get_peer_mem_addr": self.get_peer_mem_addr, "set_data_ipc": self.set_data_ipc,
-                "share_external_data": self.share_external_data}
+                "share_external_data": self.share_external_data,
+                "unset_data_ipc": self.unset_data_ipc, "copy_blocks": self.copy_blocks,
+                "synchronize": self.synchronize}
 
     def test_support(self):
         from pdhal_cuda.testing import CudaTestSupport
@@ -108,7 +116,7 @@ class CudaBackend(RuntimeBackend):
         Python and no GIL; the store owns its own copy of what to write, so the engine may
         free its per-step buffers at once. With a sender: an event recorded on the stream,
         waited for on the sender's thread."""
-        require_signal(signal)
+        signal = require_signal(signal)
         if signal.segment is None:
             return
         if sender is not None:
@@ -175,4 +183,25 @@ class CudaBackend(RuntimeBackend):
                                                  CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
                      "cudaIpcOpenMemHandle")
             base = self._opened[record["handle"]] = rt.address(ptr[0])
-        return SharedDeviceBuffer(base + record["offset"], shape, dtype, need)
+        self._imports[name] = (record["handle"], base + record["offset"])
+        return self.mapped(base + record["offset"], shape, dtype, need, name)
+
+    def unset_data_ipc(self, tensor, name: str, close_ipc: bool = True,
+                       unlink_shm: bool = True) -> None:
+        """Stop sharing `name`: with close_ipc, unmap this process's import of it
+        (cudaIpcCloseMemHandle: views of it are invalid afterwards); with unlink_shm, remove
+        the record (this process's own; another live publisher's is refused)."""
+        if close_ipc and name in self._imports:
+            handle, address = self._imports.pop(name)
+            forget_mapping(address)
+            if all(h != handle for h, _ in self._imports.values()):  # its last import
+                rt = self.runtime
+                rt.check(rt.lib.cudaIpcCloseMemHandle(rt.pointer(self._opened.pop(handle))),
+                         "cudaIpcCloseMemHandle")
+        unset_shared(name, unlink_shm)
+
+    # ---- block copies --------------------------------------------------------------
+
+    def copy_kind(self, dst_device: str, src_device: str) -> int:
+        """Any direction: unified addressing tells the runtime which it is."""
+        return CUDA_MEMCPY_DEFAULT

@@ -30,11 +30,16 @@ int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr
 int cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *ptr);
 int cudaIpcOpenMemHandle(void **ptr, cudaIpcMemHandle_t handle, unsigned int flags);
 int cudaIpcCloseMemHandle(void *ptr);
+int cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, cudaStream_t stream);
+int cudaStreamSynchronize(cudaStream_t stream);
+int cudaHostRegister(void *ptr, size_t size, unsigned int flags);
+int cudaHostUnregister(void *ptr);
 int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t ptr);
 """
 
 CUDA_EVENT_DISABLE_TIMING = 2
 CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+CUDA_MEMCPY_DEFAULT = 4  # the direction follows from the pointers (unified addressing)
 MEMORY_TYPES = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}
 
 

@@ -11,13 +11,19 @@ from pdhal.plugin import (
     Platform,
     ProcessSender,
     RuntimeBackend,
-    SharedDeviceBuffer,
+    forget_mapping,
     memory_ref,
     publish_shared,
     request_shared,
     require_signal,
+    unset_shared,
 )
-from pdhal_xpu._runtime import XpuRuntime
+from pdhal_xpu._runtime import (
+    XPU_DEVICE_TO_DEVICE,
+    XPU_DEVICE_TO_HOST,
+    XPU_HOST_TO_DEVICE,
+    XpuRuntime,
+)
 
 
 class XpuPlatform(Platform):
@@ -51,6 +57,9 @@ class XpuBackend(RuntimeBackend):
     host_alloc_symbol, host_free_symbol = "xpu_host_alloc", "xpu_host_free"
     event_create_symbol, event_record_symbol = "xpu_event_create", "xpu_event_record"
     event_wait_symbol, event_destroy_symbol = "xpu_event_wait", "xpu_event_destroy"
+    # host registration is in the runtime's CUDA-compatible layer (KL3 runtimes)
+    host_register_symbol, host_unregister_symbol = "cudaHostRegister", "cudaHostUnregister"
+    copy_symbol, stream_sync_symbol = "xpu_memcpy_async", "xpu_wait"
     stream_attributes = ("xpu_stream", "raw_stream")
     device_word = "XPU device"
 
@@ -59,6 +68,7 @@ class XpuBackend(RuntimeBackend):
         #: The sender a signal goes through when the engine passes none (XPU has no host
         #: functions): one per process, created on first use, flushed at exit.
         self.default_sender = ProcessSender(self.create_kv_signal_sender)
+        self._imports: dict[str, int] = {}  # buffer name -> mapped address
 
     def device_count_now(self) -> tuple[int, str]:
         try:
@@ -73,8 +83,11 @@ class XpuBackend(RuntimeBackend):
         return {"signal_layer_ready": self.signal_layer_ready,
                 "create_kv_signal_sender": self.create_kv_signal_sender,
                 "host_alloc": self.host_alloc, "host_free": self.host_free,
+                "host_register": self.host_register, "host_unregister": self.host_unregister,
                 "get_peer_mem_addr": self.get_peer_mem_addr, "set_data_ipc": self.set_data_ipc,
-                "share_external_data": self.share_external_data}
+                "share_external_data": self.share_external_data,
+                "unset_data_ipc": self.unset_data_ipc, "copy_blocks": self.copy_blocks,
+                "synchronize": self.synchronize}
 
     def test_support(self):
         from pdhal_xpu.testing import XpuTestSupport
@@ -94,7 +107,7 @@ class XpuBackend(RuntimeBackend):
     def signal_layer_ready(self, signal, stream=None, sender=None) -> None:
         """Record an event on `stream` after the layer's work; the sender thread stores the
         signal once the event fires (the process's default sender if none is given)."""
-        require_signal(signal)
+        signal = require_signal(signal)
         if signal.segment is None:
             return
         sender = self.default_sender.get() if sender is None else self.require_sender(sender)
@@ -137,4 +150,31 @@ class XpuBackend(RuntimeBackend):
         rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
         ptr = rt.ffi.new("void **")
         rt.check(open_handle(ptr, handle[0], 0), "xpu_ipc_open_memhandle")
-        return SharedDeviceBuffer(rt.address(ptr[0]), shape, dtype, need)
+        self._imports[name] = rt.address(ptr[0])
+        return self.mapped(rt.address(ptr[0]), shape, dtype, need, name)
+
+    def unset_data_ipc(self, tensor, name: str, close_ipc: bool = True,
+                       unlink_shm: bool = True) -> None:
+        """Stop sharing `name`: with close_ipc, unmap this process's import of it (where the
+        runtime can: xpu_ipc_close_memhandle); with unlink_shm, remove the record (this
+        process's own; another live publisher's is refused)."""
+        if close_ipc and name in self._imports:
+            address = self._imports.pop(name)
+            forget_mapping(address)
+            rt = self.runtime
+            if rt.has("xpu_ipc_close_memhandle"):
+                rt.check(rt.lib.xpu_ipc_close_memhandle(rt.pointer(address)),
+                         "xpu_ipc_close_memhandle")
+        unset_shared(name, unlink_shm)
+
+    # ---- block copies --------------------------------------------------------------
+
+    def copy_kind(self, dst_device: str, src_device: str) -> int:
+        """XPUMemcpyKind from where each side lives (host memory: "cpu")."""
+        on_device = (dst_device.startswith("xpu"), src_device.startswith("xpu"))
+        kinds = {(True, True): XPU_DEVICE_TO_DEVICE, (True, False): XPU_HOST_TO_DEVICE,
+                 (False, True): XPU_DEVICE_TO_HOST}
+        if on_device not in kinds:
+            raise InvalidArgumentError("the xpu backend copies to or from XPU memory; both "
+                                       "sides are host memory here")
+        return kinds[on_device]

@@ -25,10 +25,18 @@ int xpu_event_record(XPUEvent ev, XPUStream stream);
 int xpu_event_wait(XPUEvent ev);
 int xpu_event_destroy(XPUEvent ev);
 int xpu_wait(XPUStream s);
+int xpu_memcpy_async(void *dst, const void *src, uint64_t size, int kind, XPUStream stream);
+int cudaHostRegister(void *ptr, size_t size, unsigned int flags);
+int cudaHostUnregister(void *ptr);
+int xpu_ipc_close_memhandle(void *devptr);
 int xpu_ipc_get_memhandle(XPUIpcMemHandle *handle, void *devptr);
 int xpu_ipc_open_memhandle(void **devptr, XPUIpcMemHandle handle, unsigned int flags);
 int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr);
 """
+
+
+#: XPUMemcpyKind
+XPU_DEVICE_TO_HOST, XPU_HOST_TO_DEVICE, XPU_DEVICE_TO_DEVICE = 0, 1, 2
 
 
 class XpuRuntime(RuntimeLibrary):

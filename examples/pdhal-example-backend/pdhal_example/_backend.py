@@ -49,7 +49,7 @@ def signal_layer_ready(signal, stream=None, sender: KVSignalSender | None = None
     """Replace: queue the store behind the layer's work on your stream. With a host-function
     launch (like CUDA), hand it pdhal.plugin.STORE_CALLBACK_ADDRESS and signal.new_store();
     with events only (like XPU), record an event and sender.post(event, signal)."""
-    require_signal(signal)
+    signal = require_signal(signal)
     if signal.segment is None:
         return
     target = _stream_of(stream)
@@ -80,6 +80,20 @@ class ExampleSender(KVSignalSender):
 
 def create_kv_signal_sender() -> KVSignalSender:
     return ExampleSender()
+
+
+def copy_blocks(dst, dst_block_ids, src, src_block_ids, block_bytes: int, stream=None) -> int:
+    """Replace: issue each run through your runtime's asynchronous copy on the stream
+    (pdhal.plugin.RuntimeBackend.copy_blocks does, given the copy's symbol name). This
+    pretend device waits for its stream, then copies at once: still after the work queued
+    before, which is the ordering the kit checks."""
+    _stream_of(stream).synchronize()
+    return reference_ops()["copy_blocks"](dst, dst_block_ids, src, src_block_ids, block_bytes)
+
+
+def synchronize(stream=None) -> None:
+    """Replace: your runtime's stream synchronize."""
+    _stream_of(stream).synchronize()
 
 
 class ExampleTestSupport(TestSupport):
@@ -135,6 +149,8 @@ class ExampleBackend(Backend):
             **reference_ops(),
             "signal_layer_ready": signal_layer_ready,
             "create_kv_signal_sender": create_kv_signal_sender,
+            "copy_blocks": copy_blocks,
+            "synchronize": synchronize,
         }
 
     def test_support(self):

@@ -13,7 +13,7 @@ import pytest
 
 import pdhal
 from pdhal import ops
-from pdhal._backend import BACKEND_OPS
+from pdhal.plugin import BACKEND_OPS
 from pdhal.testing.procs import child, finish
 
 STEPS, LAYERS, BLOCK = 20, 8, 64
@@ -171,6 +171,130 @@ def test_host_memory_roundtrip():
         buf.address
 
 
+def test_a_signal_in_kernel_form_posts_like_the_signal(support):
+    """What a device op receives (int64 words) is accepted back by signal_layer_ready."""
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    words = np.frombuffer(ops.init_signal_layerwise(meta, 4).kernel_form, np.int64)
+    ops.signal_layer_ready(words, support.stream())
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        assert reader.wait((meta.step, -1), timeout=10) == (meta.step, 4)
+    with pytest.raises(pdhal.InvalidArgumentError, match="not a layer signal"):
+        ops.signal_layer_ready(np.array([7, 0, 0, 0], np.int64))
+
+
+# ---- block copies ----------------------------------------------------------------------
+
+def _filled(support, blocks: int, stream):
+    """Device memory of `blocks` blocks, block i filled with byte i + 1 by work on `stream`."""
+    kv = support.alloc(blocks * BLOCK)
+    for i in range(blocks):
+        support.delayed_write(stream, kv.address + i * BLOCK, bytes([i + 1]) * BLOCK, 0)
+    return kv
+
+
+def _blocks_of(support, address: int, blocks: int) -> list[int]:
+    """The first byte of each block (each block is uniform in these tests)."""
+    data = support.read(address, blocks * BLOCK)
+    assert all(data[i * BLOCK:(i + 1) * BLOCK] == bytes([data[i * BLOCK]]) * BLOCK
+               for i in range(blocks)), "a block was written partly"
+    return [data[i * BLOCK] for i in range(blocks)]
+
+
+def test_block_copies_move_exactly_the_named_blocks_in_stream_order(support):
+    stream = support.stream()
+    src = _filled(support, 8, stream)  # the copy is queued behind these writes
+    dst = support.alloc(8 * BLOCK)
+    copies = ops.copy_blocks(dst, [5, 6, 7, 0], src, [1, 2, 3, 4], BLOCK, stream)
+    ops.synchronize(stream)
+    assert copies == 2  # 1..3 -> 5..7 is one run, 4 -> 0 another
+    assert _blocks_of(support, dst.address, 8) == [5, 0, 0, 0, 0, 2, 3, 4]
+
+
+def test_block_copies_between_host_and_device(support):
+    stream = support.stream()
+    src = _filled(support, 4, stream)
+    host = ops.host_alloc(4 * BLOCK)
+    host.memoryview()[:] = bytes(4 * BLOCK)  # host_alloc promises no contents
+    try:
+        ops.copy_blocks(host.address, [3, 2], src, [0, 1], BLOCK, stream)  # device -> host
+        ops.synchronize(stream)
+        assert list(host.memoryview()[::BLOCK]) == [0, 0, 2, 1]
+        dst = support.alloc(4 * BLOCK)
+        ops.copy_blocks(dst, [0, 1], host, [2, 3], BLOCK, stream)  # host -> device
+        ops.synchronize(stream)
+        assert _blocks_of(support, dst.address, 4) == [2, 1, 0, 0]
+    finally:
+        ops.host_free(host)
+
+
+@pytest.mark.parametrize("dst_ids, src_ids, words", [
+    ([0, 4], [0, 1], "destination block id 4"),
+    ([0, 1], [0, -1], "source block id -1"),
+    ([0, 1], [0], "must pair up"),
+    ([0, "1"], [0, 1], "integer block ids"),
+])
+def test_bad_block_ids_are_refused_and_nothing_is_copied(support, dst_ids, src_ids, words):
+    stream = support.stream()
+    src = _filled(support, 4, stream)
+    dst = support.alloc(4 * BLOCK)
+    with pytest.raises(pdhal.InvalidArgumentError, match=words):
+        ops.copy_blocks(dst, dst_ids, src, src_ids, BLOCK, stream)
+    ops.synchronize(stream)
+    assert _blocks_of(support, dst.address, 4) == [0, 0, 0, 0]
+
+
+def test_blocks_land_in_another_process_s_shared_cache(support):
+    """A same-host transfer: the receiver publishes its cache, the sender maps it by name
+    (get_data_ptr_ipc) and copies named blocks into it; nothing else changes."""
+    receiver = child(f"""
+        import sys
+        kv = support.alloc({8 * BLOCK})
+        ops.set_data_ipc(kv, "kit_remote")
+        print("published", flush=True)
+        sys.stdin.readline()  # the sender is done
+        got = [support.read(kv.address + i * {BLOCK}, {BLOCK}) for i in range(8)]
+        assert got == [bytes([b]) * {BLOCK} for b in (0, 0, 3, 4, 0, 0, 0, 2)], got
+    """, stdin=-1, stdout=-1, text=True)
+    assert receiver.stdout.readline() == "published\n"
+    stream = support.stream()
+    src = _filled(support, 4, stream)
+    remote = ops.get_data_ptr_ipc(None, "kit_remote", timeout=30)
+    assert isinstance(remote, int)
+    ops.copy_blocks(remote, [7, 2, 3], src, [1, 2, 3], BLOCK, stream)
+    ops.synchronize(stream)
+    receiver.stdin.write("done\n")
+    receiver.stdin.flush()
+    finish(receiver)
+
+
+def test_unset_data_ipc_takes_the_record_away(support):
+    kv = support.alloc(BLOCK)
+    ops.set_data_ipc(kv, "kit_unset")
+    assert ops.share_external_data(np.zeros(1, np.uint8), "kit_unset", [BLOCK]) is not None
+    ops.unset_data_ipc(kv, "kit_unset")
+    with pytest.raises(pdhal.SegmentError, match="does not exist"):
+        ops.share_external_data(np.zeros(1, np.uint8), "kit_unset", [BLOCK], timeout=0)
+    with pytest.raises(pdhal.InvalidArgumentError, match="no buffer is shared as 'kit_unset'"):
+        ops.unset_data_ipc(kv, "kit_unset")
+
+
+def test_host_register_makes_memory_known_and_unregister_forgets_it(support):
+    stream = support.stream()
+    src = _filled(support, 2, stream)
+    host = np.zeros(2 * BLOCK, np.uint8)
+    ops.host_register(host)
+    try:
+        ops.copy_blocks(host.ctypes.data, [0], src, [1], BLOCK, stream)  # a raw address: known
+        ops.synchronize(stream)
+        assert host[0] == 2 and host[BLOCK] == 0
+    finally:
+        ops.host_unregister(host)
+    with pytest.raises(pdhal.InvalidArgumentError, match="did not hand out"):
+        ops.copy_blocks(host.ctypes.data, [0], src, [1], BLOCK, stream)
+    with pytest.raises(pdhal.InvalidArgumentError, match="was not registered"):
+        ops.host_unregister(host)
+
+
 # ---- bad inputs ----------------------------------------------------------------------
 
 BAD_CALLS = [
@@ -195,6 +319,12 @@ BAD_CALLS = [
     ("share_external_data", (np.zeros(1), "a/b", [1])),
     ("share_external_data", (np.zeros(1), "nul\0", [1])),
     ("share_external_data", (np.zeros(1), "kv", [-1])),
+    ("copy_blocks", (np.zeros(8, np.uint8), [0], np.zeros(8, np.uint8), [0], 0)),
+    ("copy_blocks", (np.zeros(8, np.uint8), [0], 12345, [0], 8)),
+    ("copy_blocks", (np.zeros(8, np.uint8), "0", np.zeros(8, np.uint8), [0], 8)),
+    ("unset_data_ipc", (np.zeros(1), "a/b")),
+    ("host_unregister", (np.zeros(8, np.uint8),)),
+    ("get_data_ptr_ipc", (None, "kit_never_shared", 0)),
 ]
 
 

@@ -1,0 +1,68 @@
+"""Block copies between paged KV caches, the part every backend shares: which memory each
+side is and how far it extends, the block ids as engines pass them, and the C loop
+(pdhal_copy_blocks) that checks every id and coalesces runs. A backend adds its runtime's
+asynchronous copy and the stream."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdhal import _core, _extents
+from pdhal._errors import InvalidArgumentError, InvalidTypeError
+from pdhal._names import validate_index
+from pdhal._tensors import MemoryRef, memory_ref
+
+
+def resolve(obj: object, what: str, writable: bool = False) -> MemoryRef:
+    """The memory `obj` names, with its extent: a tensor or buffer says its own; a raw int
+    address must lie in memory pdhal handed out (host_alloc, cuda_host_alloc, a shared
+    buffer, a registered range), which bounds it."""
+    ref = memory_ref(obj, what, writable=writable)
+    if ref.nbytes is not None:
+        return ref
+    extent = _extents.find(ref.address)
+    if extent is None:
+        raise InvalidArgumentError(
+            f"{what} is the address {ref.address:#x}, which pdhal did not hand out, so how far "
+            f"it extends is unknown: pass a tensor, or memory from host_alloc, "
+            f"cuda_host_alloc, get_data_ptr_ipc or host_register")
+    return MemoryRef(ref.address, extent.start + extent.nbytes - ref.address, extent.device)
+
+
+def block_ids(obj: object, what: str) -> list[int]:
+    """Block ids as engines pass them: a list, tuple, or 1-D integer tensor or array."""
+    if hasattr(obj, "tolist") and not isinstance(obj, (list, tuple)):
+        obj = obj.tolist()
+    if not isinstance(obj, (list, tuple)):
+        raise InvalidTypeError(f"{what} must be a list or 1-D tensor of block ids, got "
+                               f"{type(obj).__name__}")
+    ids = []
+    for value in obj:
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgumentError(f"{what} must hold integer block ids, found {value!r}")
+        if not -2**63 <= value < 2**63:
+            raise InvalidArgumentError(f"{what} holds {value}, beyond any block id")
+        ids.append(value)
+    return ids
+
+
+def copy_blocks(copy_fn: int, kind_of: Callable[[str, str], int], stream: int, dst,
+                dst_block_ids, src, src_block_ids, block_bytes: int) -> int:
+    """Copy block src_block_ids[i] of `src` to block dst_block_ids[i] of `dst` through the
+    runtime's copy (its C address; 0: memmove now). kind_of(dst device, src device) gives
+    the runtime's copy kind. Returns the number of copies made (runs of consecutive ids)."""
+    block_bytes = validate_index(block_bytes, "block_bytes", 1 << 46)
+    if block_bytes == 0:
+        raise InvalidArgumentError("block_bytes must be at least 1")
+    dst_ids = block_ids(dst_block_ids, "dst_block_ids")
+    src_ids = block_ids(src_block_ids, "src_block_ids")
+    if len(dst_ids) != len(src_ids):
+        raise InvalidArgumentError(f"dst_block_ids and src_block_ids must pair up, got "
+                                   f"{len(dst_ids)} and {len(src_ids)} ids")
+    d = resolve(dst, "dst", writable=True)
+    s = resolve(src, "src")
+    return _core.copy_blocks(copy_fn, kind_of(d.device, s.device), stream, d.address,
+                             d.nbytes // block_bytes, s.address, s.nbytes // block_bytes,
+                             block_bytes, dst_ids, src_ids)
