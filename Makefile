@@ -67,7 +67,7 @@ tsan:
 	mkdir -p build
 	gcc -std=gnu11 -O1 -g -Wno-tsan -fsanitize=thread -DPDHAL_TEST_HOOKS -Ipdhal/include -Icsrc \
 	  -o build/race_test_tsan tests/c/race_test.c csrc/*.c -lpthread
-	for check in lost_wake query_payload ring_payload ring_lapped; do \
+	for check in lost_wake query_payload ring_payload ring_lapped step_race; do \
 	  TSAN_OPTIONS=halt_on_error=1 build/race_test_tsan $$check || exit 1; done
 
 # Mutation testing (tests/mutation): plant each bug of mutants.toml in a scratch copy and

@@ -29,7 +29,8 @@ def race_test(tmp_path_factory) -> str:
     return binary
 
 
-@pytest.mark.parametrize("check", ["lost_wake", "query_payload", "ring_payload", "ring_lapped"])
+@pytest.mark.parametrize("check", ["lost_wake", "query_payload", "ring_payload", "ring_lapped",
+                                   "step_race"])
 def test_race_checks_hold(race_test, check):
     """lost_wake makes the reader register while the writer sits between its two steps:
     with the steps in the wrong order (look for waiters, then bump), the reader sleeps

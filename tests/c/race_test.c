@@ -10,7 +10,12 @@
  *   query_payload    a writer fills a plain (non-atomic) buffer, then publishes the layer;
  *                    the reader waits and reads the buffer. Under ThreadSanitizer a publish
  *                    that is not a release (or a load that is not an acquire) is a data race
- *                    on the buffer.
+ *                    on the buffer. The first layer is forced through the one interleaving
+ *                    where nothing else orders it (the reader read the sequence word before
+ *                    the writer's bump, and the progress after its store), so the race is
+ *                    reported every run, not only when the threads happen to meet that way.
+ *   step_race        two threads start a step at once, both having read the same word: each
+ *                    must still get a step of its own.
  *   ring_payload     the same through the per-chunk ring (step tables and layer records).
  *   ring_lapped      a writer rewrites the slot while the reader copies its table (what a
  *                    second producer or a corrupting process does): the reader must refuse
@@ -151,8 +156,35 @@ static int lost_wake(void)
 
 static uint64_t payload[LAYERS][WORDS]; /* plain memory: what a KV cache write is */
 
+/* Relaxed on purpose: these flags must not order anything themselves, or they would hide
+ * from ThreadSanitizer the very missing release/acquire they are there to expose. */
+static _Atomic int forcing, writer_tid, first_published, first_read;
+
+static void relaxed_wait_until(_Atomic int *flag, int64_t limit_ns)
+{
+    int64_t end = pdhal_now_ns() + limit_ns;
+    while (!atomic_load_explicit(flag, memory_order_relaxed) && pdhal_now_ns() < end)
+        sched_yield();
+}
+
+static void force_first_layer(enum pdhal_hook_point point)
+{
+    if (!atomic_load_explicit(&forcing, memory_order_relaxed))
+        return;
+    int tid = (int)syscall(SYS_gettid);
+    if (point == PDHAL_HOOK_READ_SEQ && tid == atomic_load_explicit(&reader_tid, memory_order_relaxed)) {
+        relaxed_wait_until(&first_published, 1000000000LL); /* seq read; progress after store */
+    } else if (point == PDHAL_HOOK_PUBLISHED &&
+               tid == atomic_load_explicit(&writer_tid, memory_order_relaxed)) {
+        atomic_store_explicit(&first_published, 1, memory_order_relaxed);
+        relaxed_wait_until(&first_read, 1000000000LL); /* the bump only after the read */
+        atomic_store_explicit(&forcing, 0, memory_order_relaxed);
+    }
+}
+
 static void *query_writer(void *arg)
 {
+    atomic_store_explicit(&writer_tid, (int)syscall(SYS_gettid), memory_order_relaxed);
     uint64_t step = *(uint64_t *)arg;
     for (int layer = 0; layer < LAYERS; layer++) {
         for (int i = 0; i < WORDS; i++)
@@ -165,6 +197,11 @@ static void *query_writer(void *arg)
 
 static int query_payload(void)
 {
+#ifdef PDHAL_TEST_HOOKS
+    pdhal_test_hook = force_first_layer;
+    atomic_store_explicit(&forcing, 1, memory_order_relaxed);
+#endif
+    atomic_store_explicit(&reader_tid, (int)syscall(SYS_gettid), memory_order_relaxed);
     open_pair(PDHAL_KIND_QUERY, 0);
     uint64_t step;
     if (pdhal_progress_begin_step(producer, &step))
@@ -182,6 +219,7 @@ static int query_payload(void)
         for (uint64_t layer = since & PDHAL_LAYER_MASK; layer < (now & PDHAL_LAYER_MASK); layer++)
             for (int i = 0; i < WORDS; i++)
                 bad += payload[layer][i] != layer * WORDS + i;
+        atomic_store_explicit(&first_read, 1, memory_order_relaxed);
         since = now;
     }
     pthread_join(t, NULL);
@@ -287,10 +325,56 @@ static int ring_lapped(void)
     return 0;
 }
 
+/* ---- step_race ---- */
+
+static _Atomic int arrivals;
+
+/* The first two step starts meet here, each having read the word: both computed the same
+ * next step, and only an atomic compare-and-swap keeps them apart. */
+static void meet_after_reading(enum pdhal_hook_point point)
+{
+    if (point != PDHAL_HOOK_STEP_READ || atomic_fetch_add(&arrivals, 1) >= 2)
+        return;
+    int64_t end = pdhal_now_ns() + 1000000000LL;
+    while (atomic_load(&arrivals) < 2 && pdhal_now_ns() < end)
+        sched_yield();
+}
+
+static void *start_a_step(void *out)
+{
+    if (pdhal_progress_begin_step(producer, out))
+        die("pdhal_progress_begin_step", -1);
+    return NULL;
+}
+
+static int step_race(void)
+{
+#ifdef PDHAL_TEST_HOOKS
+    pdhal_test_hook = meet_after_reading;
+#else
+    fprintf(stderr, "race_test: step_race needs a build with -DPDHAL_TEST_HOOKS\n");
+    return 2;
+#endif
+    open_pair(PDHAL_KIND_QUERY, 0);
+    uint64_t steps[2] = {0, 0};
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++)
+        pthread_create(&t[i], NULL, start_a_step, &steps[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(t[i], NULL);
+    close_pair();
+    if (steps[0] == steps[1]) {
+        fprintf(stderr, "race_test: two threads starting a step at once both got step %llu\n",
+                (unsigned long long)steps[0]);
+        return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
-        fprintf(stderr, "usage: race_test lost_wake|query_payload|ring_payload|ring_lapped\n");
+        fprintf(stderr, "usage: race_test lost_wake|query_payload|ring_payload|ring_lapped|step_race\n");
         return 2;
     }
     if (!strcmp(argv[1], "lost_wake"))
@@ -301,6 +385,8 @@ int main(int argc, char **argv)
         return ring_payload();
     if (!strcmp(argv[1], "ring_lapped"))
         return ring_lapped();
+    if (!strcmp(argv[1], "step_race"))
+        return step_race();
     fprintf(stderr, "race_test: unknown check %s\n", argv[1]);
     return 2;
 }
