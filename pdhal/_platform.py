@@ -80,13 +80,26 @@ class Platform:
                 f"{os.environ.get(self.device_control_env_var)!r} makes {len(visible)} visible")
         return visible[local_rank]
 
-    def child_env(self, device_ids: list[DeviceId], base: dict[str, str] | None = None
-                  ) -> dict[str, str]:
+    def device_index(self, local_rank: int) -> int:
+        """The physical device index of local device `local_rank`: the id to name its
+        channels and shared caches with (FastDeploy's convention), the same in every
+        process whatever visibility list each inherited."""
+        device = self.physical_device_id(local_rank)
+        if not isinstance(device, int):
+            raise InvalidArgumentError(
+                f"{self.device_control_env_var} names local device {local_rank} {device!r}, not "
+                f"an index: list devices by index to name channels after them")
+        return device
+
+    def child_env(self, device_ids: list[DeviceId], base: dict[str, str] | None = None, *,
+                  isolate: bool = True) -> dict[str, str]:
         """Environment for a child process on the given PHYSICAL devices.
 
-        The child sees exactly these devices, as its local devices 0..n-1 in this order, so it
-        never interprets a physical id against an inherited visibility list. A device the
-        parent cannot see is an error.
+        isolate=True: the child sees exactly these devices, as its local devices 0..n-1 in
+        this order. isolate=False: the child sees every device (the visibility variable is
+        unset), so the physical ids stay valid there, as FastDeploy's cache processes expect
+        (`set_device(physical_id)`). Either way it never interprets a physical id against
+        an inherited visibility list. A device the parent cannot see is an error.
         """
         env = dict(os.environ if base is None else base)
         if isinstance(device_ids, (int, str)):
@@ -97,11 +110,14 @@ class Platform:
         for dev in device_ids:
             if isinstance(dev, bool) or not isinstance(dev, (int, str)) or (
                     isinstance(dev, int) and dev < 0):
-                raise InvalidArgumentError(f"device ids must be ints >= 0 or UUID strings, "
+                raise InvalidArgumentError(f"device ids must be ints >= 0 or device names, "
                                            f"got {dev!r}")
             if parent is not None and dev not in parent:
                 raise InvalidArgumentError(
                     f"device {dev!r} is not visible to this process "
                     f"({self.device_control_env_var}={env.get(self.device_control_env_var)!r})")
-        env[self.device_control_env_var] = ",".join(str(d) for d in device_ids)
+        if isolate:
+            env[self.device_control_env_var] = ",".join(str(d) for d in device_ids)
+        else:
+            env.pop(self.device_control_env_var, None)
         return env

@@ -114,6 +114,19 @@ class SharedDeviceBuffer:
     def element_size(self) -> int:
         return 1
 
+    def __dlpack__(self, stream=None):
+        """A DLPack capsule over the mapping (shape and dtype as requested): e.g.
+        paddle.from_dlpack(buffer) gives a tensor over the other process's memory."""
+        from pdhal import _dlpack
+
+        return _dlpack.export(self, self.address, self.shape, self.dtype, self.device)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        from pdhal import _dlpack
+
+        kind, _, index = self.device.partition(":")
+        return _dlpack.DEVICE_TYPES.get(kind, 0), int(index or 0)
+
 
 def mapped(address: int, shape: tuple, dtype: str, nbytes: int, device: str,
            name: str) -> SharedDeviceBuffer:

@@ -12,11 +12,11 @@ an InvalidArgumentError that names the argument, what it got and what it needs.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass
 
 from pdhal._core import ffi
+from pdhal._dlpack import DLTensor, capsule_pointer
 from pdhal._errors import InvalidArgumentError, InvalidTypeError
 
 _ACCEPTED = ("a Paddle tensor, a buffer (numpy array, bytearray, ...), an object with "
@@ -142,28 +142,8 @@ def _cai_ref(cai: dict, what: str) -> MemoryRef:
     return MemoryRef(address, count * itemsize, "gpu", dtype, bool(readonly))
 
 
-# DLPack's C structs (dlpack.h, v0.8): just enough to read a capsule's tensor description.
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
 _DL_DEVICE_NAMES = {1: "cpu", 2: "gpu", 3: "cpu", 13: "cpu"}  # kDLCPU, kDLCUDA, pinned, managed
 _DL_CODES = {0: "int", 1: "uint", 2: "float", 4: "bfloat", 6: "bool"}
-
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-
 
 def _dlpack_ref(obj, what: str) -> MemoryRef:
     # Reading the capsule without renaming it leaves ownership with the capsule, whose
@@ -172,7 +152,7 @@ def _dlpack_ref(obj, what: str) -> MemoryRef:
         capsule = obj.__dlpack__()
     except (BufferError, TypeError, ValueError) as e:
         raise InvalidArgumentError(f"{what} cannot be exported through DLPack: {e}") from None
-    tensor = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    tensor = DLTensor.from_address(capsule_pointer(capsule))
     shape = [tensor.shape[i] for i in range(tensor.ndim)]
     itemsize = tensor.dtype.bits * tensor.dtype.lanes // 8
     if tensor.strides:  # in elements; NULL means compact row-major

@@ -68,3 +68,34 @@ def test_child_env_and_invisible_devices(monkeypatch):
         platform.child_env([])
     base = {"OTHER": "1"}
     assert platform.child_env([0], base=base) == {"OTHER": "1", "PDHAL_CPU_VISIBLE_DEVICES": "0"}
+
+
+def test_child_env_that_keeps_physical_ids_valid(monkeypatch):
+    """FastDeploy launches its cache process on a physical id and calls set_device(id)
+    there: the child must see every device, not a list in which id 5 is invalid."""
+    monkeypatch.setenv("PDHAL_CPU_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setenv("PDHAL_CPU_DEVICE_COUNT", "8")
+    platform = pdhal.current_platform()
+    assert platform.device_index(1) == 5
+    env = platform.child_env([5], isolate=False)
+    assert "PDHAL_CPU_VISIBLE_DEVICES" not in env
+    proc = run_child("""
+        import pdhal
+        p = pdhal.current_platform()
+        assert p.visible_devices() is None and p.device_count() == 8
+        print(p.physical_device_id(5))
+    """, env=env)
+    assert proc.stdout.strip() == "5"
+    with pytest.raises(pdhal.InvalidArgumentError, match="not visible"):
+        platform.child_env([2], isolate=False)
+    assert platform.child_env([5])["PDHAL_CPU_VISIBLE_DEVICES"] == "5"  # isolate: the default
+
+
+def test_device_index_refuses_names(monkeypatch):
+    from pdhal_cuda._backend import CudaPlatform
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,3")
+    platform = CudaPlatform(runtime=None)
+    assert platform.device_index(1) == 3
+    with pytest.raises(pdhal.InvalidArgumentError, match="not an index"):
+        platform.device_index(0)

@@ -1,0 +1,1 @@
+"""Engines' own call shapes over pdhal, one module per engine (pdhal.compat.fastdeploy)."""

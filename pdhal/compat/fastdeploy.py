@@ -1,0 +1,346 @@
+"""FastDeploy's op names with FastDeploy's call shapes, over pdhal: the one module its
+attention backends, cache messager and cache manager import instead of the per-platform
+`fastdeploy.cache_manager.ops` / `fastdeploy.model_executor.ops.{gpu,xpu}` branches.
+
+    from pdhal.compat.fastdeploy import (cuda_host_alloc, cuda_host_free, get_data_ptr_ipc,
+        get_output_kv_signal, ipc_sent_key_value_cache_by_remote_ptr, ..., unset_data_ipc)
+
+Where FastDeploy's shapes differ from pdhal.ops, these follow FastDeploy's (its 2025 sources,
+the latest argument orders): host memory is an int address; a layer signal and a sender are
+int64 CPU tensors a C++ op receives (their kernel form, see pdhal.h); caches and remote
+pointers are Paddle tensors. A call in another order fails loudly: arguments FastDeploy
+never passes positionally are keyword-only, and a flag is checked to be a flag.
+docs/engines/fastdeploy.md maps each call site.
+
+Every function is a thin wrapper over pdhal.ops, which selects the backend (cpu, cuda,
+xpu, or a plugin); Paddle is imported only by the functions that return Paddle tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from pdhal import _blocks, _extents, ops
+from pdhal._errors import InvalidArgumentError, InvalidTypeError
+from pdhal._hostmem import HostBuffer
+from pdhal._names import validate_index
+from pdhal._sender import KVSignalSender
+from pdhal._signals import SignalMeta
+from pdhal._tensors import memory_ref
+
+__all__ = [
+    "create_kv_signal_sender", "cuda_host_alloc", "cuda_host_free", "cuda_host_register",
+    "cuda_host_unregister", "destroy_kv_signal_sender", "get_all_visible_devices",
+    "get_data_ptr_ipc", "get_output_kv_signal", "get_peer_mem_addr", "init_kv_signal_per_query",
+    "init_signal_layerwise", "ipc_sent_key_value_cache_by_remote_ptr",
+    "ipc_sent_key_value_cache_by_remote_ptr_block_sync", "open_shm_and_get_meta_signal",
+    "set_data_ipc", "share_external_data", "share_external_data_", "signal_layer_ready",
+    "swap_cache_all_layers", "unset_data_ipc",
+]
+
+#: swap_cache_all_layers' mode: 0 device -> host (swap out), 1 host -> device (swap in).
+SWAP_TO_HOST, SWAP_TO_DEVICE = 0, 1
+
+
+def _int64_tensor(words):
+    """An int64 CPU Paddle tensor holding `words` (what a C++ op takes as an argument)."""
+    import numpy as np
+    import paddle
+
+    return paddle.to_tensor(np.asarray(words, dtype=np.int64), place=paddle.CPUPlace())
+
+
+def _flag(value: object, what: str) -> bool:
+    """A bool or 0/1, as FastDeploy passes flags; anything else is an argument in the wrong
+    place (e.g. a device id where a flag belongs)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise InvalidArgumentError(
+        f"{what} must be a bool (or 0/1), got {value!r}: check the argument order (FastDeploy's "
+        f"latest form; device_id, where given, is a keyword argument)")
+
+
+# ---- layer signals (attention backends, model runners) ----------------------------------
+
+def open_shm_and_get_meta_signal(rank: int, device_id: int = 0,
+                                 keep_pd_step_flag: bool = False) -> SignalMeta:
+    """Start this forward pass's step on (rank, device_id)'s per-query channel (a draft/MTP
+    model keeps the step); pass the result to init_signal_layerwise."""
+    return ops.open_shm_and_get_meta_signal(rank, device_id,
+                                            _flag(keep_pd_step_flag, "keep_pd_step_flag"))
+
+
+def init_signal_layerwise(kv_signal_metadata: SignalMeta, layer_id: int):
+    """The signal of `layer_id` (start-layer offset included) as the int64 CPU tensor an
+    attention op takes as kv_signal_data and posts through pdhal.h after the layer's cache
+    writes; signal_layer_ready accepts it too."""
+    return _int64_tensor(ops.init_signal_layerwise(kv_signal_metadata, layer_id).kernel_form)
+
+
+def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_decoder,
+                             rank: int, num_layers: int, *, device_id: int = 0) -> None:
+    """Publish this step's prefill table (per-chunk mode) and make it the process's current
+    step: an attention op then posts "the next layer" with pdhal_next_chunk_layer_store().
+    FastDeploy's latest order is (..., rank, num_layers); device_id is keyword-only, so the
+    (..., rank, device_id, num_layers) order of a branch fails instead of swapping them."""
+    ops.init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_decoder, rank,
+                                 num_layers, device_id)
+
+
+def get_output_kv_signal(x, rank_id: int, wait_flag, *, device_id: int = 0,
+                         timeout: float | None = None) -> None:
+    """Fill the int32 CPU tensor `x` ([512 * 3 + 2]) with the next per-chunk record:
+    [count, layer, (slot, cached tokens, chunk tokens) * count], or [-1, -1, ...]."""
+    ops.get_output_kv_signal(x, rank_id, _flag(wait_flag, "wait_flag"), device_id,
+                             timeout=timeout)
+
+
+def signal_layer_ready(kv_signal_data, stream=None, sender=None) -> None:
+    """Post a layer signal from Python (what the attention op does from C++)."""
+    ops.signal_layer_ready(kv_signal_data, stream,
+                           None if sender is None else _live_sender(sender))
+
+
+_senders: dict[int, KVSignalSender] = {}  # kernel id -> the sender those words name
+_senders_lock = threading.Lock()
+
+
+def create_kv_signal_sender():
+    """A sender as the int64 CPU tensor an XPU attention op takes (cachekv_signal_thread);
+    the op posts through it with pdhal_kernel_sender / pdhal_sender_post."""
+    sender = ops.create_kv_signal_sender()
+    words = sender.kernel_form
+    with _senders_lock:
+        _senders[words[1]] = sender
+    return _int64_tensor(words)
+
+
+def _live_sender(sender_tensor) -> KVSignalSender:
+    if isinstance(sender_tensor, KVSignalSender):
+        return sender_tensor
+    words = memory_ref(sender_tensor, "sender")
+    if words.nbytes != 32:
+        raise InvalidArgumentError("a sender's tensor holds 4 int64 words (from "
+                                   "create_kv_signal_sender)")
+    ident = int(sender_tensor.tolist()[1]) if hasattr(sender_tensor, "tolist") else None
+    with _senders_lock:
+        sender = _senders.get(ident)
+    if sender is None:
+        raise InvalidArgumentError("this tensor names no sender alive in this process "
+                                   "(destroyed already, or not from create_kv_signal_sender)")
+    return sender
+
+
+def destroy_kv_signal_sender(sender_tensor) -> None:
+    """Deliver every signal the sender still holds, then stop it."""
+    sender = _live_sender(sender_tensor)
+    with _senders_lock:
+        _senders.pop(sender.kernel_form[1], None)
+    ops.destroy_kv_signal_sender(sender)
+
+
+# ---- host memory -------------------------------------------------------------------------
+
+_host_buffers: dict[int, HostBuffer] = {}  # address cuda_host_alloc returned -> its buffer
+_host_lock = threading.Lock()
+
+
+def cuda_host_alloc(size: int, flags: int = 0) -> int:
+    """Pinned host memory of `size` bytes from the backend's runtime, as an int address (the
+    backend frees it, through cuda_host_free). `flags` is accepted for FastDeploy's calls."""
+    validate_index(flags, "flags", 1 << 32)
+    buf = ops.host_alloc(size)
+    with _host_lock:
+        _host_buffers[buf.address] = buf
+    return buf.address
+
+
+def cuda_host_free(ptr: int) -> None:
+    """Free an address cuda_host_alloc returned (anything else is refused)."""
+    if isinstance(ptr, bool) or not isinstance(ptr, int):
+        raise InvalidTypeError(f"ptr must be the int cuda_host_alloc returned, got "
+                               f"{type(ptr).__name__}")
+    with _host_lock:
+        buf = _host_buffers.pop(ptr, None)
+    if buf is None:
+        raise InvalidArgumentError(f"{ptr:#x} is not an address cuda_host_alloc returned (or it "
+                                   f"was freed already)")
+    ops.host_free(buf)
+
+
+def cuda_host_register(ptr, size: int | None = None, flags: int = 0) -> None:
+    """Pin existing host memory through the accelerator runtime (for a NIC to register)."""
+    validate_index(flags, "flags", 1 << 32)
+    ops.host_register(ptr, size)
+
+
+def cuda_host_unregister(ptr) -> None:
+    ops.host_unregister(ptr)
+
+
+def get_peer_mem_addr(ptr) -> int:
+    """The address a NIC registers for this memory (on XPU, the device memory's peer alias)."""
+    return ops.get_peer_mem_addr(ptr)
+
+
+# ---- KV caches shared between processes ----------------------------------------------------
+
+def set_data_ipc(tensor, shm_name: str) -> None:
+    """Share a KV-cache tensor with the cache processes on this host under `shm_name`."""
+    ops.set_data_ipc(tensor, shm_name)
+
+
+def share_external_data(input, shm_name: str, shape, use_ipc: bool = True):  # noqa: A002
+    """A tensor of `input`'s dtype and `shape` over the cache shared as `shm_name`:
+    FastDeploy's GPU form (3 arguments) and XPU form (use_ipc, 4th). pdhal always maps by
+    IPC, so use_ipc=False (XPU's same-process pointer) is refused rather than ignored."""
+    if not _flag(use_ipc, "use_ipc"):
+        raise InvalidArgumentError("use_ipc=False (a raw pointer valid in one process only) is "
+                                   "not supported: pdhal shares caches between processes")
+    shared = ops.share_external_data(input, shm_name, list(shape))
+    if _is_paddle(input) and not _is_paddle(shared):
+        import paddle
+
+        return paddle.from_dlpack(shared)  # a device tensor over the mapping (DLPack)
+    return shared
+
+
+def share_external_data_(cache, cache_name: str, cache_shape, use_ipc: bool = True):
+    """cache_manager.ops' helper of the same name."""
+    return share_external_data(cache, cache_name, cache_shape, use_ipc)
+
+
+def get_data_ptr_ipc(tmp_input, shm_name: str):
+    """The address of the cache another process shares as `shm_name`, mapped here, as the
+    int64[1] CPU tensor FastDeploy keeps and passes to ipc_sent_key_value_cache_by_remote_ptr."""
+    return _int64_tensor([ops.get_data_ptr_ipc(tmp_input, shm_name)])
+
+
+def unset_data_ipc(tmp_input, shm_name: str, close_ipc: bool = True,
+                   unlink_shm: bool = True) -> None:
+    """Stop sharing `shm_name`: close this process's mapping of it (close_ipc) and remove
+    the record (unlink_shm, the publisher's own)."""
+    ops.unset_data_ipc(tmp_input, shm_name, _flag(close_ipc, "close_ipc"),
+                       _flag(unlink_shm, "unlink_shm"))
+
+
+def _is_paddle(obj) -> bool:
+    return type(obj).__module__.startswith("paddle")
+
+
+# ---- block transfers ---------------------------------------------------------------------
+
+def _block_bytes(cache, what: str) -> int:
+    """Bytes of one block of a [blocks, ...] cache tensor."""
+    shape = list(cache.shape)
+    if len(shape) < 2:
+        raise InvalidArgumentError(f"{what} must be a [blocks, ...] cache, got shape {shape}")
+    return math.prod(shape[1:]) * _itemsize(cache)
+
+
+def _itemsize(cache) -> int:
+    size = getattr(cache, "element_size", None)
+    return size() if callable(size) else cache.itemsize
+
+
+def _address(pointer, what: str) -> int:
+    """An address given as an int or as FastDeploy's int64[1] tensor."""
+    if hasattr(pointer, "tolist"):
+        values = pointer.tolist()
+        pointer = values[0] if isinstance(values, list) and len(values) == 1 else values
+    if isinstance(pointer, bool) or not isinstance(pointer, int):
+        raise InvalidArgumentError(f"{what} must be an address (int, or an int64 tensor of one), "
+                                   f"got {pointer!r}")
+    return pointer
+
+
+def ipc_sent_key_value_cache_by_remote_ptr(local_key_tensor, local_value_tensor,
+                                           local_block_ids, remote_block_ids, remote_key_tensor,
+                                           remote_value_tensor, block_num: int,
+                                           local_device_id: int, remote_device_id: int,
+                                           cuda_stream_raw: int, is_scale: bool = False) -> None:
+    """Copy one layer's blocks local_block_ids[:block_num] of the local K and V caches into
+    blocks remote_block_ids[:block_num] of another process's caches on this host (their
+    addresses from get_data_ptr_ipc), ordered on the stream; runs of consecutive ids are one
+    copy. The remote extent is what pdhal mapped, so no id can reach past it."""
+    block_num = validate_index(block_num, "block_num", 1 << 31)
+    _flag(is_scale, "is_scale")  # the scales' block size follows from their tensor's shape
+    local_ids = _blocks.block_ids(local_block_ids, "local_block_ids")
+    remote_ids = _blocks.block_ids(remote_block_ids, "remote_block_ids")
+    if block_num > min(len(local_ids), len(remote_ids)):
+        raise InvalidArgumentError(f"block_num {block_num} exceeds the block ids given "
+                                   f"({len(local_ids)} local, {len(remote_ids)} remote)")
+    for local, remote in ((local_key_tensor, remote_key_tensor),
+                          (local_value_tensor, remote_value_tensor)):
+        ops.copy_blocks(_address(remote, "remote cache pointer"), remote_ids[:block_num], local,
+                        local_ids[:block_num], _block_bytes(local, "local cache"),
+                        cuda_stream_raw)
+
+
+def ipc_sent_key_value_cache_by_remote_ptr_block_sync(local_key_tensor, local_value_tensor,
+                                                      cuda_stream_raw: int) -> None:
+    """Wait until the transfers queued on the stream are done."""
+    ops.synchronize(cuda_stream_raw)
+
+
+def swap_cache_all_layers(cache_gpu_tensors, cache_cpu_ptrs, max_block_num_cpu: int,
+                          swap_block_ids_gpu, swap_block_ids_cpu, rank: int, mode: int) -> None:
+    """Move blocks between each layer's device cache and its pinned host buffer
+    (cache_cpu_ptrs[i], max_block_num_cpu blocks): mode 0 device -> host, 1 host -> device;
+    then wait for the copies. `rank` is FastDeploy's device id, checked only as an int."""
+    validate_index(rank, "rank (device id)")
+    if mode not in (SWAP_TO_HOST, SWAP_TO_DEVICE) or isinstance(mode, bool):
+        raise InvalidArgumentError(f"mode must be 0 (device to host) or 1 (host to device), "
+                                   f"got {mode!r}")
+    caches, hosts = list(cache_gpu_tensors), list(cache_cpu_ptrs)
+    if len(caches) != len(hosts):
+        raise InvalidArgumentError(f"{len(caches)} device caches but {len(hosts)} host "
+                                   f"pointers: one host buffer per layer")
+    max_blocks = validate_index(max_block_num_cpu, "max_block_num_cpu", 1 << 40)
+    for cache, host in zip(caches, hosts):
+        block_bytes = _block_bytes(cache, "device cache")
+        host = _host_span(_address(host, "host pointer"), max_blocks * block_bytes)
+        if mode == SWAP_TO_HOST:
+            ops.copy_blocks(host, swap_block_ids_cpu, cache, swap_block_ids_gpu, block_bytes)
+        else:
+            ops.copy_blocks(cache, swap_block_ids_gpu, host, swap_block_ids_cpu, block_bytes)
+    ops.synchronize()
+
+
+def _host_span(address: int, nbytes: int):
+    """[address, +nbytes) of pinned host memory, checked to lie in memory pdhal knows."""
+    extent = _extents.find(address)
+    if extent is None or address + nbytes > extent.start + extent.nbytes:
+        have = "" if extent is None else f" (it holds {extent.start + extent.nbytes - address})"
+        raise InvalidArgumentError(f"host pointer {address:#x} does not hold {nbytes} bytes of "
+                                   f"memory from cuda_host_alloc{have}")
+    return _HostSpan(address, nbytes)
+
+
+class _HostSpan:
+    """A range of pinned host memory named like a tensor's (for copy_blocks)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.address, self.nbytes = address, nbytes
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+
+# ---- device visibility ---------------------------------------------------------------------
+
+def get_all_visible_devices() -> str:
+    """The shell prefix FastDeploy puts before a cache process's command so its physical
+    --device_id is valid there: every device visible (the platform's visibility variable
+    unset), whatever this process inherited. No device count is assumed."""
+    from pdhal import current_platform
+
+    return f"env -u {current_platform().device_control_env_var}"
+
