@@ -20,6 +20,7 @@ import collections
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ import tomllib
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 PYTHON = sys.executable
-TEST_TIMEOUT_S = 900
+TEST_TIMEOUT_S = 300  # a mutant that makes the tests hang is killed by the hang
 
 
 def load(path: str) -> list[dict]:
@@ -141,12 +142,17 @@ def command(test: str) -> list[str]:
 def run_tests(copy: str, tests: list[str]) -> str | None:
     """None when every test passed; else which one failed (or timed out)."""
     for test in tests:
+        # A session of its own, so a timeout takes the tests' child processes down too.
+        proc = subprocess.Popen(command(test), cwd=copy, env=env_for(copy, test),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(command(test), cwd=copy, env=env_for(copy, test),
-                                  capture_output=True,
-                                  text=True, timeout=TEST_TIMEOUT_S)
+            out, err = proc.communicate(timeout=TEST_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return f"{test}: timed out"
+        proc = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         if proc.returncode != 0:
             with open(os.path.join(tempfile.gettempdir(), "pdhal-mutate-last-failure.log"),
                       "w") as log:
