@@ -2,12 +2,15 @@
 
 On the SIMULATED XPU runtime (tests/sim; no XPU hardware here), a stream runs one
 "layer" kernel after another (BENCH_LAYER_US each). After each kernel the stream stamps the
-time it finished, then the layer's event fires. Two senders, side by side:
-  - pdhal: one thread sleeping on a condition variable, waiting on events in C;
+time it finished, then the layer's event fires. Three senders, side by side:
+  - pdhal: one thread that polls the queued event (xpu_event_query, yielding) while work is
+    queued, and sleeps on a condition variable when nothing is;
+  - pdhal, blocking: the same thread without polling (it sleeps in xpu_event_wait);
   - baseline: a C thread that polls its queue every 1 us (bench/poll_sender.c), as the
     engines' XPU path does today.
-Printed: latency from "layer finished" to "reader process saw the signal" (p50, p99), and
-CPU time of the whole producer process for the run (the senders are the only difference).
+Printed: latency from "layer finished" to "reader process saw the signal" (p50, p99), CPU
+time of the producer for the run, and its CPU while idle (sender alive, nothing queued).
+`--json` prints the same as one JSON object.
 """
 
 from __future__ import annotations
@@ -62,8 +65,10 @@ def run(style: str, sim, baseline) -> tuple[list[float], float, float]:
     stream = sim.ffi.new("void **")
     sim.lib.xpu_stream_create(stream)
     scratch = sim.ffi.new("char[64]")
-    if style == "pdhal":
+    if style.startswith("pdhal"):
         sender = ops.create_kv_signal_sender()
+        if style == "pdhal-blocking":
+            sender._sender.set_polling(None, 0)
     else:
         sender = baseline.lib.poll_sender_start(
             baseline.ffi.cast("void *", rt.address(rt.lib.xpu_event_wait)),
@@ -75,7 +80,7 @@ def run(style: str, sim, baseline) -> tuple[list[float], float, float]:
         sim.lib.sim_xpu_launch_timestamp(
             stream[0], sim.ffi.cast("uint64_t *", finished.ctypes.data + 8 * layer))
         signal = ops.init_signal_layerwise(meta, layer)
-        if style == "pdhal":
+        if style.startswith("pdhal"):
             ops.signal_layer_ready(signal, int(sim.ffi.cast("uintptr_t", stream[0])), sender)
         else:
             event = rt.ffi.new("XPUEvent *")
@@ -89,7 +94,7 @@ def run(style: str, sim, baseline) -> tuple[list[float], float, float]:
     idle0 = time.process_time()
     time.sleep(IDLE_S)  # between steps a sender mostly waits for work
     idle = (time.process_time() - idle0) / IDLE_S
-    if style == "pdhal":
+    if style.startswith("pdhal"):
         sender.close()
     else:
         baseline.lib.poll_sender_stop(sender)
@@ -129,17 +134,34 @@ def main() -> int:
     import pdhal
 
     assert pdhal.current_backend() == "xpu"
-    print(f"simulated XPU runtime, {LAYERS} layers of {LAYER_US} us each")
-    print("sender            latency p50 us    p99 us   seen   CPU s (run)   idle CPU %")
-    idle_by_style = {}
-    for style in ("pdhal", "poll-1us", "pdhal", "poll-1us"):  # twice each, interleaved
-        lat, cpu, idle = run(style, sim, baseline)
-        idle_by_style.setdefault(style, []).append(idle)
-        q = statistics.quantiles(lat, n=100)
-        print(f"  {style:<14} {q[49]:16.1f} {q[98]:9.1f} {len(lat):6d} {cpu:13.3f} "
-              f"{idle * 100:12.2f}")
-    print(f"run: ~{LAYERS * LAYER_US / 1e6:.1f} s of layers; idle: {IDLE_S:.0f} s with the "
-          f"sender alive and nothing queued (CPU of the whole producer process)")
+    as_json = "--json" in sys.argv[1:]
+    styles = ("pdhal", "pdhal-blocking", "poll-1us")
+    rows = {style: {"p50_us": [], "p99_us": [], "cpu_s": [], "idle_cpu_pct": []}
+            for style in styles}
+    if not as_json:
+        print(f"simulated XPU runtime, {LAYERS} layers of {LAYER_US} us each")
+        print("sender            latency p50 us    p99 us   seen   CPU s (run)   idle CPU %")
+    for _ in range(2):  # interleaved rounds
+        for style in styles:
+            lat, cpu, idle = run(style, sim, baseline)
+            q = statistics.quantiles(lat, n=100)
+            row = rows[style]
+            row["p50_us"].append(q[49])
+            row["p99_us"].append(q[98])
+            row["cpu_s"].append(cpu)
+            row["idle_cpu_pct"].append(idle * 100)
+            if not as_json:
+                print(f"  {style:<14} {q[49]:16.1f} {q[98]:9.1f} {len(lat):6d} {cpu:13.3f} "
+                      f"{idle * 100:12.2f}")
+    p50 = {style: statistics.median(rows[style]["p50_us"]) for style in styles}
+    if as_json:
+        print(json.dumps({"layers": LAYERS, "layer_us": LAYER_US, "runs": rows,
+                          "p50_ratio_pdhal_to_poll": p50["pdhal"] / p50["poll-1us"]}))
+    else:
+        print(f"p50 pdhal / poll-1us: {p50['pdhal'] / p50['poll-1us']:.2f}x "
+              f"(blocking: {p50['pdhal-blocking'] / p50['poll-1us']:.2f}x); run: "
+              f"~{LAYERS * LAYER_US / 1e6:.1f} s of layers; idle: {IDLE_S:.0f} s with the sender "
+              f"alive and nothing queued (CPU of the whole producer process)")
     return 0
 
 

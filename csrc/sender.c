@@ -9,6 +9,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,10 +32,32 @@ struct pdhal_sender {
     _Atomic uint64_t failures; /* a statistic: relaxed */
     pdhal_event_wait_fn wait;
     pdhal_event_destroy_fn destroy;
+    _Atomic(pdhal_event_query_fn) query; /* polling (optional): set before the first post */
+    _Atomic uint64_t poll_ns;
     pthread_t thread;
     pid_t pid; /* the thread exists only in this process, not in a forked child */
     int64_t kernel_id; /* kernel.c: this sender's id in kernel forms */
 };
+
+/* With a query function, poll the event while it is queued (work is in flight), yielding
+ * between polls: a layer is seen within microseconds of its event instead of a blocking
+ * wait's wake-up later. After poll_ns without the event, the blocking wait takes over (and
+ * tells a failure from "not yet", which a query may not). An empty queue is never polled:
+ * the thread sleeps on its condition variable. */
+static int fired_while_polling(pdhal_sender *s, void *event)
+{
+    pdhal_event_query_fn query = atomic_load_explicit(&s->query, memory_order_acquire);
+    if (!query)
+        return 0;
+    int64_t until = pdhal_now_ns() + (int64_t)atomic_load_explicit(&s->poll_ns,
+                                                                  memory_order_relaxed);
+    do {
+        if (query(event) == 0)
+            return 1;
+        sched_yield();
+    } while (pdhal_now_ns() < until);
+    return 0;
+}
 
 static void *sender_main(void *arg)
 {
@@ -52,7 +75,7 @@ static void *sender_main(void *arg)
         pthread_mutex_unlock(&s->lock);
         if (!e)
             return NULL; /* stopping and drained */
-        int rc = s->wait && e->event ? s->wait(e->event) : 0;
+        int rc = e->event && !fired_while_polling(s, e->event) && s->wait ? s->wait(e->event) : 0;
         if (rc == 0) {
             pdhal_store_run(e->store);
         } else {
@@ -97,6 +120,17 @@ int pdhal_sender_create(pdhal_event_wait_fn wait, pdhal_event_destroy_fn destroy
 }
 
 int64_t pdhal_sender_kernel_id(pdhal_sender *s) { return s->kernel_id; }
+
+int pdhal_sender_set_polling(pdhal_sender *s, pdhal_event_query_fn query, uint64_t poll_ns)
+{
+    if (query && !s->wait)
+        return pdhal_fail(EINVAL, "polling needs the blocking wait too (it takes over after "
+                                  "poll_ns, and tells a failure apart)");
+    atomic_store_explicit(&s->poll_ns, poll_ns, memory_order_relaxed);
+    /* release: the thread that reads the query also sees poll_ns */
+    atomic_store_explicit(&s->query, query, memory_order_release);
+    return 0;
+}
 
 int pdhal_sender_post(pdhal_sender *s, void *event, pdhal_store *store)
 {

@@ -349,6 +349,11 @@ class Sender:
     def closed(self) -> bool:
         return self._ptr is None
 
+    def set_polling(self, query_fn, poll_ns: int) -> None:
+        """Poll queued events with the C function `query_fn` for up to poll_ns each."""
+        check(lib.pdhal_sender_set_polling(self.ptr, _fn(query_fn, "pdhal_event_query_fn"),
+                                           poll_ns), "turning on polling")
+
     def kernel_id(self) -> int:
         """This sender's id in kernel forms."""
         return lib.pdhal_sender_kernel_id(self.ptr)

@@ -55,6 +55,9 @@ class RuntimeBackend(Backend):
     event_record_symbol: ClassVar[str] = ""
     event_wait_symbol: ClassVar[str] = ""
     event_destroy_symbol: ClassVar[str] = ""
+    #: Optional non-blocking query(event): 0 once fired. With it the sender polls queued
+    #: events instead of sleeping in the blocking wait (see KVSignalSender).
+    event_query_symbol: ClassVar[str] = ""
     #: Host registration (the memory a NIC registers is pinned by the runtime):
     #: register(void *ptr, size, unsigned flags) and unregister(void *ptr).
     host_register_symbol: ClassVar[str] = ""
@@ -211,9 +214,11 @@ class RuntimeBackend(Backend):
     def create_kv_signal_sender(self) -> KVSignalSender:
         """A long-lived sender thread that waits on this runtime's device events."""
         rt = self.runtime
+        query = self.event_query_symbol if rt.has(self.event_query_symbol) else None
         return KVSignalSender(rt.address(getattr(rt.lib, self.event_wait_symbol)),
                               rt.address(getattr(rt.lib, self.event_destroy_symbol)),
-                              backend=self.name)
+                              backend=self.name,
+                              event_query=query and rt.address(getattr(rt.lib, query)))
 
     def require_sender(self, sender: object) -> KVSignalSender:
         if not isinstance(sender, KVSignalSender) or sender.backend != self.name:

@@ -34,10 +34,19 @@ class KVSignalSender:
     every pending signal, then joins the thread.
     """
 
-    def __init__(self, event_wait=None, event_destroy=None, backend: str = "cpu"):
-        """`event_wait` / `event_destroy`: C function pointers (int addresses or cdata) of the
-        backend's runtime, or None when work is complete at posting time."""
+    #: How long the thread polls one queued event before the blocking wait takes over.
+    POLL_NS = 50_000_000
+
+    def __init__(self, event_wait=None, event_destroy=None, backend: str = "cpu",
+                 event_query=None):
+        """`event_wait` / `event_destroy` / `event_query`: C function pointers (int
+        addresses or cdata) of the backend's runtime, or None when work is complete at
+        posting time. With `event_query` (non-blocking, 0 once fired) the thread polls each
+        queued event, so a layer is signalled within microseconds of its event, while an
+        empty queue costs no CPU (the thread sleeps)."""
         self._sender = _core.Sender(event_wait, event_destroy)
+        if event_query is not None:
+            self._sender.set_polling(event_query, self.POLL_NS)
         #: The backend whose device events this sender waits for.
         self.backend = backend
 

@@ -53,6 +53,9 @@ typedef struct pdhal_sender pdhal_sender;
  * never with the GIL. */
 typedef int (*pdhal_event_wait_fn)(void *event);
 typedef int (*pdhal_event_destroy_fn)(void *event); /* result ignored */
+/* Non-blocking: 0 once `event` has fired, anything else while it has not (or failed: the
+ * blocking wait tells which). cudaEventQuery and xpu_event_query have this shape. */
+typedef int (*pdhal_event_query_fn)(void *event);
 
 /* PDHAL_ABI_VERSION of the compiled core: a caller built against another header refuses it. */
 int pdhal_abi_version(void);
@@ -164,6 +167,11 @@ int pdhal_sender_create(pdhal_event_wait_fn wait, pdhal_event_destroy_fn destroy
  * leaves the event to the caller (it cannot know how to destroy it). Safe from several
  * threads, but not concurrently with pdhal_sender_destroy; -ECHILD in a forked child. */
 int pdhal_sender_post(pdhal_sender *sender, void *event, pdhal_store *store);
+/* Poll each queued event with `query` (yielding between polls) for up to poll_ns before the
+ * blocking wait: a layer is signalled within microseconds of its event rather than after a
+ * blocking wait's wake-up, at the price of a busy thread while work is queued; with nothing
+ * queued the thread sleeps. query NULL turns polling off. 0 or -errno. */
+int pdhal_sender_set_polling(pdhal_sender *sender, pdhal_event_query_fn query, uint64_t poll_ns);
 /* Deliver everything queued, join the thread, free. Returns the number of stores dropped
  * because their event wait failed (0 in a healthy run), or -errno. */
 int pdhal_sender_destroy(pdhal_sender *sender);

@@ -28,6 +28,7 @@ enum {
     cudaErrorInvalidDevice = 101,
     cudaErrorMapBufferObjectFailed = 205,
     cudaErrorInvalidResourceHandle = 400,
+    cudaErrorNotReady = 600,
     cudaErrorHostMemoryAlreadyRegistered = 712,
     cudaErrorHostMemoryNotRegistered = 713,
     cudaErrorLaunchFailure = 719,
@@ -66,6 +67,7 @@ const char *cudaGetErrorString(int error)
     case cudaErrorMapBufferObjectFailed: return "mapping of buffer object failed";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorNotReady: return "device not ready";
     case cudaErrorHostMemoryAlreadyRegistered:
         return "part or all of the requested memory range is already mapped";
     case cudaErrorHostMemoryNotRegistered:
@@ -231,6 +233,17 @@ int cudaEventSynchronize(cudaEvent_t ev)
         return cudaErrorInvalidValue;
     sim_event_wait(ev);
     return fault ? cudaErrorLaunchFailure : cudaSuccess;
+}
+/* Not ready (600) until the stream reaches the event; a fault armed for the event's wait
+ * (the work before it failed) leaves it never ready here, so the caller's blocking wait
+ * reports it. */
+int cudaEventQuery(cudaEvent_t ev)
+{
+    SIM_FAILPOINT(cudaErrorInvalidResourceHandle);
+    if (!ev)
+        return cudaErrorInvalidValue;
+    return !sim_fail_armed("cudaEventSynchronize") && sim_event_query(ev) ? cudaSuccess
+                                                                           : cudaErrorNotReady;
 }
 int cudaEventDestroy(cudaEvent_t ev)
 {

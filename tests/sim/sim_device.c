@@ -99,6 +99,17 @@ int sim_should_fail(const char *function)
     return fail;
 }
 
+int sim_fail_armed(const char *function)
+{
+    if (!atomic_load(&fail_armed))
+        return 0;
+    pthread_mutex_lock(&fail_lock);
+    struct failpoint *f = failpoint(function, 0);
+    int armed = f && f->remaining != 0;
+    pthread_mutex_unlock(&fail_lock);
+    return armed;
+}
+
 /* SIM_FAIL="name[:count],...": failures armed before the first call (child processes). */
 __attribute__((constructor)) static void fail_from_env(void)
 {
@@ -153,6 +164,14 @@ void sim_event_wait(sim_event *e)
     while (e->done < e->recorded)
         pthread_cond_wait(&e->fired, &e->lock);
     pthread_mutex_unlock(&e->lock);
+}
+
+int sim_event_query(sim_event *e)
+{
+    pthread_mutex_lock(&e->lock);
+    int done = e->done >= e->recorded;
+    pthread_mutex_unlock(&e->lock);
+    return done;
 }
 
 /* ---- streams ---- */

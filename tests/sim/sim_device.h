@@ -27,6 +27,7 @@ sim_event *sim_event_new(void);
 void sim_event_free(sim_event *e);
 void sim_event_record(sim_event *e, sim_stream *s);
 void sim_event_wait(sim_event *e);            /* blocks until the last record has run */
+int sim_event_query(sim_event *e);            /* 1 once the last record has run, else 0 */
 void sim_stream_wait_event(sim_stream *s, sim_event *e);
 
 /* Device memory (shared-memory backed). */
@@ -52,6 +53,8 @@ int sim_fail(const char *function, int count);
 void sim_fail_clear(void);
 /* How many calls of `function` have been made to fail so far. */
 int sim_failed_calls(const char *function);
+/* Whether a failure of `function` is armed (consumes nothing). */
+int sim_fail_armed(const char *function);
 /* Whether this call of `function` is to fail (consumes one of its count). */
 int sim_should_fail(const char *function);
 /* The first statement of a runtime entry point: return `code` when a test asked for it. */

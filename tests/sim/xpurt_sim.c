@@ -18,6 +18,7 @@
 #include <time.h>
 
 #define XPUERR_INVALID 1
+#define XPUERR_BUSY 16 /* not done yet */
 #define XPUERR_NODEV 2
 #define XPUERR_NOMEM 3
 #define XPUERR_KEXCEPTION 12
@@ -144,6 +145,15 @@ int xpu_event_wait(XPUEvent ev)
         return XPUERR_INVALID;
     sim_event_wait(ev);
     return fault ? XPUERR_KEXCEPTION : 0;
+}
+/* 0 once the stream reached the event, XPUERR_BUSY before; a fault armed for the event's
+ * wait leaves it never ready here, so the blocking wait reports it. */
+int xpu_event_query(XPUEvent ev)
+{
+    SIM_FAILPOINT(XPUERR_INVALID);
+    if (!ev)
+        return XPUERR_INVALID;
+    return !sim_fail_armed("xpu_event_wait") && sim_event_query(ev) ? 0 : XPUERR_BUSY;
 }
 int xpu_event_destroy(XPUEvent ev)
 {

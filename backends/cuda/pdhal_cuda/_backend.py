@@ -64,6 +64,7 @@ class CudaBackend(RuntimeBackend):
     host_alloc_symbol, host_free_symbol = "cudaHostAlloc", "cudaFreeHost"
     event_create_symbol, event_create_args = "cudaEventCreateWithFlags", (CUDA_EVENT_DISABLE_TIMING,)
     event_record_symbol, event_wait_symbol = "cudaEventRecord", "cudaEventSynchronize"
+    event_query_symbol = "cudaEventQuery"
     event_destroy_symbol = "cudaEventDestroy"
     host_register_symbol, host_unregister_symbol = "cudaHostRegister", "cudaHostUnregister"
     copy_symbol, stream_sync_symbol = "cudaMemcpyAsync", "cudaStreamSynchronize"

@@ -23,6 +23,7 @@ int cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *data);
 int cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags);
 int cudaEventRecord(cudaEvent_t event, cudaStream_t stream);
 int cudaEventSynchronize(cudaEvent_t event);
+int cudaEventQuery(cudaEvent_t event);
 int cudaEventDestroy(cudaEvent_t event);
 int cudaHostAlloc(void **ptr, size_t size, unsigned int flags);
 int cudaFreeHost(void *ptr);

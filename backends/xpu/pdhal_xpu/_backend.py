@@ -57,6 +57,7 @@ class XpuBackend(RuntimeBackend):
     host_alloc_symbol, host_free_symbol = "xpu_host_alloc", "xpu_host_free"
     event_create_symbol, event_record_symbol = "xpu_event_create", "xpu_event_record"
     event_wait_symbol, event_destroy_symbol = "xpu_event_wait", "xpu_event_destroy"
+    event_query_symbol = "xpu_event_query"
     # host registration is in the runtime's CUDA-compatible layer (KL3 runtimes)
     host_register_symbol, host_unregister_symbol = "cudaHostRegister", "cudaHostUnregister"
     copy_symbol, stream_sync_symbol = "xpu_memcpy_async", "xpu_wait"

@@ -23,6 +23,7 @@ int xpu_host_free(void *ptr);
 int xpu_event_create(XPUEvent *ev);
 int xpu_event_record(XPUEvent ev, XPUStream stream);
 int xpu_event_wait(XPUEvent ev);
+int xpu_event_query(XPUEvent ev);
 int xpu_event_destroy(XPUEvent ev);
 int xpu_wait(XPUStream s);
 int xpu_memcpy_async(void *dst, const void *src, uint64_t size, int kind, XPUStream stream);
