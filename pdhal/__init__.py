@@ -77,6 +77,16 @@ def namespace() -> str:
     return _names.namespace()
 
 
+def check_environment() -> None:
+    """Check every PDHAL_* variable set here before anything starts: an
+    InvalidArgumentError naming each bad one and what is wrong, or nothing."""
+    from pdhal import _environment
+
+    found = _environment.problems()
+    if found:
+        raise InvalidArgumentError("; ".join(f"{name}: {why}" for name, why in found.items()))
+
+
 def cleanup(namespace: str | None = None) -> tuple[list[str], list[str]]:
     """Remove this user's segments in `namespace` (default: every namespace) whose producer
     is dead, as `pdhal cleanup` does; returns (removed, left) paths."""
@@ -111,6 +121,6 @@ __all__ = [
     "ClosedHandleError", "DeviceError", "InvalidArgumentError", "InvalidTypeError",
     "MAX_REQUESTS", "PdhalError", "Platform", "ProducerDiedError", "RECORD_WORDS",
     "ReaderDiedError", "SegmentError", "SignalTimeoutError", "UnsupportedError",
-    "channel_path", "cleanup", "current_backend", "current_platform", "get_include",
+    "channel_path", "check_environment", "cleanup", "current_backend", "current_platform", "get_include",
     "get_library", "hookimpl", "namespace",
 ]

@@ -5,6 +5,14 @@ class PdhalError(Exception):
     """Base class of every error pdhal raises."""
 
 
+class _WithErrno(OSError):
+    """An OSError that reads as its message alone: the errno stays in .errno, out of the
+    text a person reads ("[Errno 2] ..." prefixes say nothing a message does not)."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror is not None else super().__str__()
+
+
 class BackendNotFoundError(PdhalError, LookupError):
     """No installed backend has the requested name."""
 
@@ -33,7 +41,7 @@ class UnsupportedError(PdhalError, NotImplementedError):
     """The active backend or its runtime version does not offer this operation."""
 
 
-class SegmentError(PdhalError, OSError):
+class SegmentError(PdhalError, _WithErrno):
     """A shared-memory segment could not be created, opened or validated."""
 
 
