@@ -121,7 +121,12 @@ def _allow_list() -> set[str] | None:
     raw = os.environ.get("PDHAL_PLUGINS")
     if raw is None:
         return None
-    return {n.strip() for n in raw.split(",") if n.strip()}
+    allowed = {n.strip() for n in raw.split(",") if n.strip()}
+    unknown = sorted(allowed - set(installed_names()))
+    if unknown:
+        log.warning("PDHAL_PLUGINS names backends that are not installed: %s (installed: %s)",
+                    ", ".join(unknown), ", ".join(installed_names()))
+    return allowed
 
 
 def installed_names() -> list[str]:
@@ -146,7 +151,8 @@ def _choose() -> tuple[Candidate, str, list[Candidate]]:
         if not candidates:
             raise BackendNotFoundError(
                 f"no backend {forced!r} (PDHAL_PLATFORM); installed: "
-                f"{', '.join(installed_names())}")
+                f"{', '.join(installed_names())} (a pdhal backend {forced!r} would come from "
+                f"`pip install pdhal-{forced}`)")
         cand = candidates[0]
         if cand.backend is None:
             raise BackendLoadError(f"{cand.describe()} (PDHAL_PLATFORM) failed to load: "

@@ -86,7 +86,7 @@ class RuntimeBackend(Backend):
             try:
                 self.runtime = self.runtime_class()
             except OSError as e:
-                return f"{self.runtime_class.title} not loadable: {e}"
+                return self.runtime_class.not_loadable(e)
         return None
 
     def device_count_now(self) -> tuple[int, str]:

@@ -20,6 +20,19 @@ class RuntimeLibrary:
     cdef: ClassVar[str] = ""
     #: Words for messages, e.g. "XPU runtime".
     title: ClassVar[str] = "runtime"
+    #: The variable that points pdhal at the library (e.g. PDHAL_XPURT).
+    path_variable: ClassVar[str] = ""
+    #: What else provides the library, for the message when it cannot be loaded.
+    provided_by: ClassVar[str] = ""
+
+    @classmethod
+    def not_loadable(cls, error: OSError) -> str:
+        """Why the library could not be loaded, and how to point pdhal at one."""
+        reason = str(error).split("  Additionally,")[0].strip()  # cffi's second guess adds nothing
+        fix = f"set {cls.path_variable} to its path" if cls.path_variable else "install it"
+        if cls.provided_by:
+            fix += f", or install {cls.provided_by}"
+        return f"{cls.title} not loadable: {reason} ({fix})"
 
     @classmethod
     def find_library(cls) -> tuple[str, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import re
 import subprocess
 import sys
 
@@ -147,15 +148,31 @@ def test_cache_process_on_a_mig_instance(sim, monkeypatch):
     assert proc.stdout.strip() == "MIG-bbbb"
 
 
-def test_no_driver_is_unavailable_and_a_clear_error_when_forced(monkeypatch):
-    monkeypatch.setenv("PDHAL_CUDART", SimRuntime("cuda", "libcudart_sim.so").path)
-    monkeypatch.setenv("SIM_CUDA_NO_DRIVER", "1")
-    _registry.reset()
-    assert pdhal.current_backend() == "cpu"
-    monkeypatch.setenv("PDHAL_PLATFORM", "cuda")
-    _registry.reset()
-    with pytest.raises(pdhal.BackendUnavailableError, match="error 35 .CUDA driver version is"):
-        pdhal.current_platform()
+@pytest.mark.parametrize("driver, words", [
+    ("none", r"no NVIDIA driver here \(libcuda.so.1 is not installed\)"),
+    ("old", r"the NVIDIA driver supports CUDA 11.8, older than this runtime's 12.8 .*update the "
+            r"driver, or set PDHAL_CUDART"),
+])
+def test_no_driver_and_an_old_driver_are_told_apart(tmp_path, driver, words):
+    """CUDA reports both as error 35 ("driver version is insufficient"), which misled users
+    of machines with no driver at all."""
+    env = dict(os.environ, PDHAL_CUDART=SimRuntime("cuda", "libcudart_sim.so").path)
+    if driver == "none":
+        env["SIM_CUDA_NO_DRIVER"] = "1"
+        env["LD_LIBRARY_PATH"] = str(tmp_path)  # holds no libcuda.so.1
+    else:
+        env["SIM_CUDA_OLD_DRIVER"] = "1"
+        stub = tmp_path / "libcuda.so.1"  # a driver library is there, only too old
+        source = tmp_path / "stub.c"
+        source.write_text("int cuStub(void) { return 0; }\n")
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(stub), str(source)], check=True)
+        env["LD_LIBRARY_PATH"] = str(tmp_path)
+    auto = run_child("import pdhal; print(pdhal.current_backend())", env=env)
+    assert auto.stdout.strip() == "cpu"
+    forced = subprocess.run([sys.executable, "-c", "import pdhal; pdhal.current_platform()"],
+                            env=dict(env, PDHAL_PLATFORM="cuda"), capture_output=True, text=True)
+    assert forced.returncode != 0 and "BackendUnavailableError" in forced.stderr
+    assert re.search(words, forced.stderr), forced.stderr[-500:]
 
 
 def _real_cudart() -> str | None:
@@ -177,7 +194,7 @@ def test_real_libcudart_loads_and_reports_no_device_cleanly(monkeypatch):
                             env=env, capture_output=True, text=True)
     assert forced.returncode != 0
     assert "BackendUnavailableError" in forced.stderr
-    assert "cudaGetDeviceCount returned error 35" in forced.stderr
+    assert "NVIDIA driver" in forced.stderr
     auto = run_child("""
         from pdhal import _info
         info = _info.report()

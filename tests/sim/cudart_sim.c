@@ -51,7 +51,12 @@ static _Thread_local int current_device;
 static atomic_int live_host_buffers;
 #define HOST_MAGIC 0x4355484f5354ULL
 
-static int no_driver(void) { return getenv("SIM_CUDA_NO_DRIVER") != NULL; }
+/* SIM_CUDA_NO_DRIVER: no driver at all; SIM_CUDA_OLD_DRIVER: one older than the runtime.
+ * Both make cudaGetDeviceCount fail with 35, as CUDA does; the driver version tells. */
+static int no_driver(void)
+{
+    return getenv("SIM_CUDA_NO_DRIVER") != NULL || getenv("SIM_CUDA_OLD_DRIVER") != NULL;
+}
 static sim_stream *stream_of(cudaStream_t s) { return s ? (sim_stream *)s : sim_default_stream(); }
 
 const char *cudaGetErrorString(int error)
@@ -80,6 +85,13 @@ int cudaRuntimeGetVersion(int *version)
 {
     SIM_FAILPOINT(cudaErrorInvalidValue);
     *version = 12080;
+    return cudaSuccess;
+}
+
+int cudaDriverGetVersion(int *version)
+{
+    SIM_FAILPOINT(cudaErrorInvalidValue);
+    *version = getenv("SIM_CUDA_OLD_DRIVER") ? 11080 : no_driver() ? 0 : 12080;
     return cudaSuccess;
 }
 

@@ -21,6 +21,7 @@ from pdhal.plugin import (
     unset_shared,
 )
 from pdhal_cuda._runtime import (
+    CUDA_ERROR_INSUFFICIENT_DRIVER,
     CUDA_EVENT_DISABLE_TIMING,
     CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
     CUDA_MEMCPY_DEFAULT,
@@ -78,6 +79,8 @@ class CudaBackend(RuntimeBackend):
 
     def device_count_now(self) -> tuple[int, str]:
         count, rc = self.runtime.device_count()
+        if rc == CUDA_ERROR_INSUFFICIENT_DRIVER:
+            return 0, self.runtime.driver_problem()
         if rc != 0:
             return 0, (f"no usable GPU: cudaGetDeviceCount returned "
                        f"{self.runtime.error_text(rc)} ({self.runtime.path})")

@@ -16,6 +16,7 @@ typedef struct { char reserved[64]; } cudaIpcMemHandle_t;
 struct cudaPointerAttributes { int type; int device; void *devicePointer; void *hostPointer; };
 const char *cudaGetErrorString(int error);
 int cudaRuntimeGetVersion(int *version);
+int cudaDriverGetVersion(int *version);
 int cudaGetDeviceCount(int *count);
 int cudaSetDevice(int device);
 int cudaGetDevice(int *device);
@@ -41,6 +42,7 @@ int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t ptr);
 CUDA_EVENT_DISABLE_TIMING = 2
 CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 CUDA_MEMCPY_DEFAULT = 4  # the direction follows from the pointers (unified addressing)
+CUDA_ERROR_INSUFFICIENT_DRIVER = 35  # no driver at all, or one older than the runtime
 MEMORY_TYPES = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}
 
 
@@ -60,6 +62,8 @@ class CudaRuntime(RuntimeLibrary):
 
     cdef = CDEF
     title = "CUDA runtime"
+    path_variable = "PDHAL_CUDART"
+    provided_by = "the nvidia-cuda-runtime wheel (pip install nvidia-cuda-runtime-cu12)"
 
     @classmethod
     def find_library(cls) -> tuple[str, str]:
@@ -89,6 +93,23 @@ class CudaRuntime(RuntimeLibrary):
         version = self.ffi.new("int *")
         self.check(self.lib.cudaRuntimeGetVersion(version), "cudaRuntimeGetVersion")
         return f"{version[0] // 1000}.{version[0] % 1000 // 10}"
+
+    def driver_problem(self) -> str:
+        """Why cudaGetDeviceCount said "driver insufficient": no driver, or an old one."""
+        import ctypes
+
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return ("no NVIDIA driver here (libcuda.so.1 is not installed), so the CUDA runtime "
+                    "sees no GPU")
+        driver, runtime = self.ffi.new("int *"), self.ffi.new("int *")
+        self.lib.cudaDriverGetVersion(driver)
+        self.lib.cudaRuntimeGetVersion(runtime)
+        return (f"the NVIDIA driver supports CUDA {driver[0] // 1000}.{driver[0] % 1000 // 10}, "
+                f"older than this runtime's {runtime[0] // 1000}.{runtime[0] % 1000 // 10} "
+                f"({self.path}): update the driver, or set PDHAL_CUDART to a libcudart the "
+                f"driver supports")
 
     def device_count(self) -> tuple[int, int]:
         """(count, error code): error 35 means no (or too old a) driver."""

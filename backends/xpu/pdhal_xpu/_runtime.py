@@ -45,6 +45,8 @@ class XpuRuntime(RuntimeLibrary):
 
     cdef = CDEF
     title = "XPU runtime"
+    path_variable = "PDHAL_XPURT"
+    provided_by = "Paddle's XPU wheel (paddlepaddle-xpu, which ships paddle/libs/libxpurt.so)"
 
     @classmethod
     def find_library(cls) -> tuple[str, str]:
