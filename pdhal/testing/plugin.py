@@ -19,7 +19,21 @@ def pytest_configure(config):
     name = config.getoption("pdhal_backend", default=None)
     if name:
         os.environ["PDHAL_PLATFORM"] = name  # child processes of the suite inherit it
+        _require_usable(name)
         config.args[:] = [SUITE]
+
+
+def _require_usable(name: str) -> None:
+    """Stop the run once, with one line, when the backend cannot be selected: every test
+    would fail the same way."""
+    from pdhal import PdhalError, _registry
+
+    _registry.reset()
+    try:
+        _registry.selection()
+    except PdhalError as e:
+        message = str(e).replace("(PDHAL_PLATFORM)", "(--pdhal-backend)")
+        raise pytest.UsageError(f"pdhal conformance kit: --pdhal-backend {name}: {message}")
 
 
 @pytest.fixture(scope="session")

@@ -24,17 +24,20 @@ STEPS, LAYERS, BLOCK = 20, 8, 64
 def test_the_backend_is_selected_and_implements_every_op(backend, pdhal_backend_name):
     assert pdhal.current_backend() == pdhal_backend_name
     table = backend.ops()
-    assert sorted(table) == sorted(BACKEND_OPS)
+    assert sorted(table) == sorted(BACKEND_OPS), (
+        f"ops() must name exactly BACKEND_OPS: missing {sorted(set(BACKEND_OPS) - set(table))}, "
+        f"unknown {sorted(set(table) - set(BACKEND_OPS))}")
     # pdhal.ops holds the backend's own callables: nothing dispatches on the per-layer path
-    assert all(getattr(ops, name) == table[name] for name in BACKEND_OPS)
+    for name in BACKEND_OPS:
+        assert getattr(ops, name) == table[name], f"pdhal.ops.{name} is not the backend's own"
 
 
 def test_platform_facts(pdhal_backend_name):
     platform = pdhal.current_platform()
-    assert platform.name == pdhal_backend_name
-    assert platform.device_control_env_var
-    assert platform.device_count() >= 1
-    assert isinstance(platform.capabilities, dict)
+    assert platform.name == pdhal_backend_name, f"Platform.name is {platform.name!r}"
+    assert platform.device_control_env_var, "Platform.device_control_env_var is empty"
+    assert platform.device_count() >= 1, "an available backend counts at least one device"
+    assert isinstance(platform.capabilities, dict), "Platform.capabilities must be a dict"
     env = platform.child_env([platform.physical_device_id(0)], base={})
     assert env == {platform.device_control_env_var: str(platform.physical_device_id(0))}
 
@@ -53,7 +56,8 @@ def test_per_query_signals_cross_processes_in_order(support):
         since = (0, -1)
         while since != (STEPS, LAYERS - 1):
             now = reader.wait(since, timeout=30)
-            assert now > since and now[1] < LAYERS
+            assert now > since, f"progress went from {since} back to {now}"
+            assert now[1] < LAYERS, f"layer {now[1]} was never signalled (only 0..{LAYERS - 1})"
             since = now
     finish(producer)
 
@@ -71,7 +75,8 @@ def test_per_chunk_records_cross_processes_exactly_once_in_order(support):
     for step in range(1, STEPS + 1):
         for layer in range(LAYERS):
             ops.get_output_kv_signal(out, 0, True, timeout=30)
-            assert list(out[:8]) == [2, layer, 0, 3, step, 2, step, 7]
+            assert list(out[:8]) == [2, layer, 0, 3, step, 2, step, 7], (
+                f"record {list(out[:8])} where step {step} layer {layer} was expected")
     finish(producer)
 
 
@@ -81,7 +86,8 @@ def test_draft_model_keeps_the_step():
     draft = ops.open_shm_and_get_meta_signal(0, 0, keep_pd_step_flag=True)
     ops.signal_layer_ready(ops.init_signal_layerwise(draft, LAYERS))
     with ops.open_kv_signal_reader(0, 0) as reader:
-        assert reader.wait((meta.step, 3), timeout=10) == (meta.step, LAYERS)
+        got = reader.wait((meta.step, 3), timeout=10)
+        assert got == (meta.step, LAYERS), f"the draft layer gave {got}, not (step, {LAYERS})"
 
 
 @pytest.mark.parametrize("through", ["default", "sender"])
@@ -99,7 +105,8 @@ def test_a_layer_is_signalled_only_after_the_work_before_it(support, through):
                 since = reader.wait(since, timeout=30)
                 for layer in range(since[1] + 1):
                     got = support.read(address + layer * {BLOCK}, {BLOCK})
-                    assert got == bytes([layer + 1]) * {BLOCK}, (since, layer)
+                    assert got == bytes([layer + 1]) * {BLOCK}, (
+                        f"layer {{layer}} was signalled ({{since}}) before its write landed")
     """)
     meta = ops.open_shm_and_get_meta_signal(0, 0)
     stream = support.stream()
@@ -125,8 +132,9 @@ def test_destroying_a_sender_delivers_everything_pending(support):
         for layer in range(500):
             ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream, sender)
     with ops.open_kv_signal_reader(0, 0) as reader:
-        assert reader.current() == (1, 499)
-    assert sender.closed
+        assert reader.current() == (1, 499), (
+            f"destroy returned with signals undelivered: progress {reader.current()}")
+    assert sender.closed, "a sender is closed after its with-block"
 
 
 # ---- memory --------------------------------------------------------------------------
@@ -206,8 +214,9 @@ def test_block_copies_move_exactly_the_named_blocks_in_stream_order(support):
     dst = support.alloc(8 * BLOCK)
     copies = ops.copy_blocks(dst, [5, 6, 7, 0], src, [1, 2, 3, 4], BLOCK, stream)
     ops.synchronize(stream)
-    assert copies == 2  # 1..3 -> 5..7 is one run, 4 -> 0 another
-    assert _blocks_of(support, dst.address, 8) == [5, 0, 0, 0, 0, 2, 3, 4]
+    assert copies == 2, f"{copies} copies: 1..3 -> 5..7 is one run and 4 -> 0 another"
+    got = _blocks_of(support, dst.address, 8)
+    assert got == [5, 0, 0, 0, 0, 2, 3, 4], f"blocks of the destination: {got}"
 
 
 def test_block_copies_between_host_and_device(support):
@@ -240,7 +249,7 @@ def test_bad_block_ids_are_refused_and_nothing_is_copied(support, dst_ids, src_i
     with pytest.raises(pdhal.InvalidArgumentError, match=words):
         ops.copy_blocks(dst, dst_ids, src, src_ids, BLOCK, stream)
     ops.synchronize(stream)
-    assert _blocks_of(support, dst.address, 4) == [0, 0, 0, 0]
+    assert _blocks_of(support, dst.address, 4) == [0, 0, 0, 0], "a refused copy wrote blocks"
 
 
 def test_blocks_land_in_another_process_s_shared_cache(support):
