@@ -31,19 +31,22 @@ def compile_args() -> list[str]:
     return args
 
 
-def export_map(cdef: str) -> str:
-    """A linker version script exporting the module's init and the functions the header
-    declares, nothing else: the C core's internals stay out of engines' symbol tables."""
+def export_map(cdef: str, python_module: bool = True) -> str:
+    """A linker version script exporting the functions the header declares (and the Python
+    module's init, for the extension), nothing else: the C core's internals stay out of
+    engines' symbol tables."""
     functions = sorted(set(re.findall(r"\b(pdhal_\w+)\s*\(", cdef)))
-    script = "{ global: PyInit__pdhal_c; %s; local: *; };\n" % "; ".join(functions)
+    if python_module:
+        functions.insert(0, "PyInit__pdhal_c")
+    script = "{ global: %s; local: *; };\n" % "; ".join(functions)
     digest = hashlib.sha256(script.encode()).hexdigest()[:16]
     path = pathlib.Path(tempfile.gettempdir()) / f"pdhal-exports-{digest}.map"
     path.write_text(script)
     return str(path)
 
 
-def link_args(cdef: str) -> list[str]:
-    args = [f"-Wl,--version-script={export_map(cdef)}"]
+def link_args(cdef: str, python_module: bool = True) -> list[str]:
+    args = [f"-Wl,--version-script={export_map(cdef, python_module)}"]
     if os.environ.get("PDHAL_SANITIZE"):
         args.append("-fsanitize=address,undefined")
     return args

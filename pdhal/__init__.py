@@ -50,12 +50,23 @@ def get_include() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
 
 
-def get_library() -> str:
-    """Path of the shared library that exports pdhal.h's functions (link against it, e.g.
-    `gcc ... /path/from/get_library`; load the result into a Python process)."""
-    import importlib.util
+def get_library(standalone: bool = False) -> str:
+    """Path of a shared library exporting pdhal.h's functions (link against it with
+    -I get_include()).
 
-    return importlib.util.find_spec("pdhal._pdhal_c").origin
+    By default, pdhal's Python extension: what an engine's op (a C/C++ extension loaded into
+    the engine's Python process) links against, so that it and pdhal's Python side share
+    one C core: the kernel forms an op receives name registrations in that core.
+    standalone=True: libpdhal.so, the same core without Python, for a C/C++ program that
+    runs outside any Python process (a messager written in C), e.g.
+    `cc messager.c -I<get_include()> <dir>/libpdhal.so -Wl,-rpath,<dir>`."""
+    import importlib.util
+    import os
+
+    extension = importlib.util.find_spec("pdhal._pdhal_c").origin
+    if not standalone:
+        return extension
+    return os.path.join(os.path.dirname(extension), "libpdhal.so")
 
 
 def channel_path(mode: str, rank: int, device_id: int = 0) -> str:

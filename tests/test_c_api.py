@@ -130,3 +130,57 @@ else:
     assert proc.returncode == 0, proc.stderr
     assert "compiled core speaks ABI 1, this Python code expects 2" in proc.stdout
     assert "pip install -e ." in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def standalone_messager(tmp_path_factory) -> str:
+    """A messager program linked against libpdhal.so alone: no Python in its process."""
+    program = str(tmp_path_factory.mktemp("c") / "messager")
+    library = pdhal.get_library(standalone=True)
+    subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{pdhal.get_include()}",
+                    "-o", program, os.path.join(HERE, "c", "messager_main.c"),
+                    os.path.join(HERE, "c", "messager.c"), library,
+                    f"-Wl,-rpath,{os.path.dirname(library)}"], check=True)
+    libraries = subprocess.run(["ldd", program], capture_output=True, text=True).stdout
+    assert "libpython" not in libraries, libraries
+    return program
+
+
+def test_a_messager_program_without_python_reads_both_channels(standalone_messager):
+    """The documented way to build a C messager that runs outside a Python process."""
+    layers, steps = 20, 30
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    per_query = subprocess.Popen([standalone_messager, "per_query",
+                                  pdhal.channel_path("per_query", 0),
+                                  str(pack_progress(meta.step, -1)),
+                                  str(pack_progress(meta.step, layers - 1))],
+                                 stdout=subprocess.PIPE, text=True)
+    per_chunk = subprocess.Popen([standalone_messager, "per_chunk",
+                                  pdhal.channel_path("per_chunk", 0), str(steps * 2)],
+                                 stdout=subprocess.PIPE, text=True)
+    for layer in range(layers):
+        ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer))
+    for step in range(1, steps + 1):
+        chunk = ops.init_kv_signal_per_query([9], [9], [step], 0, 2)
+        for layer in range(2):
+            ops.signal_layer_ready(chunk.layer(layer))
+    words = [int(w) for w in per_query.communicate(timeout=60)[0].split()]
+    assert per_query.returncode == 0 and unpack_progress(words[-1]) == (meta.step, layers - 1)
+    records = [list(map(int, line.split())) for line in
+               per_chunk.communicate(timeout=60)[0].splitlines()]
+    assert per_chunk.returncode == 0
+    assert records == [[1, layer, 0, step, 9] for step in range(1, steps + 1)
+                       for layer in range(2)]
+
+
+def test_the_standalone_library_exports_the_same_functions():
+    from pdhal._core import lib as cffi_lib
+
+    functions = sorted(name for name in dir(cffi_lib) if callable(getattr(cffi_lib, name)))
+    standalone = ctypes.CDLL(pdhal.get_library(standalone=True))
+    for name in functions:
+        assert hasattr(standalone, name), name
+    exported = subprocess.run(["nm", "-D", "--defined-only", pdhal.get_library(standalone=True)],
+                              capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(w for w in exported if w.startswith("pdhal_")) == functions
+    assert not [w for w in exported if w.startswith(("Py", "_Py"))]
