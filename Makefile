@@ -82,15 +82,18 @@ clean:
 	rm -rf $(VENV) build pdhal/*.so
 
 # ---- fuzzing (tests/fuzz) --------------------------------------------------------------------
-# libFuzzer + ASan + UBSan over the segment validator and the per-chunk record decoder, built
-# from csrc/ directly (tests/fuzz/fuzz_segment.c says what it covers). `make fuzz-ci`: 30 s per
-# harness mode (validate, hostile); `make fuzz`: FUZZ_SECONDS with both modes mixed. A crash,
-# leak, UB report or hang fails the target and leaves its input in tests/fuzz/build/.
+# libFuzzer + ASan + UBSan over the segment validator and the per-chunk record decoder
+# (tests/fuzz/fuzz_segment.c) and over what an engine's op hands the core, kernel words and
+# block-copy ids (tests/fuzz/fuzz_kernel.c), built from csrc/ directly. `make fuzz-ci`: 30 s
+# per harness mode (validate, hostile) and for the kernel target; `make fuzz`: FUZZ_SECONDS
+# each. A crash, leak, UB report or hang fails the target and leaves its input in
+# tests/fuzz/build/.
 FUZZ_SECONDS ?= 300
 FUZZ_CI_SECONDS ?= 30
 FUZZ_CC ?= clang
 FUZZ_BUILD := tests/fuzz/build
 FUZZ_BIN := $(FUZZ_BUILD)/fuzz_segment
+FUZZ_KERNEL_BIN := $(FUZZ_BUILD)/fuzz_kernel
 FUZZ_SRCS := $(wildcard csrc/*.c)
 FUZZ_CFLAGS := -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
 	-I pdhal/include -I csrc
@@ -104,9 +107,16 @@ $(FUZZ_BIN): tests/fuzz/fuzz_segment.c $(FUZZ_SRCS) csrc/internal.h pdhal/includ
 	mkdir -p $(FUZZ_BUILD)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ tests/fuzz/fuzz_segment.c $(FUZZ_SRCS) -lpthread
 
-fuzz-ci: $(FUZZ_BIN)
+$(FUZZ_KERNEL_BIN): tests/fuzz/fuzz_kernel.c $(FUZZ_SRCS) csrc/internal.h pdhal/include/pdhal.h \
+		| fuzz-toolchain
+	mkdir -p $(FUZZ_BUILD)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ tests/fuzz/fuzz_kernel.c $(FUZZ_SRCS) -lpthread
+
+fuzz-ci: $(FUZZ_BIN) $(FUZZ_KERNEL_BIN)
 	sh tests/fuzz/run.sh $(FUZZ_BIN) validate $(FUZZ_CI_SECONDS)
 	sh tests/fuzz/run.sh $(FUZZ_BIN) hostile $(FUZZ_CI_SECONDS)
+	sh tests/fuzz/run.sh $(FUZZ_KERNEL_BIN) kernel $(FUZZ_CI_SECONDS)
 
-fuzz: $(FUZZ_BIN)
+fuzz: $(FUZZ_BIN) $(FUZZ_KERNEL_BIN)
 	sh tests/fuzz/run.sh $(FUZZ_BIN) any $(FUZZ_SECONDS)
+	sh tests/fuzz/run.sh $(FUZZ_KERNEL_BIN) kernel $(FUZZ_SECONDS)

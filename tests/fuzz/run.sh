@@ -1,6 +1,7 @@
 #!/bin/sh
 # run.sh BIN MODE SECONDS: fuzz with tests/fuzz/build/fuzz_segment for SECONDS on a copy of the
-# seed corpus (MODE validate or hostile pins the harness's mode; any mixes both). libFuzzer's
+# seed corpus (MODE validate or hostile pins the harness's mode; any mixes both), or with
+# fuzz_kernel (MODE kernel, from an empty corpus: its inputs are small). libFuzzer's
 # output goes to BUILD/fuzz-MODE.log; a crash, leak, UB report or hang exits non-zero with
 # the input left in BUILD/ (crash-*, leak-*, timeout-*, oom-*).
 set -eu
@@ -10,10 +11,11 @@ seeds=$(dirname "$0")/corpus
 case $mode in
 validate | hostile) corpus=$build/corpus-$mode; PDHAL_FUZZ_MODE=$mode; export PDHAL_FUZZ_MODE ;;
 any) corpus=$build/corpus; unset PDHAL_FUZZ_MODE ;;
-*) echo "run.sh: mode must be validate, hostile or any" >&2; exit 2 ;;
+kernel) corpus=$build/corpus-kernel; seeds= ;;
+*) echo "run.sh: mode must be validate, hostile, any or kernel" >&2; exit 2 ;;
 esac
 mkdir -p "$corpus"
-cp "$seeds"/* "$corpus"/
+[ -z "$seeds" ] || cp "$seeds"/* "$corpus"/
 log=$build/fuzz-$mode.log
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
 export UBSAN_OPTIONS
