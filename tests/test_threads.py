@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -114,9 +115,18 @@ def test_reader_threads_never_get_a_record_twice():
     assert busy[0] > 0, "the threads never overlapped: the test proved nothing"
 
 
-def test_racing_first_calls_attach_one_reader():
+def test_racing_first_calls_attach_one_reader(monkeypatch):
     """The first get_output_kv_signal of several threads at once: one reader is attached,
-    none of them fails for the others' attaching."""
+    none of them fails for the others' attaching. Attaching is slowed on purpose, so every
+    thread arrives while the first is still attaching."""
+    from pdhal import _signals
+
+    class SlowToAttach(_signals.ChunkReader):
+        def __init__(self, *args, **kwargs):
+            time.sleep(0.05)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_signals, "ChunkReader", SlowToAttach)
     chunk = ops.init_kv_signal_per_query([5], [5], [0], 0, 1)
     ops.signal_layer_ready(chunk.layer(0))
     barrier = threading.Barrier(THREADS)
@@ -129,10 +139,10 @@ def test_racing_first_calls_attach_one_reader():
             ops.get_output_kv_signal(out, 0, False)
             outcomes.append(tuple(out[:2]))
         except pdhal.ChannelBusyError as e:  # overlapping reads, not attaching, may collide
-            assert "one thread at a time" in str(e), e
-            outcomes.append("busy")
+            outcomes.append("busy" if "one thread at a time" in str(e) else str(e))
 
     _run([threading.Thread(target=first_call) for _ in range(THREADS)])
+    assert len(outcomes) == THREADS, outcomes
     assert outcomes.count((1, 0)) == 1, outcomes
     assert set(outcomes) <= {(1, 0), (-1, -1), "busy"}
 
@@ -166,11 +176,32 @@ def test_a_sender_shared_by_threads_delivers_every_signal_and_closes_once():
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0), None, sender)
 
 
-def test_host_free_from_threads_frees_once():
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("xpu", marks=pytest.mark.simulated)])
+def test_host_free_from_threads_frees_once(backend, monkeypatch):
+    """On a runtime a second free of one pointer is an error (or worse): four threads
+    freeing one buffer must free it once."""
+    if backend == "xpu":
+        from sim.harness import SimRuntime
+
+        monkeypatch.setenv("PDHAL_XPURT", SimRuntime("xpu", "libxpurt.so").path)
+        monkeypatch.setenv("PDHAL_PLATFORM", "xpu")
+        from pdhal import _registry
+
+        _registry.reset()
+    errors: list[BaseException] = []
+
+    def free(buf) -> None:
+        try:
+            ops.host_free(buf)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
     for _ in range(20):
         buf = ops.host_alloc(1 << 16)
-        _run([threading.Thread(target=ops.host_free, args=(buf,)) for _ in range(4)])
+        barrier = threading.Barrier(4)
+        _run([threading.Thread(target=lambda: (barrier.wait(), free(buf))) for _ in range(4)])
         assert buf.closed
+    assert not errors, errors
 
 
 def test_closing_a_reader_while_another_thread_waits_on_it_is_safe():
