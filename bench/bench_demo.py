@@ -1,27 +1,35 @@
-"""The demo's pipeline, measured side by side in one run (these machines are shared and noisy).
+"""The demo's pipeline, measured side by side in one run (these machines are shared and noisy:
+every comparison interleaves its rounds and reports the best and the median of each side).
 
 1. Layer-wise streaming against posting every layer only after the forward pass (same
-   model, prompts and transport): time to first token on decode, also counted from the end
-   of each request's prefill (compute time varies run to run on a shared machine; this
-   part does not), transfer time left exposed after the last layer, overlap efficiency.
-   Target: overlap efficiency >= 0.9, 32 layers.
-2. `shm` transport throughput against a plain memcpy of the same bytes. Target >= 0.8x.
-   The transport is measured with the messager alone on the CPU (every layer posted after
-   the forward pass, one step), as the memcpy is; the in-pipeline figure, with the model
-   computing on the other core, is printed too.
-3. Mooncake (TCP on loopback) in the demo against Mooncake's own transfer_engine_bench with
-   the same block size, on loopback.
+   model, prompts and transport), for both transports: time to first token on decode, also
+   counted from the end of each request's prefill (compute time varies run to run on a
+   shared machine; this part does not), transfer left exposed after the last layer, overlap
+   efficiency (definitions: README, "Measured figures"). Target: overlap efficiency >= 0.9.
+2. `shm` transport against a memcpy of the same block runs, between two prefaulted host
+   buffers the size of the two caches, in this process. Target >= 0.9x. The transport is
+   measured standalone (the messager alone on a core: every layer posted after the forward
+   pass, one step) with both copies the messager can make (a memmove per run, one
+   pdhal.ops.copy_blocks per layer); the in-pipeline figure, the model computing on the
+   other core, is printed too.
+3. Mooncake (TCP on loopback) in the demo, standalone likewise, against Mooncake's own
+   transfer_engine_bench with the same block size, batch and threads on loopback. Target
+   >= 0.9x.
 
-Run: .venv/bin/python bench/bench_demo.py  (or `make bench`)
+Run: .venv/bin/python bench/bench_demo.py [--json] [--rounds N] [--only 1,2,3]
+(or `make bench`).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import json
 import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -30,31 +38,95 @@ from pdhal import ops
 from pdhal_demo import DEFAULT_PROMPTS, pipeline
 from pdhal_demo.model import ModelConfig
 from pdhal_demo.plan import make_plan
+from pdhal_demo.transport import block_runs
 
 PROMPTS = [int(n) for n in DEFAULT_PROMPTS.split(",")]
 MODEL = ModelConfig(layers=32)
+CACHE_BLOCKS = 64
+TARGET = {"overlap": 0.9, "shm": 0.9, "mooncake": 0.9}
 
 
-def demo(transport: str, signal_at_end: bool, batch: int = 4) -> dict:
-    plan = make_plan(MODEL, PROMPTS, "per_query", transport, cache_blocks=64, decode_steps=4,
+def say(text: str = "") -> None:
+    print(text, file=sys.stderr if ARGS.json else sys.stdout, flush=True)
+
+
+def plan_for(transport: str, signal_at_end: bool, batch: int, mode: str = "per_query"):
+    return make_plan(MODEL, PROMPTS, mode, transport, cache_blocks=CACHE_BLOCKS, decode_steps=4,
                      batch=batch, chunk_tokens=512, signal_at_end=signal_at_end)
-    summary, _ = pipeline.run(plan, pipeline.Options(progress=False))
+
+
+def demo(transport: str, signal_at_end: bool, batch: int = 4, **options) -> dict:
+    summary, _ = pipeline.run(plan_for(transport, signal_at_end, batch),
+                              pipeline.Options(progress=False, **options))
     assert summary["ok"], summary
+    assert summary["causality_violations"] == 0, summary
+    assert summary["overlap_efficiency"] <= 1 and summary["exposed_transfer_ms"] >= 0, summary
     return summary
 
 
-def memcpy_gib_s(nbytes: int, rounds: int = 5) -> float:
-    """Best of `rounds` single memmoves of `nbytes` between two prefaulted host buffers."""
-    with ops.host_alloc(nbytes) as a, ops.host_alloc(nbytes) as b:
-        best = float("inf")
-        for _ in range(rounds):
-            start = time.perf_counter()
-            ctypes.memmove(b.address, a.address, nbytes)
-            best = min(best, time.perf_counter() - start)
-    return nbytes / best / 2**30
+def standalone(transport: str, **options) -> dict:
+    """Every prompt in one step, every layer posted after the forward pass: the messager
+    then moves all 32 layers back to back, alone on its core."""
+    return demo(transport, signal_at_end=True, batch=len(PROMPTS), **options)
 
 
-def transfer_engine_bench(block_size: int, batch: int, seconds: int = 3) -> float | None:
+def step_runs(plan) -> list[list[tuple[int, int, int]]]:
+    """The runs the messager copies for each layer, per step of a per_query plan."""
+    out = []
+    for step in plan.steps:
+        requests = [plan.request(c.request) for c in step]
+        src = [b for r in requests for b in r.prefill_blocks]
+        dst = [b for r in requests for b in r.decode_blocks[:len(r.prefill_blocks)]]
+        out.append(block_runs(src, dst))
+    return out
+
+
+class Memcpy:
+    """memmove of the messager's runs, layer by layer, between two prefaulted (mlocked) host
+    buffers shaped like the two caches: what the shm transport does, without the transport."""
+
+    def __init__(self, plan):
+        self.steps = step_runs(plan)
+        self.block = MODEL.block_bytes()
+        self.src_row = plan.prefill_cache_blocks * self.block
+        self.dst_row = plan.decode_cache_blocks * self.block
+        self.src = ops.host_alloc(2 * MODEL.layers * self.src_row)
+        self.dst = ops.host_alloc(2 * MODEL.layers * self.dst_row)
+        ctypes.memset(self.src.address, 1, 2 * MODEL.layers * self.src_row)
+        self.nbytes = 2 * MODEL.layers * sum(n for runs in self.steps for _, _, n in runs) \
+            * self.block
+
+    def runs_gib_s(self, gap_s: float = 0.0) -> float:
+        """Copy every layer's runs, back to back, or each layer after `gap_s` of sleep (as
+        the pipeline's transfers come, one per layer computed); GiB/s of the copying time."""
+        memmove, block, src, dst = ctypes.memmove, self.block, self.src.address, self.dst.address
+        busy = 0
+        for runs in self.steps:
+            for layer in range(MODEL.layers):
+                if gap_s:
+                    time.sleep(gap_s)
+                start = time.perf_counter_ns()
+                for kv in (0, 1):
+                    s = src + (2 * layer + kv) * self.src_row
+                    d = dst + (2 * layer + kv) * self.dst_row
+                    for a, b, n in runs:
+                        memmove(d + b * block, s + a * block, n * block)
+                busy += time.perf_counter_ns() - start
+        return self.nbytes / (busy / 1e9) / 2**30
+
+    def flat_gib_s(self) -> float:
+        """One memmove of the same number of bytes (the upper bound of a copy)."""
+        start = time.perf_counter_ns()
+        ctypes.memmove(self.dst.address, self.src.address, self.nbytes)
+        return self.nbytes / ((time.perf_counter_ns() - start) / 1e9) / 2**30
+
+    def close(self) -> None:
+        ops.host_free(self.src)
+        ops.host_free(self.dst)
+
+
+def transfer_engine_bench(block_size: int, batch: int, threads: int = 1,
+                          seconds: int = 3) -> float | None:
     """GiB/s of Mooncake's own transfer_engine_bench (write, TCP, loopback), or None."""
     exe = shutil.which("transfer_engine_bench", path=os.path.dirname(sys.executable))
     if exe is None:
@@ -71,67 +143,179 @@ def transfer_engine_bench(block_size: int, batch: int, seconds: int = 3) -> floa
                 break
         run = subprocess.run([exe, "-mode", "initiator", *common, "-segment_id",
                               f"127.0.0.1:{port}", "-operation", "write", "-block_size",
-                              str(block_size), "-batch_size", str(batch), "-threads", "1",
-                              "-duration", str(seconds)], capture_output=True, text=True,
-                             timeout=seconds + 60)
+                              str(block_size), "-batch_size", str(batch), "-threads",
+                              str(threads), "-duration", str(seconds), "-report_unit", "GiB"],
+                             capture_output=True, text=True, timeout=seconds + 60)
     finally:
         os.killpg(target.pid, signal.SIGKILL)  # the target leaves a process behind otherwise
         target.wait()
-    m = re.search(r"throughput ([\d.]+) GB/s", run.stderr)
-    return float(m.group(1)) * 1e9 / 2**30 if m else None
+    m = re.search(r"throughput ([\d.]+) GiB/s", run.stderr)
+    return float(m.group(1)) if m else None
+
+
+def stats(values: list[float]) -> dict:
+    return {"best": max(values), "median": statistics.median(values), "rounds": values}
+
+
+def fmt(s: dict) -> str:
+    return (f"best {s['best']:.2f}, median {s['median']:.2f} GiB/s "
+            f"({', '.join(f'{v:.2f}' for v in s['rounds'])})")
 
 
 def row(label: str, s: dict) -> str:
-    return (f"  {label:38s} TTFT mean {s['ttft_ms']['mean']:5.0f} ms, after prefill "
+    return (f"  {label:34s} TTFT mean {s['ttft_ms']['mean']:5.0f} ms, after prefill "
             f"{s['ttft_after_prefill_ms']['mean']:6.1f} ms | exposed transfer "
-            f"{s['exposed_transfer_ms']:5.1f} ms | overlap efficiency {s['overlap_efficiency']:.3f}")
+            f"{s['exposed_transfer_ms']:6.2f} ms | overlap efficiency "
+            f"{s['overlap_efficiency']:.3f}")
+
+
+def brief(s: dict) -> dict:
+    keep = ("transport", "layer_signals", "bytes_moved", "transfer_throughput_gib_s", "compute_s",
+            "wall_s", "ttft_ms", "ttft_after_prefill_ms", "exposed_transfer_ms",
+            "overlap_efficiency", "causality_violations")
+    return {k: s[k] for k in keep}
+
+
+def section_ttft(out: dict) -> None:
+    say("\n1. layer-wise streaming vs all layers after the forward pass (per_query, 4 prompts "
+        "per step)")
+    result = {}
+    for transport in ("shm", "mooncake"):
+        rounds = {"layer-wise": [], "at-end": []}
+        for _ in range(ARGS.rounds_ttft):  # interleaved
+            rounds["layer-wise"].append(demo(transport, signal_at_end=False))
+            rounds["at-end"].append(demo(transport, signal_at_end=True))
+        runs = {}
+        for how, summaries in rounds.items():
+            median = lambda key, sub=None: statistics.median(  # noqa: E731
+                s[key][sub] if sub else s[key] for s in summaries)
+            runs[how] = {"ttft_ms_mean": median("ttft_ms", "mean"),
+                         "ttft_after_prefill_ms_mean": median("ttft_after_prefill_ms", "mean"),
+                         "exposed_transfer_ms": median("exposed_transfer_ms"),
+                         "overlap_efficiency": median("overlap_efficiency"),
+                         "transfer_throughput_gib_s": median("transfer_throughput_gib_s"),
+                         "runs": [brief(s) for s in summaries]}
+            for s in summaries:
+                say(row(f"{transport}, {'signal per layer' if how == 'layer-wise' else 'all after the forward pass'}", s))
+        lw, ae = runs["layer-wise"], runs["at-end"]
+        runs["ttft_after_prefill_at_end_over_layerwise"] = (
+            ae["ttft_after_prefill_ms_mean"] / lw["ttft_after_prefill_ms_mean"])
+        runs["meets_overlap_target"] = lw["overlap_efficiency"] >= TARGET["overlap"]
+        say(f"  -> {transport} (medians): TTFT after prefill {lw['ttft_after_prefill_ms_mean']:.1f} "
+            f"ms layer-wise vs {ae['ttft_after_prefill_ms_mean']:.1f} ms at end "
+            f"({runs['ttft_after_prefill_at_end_over_layerwise']:.1f}x); exposed transfer "
+            f"{lw['exposed_transfer_ms']:.2f} vs {ae['exposed_transfer_ms']:.2f} ms; overlap "
+            f"efficiency {lw['overlap_efficiency']:.3f} "
+            f"({'meets' if runs['meets_overlap_target'] else 'MISSES'} >= {TARGET['overlap']})")
+        result[transport] = runs
+    out["ttft"] = result
+
+
+def section_shm(out: dict) -> None:
+    say(f"\n2. shm transport vs memcpy of the same block runs ({ARGS.rounds} interleaved rounds)")
+    alone = Memcpy(plan_for("shm", True, len(PROMPTS)))
+    spaced = Memcpy(plan_for("shm", False, 4))
+    rounds = {k: [] for k in ("memcpy_runs", "memcpy_flat", "memcpy_runs_spaced", "shm_memmove",
+                              "shm_copy_blocks", "shm_with_compute")}
+    try:
+        for _ in range(ARGS.rounds):
+            rounds["memcpy_runs"].append(alone.runs_gib_s())
+            rounds["memcpy_flat"].append(alone.flat_gib_s())
+            rounds["shm_memmove"].append(standalone("shm", shm_copy="memmove")
+                                         ["transfer_throughput_gib_s"])
+            rounds["shm_copy_blocks"].append(standalone("shm", shm_copy="copy_blocks")
+                                             ["transfer_throughput_gib_s"])
+            pipelined = demo("shm", signal_at_end=False)
+            rounds["shm_with_compute"].append(pipelined["transfer_throughput_gib_s"])
+            # the same runs, each layer's after the time a layer takes to compute
+            gap = pipelined["compute_s"] / (MODEL.layers * len(spaced.steps))
+            rounds["memcpy_runs_spaced"].append(spaced.runs_gib_s(gap))
+    finally:
+        alone.close()
+        spaced.close()
+    r = {"bytes": alone.nbytes, "runs_per_layer": 2 * len(alone.steps[0])}
+    r |= {key: stats(values) for key, values in rounds.items()}
+    for key, reference in (("shm_memmove", "memcpy_runs"), ("shm_copy_blocks", "memcpy_runs"),
+                           ("shm_with_compute", "memcpy_runs"),
+                           ("shm_with_compute_vs_spaced", "memcpy_runs_spaced")):
+        mine = r[key.removesuffix("_vs_spaced")]
+        r[f"{key}_ratio"] = {"median": mine["median"] / r[reference]["median"],
+                             "best": mine["best"] / r[reference]["best"]}
+    r["meets_target"] = r["shm_memmove_ratio"]["median"] >= TARGET["shm"]
+    say(f"  memcpy of the runs ({r['runs_per_layer']} per layer, {alone.nbytes / 2**20:.0f} "
+        f"MiB), back to back:     {fmt(r['memcpy_runs'])}")
+    say(f"  one flat memcpy of as many bytes:               {fmt(r['memcpy_flat'])}")
+    say(f"  memcpy of the pipeline's runs, a layer's time apart: {fmt(r['memcpy_runs_spaced'])}")
+    for key, label in (("shm_memmove", "shm, memmove per run, standalone"),
+                       ("shm_copy_blocks", "shm, copy_blocks per layer, standalone"),
+                       ("shm_with_compute", "shm, memmove, the model computing")):
+        ratio = r[f"{key}_ratio"]
+        say(f"  {label:47s} {fmt(r[key])} -> {ratio['median']:.2f}x median, "
+            f"{ratio['best']:.2f}x best")
+    ratio = r["shm_with_compute_vs_spaced_ratio"]
+    say(f"  -> shm standalone {r['shm_memmove_ratio']['median']:.2f}x memcpy of the same runs "
+        f"({'meets' if r['meets_target'] else 'MISSES'} >= {TARGET['shm']}x); with the model "
+        f"computing {r['shm_with_compute_ratio']['median']:.2f}x of it, "
+        f"{ratio['median']:.2f}x of the same runs copied a layer's time apart")
+    out["shm"] = r
+
+
+def section_mooncake(out: dict) -> None:
+    say(f"\n3. Mooncake (TCP, loopback) vs Mooncake's transfer_engine_bench ({ARGS.rounds} "
+        f"interleaved rounds)")
+    plan = plan_for("mooncake", True, len(PROMPTS))
+    [runs] = step_runs(plan)
+    block = max(n for _, _, n in runs) * MODEL.block_bytes()
+    batch = 2 * len(runs)
+    demo_rounds, bench_rounds = [], []
+    for _ in range(ARGS.rounds):
+        demo_rounds.append(standalone("mooncake")["transfer_throughput_gib_s"])
+        reference = transfer_engine_bench(block, batch)
+        if reference is None:
+            say("  transfer_engine_bench did not run (not installed with Mooncake's wheel?)")
+            out["mooncake"] = {"demo": stats(demo_rounds), "transfer_engine_bench": None}
+            return
+        bench_rounds.append(reference)
+    r = {"block_bytes": block, "batch": batch, "threads": 1, "demo": stats(demo_rounds),
+         "transfer_engine_bench": stats(bench_rounds)}
+    r["ratio_median"] = r["demo"]["median"] / r["transfer_engine_bench"]["median"]
+    r["ratio_best"] = r["demo"]["best"] / r["transfer_engine_bench"]["best"]
+    r["meets_target"] = r["ratio_median"] >= TARGET["mooncake"]
+    say(f"  demo, standalone:      {fmt(r['demo'])}")
+    say(f"  transfer_engine_bench: {fmt(r['transfer_engine_bench'])} (block {block} B, batch "
+        f"{batch}, 1 thread)")
+    say(f"  -> {r['ratio_median']:.2f}x median, {r['ratio_best']:.2f}x best "
+        f"({'meets' if r['meets_target'] else 'MISSES'} >= {TARGET['mooncake']}x)")
+    out["mooncake"] = r
+
+
+SECTIONS = {"1": section_ttft, "2": section_shm, "3": section_mooncake}
 
 
 def main() -> None:
     os.environ.setdefault("PDHAL_NAMESPACE", f"bench{os.getpid()}")
-    print(f"model: {MODEL.layers} layers, prompts {PROMPTS}, per_query, 4 prompts per step")
+    out = {"model": {"layers": MODEL.layers, "prompts": PROMPTS, "cache_blocks": CACHE_BLOCKS,
+                     "block_bytes": MODEL.block_bytes()}, "rounds": ARGS.rounds}
+    say(f"model: {MODEL.layers} layers, prompts {PROMPTS}, blocks of "
+        f"{MODEL.block_bytes() // 1024} KiB per layer and K/V")
+    for key in ARGS.only.split(","):
+        SECTIONS[key](out)
+    if ARGS.json:
+        print(json.dumps(out, indent=2))
 
-    print("\n1. layer-wise streaming vs all layers after the forward pass")
-    for transport in ("shm", "mooncake"):
-        layerwise = demo(transport, signal_at_end=False)
-        at_end = demo(transport, signal_at_end=True)
-        print(row(f"{transport}, signal per layer", layerwise))
-        print(row(f"{transport}, all after the forward pass", at_end))
-        after = (at_end["ttft_after_prefill_ms"]["mean"]
-                 / layerwise["ttft_after_prefill_ms"]["mean"])
-        print(f"  -> {transport}: TTFT after prefill, at end / layer-wise {after:.1f}x; overlap "
-              f"efficiency {layerwise['overlap_efficiency']:.3f} "
-              f"({'meets' if layerwise['overlap_efficiency'] >= 0.9 else 'MISSES'} >= 0.9)")
-        if transport == "shm":
-            shm_pipelined = layerwise
 
-    print("\n2. shm transport vs a plain memcpy of the same bytes (5 interleaved rounds, best of each)")
-    copies, transports = [], []
-    for _ in range(5):  # the two vary +-20% from round to round on a shared VM
-        copies.append(memcpy_gib_s(shm_pipelined["bytes_moved"]))
-        transports.append(demo("shm", signal_at_end=True, batch=len(PROMPTS))
-                          ["transfer_throughput_gib_s"])
-    copy, alone = max(copies), max(transports)
-    ratio = alone / copy
-    print(f"  memcpy {copy:.2f} GiB/s (rounds {', '.join(f'{c:.2f}' for c in copies)}); shm "
-          f"transport {alone:.2f} GiB/s (rounds {', '.join(f'{t:.2f}' for t in transports)})"
-          f" -> {ratio:.2f}x ({'meets' if ratio >= 0.8 else 'MISSES'} >= 0.8x)")
-    print(f"  in the pipeline, the model computing on the other core: "
-          f"{shm_pipelined['transfer_throughput_gib_s']:.2f} GiB/s "
-          f"({shm_pipelined['transfer_throughput_gib_s'] / copy:.2f}x)")
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the results as JSON "
+                        "(the human lines go to stderr)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (2, 3)")
+    parser.add_argument("--rounds-ttft", type=int, default=3, help="interleaved rounds (1)")
+    parser.add_argument("--only", default=",".join(SECTIONS), help="sections to run, e.g. 2,3")
+    return parser.parse_args(argv)
 
-    print("\n3. Mooncake (TCP, loopback) vs Mooncake's transfer_engine_bench")
-    mooncake = demo("mooncake", signal_at_end=True, batch=len(PROMPTS))
-    runs_per_layer = 2 * len(PROMPTS)
-    block = mooncake["bytes_moved"] // MODEL.layers // runs_per_layer
-    reference = transfer_engine_bench(block, runs_per_layer)
-    if reference is None:
-        print("  transfer_engine_bench did not run (not installed with Mooncake's wheel?)")
-    else:
-        print(f"  demo {mooncake['transfer_throughput_gib_s']:.2f} GiB/s; transfer_engine_bench "
-              f"(block {block} B, batch {runs_per_layer}, 1 thread) {reference:.2f} GiB/s -> "
-              f"{mooncake['transfer_throughput_gib_s'] / reference:.2f}x")
 
+ARGS = parse([])  # replaced in __main__
 
 if __name__ == "__main__":
+    ARGS = parse()
     main()

@@ -39,10 +39,12 @@ def expected_bytes(prompts: list[int], layers: int) -> int:
     return sum(-(-n // 64) for n in prompts) * 2 * layers * block
 
 
-@pytest.mark.parametrize("transport", ["shm", "mooncake"])
-def test_both_modes_verify_every_byte(transport, tmp_path):
+@pytest.mark.parametrize("transport, copy", [("shm", "memmove"), ("shm", "copy_blocks"),
+                                             ("mooncake", None)])
+def test_both_modes_verify_every_byte(transport, copy, tmp_path):
     plot = tmp_path / "timeline.png"
-    run = demo(*SMALL, "--mode", "both", "--transport", transport, "--json", "--plot", str(plot))
+    run = demo(*SMALL, "--mode", "both", "--transport", transport, "--json", "--plot", str(plot),
+               *(["--shm-copy", copy] if copy else []))
     assert run.returncode == 0, run.stderr
     summaries = json.loads(run.stdout)
     assert [s["mode"] for s in summaries] == ["per_query", "per_chunk"]
@@ -50,7 +52,9 @@ def test_both_modes_verify_every_byte(transport, tmp_path):
         assert s["ok"] and not s["bad_blocks"] and not s["bad_tokens"]
         assert s["transport"] == transport and s["requests"] == 4 and s["layers"] == 4
         assert s["bytes_moved"] == s["verified_bytes"] == expected_bytes([64, 100, 200, 333], 4)
-        assert 0 < s["overlap_efficiency"] <= 1
+        assert 0 < s["overlap_efficiency"] <= 1 and s["exposed_transfer_ms"] >= 0
+        assert s["causality_violations"] == 0
+        assert 0 < s["transfer_busy_s"] <= s["wall_s"]
         assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["max"]
     # per_chunk splits the 200- and 333-token prompts over 128-token steps
     assert summaries[1]["steps"] == -(-(64 + 100 + 200 + 333) // 128)

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps", type=_positive, default=4)
     parser.add_argument("--signal-at-end", action="store_true",
                         help="baseline: post every layer signal only after the forward pass")
+    parser.add_argument("--shm-copy", choices=["memmove", "copy_blocks"], default="memmove",
+                        help="shm: a memmove per run of blocks, or one pdhal.ops.copy_blocks "
+                             "per layer")
     parser.add_argument("--host", default="127.0.0.1", help="Mooncake: this host's address")
     parser.add_argument("--decoder", choices=["local", "remote"], default="local",
                         help="remote: start no decoder, print the command that starts one on "
@@ -75,7 +78,7 @@ def main(args) -> int:
         return 2
     options = pipeline.Options(host=args.host, protocol=args.protocol, fault=args.fault,
                                progress=not args.json, remote_decoder=args.decoder == "remote",
-                               control_host=args.control_host)
+                               control_host=args.control_host, shm_copy=args.shm_copy)
     summaries, timelines = [], []
     try:
         for mode in MODES if args.mode == "both" else [args.mode]:

@@ -136,6 +136,49 @@ class Hub:
         self.logs.cleanup()
 
 
+class Outbox:
+    """A child's events to the parent, sent in batches so the parent is not woken per layer.
+
+    Waking the parent for every layer put a third runnable process on a two-core machine
+    exactly while the worker computes and the messager copies. `post` queues an event;
+    `flush` sends the queue as one ("events", [...]) message, `send` flushes then sends one
+    message now (for what the parent must act on at once: a request fully sent, an error).
+    `due` flushes when the oldest queued event is `interval_ns` old (for live progress).
+    Safe to use from several threads.
+    """
+
+    def __init__(self, link: Connection, interval_ns: int = 100_000_000):
+        self.link = link
+        self._interval = interval_ns
+        self._queue: list[tuple[str, dict]] = []
+        self._since = 0
+        self._lock = threading.Lock()
+
+    def post(self, kind: str, payload: dict) -> None:
+        with self._lock:
+            if not self._queue:
+                self._since = time.monotonic_ns()
+            self._queue.append((kind, payload))
+
+    def due(self) -> None:
+        if self._queue and time.monotonic_ns() - self._since >= self._interval:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def send(self, kind: str, payload: dict) -> None:
+        with self._lock:
+            self._flush()
+            self.link.send((kind, payload))
+
+    def _flush(self) -> None:
+        if self._queue:
+            self.link.send(("events", self._queue))
+            self._queue = []
+
+
 def connect(role: str) -> Connection:
     """The child's end: connect to the parent named in the environment."""
     host, port = os.environ[ADDRESS_VAR].rsplit(":", 1)

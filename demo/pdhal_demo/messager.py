@@ -13,6 +13,7 @@ import numpy as np
 
 import pdhal
 from pdhal import ops
+from pdhal_demo.control import Outbox
 from pdhal_demo.plan import Plan
 from pdhal_demo.transport import MooncakeSender, ShmSender, block_runs
 
@@ -22,36 +23,50 @@ WAIT_TIMEOUT_S = 60.0  # a worker that signals nothing for this long is reported
 class Shipper:
     """Tracks what has been sent and reports each transfer to the parent."""
 
-    def __init__(self, link, plan: Plan, sender):
-        self.link, self.plan, self.sender = link, plan, sender
+    def __init__(self, link, plan: Plan, sender, rank: int = 0):
+        self.out, self.plan, self.sender, self.rank = Outbox(link), plan, sender, rank
         self.bs = plan.model.block_size
         self.sent_blocks = {(r.id, layer): 0 for r in plan.requests
                             for layer in range(plan.model.layers)}
         self.unfinished = {r.id for r in plan.requests}
+        self.block_bytes = plan.model.block_bytes()
+        self._runs: dict[tuple, tuple[list, int]] = {}  # spans -> (runs, blocks)
 
     def send(self, step: int, layer: int, ready: list[tuple[int, int]]) -> None:
         """Send layer `layer` of each (request, tokens now in the cache) in `ready`."""
-        start = time.monotonic()
-        src, dst, finished = [], [], []
+        start = time.monotonic_ns()
+        spans, finished = [], []
+        last_layer = layer == self.plan.model.layers - 1
         for request_id, tokens in ready:
-            request = self.plan.request(request_id)
+            request = self.plan.requests[request_id]
             whole = tokens == request.prompt_len
             end = -(-tokens // self.bs) if whole else tokens // self.bs
             first = self.sent_blocks[request_id, layer]
-            src += request.prefill_blocks[first:end]
-            dst += request.decode_blocks[first:end]
-            self.sent_blocks[request_id, layer] = max(first, end)
-            if whole and layer == self.plan.model.layers - 1:
+            if end > first:
+                spans.append((request_id, first, end))
+                self.sent_blocks[request_id, layer] = end
+            if whole and last_layer:
                 finished.append(request_id)
-        if src:  # runs span requests where both tables are consecutive: fewer, longer copies
-            self.sender.write(layer, block_runs(src, dst))
-        nbytes = 2 * len(src) * self.plan.model.block_bytes()
-        now = time.monotonic()
-        self.link.send(("xfer", {"step": step, "layer": layer, "start": start, "end": now,
-                                 "bytes": nbytes}))
+        # Every layer of a step sends the same spans: pair the tables into runs once.
+        key = tuple(spans)
+        planned = self._runs.get(key)
+        if planned is None:
+            src, dst = [], []
+            for request_id, first, end in spans:
+                request = self.plan.requests[request_id]
+                src += request.prefill_blocks[first:end]
+                dst += request.decode_blocks[first:end]
+            # runs span requests where both tables are consecutive: fewer, longer copies
+            planned = self._runs[key] = (block_runs(src, dst), len(src))
+        runs, blocks = planned
+        if runs:
+            self.sender.write(layer, runs)
+        now = time.monotonic_ns()
+        self.out.post("xfer", {"rank": self.rank, "step": step, "layer": layer, "start": start,
+                               "end": now, "bytes": 2 * blocks * self.block_bytes})
         for request_id in finished:
             self.unfinished.discard(request_id)
-            self.link.send(("sent", {"request": request_id}))
+            self.out.send("sent", {"rank": self.rank, "request": request_id})
 
 
 def _per_query(shipper: Shipper, plan: Plan, reader, base: int) -> None:
@@ -64,6 +79,7 @@ def _per_query(shipper: Shipper, plan: Plan, reader, base: int) -> None:
         seen = (base, -1)
         done = {index: -1 for index in range(len(plan.steps))}  # last layer sent per step
         while shipper.unfinished:
+            shipper.out.flush()  # before blocking: the parent wakes while this one sleeps
             seen = reader.wait(seen, timeout=WAIT_TIMEOUT_S)
             for index, step in enumerate(plan.steps):
                 channel_step = base + 1 + index
@@ -81,6 +97,7 @@ def _per_chunk(shipper: Shipper, rank: int) -> None:
     record = np.zeros(pdhal.RECORD_WORDS, np.int32)
     with ops.open_kv_chunk_reader(rank, 0, timeout=WAIT_TIMEOUT_S) as reader:
         while shipper.unfinished:
+            shipper.out.flush()  # before blocking: the parent wakes while this one sleeps
             step = reader.next(record, wait=True, timeout=WAIT_TIMEOUT_S)
             count, layer = int(record[0]), int(record[1])
             table = record[2:2 + 3 * count].reshape(count, 3)
@@ -94,7 +111,7 @@ def run(link, setup: dict) -> None:
     dst_shape = plan.model.cache_shape(plan.decode_cache_blocks)
     src = ops.share_external_data(np.empty(0, np.float32), setup["prefill_cache"], src_shape)
     if plan.transport == "shm":
-        sender = ShmSender(src, setup["decode"], dst_shape)
+        sender = ShmSender(src, setup["decode"], dst_shape, setup.get("shm_copy", "memmove"))
     else:
         sender = MooncakeSender(src, setup["decode"], dst_shape, setup["host"],
                                 setup["protocol"])
@@ -111,5 +128,5 @@ def run(link, setup: dict) -> None:
         _per_query(shipper, plan, reader, base)
     else:  # the ring hands over every step from the first, whenever the reader attaches
         _per_chunk(shipper, setup["rank"])
-    link.send(("done", {}))
+    shipper.out.send("done", {})
     link.recv()  # ("exit", {}): stay alive until then, the worker takes an exit for a death

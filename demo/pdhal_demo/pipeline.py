@@ -8,7 +8,6 @@ sent its last block and the worker has produced its first token.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ class Options:
     control_host: str = "127.0.0.1"  # where the control listener binds (remote decoder)
     fault: str | None = None  # "kill-messager" / "kill-worker": SIGKILL it mid first step
     progress: bool = True
+    shm_copy: str = "memmove"  # shm: "memmove" per run, or one pdhal.ops.copy_blocks per layer
 
 
 class Progress:
@@ -97,7 +97,7 @@ class Pipeline:
         self.sent: set[int] = set()  # requests whose last block the messager has sent
         self.verification: dict | None = None
         self.finished: set[str] = set()
-        self.killed_at: float | None = None
+        self.killed_at: int | None = None  # ns, from the worker's "fault" event
         # A namespace of its own inside the caller's, so runs never meet each other's segments.
         self.namespace = f"{pdhal.namespace()}-demo{os.getpid()}-{plan.mode}"
 
@@ -131,7 +131,7 @@ class Pipeline:
     def start(self) -> None:
         env = _child_env(self.namespace)
         common = {"plan": self.plan.to_json(), "rank": 0, "host": self.options.host,
-                  "protocol": self.options.protocol}
+                  "protocol": self.options.protocol, "shm_copy": self.options.shm_copy}
         if self.options.remote_decoder:
             self._await_remote_decoder()
         else:
@@ -139,13 +139,14 @@ class Pipeline:
         self.hub.links["decoder"].send(common | {"cache_name": "decode_cache"})
         decode = self._expect("decoder", "ready")
         self.hub.start("worker", env)
-        self.hub.links["worker"].send(common | {"cache_name": "prefill_cache"})
+        self.hub.links["worker"].send(common | {"cache_name": "prefill_cache",
+                                                "fault": self.options.fault})
         self._expect("worker", "ready")
         self.hub.start("messager", env)
         self.hub.links["messager"].send(common | {"prefill_cache": "prefill_cache",
                                                   "decode": decode})
         messager = self._expect("messager", "ready")
-        self.timeline.start = time.monotonic()
+        self.timeline.start = time.monotonic_ns()
         self.hub.links["worker"].send(("go", {"messager_pid": messager["pid"]}))
 
     def _await_remote_decoder(self) -> None:
@@ -162,17 +163,14 @@ class Pipeline:
 
     def _on_worker(self, kind: str, m: dict) -> None:
         if kind == "step":
-            self.timeline.step_index[m["step"]] = m["index"]
-            self.timeline.step_start[m["step"]] = m["start"]
+            self.timeline.step_index[m["rank"], m["step"]] = m["index"]
+            self.timeline.step_start[m["rank"], m["step"]] = m["start"]
         elif kind == "layer":
-            self.timeline.layer_end[m["step"], m["layer"]] = m["end"]
+            self.timeline.layer_end[m["rank"], m["step"], m["layer"]] = m["end"]
             for c in self.plan.steps[m["index"]]:
                 self.progress.computed[c.request] = (c.start + c.length, m["layer"] + 1)
-            if (self.options.fault and self.killed_at is None
-                    and m["layer"] == self.plan.model.layers // 2):
-                victim = self.options.fault.removeprefix("kill-")
-                os.kill(self.hub.pid(victim), signal.SIGKILL)
-                self.killed_at = time.monotonic()
+        elif kind == "fault":
+            self.killed_at = m["at"]
         elif kind == "first_token":
             self.first_token[m["request"]] = m["token"]
             self._maybe_hand_over(m["request"])
@@ -183,7 +181,7 @@ class Pipeline:
         if kind == "xfer":
             self.timeline.transfers.append(m)
             # The worker's "step" comes on another connection and may not be read yet.
-            index = self.timeline.step_index.get(m["step"])
+            index = self.timeline.step_index.get((m["rank"], m["step"]))
             for c in self.plan.steps[index] if index is not None else []:
                 self.progress.sent[c.request] = (c.start + c.length, m["layer"] + 1)
         elif kind == "sent":
@@ -195,9 +193,9 @@ class Pipeline:
 
     def _on_decoder(self, kind: str, m: dict) -> None:
         if kind == "inserted":  # timed here: the decoder's clock may be another host's
-            now = time.monotonic()
+            now = time.monotonic_ns()
             self.timeline.inserted[m["request"]] = now
-            self.progress.request_arrived(m["request"], now - self.timeline.start)
+            self.progress.request_arrived(m["request"], (now - self.timeline.start) / 1e9)
         elif kind == "verified":
             self.verification = m
 
@@ -221,7 +219,7 @@ class Pipeline:
                     continue
                 if kind == "error":
                     after = ("" if self.killed_at is None else
-                             f" {1e3 * (time.monotonic() - self.killed_at):.0f} ms after the "
+                             f" {(time.monotonic_ns() - self.killed_at) / 1e6:.0f} ms after the "
                              f"kill")
                     raise DemoError(f"the {role} exited ({status}); the {who} reported it"
                                     f"{after}: {m['error']}")
@@ -249,7 +247,8 @@ class Pipeline:
                         continue
                     if kind == "error":
                         raise DemoError(f"the {role} failed: {message['detail']}")
-                    handlers[role](kind, message)
+                    for kind, message in message if kind == "events" else [(kind, message)]:
+                        handlers[role](kind, message)
                 self.progress.update()
             self.progress.update(force=True)
         except DemoError as exc:

@@ -1,6 +1,24 @@
 """What the demo measured: the timeline, overlap efficiency, throughput and time to first token.
 
-All times are CLOCK_MONOTONIC seconds taken in the demo's processes on one host.
+Every time is an integer of CLOCK_MONOTONIC nanoseconds (time.monotonic_ns), read on the
+prefill host: by the worker (a layer's end, read before its signal is posted), the messager
+(a transfer's start, read after the signal woke it, and its end, once the transport said the
+bytes are in the decode cache) and the parent (the start, and a request's insertion on decode).
+Integers keep the arithmetic exact, so the bounds below hold to the nanosecond.
+
+Definitions (the README states them too):
+- transfer busy time: the union of the transfer intervals, time in which at least one
+  transfer was in flight (a sum of durations when transfers run one at a time);
+  transfer throughput: bytes moved / transfer busy time.
+- exposed transfer: the last transfer's end - the last layer's end. Every transfer starts
+  after its layer's end (causality: the worker reads the end before it posts the signal
+  that wakes the messager), so this is >= 0.
+- overlap efficiency: (ideal end - start) / (last transfer's end - start). The ideal end
+  replays the transfers in the order they started, each at the earliest of its layer's end
+  and the previous transfer's ideal end, for its own share of the busy time (the part of its
+  interval no earlier transfer covered). By causality every ideal end is <= the measured
+  end of the same transfers, so the efficiency is <= 1; it is 1 when no transfer waited
+  for anything but its layer.
 """
 
 from __future__ import annotations
@@ -8,52 +26,91 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+NS = 1_000_000_000
+
 
 @dataclass
 class Timeline:
-    start: float = 0.0  # the worker was told to go
-    step_start: dict[int, float] = field(default_factory=dict)  # channel step -> start
-    step_index: dict[int, int] = field(default_factory=dict)  # channel step -> plan.steps[i]
-    layer_end: dict[tuple[int, int], float] = field(default_factory=dict)  # (step, layer)
+    start: int = 0  # ns: the worker was told to go
+    step_start: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, step) -> ns
+    step_index: dict[tuple[int, int], int] = field(default_factory=dict)  # -> plan.steps[i]
+    layer_end: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (rank, step, layer)
     transfers: list[dict] = field(default_factory=list)  # messager "xfer" events
-    inserted: dict[int, float] = field(default_factory=dict)  # request -> on decode
+    inserted: dict[int, int] = field(default_factory=dict)  # request -> on decode, ns
 
-    def compute_intervals(self) -> list[tuple[float, float, int]]:
-        """(start, end, layer) of every layer computed."""
+    def compute_intervals(self, rank: int = 0) -> list[tuple[int, int, int]]:
+        """(start, end, layer) of every layer rank `rank` computed."""
         out = []
-        for (step, layer), end in sorted(self.layer_end.items()):
-            begin = self.step_start[step] if layer == 0 else self.layer_end[step, layer - 1]
+        for (r, step, layer), end in sorted(self.layer_end.items()):
+            if r != rank:
+                continue
+            begin = (self.step_start[r, step] if layer == 0
+                     else self.layer_end[r, step, layer - 1])
             out.append((begin, end, layer))
         return out
 
-    def ideal_end(self) -> float:
-        """When the last transfer would end if each began the moment its layer was computed
-        and the previous transfer was done (measured compute and transfer durations)."""
-        t = self.start
-        for x in sorted(self.transfers, key=lambda x: x["start"]):
-            t = max(t, self.layer_end[x["step"], x["layer"]]) + (x["end"] - x["start"])
+    def _layer_end_of(self, x: dict) -> int:
+        return self.layer_end[x.get("rank", 0), x["step"], x["layer"]]
+
+    def _by_start(self, rank: int | None) -> list[dict]:
+        return sorted((x for x in self.transfers if rank is None or x.get("rank", 0) == rank),
+                      key=lambda x: (x["start"], x["end"]))
+
+    def busy(self, rank: int | None = None) -> int:
+        """ns in which at least one transfer (of `rank`, or of any) was in flight."""
+        total, reach = 0, None
+        for x in self._by_start(rank):
+            lo = x["start"] if reach is None else max(x["start"], reach)
+            if x["end"] > lo:
+                total += x["end"] - lo
+            reach = x["end"] if reach is None else max(reach, x["end"])
+        return total
+
+    def ideal_end(self, rank: int | None = None) -> int:
+        """When the last transfer would end had each started at its layer's end (or once the
+        one before it ended), each taking its own share of the busy time."""
+        t, reach = self.start, None
+        for x in self._by_start(rank):
+            lo = x["start"] if reach is None else max(x["start"], reach)
+            share = max(0, x["end"] - lo)
+            t = max(t, self._layer_end_of(x)) + share
+            reach = x["end"] if reach is None else max(reach, x["end"])
         return t
 
-    def measured_end(self) -> float:
-        return max(x["end"] for x in self.transfers)
+    def measured_end(self, rank: int | None = None) -> int:
+        return max(x["end"] for x in self._by_start(rank))
 
-    def overlap_efficiency(self) -> float:
-        return (self.ideal_end() - self.start) / (self.measured_end() - self.start)
+    def overlap_efficiency(self, rank: int | None = None) -> float:
+        return (self.ideal_end(rank) - self.start) / (self.measured_end(rank) - self.start)
+
+    def causality_violations(self) -> int:
+        """Transfers that seem to start before their layer ended (0 unless a clock is off)."""
+        return sum(x["start"] < self._layer_end_of(x) for x in self.transfers)
+
+    def exposed_transfer(self, rank: int | None = None) -> int:
+        last_layer = max(end for (r, _, _), end in self.layer_end.items()
+                         if rank is None or r == rank)
+        return self.measured_end(rank) - last_layer
 
 
-def _prefill_end(timeline: Timeline, plan) -> dict[int, float]:
-    """When each request's last layer of its last chunk was computed."""
-    ends = {}
-    for step, index in timeline.step_index.items():
+def _prefill_end(timeline: Timeline, plan) -> dict[int, int]:
+    """When each request's last layer of its last chunk was computed (by every rank)."""
+    ends: dict[int, int] = {}
+    for (rank, step), index in timeline.step_index.items():
         for c in plan.steps[index]:
             if c.start + c.length == plan.request(c.request).prompt_len:
-                ends[c.request] = timeline.layer_end[step, plan.model.layers - 1]
+                end = timeline.layer_end[rank, step, plan.model.layers - 1]
+                ends[c.request] = max(ends.get(c.request, end), end)
     return ends
+
+
+def _ms(ns: float) -> float:
+    return ns / 1e6
 
 
 def summarize(timeline: Timeline, plan, verification: dict) -> dict:
     bytes_moved = sum(x["bytes"] for x in timeline.transfers)
-    busy = sum(x["end"] - x["start"] for x in timeline.transfers)
+    busy = timeline.busy()
     ttft = [t - timeline.start for t in timeline.inserted.values()]
     prefill_end = _prefill_end(timeline, plan)
     # the part of TTFT that is not compute: from a request's last layer to decode having it
@@ -69,16 +126,18 @@ def summarize(timeline: Timeline, plan, verification: dict) -> dict:
         "steps": len(plan.steps),
         "prompt_tokens": sum(r.prompt_len for r in plan.requests),
         "bytes_moved": bytes_moved,
-        "transfer_throughput_gib_s": bytes_moved / busy / 2**30 if busy else 0.0,
-        "compute_s": sum(end - begin for begin, end, _ in compute),
-        "wall_s": timeline.measured_end() - timeline.start,
-        "ttft_ms": {"mean": 1e3 * statistics.fmean(ttft), "p50": 1e3 * statistics.median(ttft),
-                    "max": 1e3 * max(ttft)},
-        "ttft_after_prefill_ms": {"mean": 1e3 * statistics.fmean(after_prefill),
-                                  "max": 1e3 * max(after_prefill)},
+        "transfer_busy_s": busy / NS,
+        "transfer_throughput_gib_s": bytes_moved / (busy / NS) / 2**30 if busy else 0.0,
+        "compute_s": sum(end - begin for begin, end, _ in compute) / NS,
+        "wall_s": (timeline.measured_end() - timeline.start) / NS,
+        "ttft_ms": {"mean": _ms(statistics.fmean(ttft)), "p50": _ms(statistics.median(ttft)),
+                    "max": _ms(max(ttft))},
+        "ttft_after_prefill_ms": {"mean": _ms(statistics.fmean(after_prefill)),
+                                  "max": _ms(max(after_prefill))},
         "overlap_efficiency": timeline.overlap_efficiency(),
-        # transfer time not hidden behind compute: last byte sent after the last layer computed
-        "exposed_transfer_ms": 1e3 * (timeline.measured_end() - max(timeline.layer_end.values())),
+        # transfer time not hidden behind compute: last byte landed after the last layer ended
+        "exposed_transfer_ms": _ms(timeline.exposed_transfer()),
+        "causality_violations": timeline.causality_violations(),
         "verified_bytes": verification["checked_bytes"],
         "bad_blocks": verification["bad_blocks"],
         "bad_tokens": verification["bad_tokens"],
@@ -129,9 +188,9 @@ def plot(timelines: list[tuple[str, Timeline]], path: str) -> None:
                              squeeze=False)
     for ax, (title, t) in zip(axes[:, 0], timelines):
         compute = t.compute_intervals()
-        ax.broken_barh([(1e3 * (b - t.start), 1e3 * (e - b)) for b, e, _ in compute], (10, 8),
+        ax.broken_barh([((b - t.start) / 1e6, (e - b) / 1e6) for b, e, _ in compute], (10, 8),
                        facecolors=[["tab:blue", "tab:cyan"][layer % 2] for _, _, layer in compute])
-        ax.broken_barh([(1e3 * (x["start"] - t.start), 1e3 * (x["end"] - x["start"]))
+        ax.broken_barh([((x["start"] - t.start) / 1e6, (x["end"] - x["start"]) / 1e6)
                         for x in t.transfers], (0, 8),
                        facecolors=[["tab:orange", "tab:red"][x["layer"] % 2]
                                    for x in t.transfers],

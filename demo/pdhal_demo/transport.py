@@ -81,24 +81,48 @@ class DecodeEndpoint:
         return self._describe
 
 
-class ShmSender:
-    """Copies blocks straight into the decode cache, mapped with share_external_data."""
+SHM_COPIES = ("memmove", "copy_blocks")
 
-    def __init__(self, src: np.ndarray, decode: dict, dst_shape: tuple[int, ...]):
+
+class ShmSender:
+    """Copies blocks straight into the decode cache, mapped with share_external_data.
+
+    `copy` "memmove": one ctypes.memmove per run of consecutive blocks (a few runs per layer:
+    the messager already coalesced them). "copy_blocks": one pdhal.ops.copy_blocks per layer
+    (its C loop coalesces the ids again), the op an engine's own cache copies use.
+    """
+
+    def __init__(self, src: np.ndarray, decode: dict, dst_shape: tuple[int, ...],
+                 copy: str = "memmove"):
+        if copy not in SHM_COPIES:
+            raise DemoError(f"shm copy must be one of {SHM_COPIES}, got {copy!r}")
         self.src = src
         self.dst = ops.share_external_data(src, decode["name"], dst_shape)
         self._block = int(np.prod(src.shape[3:])) * src.itemsize
-        self._src_row = src.shape[2] * self._block  # bytes of one layer's K (or V)
-        self._dst_row = dst_shape[2] * self._block
+        self._src_blocks, self._dst_blocks = src.shape[2], dst_shape[2]
+        self._src_row = self._src_blocks * self._block  # bytes of one layer's K (or V)
+        self._dst_row = self._dst_blocks * self._block
+        self.write = self._memmove if copy == "memmove" else self._copy_blocks
 
-    def write(self, layer: int, runs: list[Run]) -> None:
+    def _memmove(self, layer: int, runs: list[Run]) -> None:
         # memmove on addresses: a numpy slice assignment costs more than copying a block.
         src_base, dst_base, block = self.src.ctypes.data, self.dst.ctypes.data, self._block
+        memmove = ctypes.memmove
         for kv in (0, 1):
             src = src_base + (2 * layer + kv) * self._src_row
             dst = dst_base + (2 * layer + kv) * self._dst_row
             for s, d, n in runs:
-                ctypes.memmove(dst + d * block, src + s * block, n * block)
+                memmove(dst + d * block, src + s * block, n * block)
+
+    def _copy_blocks(self, layer: int, runs: list[Run]) -> None:
+        src_ids, dst_ids = [], []
+        for kv in (0, 1):
+            src_row = (2 * layer + kv) * self._src_blocks
+            dst_row = (2 * layer + kv) * self._dst_blocks
+            for s, d, n in runs:
+                src_ids += range(src_row + s, src_row + s + n)
+                dst_ids += range(dst_row + d, dst_row + d + n)
+        ops.copy_blocks(self.dst, dst_ids, self.src, src_ids, self._block)
 
 
 class MooncakeSender:

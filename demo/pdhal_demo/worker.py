@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import time
 from multiprocessing.connection import wait
 
 import numpy as np
 
 from pdhal import ops
-from pdhal_demo.control import DemoError
+from pdhal_demo.control import DemoError, Outbox
 from pdhal_demo.model import TinyDecoder
 from pdhal_demo.plan import Plan
 
@@ -39,6 +40,12 @@ class PeerWatch:
         os.close(self._fd)
 
 
+def _inject(fault: str, out: Outbox, messager_pid: int) -> None:
+    """The fault demos: SIGKILL the messager, or this worker, half-way through step 0."""
+    out.send("fault", {"victim": fault.removeprefix("kill-"), "at": time.monotonic_ns()})
+    os.kill(messager_pid if fault == "kill-messager" else os.getpid(), signal.SIGKILL)
+
+
 def run(link, setup: dict) -> None:
     import paddle
 
@@ -56,6 +63,8 @@ def run(link, setup: dict) -> None:
 
     _, go = link.recv()
     watch = PeerWatch(go["messager_pid"], "cache messager")
+    out = Outbox(link)
+    fault = setup.get("fault")  # "kill-messager" / "kill-worker": SIGKILL it mid first step
     slots = len(plan.requests)  # batch slot of a request = its id
     for index, step in enumerate(plan.steps):
         if plan.mode == "per_query":
@@ -68,26 +77,31 @@ def run(link, setup: dict) -> None:
             chunk = ops.init_kv_signal_per_query(encoder, encoder, cached, rank, layers)
             signal_of, channel_step = chunk.layer, chunk.step
         chunks = plan.chunks(step, prompts, "prefill")
-        started = time.monotonic()
+        started = time.monotonic_ns()
 
         def after_layer(layer: int) -> None:
             # The layer's end is read before its signal: the messager may start its transfer
             # the moment the signal lands, and no transfer may seem to start before its
             # layer was done (overlap efficiency <= 1 and exposed transfer >= 0 rest on it).
-            end = time.monotonic()
+            end = time.monotonic_ns()
             if not plan.signal_at_end:
                 ops.signal_layer_ready(signal_of(layer))
-            link.send(("layer", {"step": channel_step, "index": index, "layer": layer,
-                                 "end": end}))
+            out.post("layer", {"rank": rank, "step": channel_step, "index": index,
+                               "layer": layer, "end": end})
+            if fault and index == 0 and layer == layers // 2:
+                _inject(fault, out, go["messager_pid"])
+            out.due()
             watch.check(f"step {index} layer {layer}")
 
-        link.send(("step", {"step": channel_step, "index": index, "start": started}))
+        out.post("step", {"rank": rank, "step": channel_step, "index": index,
+                          "start": started})
         first_tokens = model.forward(chunks, cache, after_layer)
         if plan.signal_at_end:
             for layer in range(layers):
                 ops.signal_layer_ready(signal_of(layer))
         for request, token in first_tokens.items():
-            link.send(("first_token", {"request": request, "token": token}))
+            out.post("first_token", {"rank": rank, "request": request, "token": token})
+        out.flush()
     link.send(("done", {}))
     # Wait for ("exit", {}): the messager has sent everything. It may die before that, too.
     if link not in wait([link, watch]):
