@@ -48,11 +48,8 @@ def block_ids(obj: object, what: str) -> list[int]:
     return ids
 
 
-def copy_blocks(copy_fn: int, kind_of: Callable[[str, str], int], stream: int, dst,
-                dst_block_ids, src, src_block_ids, block_bytes: int) -> int:
-    """Copy block src_block_ids[i] of `src` to block dst_block_ids[i] of `dst` through the
-    runtime's copy (its C address; 0: memmove now). kind_of(dst device, src device) gives
-    the runtime's copy kind. Returns the number of copies made (runs of consecutive ids)."""
+def _plan(dst, dst_block_ids, src, src_block_ids, block_bytes: int):
+    """What copy_blocks needs, checked: (dst, src, their ids, block_bytes)."""
     block_bytes = validate_index(block_bytes, "block_bytes", 1 << 46)
     if block_bytes == 0:
         raise InvalidArgumentError("block_bytes must be at least 1")
@@ -61,8 +58,30 @@ def copy_blocks(copy_fn: int, kind_of: Callable[[str, str], int], stream: int, d
     if len(dst_ids) != len(src_ids):
         raise InvalidArgumentError(f"dst_block_ids and src_block_ids must pair up, got "
                                    f"{len(dst_ids)} and {len(src_ids)} ids")
-    d = resolve(dst, "dst", writable=True)
-    s = resolve(src, "src")
+    return resolve(dst, "dst", writable=True), resolve(src, "src"), dst_ids, src_ids, block_bytes
+
+
+def check(dst, dst_block_ids, src, src_block_ids, block_bytes: int) -> None:
+    """Refuse what copy_blocks would refuse (the memory, the ids, a block id outside its
+    side's extent), copying nothing: an op made of several copies (K then V, one layer after
+    another) checks them all first, so a bad argument of the last leaves the first unmade."""
+    d, s, dst_ids, src_ids, block_bytes = _plan(dst, dst_block_ids, src, src_block_ids,
+                                                block_bytes)
+    for side, ref, ids in (("destination", d, dst_ids), ("source", s, src_ids)):
+        blocks = ref.nbytes // block_bytes
+        if ids and (min(ids) < 0 or max(ids) >= blocks):
+            entry = next(i for i, b in enumerate(ids) if not 0 <= b < blocks)
+            raise InvalidArgumentError(f"{side} block id {ids[entry]} (entry {entry}) is outside "
+                                       f"the cache's blocks 0..{blocks - 1}")
+
+
+def copy_blocks(copy_fn: int, kind_of: Callable[[str, str], int], stream: int, dst,
+                dst_block_ids, src, src_block_ids, block_bytes: int) -> int:
+    """Copy block src_block_ids[i] of `src` to block dst_block_ids[i] of `dst` through the
+    runtime's copy (its C address; 0: memmove now). kind_of(dst device, src device) gives
+    the runtime's copy kind. Returns the number of copies made (runs of consecutive ids)."""
+    d, s, dst_ids, src_ids, block_bytes = _plan(dst, dst_block_ids, src, src_block_ids,
+                                                block_bytes)
     return _core.copy_blocks(copy_fn, kind_of(d.device, s.device), stream, d.address,
                              d.nbytes // block_bytes, s.address, s.nbytes // block_bytes,
                              block_bytes, dst_ids, src_ids)

@@ -18,11 +18,10 @@ xpu, or a plugin); Paddle is imported only by the functions that return Paddle t
 
 from __future__ import annotations
 
-import math
 import threading
 
 from pdhal import _blocks, _extents, ops
-from pdhal._errors import InvalidArgumentError, InvalidTypeError
+from pdhal._errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
 from pdhal._hostmem import HostBuffer
 from pdhal._names import validate_index
 from pdhal._sender import KVSignalSender
@@ -61,6 +60,15 @@ def _flag(value: object, what: str) -> bool:
         f"latest form; device_id, where given, is a keyword argument)")
 
 
+def _no_extra(op: str, form: str, extra: tuple) -> None:
+    """Refuse positional arguments beyond FastDeploy's latest form (a branch's longer form
+    would otherwise bind its values to the wrong parameters, or fail as a bare TypeError)."""
+    if extra:
+        raise InvalidArgumentError(
+            f"{op} takes {form} positionally, got {len(extra)} more ({extra!r}): FastDeploy's "
+            f"latest form; pass device_id as a keyword (device_id=...) instead")
+
+
 # ---- layer signals (attention backends, model runners) ----------------------------------
 
 def open_shm_and_get_meta_signal(rank: int, device_id: int = 0,
@@ -79,19 +87,23 @@ def init_signal_layerwise(kv_signal_metadata: SignalMeta, layer_id: int):
 
 
 def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_decoder,
-                             rank: int, num_layers: int, *, device_id: int = 0) -> None:
+                             rank: int, num_layers: int, *extra, device_id: int = 0) -> None:
     """Publish this step's prefill table (per-chunk mode) and make it the process's current
     step: an attention op then posts "the next layer" with pdhal_next_chunk_layer_store().
     FastDeploy's latest order is (..., rank, num_layers); device_id is keyword-only, so the
     (..., rank, device_id, num_layers) order of a branch fails instead of swapping them."""
+    _no_extra("init_kv_signal_per_query", "(seq_lens_encoder, seq_lens_this_time, "
+              "seq_lens_decoder, rank, num_layers)", extra)
     ops.init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_decoder, rank,
                                  num_layers, device_id)
 
 
-def get_output_kv_signal(x, rank_id: int, wait_flag, *, device_id: int = 0,
+def get_output_kv_signal(x, rank_id: int, wait_flag, *extra, device_id: int = 0,
                          timeout: float | None = None) -> None:
     """Fill the int32 CPU tensor `x` ([512 * 3 + 2]) with the next per-chunk record:
-    [count, layer, (slot, cached tokens, chunk tokens) * count], or [-1, -1, ...]."""
+    [count, layer, (slot, cached tokens, chunk tokens) * count], or [-1, -1, ...]. The
+    (x, rank_id, device_id, wait_flag) order of a branch fails (device_id is keyword-only)."""
+    _no_extra("get_output_kv_signal", "(x, rank_id, wait_flag)", extra)
     ops.get_output_kv_signal(x, rank_id, _flag(wait_flag, "wait_flag"), device_id,
                              timeout=timeout)
 
@@ -191,30 +203,41 @@ def set_data_ipc(tensor, shm_name: str) -> None:
     ops.set_data_ipc(tensor, shm_name)
 
 
-def share_external_data(input, shm_name: str, shape, use_ipc: bool = True):  # noqa: A002
+def share_external_data(input, shm_name: str, shape, use_ipc: bool = True, *,  # noqa: A002
+                        timeout: float | None = 60.0):
     """A tensor of `input`'s dtype and `shape` over the cache shared as `shm_name`:
     FastDeploy's GPU form (3 arguments) and XPU form (use_ipc, 4th). pdhal always maps by
-    IPC, so use_ipc=False (XPU's same-process pointer) is refused rather than ignored."""
+    IPC, so use_ipc=False (XPU's same-process pointer) is refused rather than ignored.
+    Waits up to `timeout` s for the name to be shared (FastDeploy's op fails at once)."""
     if not _flag(use_ipc, "use_ipc"):
         raise InvalidArgumentError("use_ipc=False (a raw pointer valid in one process only) is "
                                    "not supported: pdhal shares caches between processes")
-    shared = ops.share_external_data(input, shm_name, list(shape))
+    shared = ops.share_external_data(input, shm_name, list(shape), timeout)
     if _is_paddle(input) and not _is_paddle(shared):
         import paddle
 
+        device = shared.device
+        if not device.startswith("gpu") or not paddle.is_compiled_with_cuda():
+            raise UnsupportedError(
+                f"{shm_name!r} is mapped as {device} memory, which this Paddle cannot wrap as a "
+                f"tensor (DLPack reaches CUDA memory only, and only in a Paddle built with "
+                f"CUDA): pass a non-Paddle `input` (a numpy array or dtype name) for the mapping "
+                f"itself, or use get_data_ptr_ipc's address")
         return paddle.from_dlpack(shared)  # a device tensor over the mapping (DLPack)
     return shared
 
 
-def share_external_data_(cache, cache_name: str, cache_shape, use_ipc: bool = True):
+def share_external_data_(cache, cache_name: str, cache_shape, use_ipc: bool = True, *,
+                         timeout: float | None = 60.0):
     """cache_manager.ops' helper of the same name."""
-    return share_external_data(cache, cache_name, cache_shape, use_ipc)
+    return share_external_data(cache, cache_name, cache_shape, use_ipc, timeout=timeout)
 
 
-def get_data_ptr_ipc(tmp_input, shm_name: str):
+def get_data_ptr_ipc(tmp_input, shm_name: str, *, timeout: float | None = 60.0):
     """The address of the cache another process shares as `shm_name`, mapped here, as the
-    int64[1] CPU tensor FastDeploy keeps and passes to ipc_sent_key_value_cache_by_remote_ptr."""
-    return _int64_tensor([ops.get_data_ptr_ipc(tmp_input, shm_name)])
+    int64[1] CPU tensor FastDeploy keeps and passes to ipc_sent_key_value_cache_by_remote_ptr.
+    Waits up to `timeout` s for the name to be shared."""
+    return _int64_tensor([ops.get_data_ptr_ipc(tmp_input, shm_name, timeout)])
 
 
 def unset_data_ipc(tmp_input, shm_name: str, close_ipc: bool = True,
@@ -232,16 +255,16 @@ def _is_paddle(obj) -> bool:
 # ---- block transfers ---------------------------------------------------------------------
 
 def _block_bytes(cache, what: str) -> int:
-    """Bytes of one block of a [blocks, ...] cache tensor."""
+    """Bytes of one block of a [blocks, ...] cache tensor: its bytes over its blocks (from
+    the memory, not element_size(), which is 1 for a SharedDeviceBuffer of any dtype)."""
     shape = list(cache.shape)
-    if len(shape) < 2:
+    if len(shape) < 2 or shape[0] < 1:
         raise InvalidArgumentError(f"{what} must be a [blocks, ...] cache, got shape {shape}")
-    return math.prod(shape[1:]) * _itemsize(cache)
-
-
-def _itemsize(cache) -> int:
-    size = getattr(cache, "element_size", None)
-    return size() if callable(size) else cache.itemsize
+    nbytes = memory_ref(cache, what).nbytes
+    if nbytes is None or nbytes % shape[0]:
+        raise InvalidArgumentError(f"{what} of shape {shape} holds {nbytes} bytes, not whole "
+                                   f"blocks")
+    return nbytes // shape[0]
 
 
 def _address(pointer, what: str) -> int:
@@ -271,11 +294,19 @@ def ipc_sent_key_value_cache_by_remote_ptr(local_key_tensor, local_value_tensor,
     if block_num > min(len(local_ids), len(remote_ids)):
         raise InvalidArgumentError(f"block_num {block_num} exceeds the block ids given "
                                    f"({len(local_ids)} local, {len(remote_ids)} remote)")
-    for local, remote in ((local_key_tensor, remote_key_tensor),
-                          (local_value_tensor, remote_value_tensor)):
-        ops.copy_blocks(_address(remote, "remote cache pointer"), remote_ids[:block_num], local,
-                        local_ids[:block_num], _block_bytes(local, "local cache"),
-                        cuda_stream_raw)
+    if list(local_value_tensor.shape) != list(local_key_tensor.shape):
+        raise InvalidArgumentError(f"the local K and V caches differ in shape: "
+                                   f"{list(local_key_tensor.shape)} and "
+                                   f"{list(local_value_tensor.shape)}")
+    copies = [(_address(remote_key_tensor, "remote key cache pointer"), local_key_tensor,
+               _block_bytes(local_key_tensor, "local key cache")),
+              (_address(remote_value_tensor, "remote value cache pointer"), local_value_tensor,
+               _block_bytes(local_value_tensor, "local value cache"))]
+    local_ids, remote_ids = local_ids[:block_num], remote_ids[:block_num]
+    for remote, local, block_bytes in copies:  # K's copies are not made if V's would fail
+        _blocks.check(remote, remote_ids, local, local_ids, block_bytes)
+    for remote, local, block_bytes in copies:
+        ops.copy_blocks(remote, remote_ids, local, local_ids, block_bytes, cuda_stream_raw)
 
 
 def ipc_sent_key_value_cache_by_remote_ptr_block_sync(local_key_tensor, local_value_tensor,
@@ -298,13 +329,24 @@ def swap_cache_all_layers(cache_gpu_tensors, cache_cpu_ptrs, max_block_num_cpu: 
         raise InvalidArgumentError(f"{len(caches)} device caches but {len(hosts)} host "
                                    f"pointers: one host buffer per layer")
     max_blocks = validate_index(max_block_num_cpu, "max_block_num_cpu", 1 << 40)
-    for cache, host in zip(caches, hosts):
-        block_bytes = _block_bytes(cache, "device cache")
-        host = _host_span(_address(host, "host pointer"), max_blocks * block_bytes)
+    gpu_ids = _blocks.block_ids(swap_block_ids_gpu, "swap_block_ids_gpu")
+    cpu_ids = _blocks.block_ids(swap_block_ids_cpu, "swap_block_ids_cpu")
+    if len(gpu_ids) != len(cpu_ids):
+        raise InvalidArgumentError(f"swap_block_ids_gpu and swap_block_ids_cpu must pair up, "
+                                   f"got {len(gpu_ids)} and {len(cpu_ids)} ids")
+    copies = []
+    for layer, (cache, host) in enumerate(zip(caches, hosts)):
+        block_bytes = _block_bytes(cache, f"device cache of layer {layer}")
+        host = _host_span(_address(host, f"host pointer of layer {layer}"),
+                          max_blocks * block_bytes)
         if mode == SWAP_TO_HOST:
-            ops.copy_blocks(host, swap_block_ids_cpu, cache, swap_block_ids_gpu, block_bytes)
+            copies.append((host, cpu_ids, cache, gpu_ids, block_bytes))
         else:
-            ops.copy_blocks(cache, swap_block_ids_gpu, host, swap_block_ids_cpu, block_bytes)
+            copies.append((cache, gpu_ids, host, cpu_ids, block_bytes))
+    for copy in copies:  # every layer checked before the first is copied
+        _blocks.check(*copy)
+    for copy in copies:
+        ops.copy_blocks(*copy)
     ops.synchronize()
 
 
