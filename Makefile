@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_signals.py
 	$(PY) bench/bench_sender.py
 	$(PY) bench/bench_demo.py
+	$(PY) bench/bench_copy.py
 
 # The C core under AddressSanitizer + UBSan, then the suite. Tests that load paddle are left
 # out: paddle's own C++ aborts under ASan at exit (alloc/dealloc mismatch inside paddle).
