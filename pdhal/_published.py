@@ -168,8 +168,12 @@ def request(like, name: str, shape, timeout: float | None) -> tuple[dict, tuple,
 
         try:
             itemsize = np.dtype(dtype).itemsize
-        except TypeError:
-            raise UnsupportedError(f"share_external_data cannot size dtype {dtype}") from None
+        except Exception:  # numpy raises TypeError, ValueError, even SyntaxError for junk
+            raise UnsupportedError(f"share_external_data cannot size dtype {dtype!r}: like "
+                                   f"must be a tensor or array (or a dtype name such as "
+                                   f"'float16')") from None
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise InvalidArgumentError(f"shape must be a list of sizes, got {shape!r}")
     shape = tuple(_names.validate_index(n, "shape entry", 1 << 46) for n in shape)
     need = math.prod(shape) * itemsize
     record = lookup(name, timeout)

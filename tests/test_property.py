@@ -27,7 +27,11 @@ OPS_WITH_ARITY = [("open_shm_and_get_meta_signal", 2), ("init_signal_layerwise",
                   ("init_kv_signal_per_query", 5), ("signal_layer_ready", 1),
                   ("get_output_kv_signal", 3), ("host_alloc", 1), ("host_free", 1),
                   ("get_peer_mem_addr", 1), ("set_data_ipc", 2),
-                  ("share_external_data", 3), ("destroy_kv_signal_sender", 1)]
+                  ("share_external_data", 3), ("destroy_kv_signal_sender", 1),
+                  ("copy_blocks", 5), ("synchronize", 1), ("host_register", 2),
+                  ("host_unregister", 1), ("unset_data_ipc", 2), ("get_data_ptr_ipc", 2)]
+#: Ops that wait for a name to appear: garbage calls pass them timeout=0.
+WAITING_OPS = {"share_external_data", "get_data_ptr_ipc"}
 
 
 class Channels(RuleBasedStateMachine):
@@ -37,6 +41,7 @@ class Channels(RuleBasedStateMachine):
         self.query = (0, -1)  # model of the per-query word
         self.steps = []  # per-chunk model: [table, signalled layers]
         self.delivered = 0  # records the reader has had, in order
+        self.finished = 0  # steps delivered whole and acknowledged (what a restart skips)
         self.out = array.array("i", [0] * 1538)
         self.reader = None
 
@@ -64,7 +69,8 @@ class Channels(RuleBasedStateMachine):
 
     # ---- per chunk ----
     def _undelivered_steps(self) -> int:
-        return len(self.steps) - self.delivered // LAYERS
+        # the producer may run ahead of what the reader finished by the ring's size
+        return len(self.steps) - self.finished
 
     @precondition(lambda self: self._undelivered_steps() < RING)
     @rule(encoder=st.lists(st.integers(0, 3000), min_size=1, max_size=8),
@@ -91,6 +97,7 @@ class Channels(RuleBasedStateMachine):
         if not self.steps:
             return
         ops.get_output_kv_signal(self.out, 0, False)
+        self.finished = self.delivered // LAYERS  # asking for a record acknowledges the last
         step, layer = divmod(self.delivered, LAYERS)
         expected = None
         if step < len(self.steps) and layer <= self.steps[step][1]:
@@ -101,6 +108,25 @@ class Channels(RuleBasedStateMachine):
         else:
             assert list(self.out[:len(expected)]) == expected, (step, layer)
             self.delivered += 1
+        CALLS["valid"] += 1
+
+    @precondition(lambda self: _signals._chunk_readers)
+    @rule()
+    def acknowledge(self):
+        for reader in _signals._chunk_readers.values():
+            reader.ack()
+        self.finished = self.delivered // LAYERS
+        CALLS["valid"] += 1
+
+    @precondition(lambda self: _signals._chunk_readers)
+    @rule()
+    def restart_messager(self):
+        """The messager's reader goes away (as in a crash) and a new one attaches: delivery
+        resumes at the first step not finished, from layer 0 (at least once)."""
+        for reader in list(_signals._chunk_readers.values()):
+            reader.close()
+        _signals._chunk_readers.clear()
+        self.delivered = self.finished * LAYERS
         CALLS["valid"] += 1
 
     # ---- garbage ----
@@ -116,7 +142,8 @@ class Channels(RuleBasedStateMachine):
         os.environ["PDHAL_NAMESPACE"] = saved["PDHAL_NAMESPACE"] + "g"
         os.environ["PDHAL_BACKPRESSURE_TIMEOUT"] = "0.01"
         try:
-            result = getattr(ops, name)(*values)
+            timeout = {"timeout": 0} if name in WAITING_OPS else {}
+            result = getattr(ops, name)(*values, **timeout)
         except pdhal.PdhalError:
             return
         finally:
