@@ -180,8 +180,10 @@ def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
     if seg is None:
         seg = _imported.setdefault(record["path"], _core.Segment.open(
             record["path"], _core.KIND_BUFFER, timeout))
-        body = seg.body_address()
-        _extents.register(body, len(seg.body()), "cpu", f"shared buffer {name!r}")
+    # What was shared is the tensor, not the whole buffer behind it: an address inside the
+    # mapping is bounded by the tensor's bytes.
+    _extents.register(seg.body_address() + record["offset"], record["nbytes"], "cpu",
+                      f"shared buffer {name!r}")
     view = memoryview(seg.body())[record["offset"]:record["offset"] + need]
     array = np.frombuffer(view, dtype=numpy_dtype).reshape(shape)
     if is_paddle_tensor(like):

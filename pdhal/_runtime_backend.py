@@ -200,14 +200,18 @@ class RuntimeBackend(Backend):
 
     # ---- shared buffers ------------------------------------------------------------
 
-    def mapped(self, address: int, shape: tuple, dtype: str, nbytes: int, name: str):
-        """The SharedDeviceBuffer share_external_data returns over `address`."""
-        return _published.mapped(address, shape, dtype, nbytes, self.name_device, name)
+    #: This runtime's devices in MemoryRef terms ("gpu" for CUDA, "xpu").
+    device_kind: ClassVar[str] = ""
 
-    @property
-    def name_device(self) -> str:
-        """The device kind in MemoryRef terms ("gpu", "xpu")."""
-        return {"cuda": "gpu"}.get(self.name, self.name)
+    def current_device(self) -> int:
+        """The device this thread uses now (override: the runtime's get-device call)."""
+        return 0
+
+    def mapped(self, address: int, shape: tuple, dtype: str, nbytes: int, name: str):
+        """The SharedDeviceBuffer share_external_data returns over `address`, on the
+        device this thread uses (a cache process on device 3 maps onto device 3)."""
+        return _published.mapped(address, shape, dtype, nbytes,
+                                 f"{self.device_kind}:{self.current_device()}", name)
 
     # ---- layer signals behind device events ----------------------------------------
 

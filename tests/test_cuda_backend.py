@@ -202,3 +202,36 @@ def test_real_libcudart_loads_and_reports_no_device_cleanly(monkeypatch):
         print(info["selected"], cuda["status"], cuda["runtime"]["library"])
     """)
     assert auto.stdout.split() == ["cpu", "unavailable", _real_cudart()]
+
+
+def test_a_mapping_names_the_device_this_thread_uses(sim):
+    """A cache process on device 1 maps a peer's cache onto device 1 (a DLPack consumer
+    puts the tensor there), not onto device 0."""
+    kv = DeviceTensor(sim.malloc(4096), 4096, "gpu:0")
+    ops.set_data_ipc(kv, "kv_dev")
+    backend = _registry.selection().candidate.backend
+    rt = backend.runtime
+    assert rt.lib.cudaSetDevice(1) == 0
+    try:
+        shared = ops.share_external_data(np.zeros(1, np.uint8), "kv_dev", [4096])
+        assert shared.device == "gpu:1" and shared.__dlpack_device__() == (2, 1)
+    finally:
+        rt.lib.cudaSetDevice(0)
+
+
+def test_unset_by_a_process_that_did_not_publish_keeps_its_mapping(sim):
+    kv = DeviceTensor(sim.malloc(4096), 4096, "gpu:0")
+    ops.set_data_ipc(kv, "kv_theirs")
+    run_child("""
+        import numpy as np, pdhal
+        from pdhal import ops
+        shared = ops.share_external_data(np.zeros(1, np.uint8), "kv_theirs", [4096])
+        try:
+            ops.unset_data_ipc(shared, "kv_theirs", True, True)  # not this process's record
+        except pdhal.InvalidArgumentError as e:
+            assert "only its publisher unsets it" in str(e), e
+        else:
+            raise AssertionError("another process's record was removed")
+        assert ops.copy_blocks(shared, [0], np.ones(64, np.uint8), [0], 64) == 1  # still mapped
+        ops.synchronize()
+    """)

@@ -175,3 +175,26 @@ def test_a_view_larger_than_the_buffer_is_refused():
     with ops.host_alloc(4096) as buf:
         with pytest.raises(pdhal.InvalidArgumentError, match="needs 8192 bytes, the buffer has 4096"):
             buf.as_numpy("float32", (2048,))
+
+
+def test_a_shared_tensor_bounds_copies_into_it_not_the_buffer_behind_it():
+    """Sharing the first 2 of 4 blocks must not let a copy reach block 3 through the name."""
+    buf = ops.host_alloc(4 * 4096)
+    try:
+        ops.set_data_ipc(buf.as_numpy(np.uint8, (4, 4096))[:2], "half")
+        run_child("""
+            import numpy as np, pdhal
+            from pdhal import ops
+            remote = ops.get_data_ptr_ipc(None, "half")
+            src = np.ones(4096, np.uint8)
+            assert ops.copy_blocks(remote, [1], src, [0], 4096) == 1
+            try:
+                ops.copy_blocks(remote, [3], src, [0], 4096)
+            except pdhal.InvalidArgumentError as e:
+                assert "destination block id 3" in str(e), e
+            else:
+                raise AssertionError("a copy ran past the shared tensor")
+        """)
+        assert buf.as_numpy(np.uint8, (4, 4096))[:, 0].tolist() == [0, 1, 0, 0]
+    finally:
+        ops.host_free(buf)

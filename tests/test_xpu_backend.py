@@ -204,3 +204,14 @@ def test_runtime_is_found_in_a_paddle_xpu_wheel_without_importing_paddle(tmp_pat
         print(info["found_by"], info["library"])
     """, env=env)
     assert proc.stdout.split() == ["paddle", "wheel", str(fake / "libs" / "libxpurt.so")]
+
+
+def test_a_shared_cache_is_mapped_once_and_unset_keeps_it_when_refused(sim):
+    """One IPC mapping per handle (every call used to open another, never closed); an
+    unset the runtime refuses (another process's record) leaves the mapping as it was."""
+    kv = DeviceTensor(sim.malloc(4096), 4096, "xpu:0")
+    ops.set_data_ipc(kv, "kv_once")
+    first = ops.share_external_data(np.zeros(1, np.uint8), "kv_once", [4096])
+    again = ops.share_external_data(np.zeros(1, np.uint8), "kv_once", [1024])
+    assert first.address == again.address == ops.get_data_ptr_ipc(None, "kv_once")
+    assert first.device == "xpu:0"

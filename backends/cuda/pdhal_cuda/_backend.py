@@ -70,7 +70,7 @@ class CudaBackend(RuntimeBackend):
     host_register_symbol, host_unregister_symbol = "cudaHostRegister", "cudaHostUnregister"
     copy_symbol, stream_sync_symbol = "cudaMemcpyAsync", "cudaStreamSynchronize"
     stream_attributes = ("cuda_stream",)
-    device_word = "GPU"
+    device_word, device_kind = "GPU", "gpu"
 
     def __init__(self):
         super().__init__()
@@ -195,6 +195,7 @@ class CudaBackend(RuntimeBackend):
         """Stop sharing `name`: with close_ipc, unmap this process's import of it
         (cudaIpcCloseMemHandle: views of it are invalid afterwards); with unlink_shm, remove
         the record (this process's own; another live publisher's is refused)."""
+        unset_shared(name, unlink_shm)  # first: a refusal leaves the mapping as it was
         if close_ipc and name in self._imports:
             handle, address = self._imports.pop(name)
             forget_mapping(address)
@@ -202,7 +203,11 @@ class CudaBackend(RuntimeBackend):
                 rt = self.runtime
                 rt.check(rt.lib.cudaIpcCloseMemHandle(rt.pointer(self._opened.pop(handle))),
                          "cudaIpcCloseMemHandle")
-        unset_shared(name, unlink_shm)
+
+    def current_device(self) -> int:
+        device = self.runtime.ffi.new("int *")
+        self.runtime.check(self.runtime.lib.cudaGetDevice(device), "cudaGetDevice")
+        return device[0]
 
     # ---- block copies --------------------------------------------------------------
 

@@ -62,14 +62,15 @@ class XpuBackend(RuntimeBackend):
     host_register_symbol, host_unregister_symbol = "cudaHostRegister", "cudaHostUnregister"
     copy_symbol, stream_sync_symbol = "xpu_memcpy_async", "xpu_wait"
     stream_attributes = ("xpu_stream", "raw_stream")
-    device_word = "XPU device"
+    device_word, device_kind = "XPU device", "xpu"
 
     def __init__(self):
         super().__init__()
         #: The sender a signal goes through when the engine passes none (XPU has no host
         #: functions): one per process, created on first use, flushed at exit.
         self.default_sender = ProcessSender(self.create_kv_signal_sender)
-        self._imports: dict[str, int] = {}  # buffer name -> mapped address
+        self._opened: dict[str, int] = {}  # IPC handle -> mapped address: opened once
+        self._imports: dict[str, tuple[str, int]] = {}  # name -> (IPC handle, address)
 
     def device_count_now(self) -> tuple[int, str]:
         try:
@@ -146,27 +147,37 @@ class XpuBackend(RuntimeBackend):
         """Map the XPU memory shared as `name`; a SharedDeviceBuffer of `like`'s dtype."""
         record, shape, dtype, need = request_shared(like, name, shape, timeout)
         rt = self.runtime
-        open_handle = rt.optional("xpu_ipc_open_memhandle")
-        handle = rt.ffi.new("XPUIpcMemHandle *")
-        rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
-        ptr = rt.ffi.new("void **")
-        rt.check(open_handle(ptr, handle[0], 0), "xpu_ipc_open_memhandle")
-        self._imports[name] = rt.address(ptr[0])
-        return self.mapped(rt.address(ptr[0]), shape, dtype, need, name)
+        address = self._opened.get(record["handle"])
+        if address is None:
+            open_handle = rt.optional("xpu_ipc_open_memhandle")
+            handle = rt.ffi.new("XPUIpcMemHandle *")
+            rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
+            ptr = rt.ffi.new("void **")
+            rt.check(open_handle(ptr, handle[0], 0), "xpu_ipc_open_memhandle")
+            address = self._opened[record["handle"]] = rt.address(ptr[0])
+        self._imports[name] = (record["handle"], address)
+        return self.mapped(address, shape, dtype, need, name)
 
     def unset_data_ipc(self, tensor, name: str, close_ipc: bool = True,
                        unlink_shm: bool = True) -> None:
         """Stop sharing `name`: with close_ipc, unmap this process's import of it (where the
         runtime can: xpu_ipc_close_memhandle); with unlink_shm, remove the record (this
         process's own; another live publisher's is refused)."""
+        unset_shared(name, unlink_shm)  # first: a refusal leaves the mapping as it was
         if close_ipc and name in self._imports:
-            address = self._imports.pop(name)
+            handle, address = self._imports.pop(name)
             forget_mapping(address)
             rt = self.runtime
-            if rt.has("xpu_ipc_close_memhandle"):
-                rt.check(rt.lib.xpu_ipc_close_memhandle(rt.pointer(address)),
-                         "xpu_ipc_close_memhandle")
-        unset_shared(name, unlink_shm)
+            if all(h != handle for h, _ in self._imports.values()):  # its last import
+                del self._opened[handle]
+                if rt.has("xpu_ipc_close_memhandle"):
+                    rt.check(rt.lib.xpu_ipc_close_memhandle(rt.pointer(address)),
+                             "xpu_ipc_close_memhandle")
+
+    def current_device(self) -> int:
+        device = self.runtime.ffi.new("int *")
+        self.runtime.check(self.runtime.lib.xpu_current_device(device), "xpu_current_device")
+        return device[0]
 
     # ---- block copies --------------------------------------------------------------
 
