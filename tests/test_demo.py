@@ -39,12 +39,15 @@ def expected_bytes(prompts: list[int], layers: int) -> int:
     return sum(-(-n // 64) for n in prompts) * 2 * layers * block
 
 
-@pytest.mark.parametrize("transport, copy", [("shm", "memmove"), ("shm", "copy_blocks"),
-                                             ("mooncake", None)])
-def test_both_modes_verify_every_byte(transport, copy, tmp_path):
+@pytest.mark.parametrize("transport, extra", [
+    ("shm", []), ("shm", ["--shm-copy", "copy_blocks"]),
+    ("mooncake", []),  # several layers in flight (asynchronous submission)
+    ("mooncake", ["--inflight", "1"]),
+], ids=["shm-memmove", "shm-copy_blocks", "mooncake-inflight4", "mooncake-inflight1"])
+def test_both_modes_verify_every_byte(transport, extra, tmp_path):
     plot = tmp_path / "timeline.png"
     run = demo(*SMALL, "--mode", "both", "--transport", transport, "--json", "--plot", str(plot),
-               *(["--shm-copy", copy] if copy else []))
+               *extra)
     assert run.returncode == 0, run.stderr
     summaries = json.loads(run.stdout)
     assert [s["mode"] for s in summaries] == ["per_query", "per_chunk"]
@@ -85,6 +88,20 @@ def test_killed_worker_is_reported_by_the_messager_and_its_segments_reclaimed(na
     assert "the worker exited (killed by signal 9); the messager reported it" in run.stderr
     assert "ProducerDiedError" in run.stderr
     assert not segments_of(namespace)  # what the killed worker created is gone too
+
+
+def test_killed_decoder_fails_the_messager_s_mooncake_writes_at_once():
+    """The decode side dies mid-step: the messager's next write fails, it says so, the run
+    exits non-zero (nothing waits for the transfer timeout)."""
+    start = time.monotonic()
+    run = demo(*SMALL, "--mode", "per_query", "--layers", "8", "--transport", "mooncake",
+               "--fault", "kill-decoder")
+    assert run.returncode == 1
+    assert "the decoder exited (killed by signal 9); the messager reported it" in run.stderr
+    assert "Mooncake's write of layer" in run.stderr
+    reported = int(re.search(r"reported it (\d+) ms after the kill", run.stderr).group(1))
+    assert reported < 5000
+    assert time.monotonic() - start < 60
 
 
 def test_prompt_bigger_than_the_cache_is_rejected_up_front():

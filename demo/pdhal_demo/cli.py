@@ -51,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shm-copy", choices=["memmove", "copy_blocks"], default="memmove",
                         help="shm: a memmove per run of blocks, or one pdhal.ops.copy_blocks "
                              "per layer")
+    parser.add_argument("--inflight", type=_positive, default=4,
+                        help="Mooncake: layers whose transfers may be in flight at once")
+    parser.add_argument("--transfer-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="Mooncake: report a transfer not complete after this (plus "
+                             "100 MiB/s for its bytes): the link or the decode side is gone")
     parser.add_argument("--host", default="127.0.0.1", help="Mooncake: this host's address")
     parser.add_argument("--decoder", choices=["local", "remote"], default="local",
                         help="remote: start no decoder, print the command that starts one on "
@@ -59,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address the control listener binds (0.0.0.0 for a remote "
                              "decoder; it only admits processes holding its random key)")
     parser.add_argument("--protocol", default="tcp", help="Mooncake: tcp, or rdma on a cluster")
-    parser.add_argument("--fault", choices=["kill-messager", "kill-worker"],
+    parser.add_argument("--fault", choices=["kill-messager", "kill-worker", "kill-decoder"],
                         help="show fault handling: SIGKILL that process mid-step")
     parser.add_argument("--plot", metavar="FILE.png", help="timeline of compute and transfer")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
@@ -72,13 +77,19 @@ def main(args) -> int:
     from pdhal_demo.plan import make_plan
 
     model = ModelConfig(layers=args.layers)
+    if args.fault == "kill-decoder" and args.decoder == "remote":
+        print("pdhal demo: --fault kill-decoder kills a local decoder; kill a remote one by hand",
+              file=sys.stderr)
+        return 2
     if args.decoder == "remote" and args.transport != "mooncake":
         print("pdhal demo: --decoder remote needs --transport mooncake (shm stays on one host)",
               file=sys.stderr)
         return 2
     options = pipeline.Options(host=args.host, protocol=args.protocol, fault=args.fault,
                                progress=not args.json, remote_decoder=args.decoder == "remote",
-                               control_host=args.control_host, shm_copy=args.shm_copy)
+                               control_host=args.control_host, shm_copy=args.shm_copy,
+                               inflight=args.inflight,
+                               transfer_timeout_s=args.transfer_timeout)
     summaries, timelines = [], []
     try:
         for mode in MODES if args.mode == "both" else [args.mode]:

@@ -29,6 +29,22 @@ class DemoError(Exception):
 
 
 ACCEPT_POLL_S = 0.5  # how often a wait for a connection checks that the process lives
+#: A control connection whose peer's host stops answering (a cut link) fails after this
+#: long: keepalive probes after 2 s idle, 1 s apart, 3 of them; unacknowledged data, 5 s.
+LINK_DEAD_S = 5
+
+
+def _keepalive(link: Connection) -> None:
+    """Make a lost peer host an error on `link` within LINK_DEAD_S, not a silent wait."""
+    sock = socket.socket(fileno=os.dup(link.fileno()))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LINK_DEAD_S * 1000)
+    finally:
+        sock.close()  # the duplicate only: the options belong to the socket
 
 
 class Hub:
@@ -89,6 +105,7 @@ class Hub:
                     continue  # something without the key: not ours, keep waiting
         finally:
             settled.set()
+        _keepalive(link)
         hello = link.recv()
         if hello[0] == "abort":
             link.close()
@@ -183,5 +200,6 @@ def connect(role: str) -> Connection:
     """The child's end: connect to the parent named in the environment."""
     host, port = os.environ[ADDRESS_VAR].rsplit(":", 1)
     link = Client((host, int(port)), authkey=bytes.fromhex(os.environ[KEY_VAR]))
+    _keepalive(link)
     link.send(("hello", role))
     return link

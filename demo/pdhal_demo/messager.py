@@ -7,13 +7,15 @@ wait in pdhal), and it sends exactly the blocks that signal made ready.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 
 import numpy as np
 
 import pdhal
 from pdhal import ops
-from pdhal_demo.control import Outbox
+from pdhal_demo.control import DemoError, Outbox
 from pdhal_demo.plan import Plan
 from pdhal_demo.transport import MooncakeSender, ShmSender, block_runs
 
@@ -21,16 +23,28 @@ WAIT_TIMEOUT_S = 60.0  # a worker that signals nothing for this long is reported
 
 
 class Shipper:
-    """Tracks what has been sent and reports each transfer to the parent."""
+    """Tracks what has been sent and reports each transfer to the parent.
 
-    def __init__(self, link, plan: Plan, sender, rank: int = 0):
+    A sender's `write` either moves the bytes before it returns (shm: it returns None) or
+    submits them and returns a handle (Mooncake): then up to `inflight` layers are in
+    flight at once and a completion thread waits for each, in order, reports it, and
+    reports a request fully sent once its last layer's transfer is complete.
+    """
+
+    def __init__(self, link, plan: Plan, sender, rank: int = 0, inflight: int = 4):
         self.out, self.plan, self.sender, self.rank = Outbox(link), plan, sender, rank
         self.bs = plan.model.block_size
         self.sent_blocks = {(r.id, layer): 0 for r in plan.requests
                             for layer in range(plan.model.layers)}
-        self.unfinished = {r.id for r in plan.requests}
+        self.unsubmitted = {r.id for r in plan.requests}  # whose last transfer is not submitted
+        self.unfinished = {r.id for r in plan.requests}  # not yet reported fully sent
         self.block_bytes = plan.model.block_bytes()
         self._runs: dict[tuple, tuple[list, int]] = {}  # spans -> (runs, blocks)
+        if hasattr(sender, "wait"):
+            self._slots = threading.BoundedSemaphore(inflight)
+            self._inflight: queue.Queue = queue.Queue()
+            threading.Thread(target=self._complete, name="pdhal-demo-completion",
+                             daemon=True).start()
 
     def send(self, step: int, layer: int, ready: list[tuple[int, int]]) -> None:
         """Send layer `layer` of each (request, tokens now in the cache) in `ready`."""
@@ -47,6 +61,7 @@ class Shipper:
                 self.sent_blocks[request_id, layer] = end
             if whole and last_layer:
                 finished.append(request_id)
+                self.unsubmitted.discard(request_id)
         # Every layer of a step sends the same spans: pair the tables into runs once.
         key = tuple(spans)
         planned = self._runs.get(key)
@@ -59,14 +74,47 @@ class Shipper:
             # runs span requests where both tables are consecutive: fewer, longer copies
             planned = self._runs[key] = (block_runs(src, dst), len(src))
         runs, blocks = planned
+        event = {"rank": self.rank, "step": step, "layer": layer, "start": start,
+                 "bytes": 2 * blocks * self.block_bytes}
+        if runs and hasattr(self, "_inflight"):
+            self._slots.acquire()  # at most `inflight` layers in flight
+            self._inflight.put((event, self.sender.write(layer, runs), finished))
+            return
         if runs:
             self.sender.write(layer, runs)
-        now = time.monotonic_ns()
-        self.out.post("xfer", {"rank": self.rank, "step": step, "layer": layer, "start": start,
-                               "end": now, "bytes": 2 * blocks * self.block_bytes})
+        self._done(event, finished)
+
+    def _done(self, event: dict, finished: list[int]) -> None:
+        event["end"] = time.monotonic_ns()
+        self.out.post("xfer", event)
         for request_id in finished:
             self.unfinished.discard(request_id)
             self.out.send("sent", {"rank": self.rank, "request": request_id})
+
+    def _complete(self) -> None:
+        """The completion thread: each submitted layer, in order, once it is in decode."""
+        while True:
+            event, pending, finished = self._inflight.get()
+            try:
+                self.sender.wait(pending)
+            except Exception as exc:  # nothing after a failed transfer can be trusted
+                error = str(exc) if isinstance(exc, DemoError) else f"{type(exc).__name__}: {exc}"
+                self.out.send("error", {"role": "messager", "error": error, "detail": error})
+                os._exit(1)  # Mooncake's threads may be stuck on the dead link: no unwinding
+            self._done(event, finished)
+            self._slots.release()
+            self._inflight.task_done()
+            self.out.due()
+
+    def drain(self) -> None:
+        """Wait until every submitted transfer is complete and reported."""
+        if hasattr(self, "_inflight"):
+            self._inflight.join()
+        self.out.flush()
+
+    def idle(self) -> None:
+        """About to block for the worker's next signal: let the parent have what is queued."""
+        self.out.flush()
 
 
 def _per_query(shipper: Shipper, plan: Plan, reader, base: int) -> None:
@@ -78,8 +126,8 @@ def _per_query(shipper: Shipper, plan: Plan, reader, base: int) -> None:
     with reader:
         seen = (base, -1)
         done = {index: -1 for index in range(len(plan.steps))}  # last layer sent per step
-        while shipper.unfinished:
-            shipper.out.flush()  # before blocking: the parent wakes while this one sleeps
+        while shipper.unsubmitted:
+            shipper.idle()  # before blocking: the parent wakes while this one sleeps
             seen = reader.wait(seen, timeout=WAIT_TIMEOUT_S)
             for index, step in enumerate(plan.steps):
                 channel_step = base + 1 + index
@@ -96,8 +144,8 @@ def _per_chunk(shipper: Shipper, rank: int) -> None:
     """Each (step, layer) record lists (slot, cached, chunk) of the requests it advanced."""
     record = np.zeros(pdhal.RECORD_WORDS, np.int32)
     with ops.open_kv_chunk_reader(rank, 0, timeout=WAIT_TIMEOUT_S) as reader:
-        while shipper.unfinished:
-            shipper.out.flush()  # before blocking: the parent wakes while this one sleeps
+        while shipper.unsubmitted:
+            shipper.idle()  # before blocking: the parent wakes while this one sleeps
             step = reader.next(record, wait=True, timeout=WAIT_TIMEOUT_S)
             count, layer = int(record[0]), int(record[1])
             table = record[2:2 + 3 * count].reshape(count, 3)
@@ -114,7 +162,7 @@ def run(link, setup: dict) -> None:
         sender = ShmSender(src, setup["decode"], dst_shape, setup.get("shm_copy", "memmove"))
     else:
         sender = MooncakeSender(src, setup["decode"], dst_shape, setup["host"],
-                                setup["protocol"])
+                                setup["protocol"], setup.get("transfer_timeout_s", 5.0))
     if plan.mode == "per_query":
         # Before "ready", so the worker (which starts only after both are ready) has not
         # begun its first step. The channel exists before the warm-up step is published in
@@ -123,10 +171,11 @@ def run(link, setup: dict) -> None:
         reader = ops.open_kv_signal_reader(setup["rank"], 0, timeout=WAIT_TIMEOUT_S)
         base, _ = reader.wait((0, -1), timeout=WAIT_TIMEOUT_S)
     link.send(("ready", {"pid": os.getpid()}))
-    shipper = Shipper(link, plan, sender)
+    shipper = Shipper(link, plan, sender, setup["rank"], setup.get("inflight", 4))
     if plan.mode == "per_query":
         _per_query(shipper, plan, reader, base)
     else:  # the ring hands over every step from the first, whenever the reader attaches
         _per_chunk(shipper, setup["rank"])
+    shipper.drain()
     shipper.out.send("done", {})
     link.recv()  # ("exit", {}): stay alive until then, the worker takes an exit for a death

@@ -32,9 +32,11 @@ class Options:
     #: Start no decoder here: wait for one started by hand (on another host) to connect.
     remote_decoder: bool = False
     control_host: str = "127.0.0.1"  # where the control listener binds (remote decoder)
-    fault: str | None = None  # "kill-messager" / "kill-worker": SIGKILL it mid first step
+    fault: str | None = None  # "kill-messager" / "kill-worker" / "kill-decoder": mid first step
     progress: bool = True
     shm_copy: str = "memmove"  # shm: "memmove" per run, or one pdhal.ops.copy_blocks per layer
+    inflight: int = 4  # Mooncake: layers in flight at once
+    transfer_timeout_s: float = 5.0  # Mooncake: a transfer not done by then is reported
 
 
 class Progress:
@@ -98,6 +100,7 @@ class Pipeline:
         self.verification: dict | None = None
         self.finished: set[str] = set()
         self.killed_at: int | None = None  # ns, from the worker's "fault" event
+        self.victim: str | None = None
         # A namespace of its own inside the caller's, so runs never meet each other's segments.
         self.namespace = f"{pdhal.namespace()}-demo{os.getpid()}-{plan.mode}"
 
@@ -131,7 +134,9 @@ class Pipeline:
     def start(self) -> None:
         env = _child_env(self.namespace)
         common = {"plan": self.plan.to_json(), "rank": 0, "host": self.options.host,
-                  "protocol": self.options.protocol, "shm_copy": self.options.shm_copy}
+                  "protocol": self.options.protocol, "shm_copy": self.options.shm_copy,
+                  "inflight": self.options.inflight,
+                  "transfer_timeout_s": self.options.transfer_timeout_s}
         if self.options.remote_decoder:
             self._await_remote_decoder()
         else:
@@ -147,7 +152,9 @@ class Pipeline:
                                                   "decode": decode})
         messager = self._expect("messager", "ready")
         self.timeline.start = time.monotonic_ns()
-        self.hub.links["worker"].send(("go", {"messager_pid": messager["pid"]}))
+        decoder = self.hub.processes.get("decoder")  # None: it runs on another host
+        self.hub.links["worker"].send(("go", {"messager_pid": messager["pid"],
+                                              "decoder_pid": decoder and decoder.pid}))
 
     def _await_remote_decoder(self) -> None:
         env = self.hub.child_env() | {"PDHAL_NAMESPACE": self.namespace,
@@ -170,7 +177,7 @@ class Pipeline:
             for c in self.plan.steps[m["index"]]:
                 self.progress.computed[c.request] = (c.start + c.length, m["layer"] + 1)
         elif kind == "fault":
-            self.killed_at = m["at"]
+            self.killed_at, self.victim = m["at"], m["victim"]
         elif kind == "first_token":
             self.first_token[m["request"]] = m["token"]
             self._maybe_hand_over(m["request"])
@@ -204,6 +211,19 @@ class Pipeline:
             self.hub.links["decoder"].send(("request", {"request": request,
                                                         "token": self.first_token[request]}))
 
+    def _failed(self, role: str, message: dict) -> None:
+        """`role` reported an error: name the process that died under it, if one did."""
+        dead = [other for other, process in self.hub.processes.items()
+                if other != role and process.poll() is not None]
+        if self.victim not in (None, role) and self.victim not in dead:
+            dead.append(self.victim)  # killed on purpose; its exit may not be reaped yet
+        if not dead:
+            raise DemoError(f"the {role} failed: {message['detail']}")
+        after = ("" if self.killed_at is None else
+                 f" {(time.monotonic_ns() - self.killed_at) / 1e6:.0f} ms after the kill")
+        raise DemoError(f"the {dead[0]} exited ({self._exit_status(dead[0])}); the {role} "
+                        f"reported it{after}: {message['error']}")
+
     def _died(self, role: str) -> None:
         """A process exited early: give the others a moment to report it, then fail."""
         status = self._exit_status(role)
@@ -214,7 +234,7 @@ class Pipeline:
                 who = next(r for r, other in others.items() if other is link)
                 try:
                     kind, m = link.recv()
-                except EOFError:
+                except (EOFError, OSError):
                     del others[who]
                     continue
                 if kind == "error":
@@ -240,13 +260,13 @@ class Pipeline:
                     role = roles[id(link)]
                     try:
                         kind, message = link.recv()
-                    except EOFError:
+                    except (EOFError, OSError):  # OSError: a remote peer's host went silent
                         if role not in self.finished:
                             self._died(role)
                         open_links.remove(link)
                         continue
                     if kind == "error":
-                        raise DemoError(f"the {role} failed: {message['detail']}")
+                        self._failed(role, message)
                     for kind, message in message if kind == "events" else [(kind, message)]:
                         handlers[role](kind, message)
                 self.progress.update()

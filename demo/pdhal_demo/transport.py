@@ -9,6 +9,7 @@ cache. The decode side opens its end with `DecodeEndpoint` and hands the message
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 
@@ -125,18 +126,41 @@ class ShmSender:
         ops.copy_blocks(self.dst, dst_ids, self.src, src_ids, self._block)
 
 
+class Pending:
+    """Transfers submitted for one layer: Mooncake batch ids, one run each."""
+
+    __slots__ = ("ids", "nbytes", "layer", "deadline")
+
+    def __init__(self, ids: list[int], nbytes: int, layer: int, deadline: int):
+        self.ids, self.nbytes, self.layer, self.deadline = ids, nbytes, layer, deadline
+
+
 class MooncakeSender:
-    """Writes blocks into the decode cache with Mooncake, from the address pdhal registers."""
+    """Writes blocks into the decode cache with Mooncake, from the address pdhal registers.
+
+    Both caches are registered once. `write` submits a layer's runs and returns at once
+    (one transfer_submit_write per run: a batch of one, whose status transfer_check_status
+    reports exactly); `wait` checks their status, sleeping 50 us, then twice as long each
+    time up to 500 us, until they are all in the decode cache. Mooncake's own blocking wait (get_batch_transfer_status) spins a core,
+    which on a two-core machine is the core its TCP threads need. A transfer that has not
+    completed by its deadline (`timeout_s` plus 100 MiB/s for its bytes) is reported: the
+    link or the decode side is gone.
+    """
+
+    POLL_S = (50e-6, 500e-6)  # the first sleep between status checks, and the longest
 
     def __init__(self, src: np.ndarray, decode: dict, dst_shape: tuple[int, ...], host: str,
-                 protocol: str):
+                 protocol: str, timeout_s: float = 5.0):
         self._engine = MooncakeEngine(host, protocol)
+        self._submit = self._engine.engine.transfer_submit_write
+        self._status = self._engine.engine.transfer_check_status
         self._src_base = ops.get_peer_mem_addr(src)
         self._engine.register(self._src_base, src.nbytes)
         self._target = decode["session"]
         self._dst_base = decode["address"]
         self._src_blocks, self._dst_blocks = src.shape[2], dst_shape[2]
         self._block = int(np.prod(src.shape[3:])) * src.itemsize
+        self._timeout_ns = int(timeout_s * 1e9)
         self._connect()
 
     def _connect(self) -> None:
@@ -148,15 +172,33 @@ class MooncakeSender:
         if rc != 0:
             raise DemoError(f"Mooncake could not reach the decode side at {self._target} ({rc})")
 
-    def write(self, layer: int, runs: list[Run]) -> None:
-        srcs, dsts, lens = [], [], []
+    def write(self, layer: int, runs: list[Run]) -> Pending:
+        ids, nbytes, block = [], 0, self._block
         for kv in (0, 1):
-            src_row = (layer * 2 + kv) * self._src_blocks
-            dst_row = (layer * 2 + kv) * self._dst_blocks
+            src = self._src_base + (layer * 2 + kv) * self._src_blocks * block
+            dst = self._dst_base + (layer * 2 + kv) * self._dst_blocks * block
             for s, d, n in runs:
-                srcs.append(self._src_base + (src_row + s) * self._block)
-                dsts.append(self._dst_base + (dst_row + d) * self._block)
-                lens.append(n * self._block)
-        rc = self._engine.engine.batch_transfer_sync_write(self._target, srcs, dsts, lens)
-        if rc != 0:
-            raise DemoError(f"Mooncake write of layer {layer} to {self._target} failed ({rc})")
+                batch = self._submit(self._target, src + s * block, dst + d * block, n * block)
+                if batch <= 0:
+                    raise DemoError(f"Mooncake could not submit layer {layer}'s write to "
+                                    f"{self._target} ({batch})")
+                ids.append(batch)
+                nbytes += n * block
+        deadline = time.monotonic_ns() + self._timeout_ns + nbytes * 10  # + 100 MiB/s
+        return Pending(ids, nbytes, layer, deadline)
+
+    def wait(self, pending: Pending) -> None:
+        """Return once every transfer of `pending` is in the decode cache."""
+        nap, longest = self.POLL_S
+        for batch in pending.ids:
+            while (status := self._status(batch)) == 0:
+                if time.monotonic_ns() > pending.deadline:
+                    raise DemoError(
+                        f"Mooncake's write of layer {pending.layer} ({pending.nbytes} bytes) to "
+                        f"{self._target} did not complete in time: the link to the decode "
+                        f"side or the decode side is gone")
+                time.sleep(nap)
+                nap = min(2 * nap, longest)  # fewer wake-ups on a long transfer
+            if status != 1:
+                raise DemoError(f"Mooncake's write of layer {pending.layer} to {self._target} "
+                                f"{'timed out' if status == -2 else 'failed'} ({status})")

@@ -40,10 +40,12 @@ class PeerWatch:
         os.close(self._fd)
 
 
-def _inject(fault: str, out: Outbox, messager_pid: int) -> None:
-    """The fault demos: SIGKILL the messager, or this worker, half-way through step 0."""
-    out.send("fault", {"victim": fault.removeprefix("kill-"), "at": time.monotonic_ns()})
-    os.kill(messager_pid if fault == "kill-messager" else os.getpid(), signal.SIGKILL)
+def _inject(fault: str, out: Outbox, pids: dict[str, int]) -> None:
+    """The fault demos: SIGKILL the messager, the decoder or this worker half-way through
+    step 0."""
+    victim = fault.removeprefix("kill-")
+    out.send("fault", {"victim": victim, "at": time.monotonic_ns()})
+    os.kill(pids[victim], signal.SIGKILL)
 
 
 def run(link, setup: dict) -> None:
@@ -89,7 +91,8 @@ def run(link, setup: dict) -> None:
             out.post("layer", {"rank": rank, "step": channel_step, "index": index,
                                "layer": layer, "end": end})
             if fault and index == 0 and layer == layers // 2:
-                _inject(fault, out, go["messager_pid"])
+                _inject(fault, out, {"messager": go["messager_pid"], "worker": os.getpid(),
+                                     "decoder": go.get("decoder_pid")})
             out.due()
             watch.check(f"step {index} layer {layer}")
 
