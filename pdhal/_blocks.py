@@ -29,6 +29,17 @@ def resolve(obj: object, what: str, writable: bool = False) -> MemoryRef:
     return MemoryRef(ref.address, extent.start + extent.nbytes - ref.address, extent.device)
 
 
+def block_ids_array(obj: object, what: str):
+    """Block ids as an int64_t[] for the C loop: a list or tuple converts in C (the common
+    case costs no Python per id); anything else, or ids cffi refuses, takes block_ids."""
+    if isinstance(obj, (list, tuple)):
+        try:
+            return _core.ffi.new("int64_t[]", obj)
+        except (TypeError, OverflowError):
+            pass  # let block_ids say which entry is wrong
+    return _core.ffi.new("int64_t[]", block_ids(obj, what))
+
+
 def block_ids(obj: object, what: str) -> list[int]:
     """Block ids as engines pass them: a list, tuple, or 1-D integer tensor or array."""
     if hasattr(obj, "tolist") and not isinstance(obj, (list, tuple)):
@@ -79,9 +90,18 @@ def copy_blocks(copy_fn: int, kind_of: Callable[[str, str], int], stream: int, d
                 dst_block_ids, src, src_block_ids, block_bytes: int) -> int:
     """Copy block src_block_ids[i] of `src` to block dst_block_ids[i] of `dst` through the
     runtime's copy (its C address; 0: memmove now). kind_of(dst device, src device) gives
-    the runtime's copy kind. Returns the number of copies made (runs of consecutive ids)."""
-    d, s, dst_ids, src_ids, block_bytes = _plan(dst, dst_block_ids, src, src_block_ids,
-                                                block_bytes)
+    the runtime's copy kind. Returns the number of copies made (runs of consecutive ids).
+    The C loop checks every id against its side's extent before the first byte moves."""
+    block_bytes = validate_index(block_bytes, "block_bytes", 1 << 46)
+    if block_bytes == 0:
+        raise InvalidArgumentError("block_bytes must be at least 1")
+    dst_ids = block_ids_array(dst_block_ids, "dst_block_ids")
+    src_ids = block_ids_array(src_block_ids, "src_block_ids")
+    if len(dst_ids) != len(src_ids):
+        raise InvalidArgumentError(f"dst_block_ids and src_block_ids must pair up, got "
+                                   f"{len(dst_ids)} and {len(src_ids)} ids")
+    d = resolve(dst, "dst", writable=True)
+    s = resolve(src, "src")
     return _core.copy_blocks(copy_fn, kind_of(d.device, s.device), stream, d.address,
                              d.nbytes // block_bytes, s.address, s.nbytes // block_bytes,
                              block_bytes, dst_ids, src_ids)

@@ -293,16 +293,15 @@ def run_store(store) -> None:
 
 
 def copy_blocks(copy_fn, kind: int, stream: int, dst: int, dst_blocks: int, src: int,
-                src_blocks: int, block_bytes: int, dst_ids: list[int], src_ids: list[int]
-                ) -> int:
-    """pdhal_copy_blocks: copy_fn a C function address (0: memmove now); returns copies."""
+                src_blocks: int, block_bytes: int, dst_ids, src_ids) -> int:
+    """pdhal_copy_blocks: copy_fn a C function address (0: memmove now); the ids int64_t[]
+    cdata of equal length; returns the copies made."""
     count = len(dst_ids)
     fn = ffi.NULL if not copy_fn else ffi.cast("pdhal_copy_fn", copy_fn)
     return check(lib.pdhal_copy_blocks(fn, kind, ffi.cast("void *", stream),
                                        ffi.cast("void *", dst), dst_blocks,
                                        ffi.cast("void *", src), src_blocks, block_bytes,
-                                       ffi.new("int64_t[]", dst_ids), ffi.new("int64_t[]", src_ids),
-                                       count),
+                                       dst_ids, src_ids, count),
                  "copying %d blocks", count, overrides={errno.EIO: DeviceError})
 
 

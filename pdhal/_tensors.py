@@ -57,11 +57,12 @@ def _paddle_device(tensor) -> str:
     return str(place)
 
 
-def _require_contiguous(contiguous: bool, what: str, detail: str) -> None:
+def _require_contiguous(contiguous: bool, what: str, detail) -> None:
+    """`detail()` says what was given; called only for the error (ops sit on hot paths)."""
     if not contiguous:
         raise InvalidArgumentError(
-            f"{what} must be contiguous (its elements back to back in memory), got {detail}: "
-            f"pass a contiguous copy (tensor.contiguous(), numpy.ascontiguousarray)")
+            f"{what} must be contiguous (its elements back to back in memory), got "
+            f"{detail()}: pass a contiguous copy (tensor.contiguous(), numpy.ascontiguousarray)")
 
 
 def _require_elements(count: int, what: str) -> None:
@@ -81,8 +82,8 @@ def _compact(shape, strides, itemsize: int) -> bool:
 
 def _paddle_ref(tensor, what: str) -> MemoryRef:
     contiguous = tensor.is_contiguous() if hasattr(tensor, "is_contiguous") else True
-    _require_contiguous(contiguous, what, f"a Paddle view of shape {list(tensor.shape)} with "
-                                          f"strides {list(tensor.strides)}")
+    _require_contiguous(contiguous, what, lambda: f"a Paddle view of shape {list(tensor.shape)} "
+                                                  f"with strides {list(tensor.strides)}")
     count = int(tensor.numel())
     _require_elements(count, what)
     return MemoryRef(tensor.data_ptr(), count * tensor.element_size(), _paddle_device(tensor),
@@ -101,8 +102,8 @@ def _buffer_ref(view: memoryview, what: str) -> MemoryRef:
         raise InvalidArgumentError(f"{what} holds Python objects (format {view.format!r}), not "
                                    f"numbers in memory")
     _require_contiguous(view.c_contiguous, what,
-                        f"a strided view of shape {list(view.shape)} with strides "
-                        f"{list(view.strides)} bytes")
+                        lambda: f"a strided view of shape {list(view.shape)} with strides "
+                                f"{list(view.strides)} bytes")
     _require_elements(view.nbytes, what)
     address = int(ffi.cast("uintptr_t", ffi.from_buffer(view)))
     dtype = _FORMATS.get(fmt) if view.itemsize in (1, 2, 4, 8) else None
@@ -113,7 +114,8 @@ def _buffer_ref(view: memoryview, what: str) -> MemoryRef:
 
 def _data_ptr_ref(obj, what: str) -> MemoryRef:
     if hasattr(obj, "is_contiguous"):
-        _require_contiguous(obj.is_contiguous(), what, f"a view with strides {obj.stride()}"
+        _require_contiguous(obj.is_contiguous(), what,
+                            lambda: f"a view with strides {obj.stride()}"
                             if hasattr(obj, "stride") else "a non-contiguous view")
     count = int(obj.numel())
     _require_elements(count, what)
@@ -133,7 +135,7 @@ def _cai_ref(cai: dict, what: str) -> MemoryRef:
     shape = tuple(cai["shape"])
     strides = cai.get("strides")
     _require_contiguous(strides is None or _compact(shape, strides, itemsize), what,
-                        f"strides {strides} bytes over shape {list(shape)}")
+                        lambda: f"strides {strides} bytes over shape {list(shape)}")
     count = math.prod(shape)
     _require_elements(count, what)
     stem = _TYPE_KINDS.get(typestr[1])
@@ -158,8 +160,8 @@ def _dlpack_ref(obj, what: str) -> MemoryRef:
     if tensor.strides:  # in elements; NULL means compact row-major
         strides = [tensor.strides[i] * itemsize for i in range(tensor.ndim)]
         _require_contiguous(_compact(shape, strides, itemsize), what,
-                            f"DLPack strides {[tensor.strides[i] for i in range(tensor.ndim)]} "
-                            f"(elements) over shape {shape}")
+                            lambda: f"DLPack strides {[s // itemsize for s in strides]} "
+                                    f"(elements) over shape {shape}")
     count = math.prod(shape)
     _require_elements(count, what)
     kind = _DL_DEVICE_NAMES.get(tensor.device.device_type, f"dl{tensor.device.device_type}")
