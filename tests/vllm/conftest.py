@@ -1,0 +1,161 @@
+"""The pdhal-vllm tests: real vLLM instances (vLLM's CPU build) on a tiny local Llama.
+
+`make test-vllm` creates .venv-vllm with what they need and runs them with
+PDHAL_VLLM_TESTS=1. Without that variable (the main suite's `make test`, whose venv has no
+vLLM) this folder is not collected; with it, a missing vLLM, Mooncake or pdhal-vllm is an
+error, never a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+if not os.environ.get("PDHAL_VLLM_TESTS"):
+    collect_ignore_glob = ["test_*.py"]  # the main suite: run by `make test-vllm` instead
+else:
+    import importlib.util
+
+    missing = [name for name in ("vllm", "pdhal_vllm", "mooncake")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise pytest.UsageError(f"PDHAL_VLLM_TESTS is set but {', '.join(missing)} cannot be "
+                                f"imported: run `make test-vllm` (it installs them)")
+
+PY = sys.executable
+LAYERS = 4
+PROMPT_LENS = (40, 100, 65)  # 2, 4 and 3 blocks of 32 tokens
+MAX_TOKENS = 8
+
+
+def prompts(lens=PROMPT_LENS, seed: int = 0) -> list[dict]:
+    return [{"tid": f"r{seed}-{i}", "tokens": [(7 * i + 3 * j + seed) % 990 + 2 for j in range(n)]}
+            for i, n in enumerate(lens)]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    """The tiny Llama, built once per run (or reused from PDHAL_VLLM_CACHE)."""
+    root = os.environ.get("PDHAL_VLLM_CACHE") or str(tmp_path_factory.mktemp("models"))
+    out = subprocess.run([PY, "-c", f"from pdhal_vllm import tiny; "
+                                    f"print(tiny.cached({root!r}, layers={LAYERS}))"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+class Cluster:
+    """One test's processes: a messager, a decode and a prefill instance, and their files."""
+
+    def __init__(self, root, model: str, key: str):
+        self.root, self.model = root, model
+        self.env = dict(os.environ, PDHAL_VLLM_KEY=key, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                        VLLM_CPU_KVCACHE_SPACE="1")
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.messager_address = None
+
+    def path(self, name: str) -> str:
+        return str(self.root / name)
+
+    def start_messager(self, *extra: str, env: dict | None = None) -> str:
+        log = open(self.path("messager.log"), "w")
+        proc = subprocess.Popen(
+            [PY, "-u", "-m", "pdhal_vllm.messager", "--listen", "127.0.0.1:0",
+             "--trace", self.path("trace.messager.jsonl"), *extra],
+            env=dict(self.env, **(env or {})), stdout=subprocess.PIPE, stderr=log, text=True)
+        self.procs["messager"] = proc
+        line = proc.stdout.readline()
+        assert "listening on" in line, f"messager did not start: {line!r} {self.log('messager')}"
+        self.messager_address = line.split()[-1]
+        return self.messager_address
+
+    def start(self, role: str, prompt_file: str, *extra: str) -> subprocess.Popen:
+        log = open(self.path(f"{role}.log"), "w")
+        args = [PY, "-m", "pdhal_vllm.instance", role, "--model", self.model,
+                "--prompts", prompt_file, "--out", self.path(f"{role}.json"),
+                "--max-tokens", str(MAX_TOKENS), "--timeout", "150", *extra]
+        if role != "plain":
+            args += ["--messager", self.messager_address, "--trace", self.path("trace")]
+        proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[role] = proc
+        return proc
+
+    def wait(self, role: str, timeout: float = 200) -> dict:
+        proc = self.procs[role]
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"the {role} instance hung:\n{self.log(role)}")
+        assert rc == 0, f"the {role} instance failed ({rc}):\n{self.log(role)}"
+        with open(self.path(f"{role}.json")) as f:
+            return json.load(f)
+
+    def wait_file(self, name: str, timeout: float = 150) -> None:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(self.path(name)):
+            for role, proc in self.procs.items():
+                if proc.poll() is not None and role != "messager":
+                    pytest.fail(f"the {role} exited ({proc.returncode}) before {name}:\n"
+                                f"{self.log(role)}")
+            assert time.monotonic() < deadline, f"{name} never appeared"
+            time.sleep(0.05)
+
+    def log(self, role: str, lines: int = 40) -> str:
+        try:
+            with open(self.path(f"{role}.log"), errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def trace(self, who: str) -> list[dict]:
+        from pdhal_vllm.wire import read_trace
+
+        return read_trace(self.path(f"trace.{who}.jsonl"))
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path, model_dir):
+    c = Cluster(tmp_path, model_dir, secrets.token_hex(16))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_tokens(tmp_path_factory, model_dir) -> dict[tuple, list[int]]:
+    """Greedy tokens of a plain vLLM run (no connector), by prompt tokens."""
+    root = tmp_path_factory.mktemp("plain")
+    c = Cluster(root, model_dir, secrets.token_hex(16))
+    every = prompts() + prompts(seed=1)
+    with open(c.path("prompts.json"), "w") as f:
+        json.dump(every, f)
+    c.start("plain", c.path("prompts.json"))
+    result = c.wait("plain")
+    c.stop()
+    by_tid = {p["tid"]: tuple(p["tokens"]) for p in every}
+    return {by_tid[r["tid"]]: r["tokens"] for r in result["results"]}
+
+
+def write_prompts(cluster: Cluster, items: list[dict]) -> str:
+    path = cluster.path("prompts.json")
+    with open(path, "w") as f:
+        json.dump(items, f)
+    return path

@@ -1,0 +1,87 @@
+"""A prefill vLLM instance streams each layer's KV through pdhal and a messager process into
+a decode vLLM instance, which then decodes exactly what a plain run decodes."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import LAYERS, MAX_TOKENS, prompts, write_prompts
+
+
+def run_pd(cluster, items, transport: str = "shm", *extra: str) -> tuple[dict, dict]:
+    """Messager, then decode (asks for its KV), then prefill once the decode side asked (in
+    sync mode the decode's first step waits for the KV: the prefill starts once the decode
+    engine is up)."""
+    path = write_prompts(cluster, items)
+    cluster.start_messager()
+    go = "decode.ready" if "sync" in extra else "decode.submitted"
+    cluster.start("decode", path, "--transport", transport, "--submitted-file",
+                  cluster.path("decode.submitted"), "--ready-file", cluster.path("decode.ready"),
+                  *extra)
+    cluster.start("prefill", path, "--wait-file", cluster.path(go))
+    decode = cluster.wait("decode")
+    prefill = cluster.wait("prefill")
+    return prefill, decode
+
+
+def block_crcs(events: list[dict]) -> dict[tuple, int]:
+    """(transfer, layer, block index) -> crc32 of the block, the last one recorded."""
+    return {(e["tid"], e["layer"], e["i"]): e["crc"] for e in events if e["kind"] == "block"}
+
+
+def check_stream(cluster, items) -> None:
+    """Every layer's signal was posted in order and seen before its bytes were read; every
+    block the prefill wrote is, byte for byte (crc32), what the messager read and what the
+    decode cache holds."""
+    prefill, messager, decode = (cluster.trace(w) for w in ("prefill0", "messager", "decode0"))
+    signals = [e for e in prefill if e["kind"] == "signal"]
+    steps = sorted({e["step"] for e in signals})
+    assert steps, "the prefill posted no layer signal"
+    for step in steps:
+        assert [e["layer"] for e in signals if e["step"] == step] == list(range(LAYERS))
+    posted = {(e["step"], e["layer"]): e["t"] for e in signals}
+    seen = [e for e in messager if e["kind"] == "seen"]
+    tables = {e["step"]: e for e in messager if e["kind"] == "table"}
+    step_of = {tid: step for step, e in tables.items() for tid in e["tids"]}
+    reads = [e for e in messager if e["kind"] == "read"]
+    assert reads
+    for read in reads:
+        step = step_of[read["tid"]]
+        # the read follows a wake-up that covered this layer, which followed its post
+        covering = [s for s in seen if (s["step"], s["layer"]) >= (step, read["layer"])
+                    and s["t"] <= read["t"]]
+        assert covering, f"layer {read['layer']} of {read['tid']} was read before its signal"
+        assert posted[step, read["layer"]] <= covering[0]["t"]
+    for item in items:  # the layers of a transfer land in order, each once
+        landed = [e["layer"] for e in decode if e["kind"] == "landed" and e["tid"] == item["tid"]]
+        assert landed == list(range(LAYERS)), (item["tid"], landed)
+    written, read_, held = block_crcs(prefill), block_crcs(messager), block_crcs(decode)
+    blocks = {(item["tid"], layer, i) for item in items for layer in range(LAYERS)
+              for i in range(-(-len(item["tokens"]) // 32))}
+    assert set(written) == set(read_) == blocks
+    assert written == read_
+    assert {k: held[k] for k in blocks} == written
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_decode_equals_plain_run(cluster, plain_tokens, transport):
+    items = prompts()
+    prefill, decode = run_pd(cluster, items, transport)
+    for item, result in zip(items, decode["results"]):
+        assert result["finish_reason"] == "length", result
+        assert result["tokens"] == plain_tokens[tuple(item["tokens"])], item["tid"]
+        assert len(result["tokens"]) == MAX_TOKENS
+    assert all(len(r["tokens"]) == 1 for r in prefill["results"])
+    check_stream(cluster, items)
+    errors = [e for e in cluster.trace("messager") if e["kind"] == "error"
+              and "closed its connection" not in e["error"] and "died" not in e["error"]]
+    assert not errors
+
+
+def test_sync_load_waits_per_layer(cluster, plain_tokens):
+    """load_mode sync: the decode request is scheduled at once and each attention layer
+    waits for its own layer only; the tokens are the plain run's all the same."""
+    items = prompts(seed=1)
+    prefill, decode = run_pd(cluster, items, "shm", "--load-mode", "sync")
+    for item, result in zip(items, decode["results"]):
+        assert result["tokens"] == plain_tokens[tuple(item["tokens"])], item["tid"]
+    check_stream(cluster, items)

@@ -1,0 +1,645 @@
+"""PdhalConnector: a vLLM v1 KV connector that streams prefill KV layer by layer through pdhal.
+
+Prefill instance (kv_role "kv_producer"), per step that stores KV: the worker opens a pdhal
+step, sends the step's table (request, transfer id, block ids, token range) to its cache
+messager, and after each attention layer's save_kv_layer posts that layer's pdhal signal.
+The messager (`python -m pdhal_vllm.messager`, another process) wakes on the signal and
+writes the layer's blocks into the decode instance's cache while the next layers compute.
+A finished request's blocks stay allocated until the messager reports them written.
+
+Decode instance (kv_role "kv_consumer"): a request whose kv_transfer_params say
+do_remote_prefill is matched for its prompt tokens; once vLLM allocated its blocks, the
+worker asks the messager named in its params for them ("want") and counts each layer that
+lands. With load_mode "async" (default) the request waits in WAITING_FOR_REMOTE_KVS and is
+scheduled in the step after its last layer landed; with "sync" it is scheduled at once and
+each attention layer waits, in wait_for_layer_load, for that layer only. A load that fails
+(messager or prefill gone, a write failed, load_timeout_s passed) is reported to vLLM as a
+failed receive: kv_load_failure_policy "recompute" recomputes the request, "fail" fails it.
+Nothing is decoded on a partial cache.
+
+Requests are paired by kv_transfer_params["pdhal_transfer_id"] (the same on both sides, set
+by whoever routes the request), and the decode side needs "pdhal_messager" (HOST:PORT of
+the prefill rank's messager) unless the connector's extra config names one.
+
+The KV cache must be memory the messager can read: the connector places vLLM's KV cache
+allocation in pdhal host memory (get_mem_pool_context) and shares it with set_data_ipc.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.logger import init_logger
+
+from pdhal import ops
+from pdhal_vllm.transport import DecodeEndpoint
+from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, connect
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+TRANSFER_ID = "pdhal_transfer_id"
+MESSAGER = "pdhal_messager"
+
+
+@dataclass
+class PdhalConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, per step: what this step stores (prefill) and what to load."""
+
+    stores: list[dict] = field(default_factory=list)
+    loads: list[dict] = field(default_factory=list)
+
+
+def _config(vllm_config: VllmConfig) -> dict:
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    extra.setdefault("transport", "shm")
+    extra.setdefault("load_mode", "async")
+    extra.setdefault("load_timeout_s", 60.0)
+    if extra["load_mode"] not in ("async", "sync"):
+        raise ConnectorError(f"load_mode must be 'async' or 'sync', got {extra['load_mode']!r}")
+    return extra
+
+
+class PdhalConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._extra = _config(vllm_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self.is_producer = self._kv_transfer_config.is_kv_producer
+        self.is_consumer = self._kv_transfer_config.is_kv_consumer
+        self._sync = self._extra["load_mode"] == "sync"
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = _Scheduler(self)
+            self.worker = None
+        else:
+            self.scheduler = None
+            self.worker = _Worker(self, vllm_config)
+
+    # ---- worker side ----------------------------------------------------------------------
+
+    def get_mem_pool_context(self):
+        return self.worker.allocation_context()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs: Any) -> None:
+        self.worker.save_layer(self._get_connector_metadata(), layer_name, kv_layer)
+
+    def wait_for_save(self):
+        self.worker.end_step()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self.worker.results(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors()
+
+    def shutdown(self):
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # ---- scheduler side -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self.scheduler.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int):
+        self.scheduler.allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.finished(request, block_ids)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_output(connector_output)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return (0,)
+
+
+# ---- scheduler side -----------------------------------------------------------------------
+
+class _Scheduler:
+    """Bookkeeping: what each step stores, what to load, which blocks to hold."""
+
+    def __init__(self, owner: PdhalConnector):
+        self.o = owner
+        self.stores: dict[str, dict] = {}  # prefill: req id -> transfer id, blocks, prompt
+        self.new_loads: list[dict] = []
+        self.asked: set[str] = set()  # decode: req ids whose load was asked for (once)
+        self.loading: set[str] = set()  # decode: req ids whose load has not ended
+
+    def matched(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not self.o.is_consumer or not params.get("do_remote_prefill") or \
+                request.request_id in self.asked:
+            return 0, False  # also after a failed load (asked): then vLLM recomputes
+        if TRANSFER_ID not in params:
+            raise ConnectorError(f"request {request.request_id} asks for remote prefill "
+                                 f"without kv_transfer_params[{TRANSFER_ID!r}]")
+        count = len(request.prompt_token_ids or ()) - num_computed - (1 if self.o._sync else 0)
+        if count <= 0:
+            return 0, False
+        return count, not self.o._sync
+
+    def allocated(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        if num_external <= 0 or not self.o.is_consumer:
+            return
+        params = request.kv_transfer_params or {}
+        prompt = len(request.prompt_token_ids or ())
+        total = prompt - (1 if self.o._sync else 0)
+        messager = params.get(MESSAGER) or self.o._extra.get("messager")
+        if not messager:
+            raise ConnectorError(f"request {request.request_id}: no messager to load from (set "
+                                 f"kv_transfer_params[{MESSAGER!r}] or the connector's "
+                                 f"`messager`)")
+        self.asked.add(request.request_id)
+        if not self.o._sync:  # a sync load ends within the step that scheduled it
+            self.loading.add(request.request_id)
+        self.new_loads.append({
+            "req": request.request_id, "tid": params[TRANSFER_ID], "messager": messager,
+            "blocks": list(blocks.get_block_ids()[0]), "first_token": total - num_external,
+            "num_tokens": total, "sync": self.o._sync})
+
+    def build(self, out: SchedulerOutput) -> PdhalConnectorMetadata:
+        meta = PdhalConnectorMetadata(loads=self.new_loads)
+        self.new_loads = []
+        if not self.o.is_producer:
+            return meta
+        for new in out.scheduled_new_reqs:
+            params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") \
+                if new.sampling_params is not None else None
+            if not params or not params.get("do_remote_decode"):
+                continue
+            if TRANSFER_ID not in params:
+                raise ConnectorError(f"request {new.req_id} asks for remote decode without "
+                                     f"kv_transfer_params[{TRANSFER_ID!r}]")
+            state = self.stores[new.req_id] = {
+                "tid": params[TRANSFER_ID], "blocks": list(new.block_ids[0]),
+                "prompt_len": len(new.prompt_token_ids or ())}
+            self._store(meta, new.req_id, state, new.num_computed_tokens,
+                        out.num_scheduled_tokens[new.req_id])
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.stores.get(req_id)
+            if state is None:
+                continue
+            if cached.new_block_ids[i] is not None:
+                if req_id in cached.resumed_req_ids:
+                    state["blocks"] = list(cached.new_block_ids[i][0])
+                else:
+                    state["blocks"] += cached.new_block_ids[i][0]
+            self._store(meta, req_id, state, cached.num_computed_tokens[i],
+                        out.num_scheduled_tokens[req_id])
+        return meta
+
+    @staticmethod
+    def _store(meta, req_id: str, state: dict, computed: int, scheduled: int) -> None:
+        end = min(computed + scheduled, state["prompt_len"])
+        if end > computed:  # only prompt tokens go to the decode side
+            meta.stores.append({"req": req_id, "tid": state["tid"], "blocks": state["blocks"],
+                                "start": computed, "end": end,
+                                "prompt_len": state["prompt_len"]})
+
+    def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        state = self.stores.pop(request.request_id, None)
+        if state is not None:  # hold the blocks until the messager wrote them (or gave up)
+            return True, {TRANSFER_ID: state["tid"]}
+        self.asked.discard(request.request_id)
+        if request.request_id in self.loading:
+            # finished (aborted) while its KV may still be landing: keep the blocks until
+            # the load ends (landed, failed or timed out), so no write lands in a reused block
+            return True, None
+        return False, None
+
+    def update_output(self, output) -> None:
+        for req in output.finished_recving or ():
+            self.loading.discard(req)
+
+
+# ---- worker side --------------------------------------------------------------------------
+
+@dataclass
+class _Load:
+    req: str
+    tid: str
+    sync: bool
+    layers: int
+    blocks: list[int]
+    deadline: float
+    landed: list[bool] = field(default_factory=list)
+    error: str | None = None
+
+    def __post_init__(self):
+        self.landed = [False] * self.layers
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(self.landed)
+
+
+def _answer(conn, address: str, timeout: float = 30.0) -> tuple:
+    """The messager's answer to a hello: ("ready", ...) or ("error", why)."""
+    if not conn.poll(timeout):
+        raise ConnectorError(f"the messager at {address} did not answer within {timeout:.0f} s")
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        raise ConnectorError(f"the messager at {address} closed the connection") from None
+
+
+class _MessagerLink:
+    """A decode worker's connection to one messager, with the thread that reads it."""
+
+    def __init__(self, worker: _Worker, address: str):
+        self.address = address
+        self.worker = worker
+        self.conn = connect(address, worker.key, {
+            "role": "decode", "pid": os.getpid(), "endpoint": worker.endpoint.describe(),
+            "layers": worker.layout, "block_size": worker.block_size})
+        kind, payload = _answer(self.conn, address)
+        if kind != "ready":
+            raise ConnectorError(f"the messager at {address} refused this decode worker: "
+                                 f"{payload}")
+        self.lock = threading.Lock()
+        self.alive = True
+        threading.Thread(target=self._read, name="pdhal-vllm-link", daemon=True).start()
+
+    def send(self, *message) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError, TypeError):  # TypeError: closed under us (shutdown)
+                break
+            self.worker.on_message(self, message)
+        self.alive = False
+        if self.worker.closing:
+            return
+        self.worker.on_link_lost(self, f"the messager at {self.address} is gone (its "
+                                        f"connection closed)")
+
+
+def _unlink(path: str | None) -> None:
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+class _Worker:
+    def __init__(self, owner: PdhalConnector, vllm_config: VllmConfig):
+        self.o = owner
+        self.extra = owner._extra
+        self.block_size = owner._block_size
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            self.rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - not initialised: a single-rank engine
+            self.rank = 0
+        self.trace = Tracer(self._trace_path())
+        self.key = auth_key(self.extra.get("auth_key"))
+        self.buffers: list = []  # (host buffer, tensor) of the KV cache allocation
+        self.layer_index: dict[str, int] = {}
+        self.layout: list[list[int]] = []
+        self.cv = threading.Condition()
+        self.loads: dict[str, _Load] = {}  # decode: req id -> load
+        self.links: dict[str, _MessagerLink] = {}
+        self.load_error_blocks: set[int] = set()
+        self.step_loads: list[_Load] = []
+        # prefill
+        self.messager = None
+        self.meta = None  # the pdhal step of the current forward, once it stores
+        self.sent: dict[str, str | None] = {}  # transfer id -> None (written) or the error
+        self.req_of: dict[str, str] = {}  # transfer id -> request id, for stored requests
+        self.finished_reqs: set[str] = set()
+        self.closing = False
+
+    def _trace_path(self) -> str | None:
+        base = self.extra.get("trace")
+        if not base:
+            return None
+        role = "prefill" if self.o.is_producer else "decode"
+        return f"{base}.{role}{self.rank}.jsonl"
+
+    # ---- the KV cache in pdhal memory ----------------------------------------------------
+
+    def allocation_context(self):
+        """vLLM allocates the whole KV cache as one int8 CPU tensor (allocate_kv_cache):
+        while vLLM allocates it, that allocation comes from pdhal.ops.host_alloc, so the
+        messager can map it (set_data_ipc) and Mooncake can register it."""
+        buffers = self.buffers
+
+        @contextlib.contextmanager
+        def context():
+            real = torch.zeros
+
+            def zeros(*size, dtype=None, device=None, **kwargs):
+                if len(size) == 1 and isinstance(size[0], int) and dtype is torch.int8 and \
+                        not kwargs and torch.device(device or "cpu").type == "cpu":
+                    buf = ops.host_alloc(size[0])  # fresh shared memory: zero-filled
+                    # vLLM never frees its KV cache: unlink the name at exit (the mapping
+                    # stays valid for whatever still runs), so /dev/shm is not left holding it
+                    atexit.register(_unlink, getattr(buf, "path", None))
+                    tensor = torch.from_numpy(buf.as_numpy(np.int8, (size[0],)))
+                    buffers.append((buf, tensor))
+                    return tensor
+                return real(*size, dtype=dtype, device=device, **kwargs)
+
+            torch.zeros = zeros
+            try:
+                yield
+            finally:
+                torch.zeros = real
+
+        return context()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        if len(self.buffers) != 1:
+            raise ConnectorError(
+                f"the pdhal connector needs vLLM's KV cache in one pdhal host buffer, got "
+                f"{len(self.buffers)} (this vLLM allocates its KV cache differently: only "
+                f"vLLM's CPU build is supported)")
+        buf, whole = self.buffers[0]
+        base = buf.address
+        names = sorted(kv_caches, key=lambda n: extract_layer_index(n))
+        for index, name in enumerate(names):
+            t = kv_caches[name]
+            block = t[0]
+            if not block.is_contiguous():
+                raise ConnectorError(f"layer {name}: a block is not contiguous (shape "
+                                     f"{tuple(t.shape)}, strides {t.stride()})")
+            size = t.element_size()
+            self.layer_index[name] = index
+            self.layout.append([t.data_ptr() - base, t.stride(0) * size, block.numel() * size])
+        self.num_layers = len(names)
+        logger.info("pdhal connector: %d layers, KV cache %s (%d bytes) in pdhal memory, "
+                    "block %d bytes", self.num_layers, tuple(kv_caches[names[0]].shape),
+                    buf.nbytes, self.layout[0][2])
+        self.cache_name = f"pdhal-vllm.{os.getpid()}.{self.rank}"
+        if self.o.is_producer:
+            ops.set_data_ipc(whole, self.cache_name)
+            # the channel exists, with an opening step, before the messager attaches
+            ops.open_shm_and_get_meta_signal(self.rank, 0)
+            address = self._messager_address()
+            self.messager = connect(address, self.key, {
+                "role": "prefill", "pid": os.getpid(), "rank": self.rank,
+                "cache": self.cache_name, "nbytes": buf.nbytes, "layers": self.layout,
+                "block_size": self.block_size})
+            kind, payload = _answer(self.messager, address)
+            if kind != "ready":
+                raise ConnectorError(f"the messager at {address} refused this prefill worker: "
+                                     f"{payload}")
+            self.messager_alive = True
+            self.send_lock = threading.Lock()
+            threading.Thread(target=self._read_messager, name="pdhal-vllm-messager",
+                             daemon=True).start()
+        if self.o.is_consumer:
+            self.endpoint = DecodeEndpoint(
+                self.extra["transport"], whole, buf.nbytes, self.cache_name,
+                self.extra.get("mooncake_host", "127.0.0.1"),
+                self.extra.get("mooncake_protocol", "tcp"))
+
+    def _messager_address(self) -> str:
+        address = self.extra.get("messager")
+        if not address:
+            raise ConnectorError("a prefill instance needs kv_connector_extra_config "
+                                 "['messager'] = 'HOST:PORT' of its cache messager")
+        host, _, port = address.rpartition(":")
+        return f"{host}:{int(port) + self.rank}"  # one messager per rank, ports in a row
+
+    # ---- prefill: signals ----------------------------------------------------------------
+
+    def save_layer(self, meta: PdhalConnectorMetadata, layer_name: str, kv_layer) -> None:
+        if not meta.stores or not self.o.is_producer:
+            return
+        index = self.layer_index[layer_name]
+        if self.meta is None:
+            self._open_step(meta)
+        if self.trace.on:
+            self._trace_blocks(meta, index, kv_layer)
+        posted = time.monotonic_ns()
+        ops.signal_layer_ready(ops.init_signal_layerwise(self.meta, index))
+        self.trace("signal", step=self.meta.step, layer=index, t=posted)
+
+    def _open_step(self, meta: PdhalConnectorMetadata) -> None:
+        """The first layer of a step that stores KV: a new pdhal step, its table first."""
+        if not self.messager_alive:
+            logger.error("pdhal connector: the cache messager is gone; %d request(s) of this "
+                         "step will not reach the decode side", len(meta.stores))
+        self.meta = ops.open_shm_and_get_meta_signal(self.rank, 0)
+        for store in meta.stores:
+            self.req_of[store["tid"]] = store["req"]
+        table = [{k: s[k] for k in ("tid", "blocks", "start", "end", "prompt_len")}
+                 for s in meta.stores]
+        try:
+            with self.send_lock:
+                self.messager.send(("table", self.meta.step, table))
+        except OSError:
+            self.messager_alive = False
+        self.trace("table", step=self.meta.step, tids=[s["tid"] for s in meta.stores])
+        if not self.messager_alive:
+            for store in meta.stores:
+                self.sent[store["tid"]] = "the cache messager is gone"
+
+    def _trace_blocks(self, meta, index: int, kv_layer) -> None:
+        bs = self.block_size
+        for store in meta.stores:
+            for i in range(store["start"] // bs, -(-store["end"] // bs)):
+                data = kv_layer[store["blocks"][i]].contiguous().view(torch.uint8).numpy()
+                self.trace("block", tid=store["tid"], layer=index, i=i,
+                           crc=zlib.crc32(data.tobytes()))
+
+    def end_step(self) -> None:
+        self.meta = None
+
+    def _read_messager(self) -> None:
+        while True:
+            try:
+                message = self.messager.recv()
+            except (EOFError, OSError, TypeError):
+                break
+            if message[0] in ("sent", "failed"):
+                with self.cv:
+                    self.sent[message[1]] = None if message[0] == "sent" else message[2]
+                if message[0] == "failed":
+                    logger.error("pdhal connector: transfer %s failed: %s", message[1],
+                                 message[2])
+                self.trace(message[0], tid=message[1])
+        self.messager_alive = False
+        if self.closing:
+            return
+        logger.error("pdhal connector: the cache messager of rank %d is gone: the requests it "
+                     "had not written are released, their decode side reports them failed",
+                     self.rank)
+        self.trace("error", error="messager gone")
+        with self.cv:
+            for tid in self.req_of:
+                self.sent.setdefault(tid, "the cache messager is gone")
+
+    # ---- decode: loads -------------------------------------------------------------------
+
+    def start_load(self, meta: PdhalConnectorMetadata) -> None:
+        self.step_loads = []
+        if not meta.loads:
+            return
+        timeout = float(self.extra["load_timeout_s"])
+        for spec in meta.loads:
+            load = _Load(spec["req"], spec["tid"], spec["sync"], self.num_layers,
+                         spec["blocks"], time.monotonic() + timeout)
+            with self.cv:
+                self.loads[load.req] = load
+            if load.sync:
+                self.step_loads.append(load)
+            try:
+                link = self.links.get(spec["messager"])
+                if link is None or not link.alive:
+                    link = self.links[spec["messager"]] = _MessagerLink(self, spec["messager"])
+                link.send("want", {k: spec[k] for k in ("tid", "blocks", "first_token",
+                                                        "num_tokens")})
+                self.trace("want", tid=load.tid, req=load.req)
+            except (ConnectorError, OSError) as exc:
+                self._fail(load, str(exc))
+
+    def on_message(self, link: _MessagerLink, message: tuple) -> None:
+        kind = message[0]
+        with self.cv:
+            load = next((x for x in self.loads.values() if x.tid == message[1]), None) \
+                if kind in ("landed", "failed") else None
+            if load is None:
+                return
+            if kind == "landed":
+                load.landed[message[2]] = True
+                self.trace("landed", tid=load.tid, layer=message[2])
+                if all(load.landed) and self.trace.on:
+                    self._trace_landed(load)
+            else:
+                load.error = message[2]
+            self.cv.notify_all()
+        if kind == "failed":
+            logger.error("pdhal connector: loading request %s failed: %s", load.req, message[2])
+            self.trace("load_failed", tid=load.tid, error=message[2])
+
+    def _trace_landed(self, load: _Load) -> None:
+        whole = self.buffers[0][0]
+        for layer, (off, stride, nbytes) in enumerate(self.layout):
+            for i, block in enumerate(load.blocks):
+                start = off + block * stride
+                view = whole.as_numpy(np.uint8, (whole.nbytes,))[start:start + nbytes]
+                self.trace("block", tid=load.tid, layer=layer, i=i, crc=zlib.crc32(view))
+
+    def on_link_lost(self, link: _MessagerLink, why: str) -> None:
+        with self.cv:
+            lost = [x for x in self.loads.values() if not x.done]
+        for load in lost:  # a load from a live link elsewhere is not this link's: all one link
+            self._fail(load, why)
+
+    def _fail(self, load: _Load, why: str) -> None:
+        with self.cv:
+            if load.done:
+                return
+            load.error = why
+            self.cv.notify_all()
+        logger.error("pdhal connector: loading request %s failed: %s", load.req, why)
+        self.trace("load_failed", tid=load.tid, error=why)
+
+    def wait_layer(self, layer_name: str) -> None:
+        if not self.step_loads:
+            return
+        index = self.layer_index[layer_name]
+        with self.cv:
+            for load in self.step_loads:
+                while not (load.error or load.landed[index]):
+                    left = load.deadline - time.monotonic()
+                    if left <= 0:
+                        load.error = f"layer {index} did not land within the load timeout"
+                        break
+                    self.cv.wait(left)
+                if load.error:
+                    first = 0
+                    self.load_error_blocks.update(load.blocks[first:])
+
+    def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        now = time.monotonic()
+        with self.cv:
+            for req, load in list(self.loads.items()):
+                if not load.done and now > load.deadline:
+                    load.error = (f"its KV did not fully arrive within "
+                                  f"{self.extra['load_timeout_s']} s")
+                    logger.error("pdhal connector: loading request %s failed: %s", req,
+                                 load.error)
+                    self.trace("load_failed", tid=load.tid, error=load.error)
+                if load.done:
+                    del self.loads[req]
+                    if load.sync:
+                        continue  # reported per layer, through load_errors
+                    out.finished_recving.add(req)
+                    if load.error:
+                        out.failed_recving.add(req)
+            # prefill: a finished request is released once its transfer is written or failed
+            self.finished_reqs |= finished_req_ids
+            stored = {req: tid for tid, req in self.req_of.items()}
+            for req in list(self.finished_reqs):
+                tid = stored.get(req)
+                if tid is None:
+                    self.finished_reqs.discard(req)  # never stored: nothing to wait for
+                    continue
+                if tid in self.sent:
+                    out.finished_sending.add(req)
+                    self.finished_reqs.discard(req)
+                    del self.sent[tid], self.req_of[tid]
+        return out
+
+    def load_errors(self) -> set[int]:
+        errors, self.load_error_blocks = self.load_error_blocks, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self.closing = True
+        for link in self.links.values():
+            with contextlib.suppress(OSError):
+                link.conn.close()
+        if self.messager is not None:
+            with contextlib.suppress(OSError):
+                self.messager.close()
