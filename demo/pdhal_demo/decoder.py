@@ -106,6 +106,10 @@ def run(link, setup: dict) -> None:
             return
         first_tokens[message["request"]] = message["token"]
         link.send(("inserted", {"request": message["request"]}))
+    # The check recomputes the whole prefill: start it only once the parent has timed every
+    # insertion, so that it takes no core from a measurement still in flight.
+    if link.recv()[0] == "exit":
+        return
     link.send(("verified", verify(plan, cache, first_tokens)))
     link.recv()  # ("exit", {})
     ops.host_free(buffer)

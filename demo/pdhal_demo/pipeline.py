@@ -203,6 +203,8 @@ class Pipeline:
             now = time.monotonic_ns()
             self.timeline.inserted[m["request"]] = now
             self.progress.request_arrived(m["request"], (now - self.timeline.start) / 1e9)
+            if len(self.timeline.inserted) == len(self.plan.requests):
+                self.hub.links["decoder"].send(("verify", {}))
         elif kind == "verified":
             self.verification = m
 

@@ -154,7 +154,8 @@ def format_summary(s: dict) -> str:
         f"  requests {s['requests']} ({s['prompt_tokens']} prompt tokens), layers {s['layers']},"
         f" steps {s['steps']}",
         f"  moved {s['bytes_moved'] / 2**20:.1f} MiB at {s['transfer_throughput_gib_s']:.2f} GiB/s"
-        f"; verified {s['verified_bytes'] / 2**20:.1f} MiB",
+        f" (transfers in flight {1e3 * s['transfer_busy_s']:.1f} ms); verified "
+        f"{s['verified_bytes'] / 2**20:.1f} MiB",
         f"  time to first token on decode: mean {s['ttft_ms']['mean']:.0f} ms, "
         f"p50 {s['ttft_ms']['p50']:.0f} ms, max {s['ttft_ms']['max']:.0f} ms; after a "
         f"request's prefill ended: mean {s['ttft_after_prefill_ms']['mean']:.1f} ms, max "
