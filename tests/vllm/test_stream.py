@@ -28,7 +28,7 @@ def block_crcs(events: list[dict]) -> dict[tuple, int]:
     return {(e["tid"], e["layer"], e["i"]): e["crc"] for e in events if e["kind"] == "block"}
 
 
-def check_stream(cluster, items) -> None:
+def check_stream(cluster, items, sync: bool = False) -> None:
     """Every layer's signal was posted in order and seen before its bytes were read; every
     block the prefill wrote is, byte for byte (crc32), what the messager read and what the
     decode cache holds."""
@@ -55,11 +55,12 @@ def check_stream(cluster, items) -> None:
         landed = [e["layer"] for e in decode if e["kind"] == "landed" and e["tid"] == item["tid"]]
         assert landed == list(range(LAYERS)), (item["tid"], landed)
     written, read_, held = block_crcs(prefill), block_crcs(messager), block_crcs(decode)
+    # sync: the decode side computes the last prompt token itself, so it loads one less
     blocks = {(item["tid"], layer, i) for item in items for layer in range(LAYERS)
-              for i in range(-(-len(item["tokens"]) // 32))}
-    assert set(written) == set(read_) == blocks
-    assert written == read_
-    assert {k: held[k] for k in blocks} == written
+              for i in range(-(-(len(item["tokens"]) - sync) // 32))}
+    assert set(read_) == blocks and set(written) >= blocks
+    assert read_ == {k: written[k] for k in blocks}
+    assert {k: held[k] for k in blocks} == read_
 
 
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
@@ -84,4 +85,4 @@ def test_sync_load_waits_per_layer(cluster, plain_tokens):
     prefill, decode = run_pd(cluster, items, "shm", "--load-mode", "sync")
     for item, result in zip(items, decode["results"]):
         assert result["tokens"] == plain_tokens[tuple(item["tokens"])], item["tid"]
-    check_stream(cluster, items)
+    check_stream(cluster, items, sync=True)

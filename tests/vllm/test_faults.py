@@ -1,0 +1,71 @@
+"""A dead messager or decode instance is reported, never waited on, and no request is decoded
+on a partial cache: it is failed explicitly or recomputed, as kv_load_failure_policy says."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import prompts, write_prompts
+
+from pdhal.testing.reset import remove_leftovers
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_messager_dies_mid_transfer(cluster, plain_tokens, policy):
+    """The messager exits after writing two layer-blocks (the first requests' layer 0): the
+    decode cache holds part of their KV, and the decode instance must not use it."""
+    items = prompts()
+    path = write_prompts(cluster, items)
+    cluster.start_messager(env={"PDHAL_VLLM_MESSAGER_FAULT": "exit-after-layers:2"})
+    cluster.start("decode", path, "--policy", policy, "--submitted-file",
+                  cluster.path("decode.submitted"))
+    cluster.start("prefill", path, "--wait-file", cluster.path("decode.submitted"))
+    decode = cluster.wait("decode")
+    prefill = cluster.wait("prefill")  # finishes: its held blocks are released
+    assert all(len(r["tokens"]) == 1 for r in prefill["results"])
+    assert "cache messager of rank 0 is gone" in cluster.log("prefill", 400)
+    assert cluster.procs["messager"].wait(5) == 3  # the planted exit
+
+    events = cluster.trace("decode0")
+    landed = {(e["tid"], e["layer"]) for e in events if e["kind"] == "landed"}
+    failed = {e["tid"] for e in events if e["kind"] == "load_failed"}
+    assert landed, "the fault must hit after some KV landed (a partial cache)"
+    assert failed == {item["tid"] for item in items}
+    died = next(e["t"] for e in cluster.trace("messager") if e["kind"] == "fault")
+    for item, result in zip(items, decode["results"]):
+        # reported as soon as the connection dropped, not after the 60 s load timeout
+        assert result["finished_ns"] - died < 20e9
+        if policy == "fail":
+            assert result["finish_reason"] == "error" and result["tokens"] == [], result
+        else:
+            assert result["tokens"] == plain_tokens[tuple(item["tokens"])], item["tid"]
+
+
+def test_decode_killed(cluster, namespace):
+    """The decode instance is killed after it asked for its KV: the messager reports it and
+    fails its transfers, the prefill instance is told and releases the blocks, and the
+    messager goes on serving."""
+    items = prompts()
+    path = write_prompts(cluster, items)
+    cluster.start_messager()
+    decode = cluster.start("decode", path, "--submitted-file", cluster.path("decode.submitted"))
+    cluster.wait_file("decode.submitted")
+    decode.send_signal(signal.SIGKILL)
+    decode.wait(10)
+    start = time.monotonic()
+    cluster.start("prefill", path)
+    prefill = cluster.wait("prefill")
+    assert time.monotonic() - start < 120
+    assert all(len(r["tokens"]) == 1 for r in prefill["results"])
+    failed = {e["tid"] for e in cluster.trace("prefill0") if e["kind"] == "failed"}
+    assert failed == {item["tid"] for item in items}
+    errors = [e["error"] for e in cluster.trace("messager") if e["kind"] == "error"]
+    assert any(f"decode worker (pid {decode.pid}) closed its connection" in e for e in errors)
+    assert "transfer r0-0 failed" in cluster.log("prefill", 400)
+    assert cluster.procs["messager"].poll() is None  # still serving
+    cluster.stop()
+    left = remove_leftovers(namespace)  # the killed decode's KV cache: `pdhal cleanup` does this
+    assert left and all(f".{decode.pid}." in name for name in left), left
