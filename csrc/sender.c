@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -139,10 +140,14 @@ int pdhal_sender_post(pdhal_sender *s, void *event, pdhal_store *store)
         return -EINVAL;
     }
     if (!store || store == &pdhal_noop_store) { /* an error, or nothing to report */
+        /* NULL comes from the lookup in the op's post line (pdhal_signal_store, ...): keep
+         * its reason, which a caller of the one-line form can read only here. */
+        char why[384];
+        snprintf(why, sizeof why, "%s", pdhal_last_error());
         if (s->destroy && event)
             s->destroy(event);
         return store ? 0 : pdhal_fail(EINVAL, "no store to post (the signal could not be "
-                                              "prepared)");
+                                              "prepared: %s)", why);
     }
     struct sender_entry *e = malloc(sizeof *e);
     if (!e || s->pid != getpid()) {
