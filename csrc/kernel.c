@@ -97,8 +97,14 @@ void pdhal_kernel_forget_channel(pdhal_segment *seg)
     int registered = seg->kernel_id && find(channels, seg->kernel_id) == seg;
     drop(channels, seg->kernel_id, seg);
     seg->kernel_id = 0;
+    /* A closed channel's step is over: its "next layer" would go to an unlinked file */
+    int was_current = current.seg == seg;
+    if (was_current)
+        memset(&current, 0, sizeof current);
     pthread_mutex_unlock(&lock);
     if (registered)
+        pdhal_segment_unref(seg);
+    if (was_current)
         pdhal_segment_unref(seg);
 }
 
@@ -156,8 +162,8 @@ pdhal_store *pdhal_next_chunk_layer_store(void)
     pthread_mutex_lock(&lock);
     pdhal_store *store = NULL;
     if (!current.seg) {
-        pdhal_fail(ENOENT, "no per-chunk step is current in this process (none started, or "
-                           "the last one had no prefill request)");
+        pdhal_fail(ENOENT, "no per-chunk step is current in this process (none started, "
+                           "the last one had no prefill request, or its channel was closed)");
     } else if (current.next_layer >= current.num_layers) {
         pdhal_fail(ERANGE, "step %llu has %u layers, and all were posted already",
                    (unsigned long long)current.step, current.num_layers);

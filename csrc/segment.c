@@ -574,7 +574,7 @@ void pdhal_segment_close(pdhal_segment *seg)
     if (!seg)
         return;
     registry_remove(seg);
-    if (seg->kernel_id)
+    if (seg->kernel_id || seg->ring) /* named by kernel forms, or the current chunk step */
         pdhal_kernel_forget_channel(seg);
     /* Only the creating process unlinks: a forked child dropping an inherited handle must not
      * remove its parent's segment. */
