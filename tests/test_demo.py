@@ -109,6 +109,32 @@ def test_timeline_bounds_hold_for_transfers_in_flight_together():
     assert t.causality_violations() == 1
 
 
+@pytest.mark.parametrize("transport, mode", [("shm", "both"), ("mooncake", "per_query")])
+def test_tensor_parallel_ranks_each_ship_their_heads_and_decode_verifies_every_byte(transport,
+                                                                                     mode):
+    run = demo(*SMALL, "--tp", "2", "--mode", mode, "--transport", transport, "--json")
+    assert run.returncode == 0, run.stderr
+    for s in json.loads(run.stdout):
+        assert s["ok"] and s["tp"] == 2 and s["causality_violations"] == 0
+        assert s["bytes_moved"] == s["verified_bytes"] == expected_bytes([64, 100, 200, 333], 4)
+        # each worker saw only its own device (local 0) and named its channels by its id
+        assert [(r["rank"], r["device"]) for r in s["ranks"]] == [(0, 0), (1, 1)]
+        assert [r["bytes_moved"] for r in s["ranks"]] == [s["bytes_moved"] // 2] * 2
+
+
+def test_a_slow_rank_stalls_only_itself():
+    """Rank 1's link is slow (each layer's transfer waits 100 ms): its transfers fall behind
+    its layers more and more, rank 0's keep pace with theirs (own channels, own messager)."""
+    run = demo(*SMALL, "--tp", "2", "--layers", "8", "--mode", "per_query", "--slow-rank",
+               "1:100", "--json")
+    assert run.returncode == 0, run.stderr
+    [s] = json.loads(run.stdout)
+    fast, slow = s["ranks"]
+    assert s["ok"] and slow["max_start_lag_ms"] > 300 and slow["exposed_transfer_ms"] > 300
+    assert fast["max_start_lag_ms"] < slow["max_start_lag_ms"] / 4
+    assert fast["exposed_transfer_ms"] < slow["exposed_transfer_ms"] / 4
+
+
 def test_human_output_shows_progress_and_summary():
     run = demo(*SMALL, "--mode", "per_chunk")
     assert run.returncode == 0, run.stderr
@@ -203,19 +229,38 @@ def test_block_runs_pair_only_blocks_consecutive_on_both_sides():
     assert block_runs([0, 1, 2, 5], [10, 11, 3, 4]) == [(0, 10, 2), (2, 3, 1), (5, 4, 1)]
 
 
-def test_verification_catches_one_wrong_byte():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_verification_catches_one_wrong_byte(tp):
     from pdhal_demo.decoder import TinyDecoder, reference_prefill, verify
 
     plan = make_plan(ModelConfig(layers=3), [70, 40], "per_query", "shm", cache_blocks=8,
-                     decode_steps=2, batch=2, chunk_tokens=0)
-    cache = np.zeros(plan.model.cache_shape(plan.decode_cache_blocks), np.float32)
-    first = reference_prefill(TinyDecoder(plan.model), plan, cache)
+                     decode_steps=2, batch=2, chunk_tokens=0, tp=tp)
+    cache = np.zeros((tp, *plan.model.cache_shape(plan.decode_cache_blocks, tp)), np.float32)
+    first = reference_prefill(TinyDecoder(plan.model, tp), plan, cache)
     clean = verify(plan, cache.copy(), first)
     assert not clean["bad_blocks"] and not clean["bad_tokens"]
     request = plan.requests[1]
-    cache.view(np.uint8)[2, 1, request.decode_blocks[0], 0, 5, 0] ^= 1  # one bit of layer 2's V
+    cache.view(np.uint8)[tp - 1, 2, 1, request.decode_blocks[0], 0, 5, 0] ^= 1  # layer 2's V
     bad = verify(plan, cache, first)
-    assert bad["bad_blocks"] == [{"request": 1, "layer": 2, "kv": "V"}]
+    assert bad["bad_blocks"] == [{"request": 1, "rank": tp - 1, "layer": 2, "kv": "V"}]
+
+
+def test_tensor_parallel_ranks_sum_to_the_single_rank_model():
+    """tp ranks each compute their heads and MLP units; summed in rank order they give the
+    same first tokens as one rank computing everything (and the same K/V, split by heads)."""
+    from pdhal_demo.decoder import TinyDecoder, reference_prefill
+
+    caches, tokens = {}, {}
+    for tp in (1, 2, 4):
+        plan = make_plan(ModelConfig(layers=2), [70, 40, 130], "per_chunk", "shm",
+                         cache_blocks=8, decode_steps=1, batch=3, chunk_tokens=64, tp=tp)
+        cache = np.zeros((tp, *plan.model.cache_shape(8, tp)), np.float32)
+        tokens[tp] = reference_prefill(TinyDecoder(plan.model, tp), plan, cache)
+        # [tp, layers, 2, blocks, heads/tp, ...] -> [layers, 2, blocks, heads, ...]
+        caches[tp] = np.concatenate(list(cache), axis=3)
+    assert tokens[1] == tokens[2] == tokens[4]
+    np.testing.assert_allclose(caches[2], caches[1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(caches[4], caches[1], rtol=1e-4, atol=1e-5)
 
 
 def test_decoder_started_by_hand_elsewhere_connects_with_the_printed_command():

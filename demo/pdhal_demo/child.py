@@ -1,4 +1,5 @@
-"""Entry point of the demo's child processes: `python -m pdhal_demo.child ROLE`."""
+"""Entry point of the demo's child processes: `python -m pdhal_demo.child ROLE` (worker,
+messager, decoder; with several tensor-parallel ranks, worker.R and messager.R)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ def main(role: str) -> int:
     warnings.filterwarnings("ignore", message="No ccache found")
     from pdhal_demo import decoder, messager, worker
 
-    run = {"worker": worker.run, "messager": messager.run, "decoder": decoder.run}[role]
-    if role != "messager":
+    kind = role.split(".")[0]
+    run = {"worker": worker.run, "messager": messager.run, "decoder": decoder.run}[kind]
+    if kind != "messager":
         import paddle  # noqa: F401  (first: it installs a SIGTERM handler that we replace)
     # SIGTERM from the parent unwinds normally, so pdhal removes this process's segments.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

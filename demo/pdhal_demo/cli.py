@@ -21,6 +21,14 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _slow_rank(text: str) -> dict[int, float]:
+    rank, _, ms = text.partition(":")
+    try:
+        return {int(rank): float(ms)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:MS, got {text!r}") from None
+
+
 def _prompt_lens(text: str) -> list[int]:
     import pdhal  # a per_chunk step table holds at most pdhal.MAX_REQUESTS requests
 
@@ -56,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-timeout", type=float, default=5.0, metavar="SECONDS",
                         help="Mooncake: report a transfer not complete after this (plus "
                              "100 MiB/s for its bytes): the link or the decode side is gone")
+    parser.add_argument("--tp", type=_positive, default=1,
+                        help="tensor-parallel ranks: a worker (its share of the heads) and a "
+                             "messager each, on its own device and channels; one decoder")
+    parser.add_argument("--slow-rank", type=_slow_rank, default={}, metavar="RANK:MS",
+                        help="make rank RANK's link slow: each layer's transfer waits MS ms")
     parser.add_argument("--host", default="127.0.0.1", help="Mooncake: this host's address")
     parser.add_argument("--decoder", choices=["local", "remote"], default="local",
                         help="remote: start no decoder, print the command that starts one on "
@@ -77,6 +90,14 @@ def main(args) -> int:
     from pdhal_demo.plan import make_plan
 
     model = ModelConfig(layers=args.layers)
+    try:
+        model.check_tp(args.tp)
+    except ValueError as exc:
+        print(f"pdhal demo: {exc}", file=sys.stderr)
+        return 2
+    if any(rank >= args.tp for rank in args.slow_rank):
+        print(f"pdhal demo: --slow-rank names a rank beyond --tp {args.tp}", file=sys.stderr)
+        return 2
     if args.fault == "kill-decoder" and args.decoder == "remote":
         print("pdhal demo: --fault kill-decoder kills a local decoder; kill a remote one by hand",
               file=sys.stderr)
@@ -89,19 +110,21 @@ def main(args) -> int:
                                progress=not args.json, remote_decoder=args.decoder == "remote",
                                control_host=args.control_host, shm_copy=args.shm_copy,
                                inflight=args.inflight,
-                               transfer_timeout_s=args.transfer_timeout)
+                               transfer_timeout_s=args.transfer_timeout,
+                               slow_ms=args.slow_rank)
     summaries, timelines = [], []
     try:
         for mode in MODES if args.mode == "both" else [args.mode]:
             plan = make_plan(model, args.prompt_lens, mode, args.transport, args.cache_blocks,
                              args.decode_steps, args.batch, args.chunk_tokens,
-                             args.signal_at_end)
+                             args.signal_at_end, args.tp)
             for length, why in plan.rejected:
                 print(f"pdhal demo: rejected a {length}-token prompt up front: {why}",
                       file=sys.stderr)
             if not args.json:
                 print(f"pdhal demo: {mode}, {len(plan.requests)} requests, {model.layers} "
-                      f"layers, {len(plan.steps)} steps, transport {args.transport}",
+                      f"layers, {len(plan.steps)} steps, transport {args.transport}"
+                      + (f", {args.tp} tensor-parallel ranks" if args.tp > 1 else ""),
                       file=sys.stderr)
             summary, timeline = pipeline.run(plan, options)
             summaries.append(summary)

@@ -68,11 +68,13 @@ class Hub:
         return {ADDRESS_VAR: f"{self._advertise}:{self._listener.address[1]}",
                 KEY_VAR: self._key.hex()}
 
-    def start(self, role: str, env: dict[str, str]) -> None:
-        """Launch `python -m pdhal_demo.child ROLE` with `env` and wait for it to connect."""
+    def start(self, role: str, env: dict[str, str], pass_fds=()) -> None:
+        """Launch `python -m pdhal_demo.child ROLE` with `env` (and the file descriptors
+        `pass_fds`) and wait for it to connect."""
         with open(self.log_path(role), "wb") as log:
             process = subprocess.Popen([sys.executable, "-m", "pdhal_demo.child", role],
-                                       env=env | self.child_env(), stderr=log)
+                                       env=env | self.child_env(), stderr=log,
+                                       pass_fds=pass_fds)
         self.processes[role] = process
         self.accept(role, 120.0, lambda: process.poll() is None)
 

@@ -5,6 +5,9 @@ A request is inserted as a prefilled one (seq_lens_decoder = prompt length, enco
 recomputes the prefill itself from the model's seeded weights and the same schedule, and
 compares checksums of every block it received, then runs a few decode steps on the received
 cache and on its own, which must give the same tokens.
+
+With tensor parallelism it holds one cache per rank (`[tp, ...]`, as tp decode ranks would)
+and computes every rank's part itself, summing them in the workers' order.
 """
 
 from __future__ import annotations
@@ -37,14 +40,19 @@ class DecodeSlot:
         return cls(request.id, 0, request.prompt_len, 1, first_token, request.decode_blocks)
 
 
+def shards(cache: np.ndarray) -> dict[int, np.ndarray]:
+    """{rank: that rank's cache} of a `[tp, ...]` decode cache."""
+    return {rank: cache[rank] for rank in range(cache.shape[0])}
+
+
 def decode(model: TinyDecoder, cache: np.ndarray, slots: list[DecodeSlot],
            steps: int) -> dict[int, list[int]]:
-    """Generate `steps` tokens per slot, reading and extending `cache`."""
+    """Generate `steps` tokens per slot, reading and extending `cache` (`[tp, ...]`)."""
     generated = {s.request: [s.last_token] for s in slots}
     for _ in range(steps):
         chunks = [Chunk(s.request, s.seq_lens_decoder, [s.last_token], s.block_table, True)
                   for s in slots]
-        tokens = model.forward(chunks, cache)
+        tokens = model.forward(chunks, shards(cache))
         for s in slots:
             s.seq_lens_decoder += s.seq_lens_this_time
             s.last_token = tokens[s.request]
@@ -53,30 +61,34 @@ def decode(model: TinyDecoder, cache: np.ndarray, slots: list[DecodeSlot],
 
 
 def reference_prefill(model: TinyDecoder, plan: Plan, cache: np.ndarray) -> dict[int, int]:
-    """The prefill the worker ran, step for step, into `cache` at the decode block tables."""
+    """The prefill the workers ran, step for step, into `cache` (`[tp, ...]`) at the decode
+    block tables."""
     first_tokens, prompts = {}, plan.prompts()
     for step in plan.steps:
-        first_tokens |= model.forward(plan.chunks(step, prompts, "decode"), cache)
+        first_tokens |= model.forward(plan.chunks(step, prompts, "decode"), shards(cache))
     return first_tokens
 
 
 def _checksums(cache: np.ndarray, blocks: list[int]) -> list[int]:
-    """crc32 of a request's blocks, per layer and K/V."""
-    return [zlib.crc32(np.ascontiguousarray(cache[layer, kv, blocks]).data)
-            for layer in range(cache.shape[0]) for kv in (0, 1)]
+    """crc32 of a request's blocks, per rank, layer and K/V."""
+    return [zlib.crc32(np.ascontiguousarray(cache[rank, layer, kv, blocks]).data)
+            for rank in range(cache.shape[0]) for layer in range(cache.shape[1])
+            for kv in (0, 1)]
 
 
 def verify(plan: Plan, cache: np.ndarray, first_tokens: dict[int, int]) -> dict:
     """Compare the received cache and the tokens decoded from it with a local recomputation."""
-    model = TinyDecoder(plan.model)
+    model = TinyDecoder(plan.model, plan.tp)
     reference = np.zeros_like(cache)
     reference_first = reference_prefill(model, plan, reference)
     bad_blocks, checked_bytes = [], 0
     for request in plan.requests:
         blocks = request.decode_blocks[:len(request.prefill_blocks)]  # what prefill filled
         got, want = _checksums(cache, blocks), _checksums(reference, blocks)
-        checked_bytes += cache[:, :, blocks].nbytes
-        bad_blocks += [{"request": request.id, "layer": i // 2, "kv": "KV"[i % 2]}
+        checked_bytes += cache[:, :, :, blocks].nbytes
+        layers = plan.model.layers
+        bad_blocks += [{"request": request.id, "rank": i // (2 * layers),
+                        "layer": i // 2 % layers, "kv": "KV"[i % 2]}
                        for i, (g, w) in enumerate(zip(got, want)) if g != w]
     received = decode(model, cache, [DecodeSlot.prefilled(r, first_tokens[r.id])
                                      for r in plan.requests], plan.decode_steps)
@@ -92,7 +104,7 @@ def run(link, setup: dict) -> None:
     import paddle
 
     plan = Plan.from_json(setup["plan"])
-    shape = plan.model.cache_shape(plan.decode_cache_blocks)
+    shape = (plan.tp, *plan.model.cache_shape(plan.decode_cache_blocks, plan.tp))
     buffer = ops.host_alloc(int(np.prod(shape)) * 4)
     cache = buffer.as_numpy(np.float32, shape)
     host = os.environ.get("PDHAL_DEMO_HOST", setup["host"])  # set when on another host

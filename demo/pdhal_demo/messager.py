@@ -38,7 +38,7 @@ class Shipper:
                             for layer in range(plan.model.layers)}
         self.unsubmitted = {r.id for r in plan.requests}  # whose last transfer is not submitted
         self.unfinished = {r.id for r in plan.requests}  # not yet reported fully sent
-        self.block_bytes = plan.model.block_bytes()
+        self.block_bytes = plan.model.block_bytes(plan.tp)
         self._runs: dict[tuple, tuple[list, int]] = {}  # spans -> (runs, blocks)
         if hasattr(sender, "wait"):
             self._slots = threading.BoundedSemaphore(inflight)
@@ -140,10 +140,10 @@ def _per_query(shipper: Shipper, plan: Plan, reader, base: int) -> None:
                 done[index] = max(done[index], upto)
 
 
-def _per_chunk(shipper: Shipper, rank: int) -> None:
+def _per_chunk(shipper: Shipper, rank: int, device: int) -> None:
     """Each (step, layer) record lists (slot, cached, chunk) of the requests it advanced."""
     record = np.zeros(pdhal.RECORD_WORDS, np.int32)
-    with ops.open_kv_chunk_reader(rank, 0, timeout=WAIT_TIMEOUT_S) as reader:
+    with ops.open_kv_chunk_reader(rank, device, timeout=WAIT_TIMEOUT_S) as reader:
         while shipper.unsubmitted:
             shipper.idle()  # before blocking: the parent wakes while this one sleeps
             step = reader.next(record, wait=True, timeout=WAIT_TIMEOUT_S)
@@ -154,28 +154,47 @@ def _per_chunk(shipper: Shipper, rank: int) -> None:
 
 
 def run(link, setup: dict) -> None:
+    """One rank's messager. It sees every device (FastDeploy's cache processes do) and
+    names its rank's channels by the rank and the device id the parent gives it."""
     plan = Plan.from_json(setup["plan"])
-    src_shape = plan.model.cache_shape(plan.prefill_cache_blocks)
-    dst_shape = plan.model.cache_shape(plan.decode_cache_blocks)
+    rank, device = setup["rank"], setup["device"]
+    src_shape = plan.model.cache_shape(plan.prefill_cache_blocks, plan.tp)
+    dst_shape = (plan.tp, *plan.model.cache_shape(plan.decode_cache_blocks, plan.tp))
     src = ops.share_external_data(np.empty(0, np.float32), setup["prefill_cache"], src_shape)
     if plan.transport == "shm":
-        sender = ShmSender(src, setup["decode"], dst_shape, setup.get("shm_copy", "memmove"))
+        sender = ShmSender(src, setup["decode"], dst_shape, setup.get("shm_copy", "memmove"),
+                           rank)
     else:
         sender = MooncakeSender(src, setup["decode"], dst_shape, setup["host"],
-                                setup["protocol"], setup.get("transfer_timeout_s", 5.0))
+                                setup["protocol"], setup.get("transfer_timeout_s", 5.0), rank)
+    if setup.get("slow_ms"):
+        sender = Slowed(sender, setup["slow_ms"] / 1e3)
     if plan.mode == "per_query":
         # Before "ready", so the worker (which starts only after both are ready) has not
         # begun its first step. The channel exists before the warm-up step is published in
         # it, so wait for that step rather than read what is there: (0, -1) would shift
         # every step by one.
-        reader = ops.open_kv_signal_reader(setup["rank"], 0, timeout=WAIT_TIMEOUT_S)
+        reader = ops.open_kv_signal_reader(rank, device, timeout=WAIT_TIMEOUT_S)
         base, _ = reader.wait((0, -1), timeout=WAIT_TIMEOUT_S)
     link.send(("ready", {"pid": os.getpid()}))
-    shipper = Shipper(link, plan, sender, setup["rank"], setup.get("inflight", 4))
+    shipper = Shipper(link, plan, sender, rank, setup.get("inflight", 4))
     if plan.mode == "per_query":
         _per_query(shipper, plan, reader, base)
     else:  # the ring hands over every step from the first, whenever the reader attaches
-        _per_chunk(shipper, setup["rank"])
+        _per_chunk(shipper, rank, device)
     shipper.drain()
     shipper.out.send("done", {})
     link.recv()  # ("exit", {}): stay alive until then, the worker takes an exit for a death
+
+
+class Slowed:
+    """A slow link (--slow-rank): every layer's write waits `delay_s` first, in line."""
+
+    def __init__(self, sender, delay_s: float):
+        self._sender, self._delay = sender, delay_s
+        if hasattr(sender, "wait"):
+            self.wait = sender.wait
+
+    def write(self, layer: int, runs):
+        time.sleep(self._delay)
+        return self._sender.write(layer, runs)

@@ -8,6 +8,13 @@ KV cache layout (one array for all layers): `[layers, 2 (K, V), blocks, heads, b
 head_dim]` float32, the per-layer `[blocks, heads, block_size, head_dim]` layout FastDeploy
 uses, stacked. A request owns a list of block ids (its block table); token position p lives
 in block `table[p // block_size]` at row `p % block_size`.
+
+Tensor parallelism (`tp` ranks): rank r owns heads [r * heads / tp, (r + 1) * heads / tp)
+(its columns of wq, wk, wv and rows of wo) and its slice of the MLP's hidden units (columns
+of w1, rows of w2), and its own cache holding only its heads. After attention and after the
+MLP the ranks' partial outputs are summed in rank order (an all-reduce): a worker sums what
+its peers sent, the decode side computes every rank's part itself and sums them the same
+way, so both get the same bits. With tp=1 the one partial is the whole output.
 """
 
 from __future__ import annotations
@@ -33,12 +40,18 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def cache_shape(self, blocks: int) -> tuple[int, ...]:
-        return (self.layers, 2, blocks, self.heads, self.block_size, self.head_dim)
+    def cache_shape(self, blocks: int, tp: int = 1) -> tuple[int, ...]:
+        """One rank's cache: its heads only."""
+        return (self.layers, 2, blocks, self.heads // tp, self.block_size, self.head_dim)
 
-    def block_bytes(self) -> int:
-        """Bytes of one block of one layer's K (or V)."""
-        return self.heads * self.block_size * self.head_dim * 4
+    def block_bytes(self, tp: int = 1) -> int:
+        """Bytes of one block of one layer's K (or V), in one rank's cache."""
+        return self.heads // tp * self.block_size * self.head_dim * 4
+
+    def check_tp(self, tp: int) -> None:
+        if tp < 1 or self.heads % tp or self.ffn % tp:
+            raise ValueError(f"tp must divide the model's {self.heads} heads and {self.ffn} MLP "
+                             f"units, got {tp}")
 
 
 @dataclass(frozen=True)
@@ -60,13 +73,20 @@ def prompt_tokens(config: ModelConfig, request_seed: int, length: int) -> list[i
 
 class TinyDecoder:
     """RMSNorm → attention over the paged cache → RMSNorm → MLP, `layers` times, then an
-    unembedding to the next token."""
+    unembedding to the next token.
 
-    def __init__(self, config: ModelConfig):
+    `tp` ranks split the heads and MLP units; `ranks` are the ones this process computes
+    (a prefill worker: its own; the decode side: all of them).
+    """
+
+    def __init__(self, config: ModelConfig, tp: int = 1, ranks: Sequence[int] | None = None):
         import paddle
 
+        config.check_tp(tp)
         self.paddle = paddle
         self.config = config
+        self.tp = tp
+        self.ranks = list(range(tp)) if ranks is None else list(ranks)
         rng = np.random.default_rng(config.seed)
         d, f = config.hidden, config.ffn
         # Residual branches scaled by 1/sqrt(2L) so that 32 layers do not drown the prompt in
@@ -85,6 +105,17 @@ class TinyDecoder:
             for _ in range(config.layers)
         ]
         self.unembedding = weight(d, config.vocab)
+        self.shards = [{r: self._shard(layer, r) for r in self.ranks} for layer in self.layers]
+
+    def _shard(self, w: dict, rank: int) -> dict:
+        """Rank `rank`'s slices of one layer's weights (the whole weights when tp is 1)."""
+        if self.tp == 1:
+            return w
+        cols = self.config.hidden // self.tp  # this rank's heads' columns
+        units = self.config.ffn // self.tp
+        c, u = slice(rank * cols, (rank + 1) * cols), slice(rank * units, (rank + 1) * units)
+        return {"wq": w["wq"][:, c], "wk": w["wk"][:, c], "wv": w["wv"][:, c],
+                "wo": w["wo"][c, :], "w1": w["w1"][:, u], "w2": w["w2"][u, :]}
 
     def _positions(self, start: int, count: int):
         d = self.config.hidden
@@ -104,9 +135,10 @@ class TinyDecoder:
         return np.asarray(block_table)[pos // bs], pos % bs
 
     def _attend(self, layer: int, weights, x, chunk: Chunk, cache: np.ndarray):
-        """Write this chunk's K and V into the cache, then attend over everything cached."""
+        """Write this chunk's K and V (of this rank's heads) into the rank's cache, attend
+        over everything cached; this rank's part of the attention output."""
         paddle, cfg = self.paddle, self.config
-        n, h, hd = x.shape[0], cfg.heads, cfg.head_dim
+        n, h, hd = x.shape[0], cfg.heads // self.tp, cfg.head_dim
         start, end = chunk.start, chunk.start + n
         blocks, rows = self._slots(end, chunk.block_table)
         k = paddle.matmul(x, weights["wk"]).reshape([n, h, hd])
@@ -120,25 +152,44 @@ class TinyDecoder:
         future = np.arange(end)[None, :] > np.arange(start, end)[:, None]
         scores = scores + paddle.to_tensor(np.where(future, -1e9, 0.0).astype(np.float32))
         out = paddle.matmul(paddle.nn.functional.softmax(scores, axis=-1), values)
-        return paddle.matmul(out.transpose([1, 0, 2]).reshape([n, cfg.hidden]), weights["wo"])
+        return paddle.matmul(out.transpose([1, 0, 2]).reshape([n, h * hd]), weights["wo"])
 
-    def forward(self, chunks: Sequence[Chunk], cache: np.ndarray,
-                after_layer: Callable[[int], None] | None = None) -> dict[int, int]:
-        """Run one step over `chunks`, writing their K/V into `cache` layer by layer.
+    def _mlp(self, weights, x):
+        up = self.paddle.nn.functional.silu(self.paddle.matmul(x, weights["w1"]))
+        return self.paddle.matmul(up, weights["w2"])
 
-        `after_layer(i)` runs once layer i's K/V of every chunk is in the cache (where a
-        worker posts its layer signal). Returns {request: next token} for chunks that end
-        their prompt (or decode one token).
+    def reduce_local(self, parts: dict[int, list]) -> list:
+        """Every rank's partial outputs (per chunk) computed here: their sum, in rank order."""
+        out = list(parts[0])
+        for rank in range(1, self.tp):
+            out = [a + b for a, b in zip(out, parts[rank])]
+        return out
+
+    def forward(self, chunks: Sequence[Chunk], cache,
+                after_layer: Callable[[int], None] | None = None,
+                reduce: Callable[[dict[int, list]], list] | None = None) -> dict[int, int]:
+        """Run one step over `chunks`, writing their K/V into the cache layer by layer.
+
+        `cache` is the cache (tp=1) or {rank: that rank's cache} for the ranks computed
+        here. `reduce` sums {rank: per-chunk partial outputs} into per-chunk outputs (default:
+        every rank is computed here). `after_layer(i)` runs once layer i's K/V of every chunk
+        is in the cache (where a worker posts its layer signal). Returns {request: next
+        token} for chunks that end their prompt (or decode one token).
         """
         paddle = self.paddle
+        caches = cache if isinstance(cache, dict) else {self.ranks[0]: cache}
+        reduce = reduce or self.reduce_local
         hidden = [paddle.to_tensor(self.embedding.numpy()[np.asarray(c.tokens)])
                   + self._positions(c.start, len(c.tokens)) for c in chunks]
-        for layer, weights in enumerate(self.layers):
-            for i, chunk in enumerate(chunks):
-                h = hidden[i]
-                h = h + self._attend(layer, weights, self._rms(h), chunk, cache)
-                up = paddle.nn.functional.silu(paddle.matmul(self._rms(h), weights["w1"]))
-                hidden[i] = h + paddle.matmul(up, weights["w2"])
+        for layer, shards in enumerate(self.shards):
+            normed = [self._rms(h) for h in hidden]
+            attended = reduce({r: [self._attend(layer, w, x, chunk, caches[r])
+                                   for x, chunk in zip(normed, chunks)]
+                               for r, w in shards.items()})
+            hidden = [h + a for h, a in zip(hidden, attended)]
+            normed = [self._rms(h) for h in hidden]
+            mixed = reduce({r: [self._mlp(w, x) for x in normed] for r, w in shards.items()})
+            hidden = [h + m for h, m in zip(hidden, mixed)]
             if after_layer is not None:
                 after_layer(layer)
         tokens = {}

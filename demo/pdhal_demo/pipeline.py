@@ -8,10 +8,11 @@ sent its last block and the worker has produced its first token.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 import pdhal
@@ -37,6 +38,7 @@ class Options:
     shm_copy: str = "memmove"  # shm: "memmove" per run, or one pdhal.ops.copy_blocks per layer
     inflight: int = 4  # Mooncake: layers in flight at once
     transfer_timeout_s: float = 5.0  # Mooncake: a transfer not done by then is reported
+    slow_ms: dict[int, float] = field(default_factory=dict)  # rank -> a slow link's delay
 
 
 class Progress:
@@ -77,9 +79,14 @@ class Progress:
             print(self.line(self.plan.request(request_id)), file=sys.stderr, flush=True)
 
 
-def _child_env(namespace: str) -> dict[str, str]:
+def _child_env(namespace: str, device, isolate: bool = True, devices: int = 1) -> dict[str, str]:
+    """A child's environment on physical device `device`: seeing only it (a worker) or every
+    device (a messager, as FastDeploy's cache processes do)."""
     platform = pdhal.current_platform()
-    env = platform.child_env([platform.physical_device_id(0)])
+    base = dict(os.environ)
+    if platform.name == "cpu" and platform.device_count() < devices:
+        base["PDHAL_CPU_DEVICE_COUNT"] = str(devices)  # logical devices stand in for chips
+    env = platform.child_env([device], base, isolate=isolate)
     # One math thread per process: the processes share the cores, and identical threading
     # is what makes the decode side's recomputation bit-identical to the worker's.
     env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PDHAL_NAMESPACE": namespace,
@@ -96,13 +103,18 @@ class Pipeline:
         self.timeline = Timeline()
         self.progress = Progress(plan, options.progress)
         self.first_token: dict[int, int] = {}
-        self.sent: set[int] = set()  # requests whose last block the messager has sent
+        self.sent: dict[int, set[int]] = {}  # request -> ranks that sent its last block
+        self.devices: dict[int, int] = {}  # rank -> the device id its channels are named by
         self.verification: dict | None = None
         self.finished: set[str] = set()
         self.killed_at: int | None = None  # ns, from the worker's "fault" event
         self.victim: str | None = None
         # A namespace of its own inside the caller's, so runs never meet each other's segments.
         self.namespace = f"{pdhal.namespace()}-demo{os.getpid()}-{plan.mode}"
+
+    def role(self, kind: str, rank: int) -> str:
+        """A process's name: "worker", "messager" with one rank; "worker.1" with several."""
+        return kind if self.plan.tp == 1 else f"{kind}.{rank}"
 
     # -- start-up ----------------------------------------------------------------------
 
@@ -112,7 +124,7 @@ class Pipeline:
             raise DemoError(f"the {role} did not report {kind!r} within {timeout:.0f} s")
         try:
             got, payload = link.recv()
-        except EOFError:
+        except (EOFError, OSError):
             raise DemoError(f"the {role} exited ({self._exit_status(role)}) before "
                             f"{kind!r}") from None
         if got == "error":
@@ -132,29 +144,51 @@ class Pipeline:
         return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
     def start(self) -> None:
-        env = _child_env(self.namespace)
-        common = {"plan": self.plan.to_json(), "rank": 0, "host": self.options.host,
+        platform, tp = pdhal.current_platform(), self.plan.tp
+        physical = [platform.physical_device_id(rank) for rank in range(tp)]
+        common = {"plan": self.plan.to_json(), "host": self.options.host,
                   "protocol": self.options.protocol, "shm_copy": self.options.shm_copy,
                   "inflight": self.options.inflight,
                   "transfer_timeout_s": self.options.transfer_timeout_s}
         if self.options.remote_decoder:
             self._await_remote_decoder()
         else:
-            self.hub.start("decoder", env)
-        self.hub.links["decoder"].send(common | {"cache_name": "decode_cache"})
+            self.hub.start("decoder", _child_env(self.namespace, physical[0], devices=tp))
+        self.hub.links["decoder"].send(common | {"rank": 0, "cache_name": "decode_cache"})
         decode = self._expect("decoder", "ready")
-        self.hub.start("worker", env)
-        self.hub.links["worker"].send(common | {"cache_name": "prefill_cache",
-                                                "fault": self.options.fault})
-        self._expect("worker", "ready")
-        self.hub.start("messager", env)
-        self.hub.links["messager"].send(common | {"prefill_cache": "prefill_cache",
-                                                  "decode": decode})
-        messager = self._expect("messager", "ready")
+        # The workers' all-reduce: a socketpair between every two ranks.
+        pairs = {(a, b): socket.socketpair() for a in range(tp) for b in range(a + 1, tp)}
+        ends = {rank: {} for rank in range(tp)}
+        for (a, b), (sa, sb) in pairs.items():
+            ends[a][b], ends[b][a] = sa.fileno(), sb.fileno()
+        try:
+            for rank in range(tp):
+                role = self.role("worker", rank)
+                self.hub.start(role, _child_env(self.namespace, physical[rank], devices=tp),
+                               pass_fds=list(ends[rank].values()))
+                self.hub.links[role].send(common | {
+                    "rank": rank, "cache_name": f"prefill_cache.{rank}",
+                    "fault": self.options.fault, "tp_fds": ends[rank]})
+                self.devices[rank] = self._expect(role, "ready")["device"]
+        finally:
+            for sa, sb in pairs.values():  # the workers hold their ends now
+                sa.close()
+                sb.close()
+        pids = {}
+        for rank in range(tp):
+            role = self.role("messager", rank)
+            self.hub.start(role, _child_env(self.namespace, physical[rank], isolate=False,
+                                            devices=tp))
+            self.hub.links[role].send(common | {
+                "rank": rank, "device": self.devices[rank],
+                "prefill_cache": f"prefill_cache.{rank}", "decode": decode,
+                "slow_ms": self.options.slow_ms.get(rank, 0)})
+            pids[rank] = self._expect(role, "ready")["pid"]
         self.timeline.start = time.monotonic_ns()
         decoder = self.hub.processes.get("decoder")  # None: it runs on another host
-        self.hub.links["worker"].send(("go", {"messager_pid": messager["pid"],
-                                              "decoder_pid": decoder and decoder.pid}))
+        for rank in range(tp):
+            self.hub.links[self.role("worker", rank)].send(
+                ("go", {"messager_pid": pids[rank], "decoder_pid": decoder and decoder.pid}))
 
     def _await_remote_decoder(self) -> None:
         env = self.hub.child_env() | {"PDHAL_NAMESPACE": self.namespace,
@@ -174,29 +208,29 @@ class Pipeline:
             self.timeline.step_start[m["rank"], m["step"]] = m["start"]
         elif kind == "layer":
             self.timeline.layer_end[m["rank"], m["step"], m["layer"]] = m["end"]
-            for c in self.plan.steps[m["index"]]:
-                self.progress.computed[c.request] = (c.start + c.length, m["layer"] + 1)
+            if m["rank"] == 0:
+                for c in self.plan.steps[m["index"]]:
+                    self.progress.computed[c.request] = (c.start + c.length, m["layer"] + 1)
         elif kind == "fault":
-            self.killed_at, self.victim = m["at"], m["victim"]
+            self.killed_at = m["at"]
+            self.victim = "decoder" if m["victim"] == "decoder" else self.role(m["victim"], 0)
         elif kind == "first_token":
-            self.first_token[m["request"]] = m["token"]
+            token = self.first_token.setdefault(m["request"], m["token"])
+            if token != m["token"]:  # every rank holds the whole hidden state: same token
+                raise DemoError(f"rank {m['rank']}'s first token of request {m['request']} is "
+                                f"{m['token']}, another rank's {token}")
             self._maybe_hand_over(m["request"])
-        elif kind == "done":
-            self.finished.add("worker")
 
     def _on_messager(self, kind: str, m: dict) -> None:
         if kind == "xfer":
             self.timeline.transfers.append(m)
             # The worker's "step" comes on another connection and may not be read yet.
             index = self.timeline.step_index.get((m["rank"], m["step"]))
-            for c in self.plan.steps[index] if index is not None else []:
+            for c in self.plan.steps[index] if index is not None and m["rank"] == 0 else []:
                 self.progress.sent[c.request] = (c.start + c.length, m["layer"] + 1)
         elif kind == "sent":
-            self.sent.add(m["request"])
+            self.sent.setdefault(m["request"], set()).add(m["rank"])
             self._maybe_hand_over(m["request"])
-        elif kind == "done":
-            self.finished.add("messager")
-            self.hub.links["worker"].send(("exit", {}))
 
     def _on_decoder(self, kind: str, m: dict) -> None:
         if kind == "inserted":  # timed here: the decoder's clock may be another host's
@@ -209,7 +243,8 @@ class Pipeline:
             self.verification = m
 
     def _maybe_hand_over(self, request: int) -> None:
-        if request in self.first_token and request in self.sent:
+        """Once every rank sent the request's last block and its first token is known."""
+        if request in self.first_token and len(self.sent.get(request, ())) == self.plan.tp:
             self.hub.links["decoder"].send(("request", {"request": request,
                                                         "token": self.first_token[request]}))
 
@@ -250,8 +285,9 @@ class Pipeline:
     def run(self) -> dict:
         try:
             self.start()
-            handlers = {"worker": self._on_worker, "messager": self._on_messager,
-                        "decoder": self._on_decoder}
+            handlers = {role: {"worker": self._on_worker, "messager": self._on_messager,
+                               "decoder": self._on_decoder}[role.split(".")[0]]
+                        for role in self.hub.links}
             roles = {id(link): role for role, link in self.hub.links.items()}
             open_links = list(self.hub.links.values())
             while self.verification is None:
@@ -269,6 +305,10 @@ class Pipeline:
                         continue
                     if kind == "error":
                         self._failed(role, message)
+                    if kind == "done":
+                        self.finished.add(role)
+                        if role.startswith("messager"):  # its worker may go now
+                            self.hub.links[role.replace("messager", "worker")].send(("exit", {}))
                     for kind, message in message if kind == "events" else [(kind, message)]:
                         handlers[role](kind, message)
                 self.progress.update()
@@ -282,7 +322,7 @@ class Pipeline:
             self.hub.stop(grace=10.0)
             # A process killed outright (the fault demos) leaves its segments: reclaim them.
             pdhal.cleanup(self.namespace)
-        return summarize(self.timeline, self.plan, self.verification)
+        return summarize(self.timeline, self.plan, self.verification, self.devices)
 
 
 def run(plan: Plan, options: Options) -> tuple[dict, Timeline]:

@@ -39,6 +39,7 @@ class Plan:
     steps: list[list[ChunkPlan]]  # the chunks each prefill step computes
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (prompt_len, why)
     signal_at_end: bool = False  # baseline: post every layer only after the forward pass
+    tp: int = 1  # tensor-parallel ranks: a worker and a messager each, one decode receiver
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -77,7 +78,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 def make_plan(model: ModelConfig, prompt_lens: list[int], mode: str, transport: str,
               cache_blocks: int, decode_steps: int, batch: int, chunk_tokens: int,
-              signal_at_end: bool = False) -> Plan:
+              signal_at_end: bool = False, tp: int = 1) -> Plan:
     """Allocate blocks and schedule steps; prompts that cannot fit are rejected, not run.
 
     per_query: up to `batch` whole prompts per step. per_chunk: each step takes at most
@@ -85,6 +86,7 @@ def make_plan(model: ModelConfig, prompt_lens: list[int], mode: str, transport: 
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    model.check_tp(tp)
     bs = model.block_size
     requests: list[Request] = []
     rejected: list[tuple[int, str]] = []
@@ -131,4 +133,4 @@ def make_plan(model: ModelConfig, prompt_lens: list[int], mode: str, transport: 
             pending = [item for item in pending if item[1] < item[2]]
             steps.append(step)
     return Plan(model, mode, transport, cache_blocks, cache_blocks, decode_steps, requests,
-                steps, rejected, signal_at_end)
+                steps, rejected, signal_at_end, tp)

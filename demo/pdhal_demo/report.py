@@ -87,6 +87,10 @@ class Timeline:
         """Transfers that seem to start before their layer ended (0 unless a clock is off)."""
         return sum(x["start"] < self._layer_end_of(x) for x in self.transfers)
 
+    def start_lag(self, rank: int | None = None) -> int:
+        """The longest a transfer (of `rank`) waited after its layer ended before it began."""
+        return max(x["start"] - self._layer_end_of(x) for x in self._by_start(rank))
+
     def exposed_transfer(self, rank: int | None = None) -> int:
         last_layer = max(end for (r, _, _), end in self.layer_end.items()
                          if rank is None or r == rank)
@@ -108,7 +112,19 @@ def _ms(ns: float) -> float:
     return ns / 1e6
 
 
-def summarize(timeline: Timeline, plan, verification: dict) -> dict:
+def _rank(timeline: Timeline, rank: int, device) -> dict:
+    busy = timeline.busy(rank)
+    moved = sum(x["bytes"] for x in timeline.transfers if x.get("rank", 0) == rank)
+    return {"rank": rank, "device": device, "bytes_moved": moved,
+            "transfer_busy_s": busy / NS,
+            "transfer_throughput_gib_s": moved / (busy / NS) / 2**30 if busy else 0.0,
+            "exposed_transfer_ms": _ms(timeline.exposed_transfer(rank)),
+            "max_start_lag_ms": _ms(timeline.start_lag(rank)),
+            "overlap_efficiency": timeline.overlap_efficiency(rank)}
+
+
+def summarize(timeline: Timeline, plan, verification: dict,
+              devices: dict[int, int] | None = None) -> dict:
     bytes_moved = sum(x["bytes"] for x in timeline.transfers)
     busy = timeline.busy()
     ttft = [t - timeline.start for t in timeline.inserted.values()]
@@ -124,6 +140,9 @@ def summarize(timeline: Timeline, plan, verification: dict) -> dict:
         "rejected": [{"prompt_len": n, "why": why} for n, why in plan.rejected],
         "layers": plan.model.layers,
         "steps": len(plan.steps),
+        "tp": plan.tp,
+        # per rank: its transfers alone (a slow rank shows here, and only in its own row)
+        "ranks": [_rank(timeline, rank, (devices or {}).get(rank)) for rank in range(plan.tp)],
         "prompt_tokens": sum(r.prompt_len for r in plan.requests),
         "bytes_moved": bytes_moved,
         "transfer_busy_s": busy / NS,
@@ -164,10 +183,17 @@ def format_summary(s: dict) -> str:
         f"({s['exposed_transfer_ms']:.1f} ms after the last layer), "
         f"overlap efficiency {s['overlap_efficiency']:.3f}",
     ]
+    if s["tp"] > 1:
+        for r in s["ranks"]:
+            lines.append(f"  rank {r['rank']} (device {r['device']}): {r['bytes_moved'] / 2**20:.1f} "
+                         f"MiB at {r['transfer_throughput_gib_s']:.2f} GiB/s, exposed transfer "
+                         f"{r['exposed_transfer_ms']:.1f} ms, longest wait before a transfer "
+                         f"{r['max_start_lag_ms']:.1f} ms")
     for r in s["rejected"]:
         lines.append(f"  rejected a {r['prompt_len']}-token prompt: {r['why']}")
     for bad in s["bad_blocks"][:5]:
-        lines.append(f"  bad block: request {bad['request']} layer {bad['layer']} {bad['kv']}")
+        lines.append(f"  bad block: request {bad['request']} rank {bad['rank']} layer "
+                     f"{bad['layer']} {bad['kv']}")
     for bad in s["bad_tokens"][:5]:
         lines.append(f"  bad tokens: request {bad['request']}: {bad['got']} != "
                      f"{bad['expected']}")

@@ -3,7 +3,8 @@
 Both move runs of consecutive blocks, one layer at a time: `write(layer, runs)` copies, for
 K and V, blocks [src, src + count) of the prefill cache to [dst, dst + count) of the decode
 cache. The decode side opens its end with `DecodeEndpoint` and hands the messager the
-`describe()` dict it needs to connect.
+`describe()` dict it needs to connect. With tensor parallelism the decode side holds one
+cache per rank, in one buffer `[tp, ...]`; rank r's messager writes into cache r only.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ SHM_COPIES = ("memmove", "copy_blocks")
 
 
 class ShmSender:
-    """Copies blocks straight into the decode cache, mapped with share_external_data.
+    """Copies blocks straight into the decode cache (rank `rank`'s, of the `[tp, ...]`
+    buffer `dst_shape` describes), mapped with share_external_data.
 
     `copy` "memmove": one ctypes.memmove per run of consecutive blocks (a few runs per layer:
     the messager already coalesced them). "copy_blocks": one pdhal.ops.copy_blocks per layer
@@ -94,13 +96,13 @@ class ShmSender:
     """
 
     def __init__(self, src: np.ndarray, decode: dict, dst_shape: tuple[int, ...],
-                 copy: str = "memmove"):
+                 copy: str = "memmove", rank: int = 0):
         if copy not in SHM_COPIES:
             raise DemoError(f"shm copy must be one of {SHM_COPIES}, got {copy!r}")
         self.src = src
-        self.dst = ops.share_external_data(src, decode["name"], dst_shape)
+        self.dst = ops.share_external_data(src, decode["name"], dst_shape)[rank]
         self._block = int(np.prod(src.shape[3:])) * src.itemsize
-        self._src_blocks, self._dst_blocks = src.shape[2], dst_shape[2]
+        self._src_blocks, self._dst_blocks = src.shape[2], self.dst.shape[2]
         self._src_row = self._src_blocks * self._block  # bytes of one layer's K (or V)
         self._dst_row = self._dst_blocks * self._block
         self.write = self._memmove if copy == "memmove" else self._copy_blocks
@@ -150,15 +152,16 @@ class MooncakeSender:
     POLL_S = (50e-6, 500e-6)  # the first sleep between status checks, and the longest
 
     def __init__(self, src: np.ndarray, decode: dict, dst_shape: tuple[int, ...], host: str,
-                 protocol: str, timeout_s: float = 5.0):
+                 protocol: str, timeout_s: float = 5.0, rank: int = 0):
         self._engine = MooncakeEngine(host, protocol)
         self._submit = self._engine.engine.transfer_submit_write
         self._status = self._engine.engine.transfer_check_status
         self._src_base = ops.get_peer_mem_addr(src)
         self._engine.register(self._src_base, src.nbytes)
         self._target = decode["session"]
-        self._dst_base = decode["address"]
-        self._src_blocks, self._dst_blocks = src.shape[2], dst_shape[2]
+        shard = int(np.prod(dst_shape[1:])) * src.itemsize  # one rank's decode cache
+        self._dst_base = decode["address"] + rank * shard
+        self._src_blocks, self._dst_blocks = src.shape[2], dst_shape[3]
         self._block = int(np.prod(src.shape[3:])) * src.itemsize
         self._timeout_ns = int(timeout_s * 1e9)
         self._connect()
