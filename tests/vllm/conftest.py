@@ -68,7 +68,7 @@ class Cluster:
         log = open(self.path("messager.log"), "w")
         proc = subprocess.Popen(
             [PY, "-u", "-m", "pdhal_vllm.messager", "--listen", "127.0.0.1:0",
-             "--trace", self.path("trace.messager.jsonl"), *extra],
+             "--trace", self.path("trace.messager.jsonl"), "--trace-blocks", *extra],
             env=dict(self.env, **(env or {})), stdout=subprocess.PIPE, stderr=log, text=True)
         self.procs["messager"] = proc
         line = proc.stdout.readline()
@@ -82,7 +82,8 @@ class Cluster:
                 "--prompts", prompt_file, "--out", self.path(f"{role}.json"),
                 "--max-tokens", str(MAX_TOKENS), "--timeout", "150", *extra]
         if role != "plain":
-            args += ["--messager", self.messager_address, "--trace", self.path("trace")]
+            args += ["--messager", self.messager_address, "--trace", self.path("trace"),
+                     "--trace-blocks"]
         proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.procs[role] = proc
         return proc

@@ -336,6 +336,8 @@ class _Worker:
         except Exception:  # noqa: BLE001 - not initialised: a single-rank engine
             self.rank = 0
         self.trace = Tracer(self._trace_path())
+        #: tests: crc32 of every block where it is written and where it lands (costly)
+        self.trace_blocks = self.trace.on and bool(self.extra.get("trace_blocks"))
         self.key = auth_key(self.extra.get("auth_key"))
         self.buffers: list = []  # (host buffer, tensor) of the KV cache allocation
         self.layer_index: dict[str, int] = {}
@@ -456,7 +458,7 @@ class _Worker:
         index = self.layer_index[layer_name]
         if self.meta is None:
             self._open_step(meta)
-        if self.trace.on:
+        if self.trace_blocks:
             self._trace_blocks(meta, index, kv_layer)
         posted = time.monotonic_ns()
         ops.signal_layer_ready(ops.init_signal_layerwise(self.meta, index))
@@ -551,7 +553,7 @@ class _Worker:
             if kind == "landed":
                 load.landed[message[2]] = True
                 self.trace("landed", tid=load.tid, layer=message[2])
-                if all(load.landed) and self.trace.on:
+                if all(load.landed) and self.trace_blocks:
                     self._trace_landed(load)
             else:
                 load.error = message[2]

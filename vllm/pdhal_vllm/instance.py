@@ -35,6 +35,7 @@ def kv_transfer_config(args) -> dict | None:
         extra["messager"] = args.messager
     if args.trace:
         extra["trace"] = args.trace
+        extra["trace_blocks"] = args.trace_blocks
     if args.mooncake_host:
         extra["mooncake_host"] = args.mooncake_host
     return {"kv_connector": "PdhalConnector", "kv_role": role,
@@ -158,7 +159,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--trace", default=None)
+    parser.add_argument("--trace", default=None, help="JSON-lines events to PREFIX.ROLE.jsonl")
+    parser.add_argument("--trace-blocks", action="store_true",
+                        help="with --trace: crc32 of every block (tests; costly)")
     parser.add_argument("--ready-file", help="touched once the engine is up")
     parser.add_argument("--wait-file", help="submit the prompts once this file exists")
     parser.add_argument("--wait-timeout", type=float, default=120.0)

@@ -86,11 +86,12 @@ class Transfer:
 
 class Messager:
     def __init__(self, listen: str, rank: int, key: bytes, host: str, protocol: str,
-                 claim_timeout: float, trace: str | None):
+                 claim_timeout: float, trace: str | None, trace_blocks: bool = False):
         self.rank = rank
         self.host, self.protocol = host, protocol
         self.claim_timeout = claim_timeout
         self.trace = Tracer(trace)
+        self.trace_blocks = bool(trace) and trace_blocks
         self.events: queue.Queue = queue.Queue()
         self.prefill: Peer | None = None
         self.src = None  # the prefill cache, mapped
@@ -330,7 +331,7 @@ class Messager:
                                   d_off + want["blocks"][i] * d_stride, nbytes)
                                  for i in range(start, end)])
                 self.trace("read", tid=transfer.tid, layer=layer, first=start, end=end)
-                if self.trace.on:
+                if self.trace_blocks:
                     for i in range(start, end):
                         src = self.src_base + p_off + transfer.src_blocks[i] * p_stride
                         self.trace("block", tid=transfer.tid, layer=layer, i=i,
@@ -408,12 +409,14 @@ def main(argv=None) -> int:
     parser.add_argument("--claim-timeout", type=float, default=120.0,
                         help="seconds a transfer may wait for its other side")
     parser.add_argument("--trace", default=None, help="append JSON-lines events to this file")
+    parser.add_argument("--trace-blocks", action="store_true",
+                        help="with --trace: crc32 of every block read (tests; costly)")
     parser.add_argument("--auth-key", default=None, help="hex key (default: $PDHAL_VLLM_KEY)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: pdhal cleans up
     try:
         messager = Messager(args.listen, args.rank, auth_key(args.auth_key), args.host,
-                            args.protocol, args.claim_timeout, args.trace)
+                            args.protocol, args.claim_timeout, args.trace, args.trace_blocks)
     except (ConnectorError, OSError, socket.error) as exc:
         print(f"pdhal-vllm messager: {exc}", file=sys.stderr)
         return 1
