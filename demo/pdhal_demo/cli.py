@@ -48,8 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=_positive, default=32)
     parser.add_argument("--prompt-lens", type=_prompt_lens, default=DEFAULT_PROMPTS,
                         help="comma-separated prompt lengths, one request each")
+    parser.add_argument("--requests", type=_positive,
+                        help="run this many requests, the prompt lengths taken in turn "
+                             "(blocks and batch slots are recycled as requests finish)")
     parser.add_argument("--cache-blocks", type=_positive, default=64,
                         help="blocks of 64 tokens in each side's KV cache")
+    parser.add_argument("--max-batch", type=_positive, default=64,
+                        help="per_chunk: batch slots of a step table (requests in flight)")
     parser.add_argument("--batch", type=_positive, default=4, help="per_query: prompts per step")
     parser.add_argument("--chunk-tokens", type=_positive, default=512,
                         help="per_chunk: tokens per step (long prompts are split)")
@@ -95,6 +100,14 @@ def main(args) -> int:
     except ValueError as exc:
         print(f"pdhal demo: {exc}", file=sys.stderr)
         return 2
+    import pdhal
+
+    if args.max_batch > pdhal.MAX_REQUESTS:
+        print(f"pdhal demo: --max-batch is at most {pdhal.MAX_REQUESTS}", file=sys.stderr)
+        return 2
+    prompt_lens = args.prompt_lens
+    if args.requests:
+        prompt_lens = [prompt_lens[i % len(prompt_lens)] for i in range(args.requests)]
     if any(rank >= args.tp for rank in args.slow_rank):
         print(f"pdhal demo: --slow-rank names a rank beyond --tp {args.tp}", file=sys.stderr)
         return 2
@@ -115,9 +128,9 @@ def main(args) -> int:
     summaries, timelines = [], []
     try:
         for mode in MODES if args.mode == "both" else [args.mode]:
-            plan = make_plan(model, args.prompt_lens, mode, args.transport, args.cache_blocks,
+            plan = make_plan(model, prompt_lens, mode, args.transport, args.cache_blocks,
                              args.decode_steps, args.batch, args.chunk_tokens,
-                             args.signal_at_end, args.tp)
+                             args.signal_at_end, args.tp, args.max_batch)
             for length, why in plan.rejected:
                 print(f"pdhal demo: rejected a {length}-token prompt up front: {why}",
                       file=sys.stderr)

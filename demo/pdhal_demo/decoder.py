@@ -69,38 +69,79 @@ def reference_prefill(model: TinyDecoder, plan: Plan, cache: np.ndarray) -> dict
     return first_tokens
 
 
-def _checksums(cache: np.ndarray, blocks: list[int]) -> list[int]:
-    """crc32 of a request's blocks, per rank, layer and K/V."""
-    return [zlib.crc32(np.ascontiguousarray(cache[rank, layer, kv, blocks]).data)
-            for rank in range(cache.shape[0]) for layer in range(cache.shape[1])
-            for kv in (0, 1)]
+def _checksums(cache: np.ndarray, blocks: list[int], tokens: int) -> list[int]:
+    """crc32 of the rows of a request's `tokens` prompt tokens in its blocks, per rank,
+    layer and K/V. (The rest of its last block is whatever the block held before: blocks are
+    recycled, and an engine writes only the rows of tokens.)"""
+    full, tail = divmod(tokens, cache.shape[5])
+    out = []
+    for rank in range(cache.shape[0]):
+        for layer in range(cache.shape[1]):
+            for kv in (0, 1):
+                crc = zlib.crc32(np.ascontiguousarray(cache[rank, layer, kv, blocks[:full]]).data)
+                if tail:
+                    part = cache[rank, layer, kv, blocks[full], :, :tail]
+                    crc = zlib.crc32(np.ascontiguousarray(part).data, crc)
+                out.append(crc)
+    return out
+
+
+class Checker:
+    """Checks requests one at a time against a recomputation of each request's chunks in the
+    order the workers computed them (a request's K/V depend on its own chunks only): every
+    received block's checksum, then a few decode steps on the received cache and on the
+    recomputed one, which must give the same tokens."""
+
+    def __init__(self, plan: Plan, cache: np.ndarray):
+        self.plan, self.cache = plan, cache
+        self.model = TinyDecoder(plan.model, plan.tp)
+        self.reference = np.zeros_like(cache)  # scratch: each request's own blocks only
+        self.prompts = plan.prompts()
+        self.checked_bytes, self.bad_blocks, self.bad_tokens, self.tokens = 0, [], [], {}
+
+    def check(self, request_id: int, first_token: int) -> None:
+        plan, request, layers = self.plan, self.plan.request(request_id), self.plan.model.layers
+        reference_first = None
+        for c in plan.chunks_of(request_id):
+            reference_first = self.model.forward(plan.chunks([c], self.prompts, "decode"),
+                                                 shards(self.reference)).get(request_id)
+        blocks = request.decode_blocks[:len(request.prefill_blocks)]  # what prefill filled
+        got = _checksums(self.cache, blocks, request.prompt_len)
+        want = _checksums(self.reference, blocks, request.prompt_len)
+        # K and V of every prompt token, every layer, every rank's heads
+        self.checked_bytes += 2 * layers * request.prompt_len * (
+            plan.model.block_bytes() // plan.model.block_size)
+        self.bad_blocks += [{"request": request_id, "rank": i // (2 * layers),
+                             "layer": i // 2 % layers, "kv": "KV"[i % 2]}
+                            for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        received = decode(self.model, self.cache, [DecodeSlot.prefilled(request, first_token)],
+                          plan.decode_steps)[request_id]
+        expected = decode(self.model, self.reference,
+                          [DecodeSlot.prefilled(request, reference_first)],
+                          plan.decode_steps)[request_id]
+        if received != expected:
+            self.bad_tokens.append({"request": request_id, "got": received,
+                                    "expected": expected})
+        self.tokens[request_id] = received
+
+    def result(self) -> dict:
+        return {"checked_bytes": self.checked_bytes, "bad_blocks": self.bad_blocks,
+                "bad_tokens": self.bad_tokens, "tokens": self.tokens}
 
 
 def verify(plan: Plan, cache: np.ndarray, first_tokens: dict[int, int]) -> dict:
-    """Compare the received cache and the tokens decoded from it with a local recomputation."""
-    model = TinyDecoder(plan.model, plan.tp)
-    reference = np.zeros_like(cache)
-    reference_first = reference_prefill(model, plan, reference)
-    bad_blocks, checked_bytes = [], 0
+    """Check every request of `plan` in the received `cache` (see Checker)."""
+    checker = Checker(plan, cache)
     for request in plan.requests:
-        blocks = request.decode_blocks[:len(request.prefill_blocks)]  # what prefill filled
-        got, want = _checksums(cache, blocks), _checksums(reference, blocks)
-        checked_bytes += cache[:, :, :, blocks].nbytes
-        layers = plan.model.layers
-        bad_blocks += [{"request": request.id, "rank": i // (2 * layers),
-                        "layer": i // 2 % layers, "kv": "KV"[i % 2]}
-                       for i, (g, w) in enumerate(zip(got, want)) if g != w]
-    received = decode(model, cache, [DecodeSlot.prefilled(r, first_tokens[r.id])
-                                     for r in plan.requests], plan.decode_steps)
-    expected = decode(model, reference, [DecodeSlot.prefilled(r, reference_first[r.id])
-                                         for r in plan.requests], plan.decode_steps)
-    bad_tokens = [{"request": r, "got": received[r], "expected": expected[r]}
-                  for r in expected if received[r] != expected[r]]
-    return {"checked_bytes": checked_bytes, "bad_blocks": bad_blocks, "bad_tokens": bad_tokens,
-            "tokens": {r: received[r] for r in received}}
+        checker.check(request.id, first_tokens[request.id])
+    return checker.result()
 
 
 def run(link, setup: dict) -> None:
+    """Insert each request as it comes. When blocks are recycled, check each request at once
+    and release its blocks (the messager may then reuse them); otherwise check them all once
+    the parent has timed every insertion, so the recomputation takes no core from a
+    measurement still in flight."""
     import paddle
 
     plan = Plan.from_json(setup["plan"])
@@ -111,17 +152,23 @@ def run(link, setup: dict) -> None:
     endpoint = DecodeEndpoint(plan.transport, paddle.from_dlpack(cache), setup["cache_name"],
                               host, setup["protocol"])
     link.send(("ready", endpoint.describe()))
+    checker, recycles = Checker(plan, cache), plan.recycles
     first_tokens = {}
     while len(first_tokens) < len(plan.requests):
         kind, message = link.recv()  # ("request", ...): its blocks and first token are here
         if kind == "exit":  # the run failed elsewhere
             return
-        first_tokens[message["request"]] = message["token"]
-        link.send(("inserted", {"request": message["request"]}))
-    # The check recomputes the whole prefill: start it only once the parent has timed every
-    # insertion, so that it takes no core from a measurement still in flight.
-    if link.recv()[0] == "exit":
+        request = message["request"]
+        first_tokens[request] = message["token"]
+        link.send(("inserted", {"request": request}))
+        if recycles:
+            checker.check(request, message["token"])
+            link.send(("released", {"request": request}))
+    if link.recv()[0] == "exit":  # ("verify", {}): every insertion is timed
         return
-    link.send(("verified", verify(plan, cache, first_tokens)))
+    if not recycles:
+        for request in plan.requests:
+            checker.check(request.id, first_tokens[request.id])
+    link.send(("verified", checker.result()))
     link.recv()  # ("exit", {})
     ops.host_free(buffer)

@@ -40,6 +40,9 @@ class Shipper:
         self.unfinished = {r.id for r in plan.requests}  # not yet reported fully sent
         self.block_bytes = plan.model.block_bytes(plan.tp)
         self._runs: dict[tuple, tuple[list, int]] = {}  # spans -> (runs, blocks)
+        self.link = link
+        self.released: set[int] = set()  # requests the decode side is done with
+        self.started: set[int] = set()  # requests whose first block was written
         if hasattr(sender, "wait"):
             self._slots = threading.BoundedSemaphore(inflight)
             self._inflight: queue.Queue = queue.Queue()
@@ -48,6 +51,9 @@ class Shipper:
 
     def send(self, step: int, layer: int, ready: list[tuple[int, int]]) -> None:
         """Send layer `layer` of each (request, tokens now in the cache) in `ready`."""
+        for request_id, _ in ready:
+            if request_id not in self.started:  # its decode blocks may still be in use
+                self._await_released(self.plan.requests[request_id])
         start = time.monotonic_ns()
         spans, finished = [], []
         last_layer = layer == self.plan.model.layers - 1
@@ -83,6 +89,23 @@ class Shipper:
         if runs:
             self.sender.write(layer, runs)
         self._done(event, finished)
+
+    def _await_released(self, request) -> None:
+        """Before a request's first block: the decode side must be done with the requests
+        whose decode blocks it reuses (the parent relays each release)."""
+        self.started.add(request.id)
+        if self.released.issuperset(request.decode_waits):
+            return
+        self.out.flush()
+        while not self.released.issuperset(request.decode_waits):
+            if not self.link.poll(WAIT_TIMEOUT_S):
+                raise DemoError(f"the decode side released none of {request.decode_waits} "
+                                f"within {WAIT_TIMEOUT_S:.0f} s")
+            kind, message = self.link.recv()
+            if kind == "exit":
+                raise DemoError("the run failed elsewhere while the messager waited for "
+                                "decode blocks to come free")
+            self.released.add(message["request"])  # ("released", ...)
 
     def _done(self, event: dict, finished: list[int]) -> None:
         event["end"] = time.monotonic_ns()
@@ -125,31 +148,36 @@ def _per_query(shipper: Shipper, plan: Plan, reader, base: int) -> None:
     layers = plan.model.layers
     with reader:
         seen = (base, -1)
-        done = {index: -1 for index in range(len(plan.steps))}  # last layer sent per step
+        index, done = 0, -1  # the first step not wholly sent, and its last layer sent
         while shipper.unsubmitted:
             shipper.idle()  # before blocking: the parent wakes while this one sleeps
             seen = reader.wait(seen, timeout=WAIT_TIMEOUT_S)
-            for index, step in enumerate(plan.steps):
+            while index < len(plan.steps) and base + 1 + index <= seen[0]:
                 channel_step = base + 1 + index
-                if channel_step > seen[0]:
-                    break
                 upto = seen[1] if channel_step == seen[0] else layers - 1
-                for layer in range(done[index] + 1, upto + 1):
-                    shipper.send(channel_step, layer, [(c.request, c.start + c.length)
-                                                       for c in step])
-                done[index] = max(done[index], upto)
+                ready = [(c.request, c.start + c.length) for c in plan.steps[index]]
+                for layer in range(done + 1, upto + 1):
+                    shipper.send(channel_step, layer, ready)
+                done = max(done, upto)
+                if done < layers - 1:
+                    break
+                index, done = index + 1, -1
 
 
-def _per_chunk(shipper: Shipper, rank: int, device: int) -> None:
-    """Each (step, layer) record lists (slot, cached, chunk) of the requests it advanced."""
+def _per_chunk(shipper: Shipper, plan: Plan, rank: int, device: int) -> None:
+    """Each (step, layer) record lists (slot, cached, chunk) of the requests it advanced; the
+    plan says which request held each batch slot in that step (slots are reused)."""
     record = np.zeros(pdhal.RECORD_WORDS, np.int32)
+    first = None  # the channel step of plan step 0: the ring hands over every step in order
     with ops.open_kv_chunk_reader(rank, device, timeout=WAIT_TIMEOUT_S) as reader:
         while shipper.unsubmitted:
             shipper.idle()  # before blocking: the parent wakes while this one sleeps
             step = reader.next(record, wait=True, timeout=WAIT_TIMEOUT_S)
+            first = step if first is None else first
+            holder = {plan.request(c.request).slot: c.request for c in plan.steps[step - first]}
             count, layer = int(record[0]), int(record[1])
             table = record[2:2 + 3 * count].reshape(count, 3)
-            shipper.send(step, layer, [(int(slot), int(cached + length))
+            shipper.send(step, layer, [(holder[int(slot)], int(cached + length))
                                        for slot, cached, length in table])
 
 
@@ -181,10 +209,11 @@ def run(link, setup: dict) -> None:
     if plan.mode == "per_query":
         _per_query(shipper, plan, reader, base)
     else:  # the ring hands over every step from the first, whenever the reader attaches
-        _per_chunk(shipper, rank, device)
+        _per_chunk(shipper, plan, rank, device)
     shipper.drain()
     shipper.out.send("done", {})
-    link.recv()  # ("exit", {}): stay alive until then, the worker takes an exit for a death
+    while link.recv()[0] != "exit":  # stay alive until then: the worker takes an exit for a
+        pass  # death (what comes before it are the last releases)
 
 
 class Slowed:

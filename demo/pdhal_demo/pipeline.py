@@ -105,6 +105,9 @@ class Pipeline:
         self.first_token: dict[int, int] = {}
         self.sent: dict[int, set[int]] = {}  # request -> ranks that sent its last block
         self.devices: dict[int, int] = {}  # rank -> the device id its channels are named by
+        self.freed: set[int] = set()  # requests every rank sent: their prefill blocks are free
+        self.handed_over: set[int] = set()  # requests the decoder was given
+        self.recycles = plan.recycles
         self.verification: dict | None = None
         self.finished: set[str] = set()
         self.killed_at: int | None = None  # ns, from the worker's "fault" event
@@ -239,12 +242,23 @@ class Pipeline:
             self.progress.request_arrived(m["request"], (now - self.timeline.start) / 1e9)
             if len(self.timeline.inserted) == len(self.plan.requests):
                 self.hub.links["decoder"].send(("verify", {}))
+        elif kind == "released":  # the messagers may reuse its decode blocks
+            for rank in range(self.plan.tp):
+                self.hub.links[self.role("messager", rank)].send(("released", m))
         elif kind == "verified":
             self.verification = m
 
     def _maybe_hand_over(self, request: int) -> None:
         """Once every rank sent the request's last block and its first token is known."""
-        if request in self.first_token and len(self.sent.get(request, ())) == self.plan.tp:
+        if len(self.sent.get(request, ())) == self.plan.tp and request not in self.freed:
+            self.freed.add(request)
+            if self.recycles:  # its prefill blocks are free: a worker may wait for that
+                for rank in range(self.plan.tp):
+                    self.hub.links[self.role("worker", rank)].send(("freed",
+                                                                    {"request": request}))
+        if (request in self.first_token and request in self.freed
+                and request not in self.handed_over):
+            self.handed_over.add(request)
             self.hub.links["decoder"].send(("request", {"request": request,
                                                         "token": self.first_token[request]}))
 

@@ -108,6 +108,28 @@ def _prefill_end(timeline: Timeline, plan) -> dict[int, int]:
     return ends
 
 
+def throughput_windows(timeline: Timeline, windows: int = 10) -> list[dict]:
+    """The run cut into `windows` spans of as many requests each, by when decode had them:
+    requests and transfer bytes per second in each (a flat curve: nothing degrades as the
+    per-chunk ring wraps and the caches fill and free their blocks)."""
+    arrivals = sorted(timeline.inserted.values())
+    if len(arrivals) < 2 * windows:
+        return []
+    ends = sorted((x["end"], x["bytes"]) for x in timeline.transfers)
+    out, begin, i = [], timeline.start, 0
+    for w in range(windows):
+        chunk = arrivals[len(arrivals) * w // windows:len(arrivals) * (w + 1) // windows]
+        end, moved = chunk[-1], 0
+        while i < len(ends) and ends[i][0] <= end:
+            moved += ends[i][1]
+            i += 1
+        seconds = (end - begin) / NS
+        out.append({"requests": len(chunk), "seconds": seconds,
+                    "requests_per_s": len(chunk) / seconds, "gib_s": moved / seconds / 2**30})
+        begin = end
+    return out
+
+
 def _ms(ns: float) -> float:
     return ns / 1e6
 
@@ -157,6 +179,8 @@ def summarize(timeline: Timeline, plan, verification: dict,
         # transfer time not hidden behind compute: last byte landed after the last layer ended
         "exposed_transfer_ms": _ms(timeline.exposed_transfer()),
         "causality_violations": timeline.causality_violations(),
+        "throughput_windows": throughput_windows(timeline),
+        "recycled_blocks": plan.recycles,
         "verified_bytes": verification["checked_bytes"],
         "bad_blocks": verification["bad_blocks"],
         "bad_tokens": verification["bad_tokens"],
@@ -183,6 +207,9 @@ def format_summary(s: dict) -> str:
         f"({s['exposed_transfer_ms']:.1f} ms after the last layer), "
         f"overlap efficiency {s['overlap_efficiency']:.3f}",
     ]
+    if s["throughput_windows"]:
+        lines.append("  requests/s by tenths of the run: " + ", ".join(
+            f"{w['requests_per_s']:.1f}" for w in s["throughput_windows"]))
     if s["tp"] > 1:
         for r in s["ranks"]:
             lines.append(f"  rank {r['rank']} (device {r['device']}): {r['bytes_moved'] / 2**20:.1f} "

@@ -152,15 +152,24 @@ def run(link, setup: dict) -> None:
     watch = PeerWatch(go["messager_pid"], "cache messager")
     out = Outbox(link)
     fault = setup.get("fault") if rank == 0 else None  # SIGKILL a process mid first step
-    slots = len(plan.requests)  # batch slot of a request = its id
+    freed: set[int] = set()  # requests every rank's messager has sent: their blocks are free
     for index, step in enumerate(plan.steps):
+        # A step that reuses blocks of earlier requests starts once those are sent.
+        while not freed.issuperset(plan.step_waits[index]):
+            if link not in wait([link, watch]):
+                watch.check(f"step {index}, waiting for blocks to come free")
+            kind, message = link.recv()
+            if kind == "exit":  # the run failed elsewhere
+                return
+            freed.add(message["request"])  # ("freed", ...)
         if plan.mode == "per_query":
             meta = ops.open_shm_and_get_meta_signal(rank, device)
             signal_of, channel_step = (lambda i: ops.init_signal_layerwise(meta, i)), meta.step
         else:
-            encoder, cached = [0] * slots, [0] * slots
+            encoder, cached = [0] * plan.max_batch, [0] * plan.max_batch
             for c in step:
-                encoder[c.request], cached[c.request] = c.length, c.start
+                slot = plan.request(c.request).slot
+                encoder[slot], cached[slot] = c.length, c.start
             chunk = ops.init_kv_signal_per_query(encoder, encoder, cached, rank, layers, device)
             signal_of, channel_step = chunk.layer, chunk.step
         chunks = plan.chunks(step, prompts, "prefill")
@@ -192,9 +201,11 @@ def run(link, setup: dict) -> None:
         out.flush()
     link.send(("done", {}))
     # Wait for ("exit", {}): the messager has sent everything. It may die before that, too.
-    if link not in wait([link, watch]):
-        watch.check("the end of the prefill, before the messager had sent everything")
-    link.recv()
+    while True:
+        if link not in wait([link, watch]):
+            watch.check("the end of the prefill, before the messager had sent everything")
+        if link.recv()[0] == "exit":  # not ("freed", ...)
+            break
     watch.close()
     group.close()
     ops.host_free(buffer)
