@@ -1,10 +1,11 @@
 """The decode receiver: takes each request's blocks into its own cache, then checks them.
 
 A request is inserted as a prefilled one (seq_lens_decoder = prompt length, encoder length
-0, this-time 1, the first token from prefill). Once every request is in, the receiver
-recomputes the prefill itself from the model's seeded weights and the same schedule, and
-compares checksums of every block it received, then runs a few decode steps on the received
-cache and on its own, which must give the same tokens.
+0, this-time 1, the first token from prefill). The receiver recomputes each request's
+prefill itself from the model's seeded weights and the same chunks, compares checksums of
+every prompt token's K/V it received, then runs a few decode steps on the received cache and
+on its own, which must give the same tokens: once every request is in (and timed), or, when
+blocks are recycled, each request as it arrives, releasing its blocks after.
 
 With tensor parallelism it holds one cache per rank (`[tp, ...]`, as tp decode ranks would)
 and computes every rank's part itself, summing them in the workers' order.

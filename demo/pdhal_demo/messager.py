@@ -1,7 +1,10 @@
 """The cache messager: waits on pdhal progress and ships each finished layer to decode.
 
-It never sleeps in a loop: every wake-up comes from the worker's layer signal (a futex
-wait in pdhal), and it sends exactly the blocks that signal made ready.
+Its main thread never sleeps in a loop: every wake-up comes from the worker's layer signal
+(a futex wait in pdhal), and it sends exactly the blocks that signal made ready. With
+Mooncake it only submits them; a completion thread waits for each layer's transfers (Mooncake
+offers no wait that does not spin a core, so that thread sleeps between status checks, and
+only while transfers are in flight).
 """
 
 from __future__ import annotations
