@@ -235,8 +235,12 @@ def test_missing_mooncake_says_what_to_install(tmp_path, monkeypatch, error, adv
     monkeypatch.syspath_prepend(fake)
     for name in [m for m in sys.modules if m.startswith("mooncake")]:
         monkeypatch.delitem(sys.modules, name)
-    with pytest.raises(DemoError, match=re.escape(advice)):
-        require_mooncake()
+    try:
+        with pytest.raises(DemoError, match=re.escape(advice)):
+            require_mooncake()
+    finally:  # the fake package must not stay imported for the tests after this one
+        for name in [m for m in sys.modules if m.startswith("mooncake")]:
+            del sys.modules[name]
     env = dict(os.environ, PYTHONPATH=fake)
     run = subprocess.run([sys.executable, "-m", "pdhal", "demo", *SMALL, "--transport",
                           "mooncake"], capture_output=True, text=True, timeout=60, env=env)

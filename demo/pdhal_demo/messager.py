@@ -85,9 +85,10 @@ class Shipper:
         runs, blocks = planned
         event = {"rank": self.rank, "step": step, "layer": layer, "start": start,
                  "bytes": 2 * blocks * self.block_bytes}
-        if runs and hasattr(self, "_inflight"):
+        if hasattr(self, "_inflight"):  # in order behind the layers still in flight
             self._slots.acquire()  # at most `inflight` layers in flight
-            self._inflight.put((event, self.sender.write(layer, runs), finished))
+            self._inflight.put((event, self.sender.write(layer, runs) if runs else None,
+                                finished))
             return
         if runs:
             self.sender.write(layer, runs)
@@ -122,7 +123,8 @@ class Shipper:
         while True:
             event, pending, finished = self._inflight.get()
             try:
-                self.sender.wait(pending)
+                if pending is not None:
+                    self.sender.wait(pending)
             except Exception as exc:  # nothing after a failed transfer can be trusted
                 error = str(exc) if isinstance(exc, DemoError) else f"{type(exc).__name__}: {exc}"
                 self.out.send("error", {"role": "messager", "error": error, "detail": error})
