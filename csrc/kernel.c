@@ -139,10 +139,20 @@ pdhal_store *pdhal_signal_store(const int64_t *words)
 
 int pdhal_chunk_set_current(pdhal_segment *seg, uint64_t step, uint32_t num_layers)
 {
-    if (seg && (!seg->ring || !seg->is_creator || num_layers == 0))
+    if (seg && (!seg->ring || !seg->is_creator))
         return pdhal_fail(EINVAL, "the current per-chunk step needs a per-chunk channel this "
-                                  "process produces and at least one layer");
+                                  "process produces");
     pthread_once(&atfork_once, install_atfork);
+    if (seg && num_layers == 0) { /* clear, but only this channel's step */
+        pthread_mutex_lock(&lock);
+        pdhal_segment *old = current.seg == seg ? seg : NULL;
+        if (old)
+            memset(&current, 0, sizeof current);
+        pthread_mutex_unlock(&lock);
+        if (old)
+            pdhal_segment_unref(old);
+        return 0;
+    }
     if (seg)
         pdhal_segment_ref(seg);
     pthread_mutex_lock(&lock);

@@ -133,6 +133,8 @@ int pdhal_ring_begin_step(pdhal_segment *seg, const int32_t *table, uint32_t cou
     if (rc)
         return rc;
     rc = publish_step(seg, table, count, num_layers, deadline_ns, step);
+    if (rc == 0) /* under the lock: steps of racing threads become current in step order */
+        pdhal_chunk_set_current(seg, *step, num_layers);
     pthread_mutex_unlock(&seg->publish_lock);
     return rc;
 }

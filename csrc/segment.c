@@ -584,6 +584,12 @@ void pdhal_segment_close(pdhal_segment *seg)
             named.st_ino == mine.st_ino && named.st_dev == mine.st_dev)
             unlink(seg->path);
     }
+    if (seg->is_reader && seg->fd >= 0 && seg->pid == getpid())
+        /* A clean detach, not a death: a producer waiting on this reader keeps waiting for
+         * the next one (until its timeout) instead of reporting the reader dead. release:
+         * pairs with the acquire of reader_pid in wait_for_reader; stored while our lock is
+         * still held, so no new reader's pid is overwritten. */
+        atomic_store_explicit(&seg->hdr->reader_pid, 0, memory_order_release);
     if (seg->fd >= 0 && seg->pid == getpid())
         close(seg->fd);
     seg->fd = -1;

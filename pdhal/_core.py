@@ -16,6 +16,7 @@ from pdhal._errors import (
     ReaderDiedError,
     SegmentError,
     SignalTimeoutError,
+    SystemResourceError,
 )
 
 try:
@@ -43,6 +44,7 @@ QUERY_SLOT = lib.PDHAL_QUERY_SLOT
 LAYER_BITS = lib.PDHAL_LAYER_BITS
 MAX_LAYER = lib.PDHAL_MAX_LAYER
 MAX_REQUESTS = lib.PDHAL_MAX_REQUESTS
+SEGMENT_VERSION = lib.PDHAL_SEGMENT_VERSION
 RECORD_WORDS = lib.PDHAL_RECORD_WORDS
 DEFAULT_RING_SLOTS = lib.PDHAL_DEFAULT_RING_SLOTS
 KERNEL_WORDS = lib.PDHAL_KERNEL_WORDS
@@ -67,6 +69,10 @@ _ERROR_CLASSES = {
     errno.ENOBUFS: InvalidArgumentError,
     errno.ERANGE: InvalidArgumentError,
     errno.ENAMETOOLONG: InvalidArgumentError,
+    errno.ECHILD: InvalidArgumentError,  # a handle used in a forked child: its parent's
+    errno.ENOMEM: SystemResourceError,
+    errno.EAGAIN: SystemResourceError,
+    errno.ENFILE: SystemResourceError,
 }
 
 
@@ -155,7 +161,10 @@ class Segment:
         out = ffi.new("pdhal_segment **")
         rc = _retry_interrupted(lib.pdhal_segment_open, path.encode(), kind,
                                 deadline_ns(timeout), flags, out)
-        check(rc, "opening %s", path, overrides={errno.ETIMEDOUT: SegmentError})
+        # a wait for the file that ran out, or a file that is no segment (EINVAL: not a
+        # regular file): what is wrong is the segment, not an argument
+        check(rc, "opening %s", path,
+              overrides={errno.ETIMEDOUT: SegmentError, errno.EINVAL: SegmentError})
         return cls(out[0], path, kind, False)
 
     @property
@@ -256,10 +265,10 @@ class Segment:
             _raise(-errno.ENFILE, "registering %s for kernel forms" % self.path)
         return channel
 
-    def set_current_chunk(self, step: int, num_layers: int) -> None:
-        """Make `step` this process's current per-chunk step (its next layer 0)."""
-        check(lib.pdhal_chunk_set_current(self.ptr, step, num_layers),
-              "making step %d of %s current", step, self.path)
+    def clear_current_chunk(self) -> None:
+        """If this channel's step is the process's current per-chunk step, none is now (a
+        step of this channel without prefill requests)."""
+        check(lib.pdhal_chunk_set_current(self.ptr, 0, 0), "clearing the current step")
 
     # deferred stores
     def new_store(self, slot: int, value: int):
@@ -271,11 +280,6 @@ class Segment:
                 raise MemoryError(f"preparing a layer signal: {detail}")
             raise InvalidArgumentError(f"preparing a layer signal: {detail}")
         return store
-
-
-def clear_current_chunk() -> None:
-    """No per-chunk step is current in this process (a step without prefill requests)."""
-    check(lib.pdhal_chunk_set_current(ffi.NULL, 0, 0), "clearing the current step")
 
 
 def kernel_store(words):

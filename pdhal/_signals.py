@@ -13,6 +13,7 @@ import atexit
 import errno
 import os
 import threading
+import time
 
 from pdhal import _core, _names
 from pdhal._errors import (
@@ -222,6 +223,8 @@ def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_deco
     num_layers = _names.validate_index(num_layers, "num_layers", _core.MAX_LAYER + 2)
     if num_layers == 0:
         raise InvalidArgumentError("num_layers must be at least 1, got 0")
+    path = _names.channel_path("chunk", rank, device_id)  # checked even for an empty step
+    timeout = backpressure_timeout()
     requests = []
     for slot, (enc, dec) in enumerate(zip(encoder, decoder)):
         if enc < 0 or dec < 0:
@@ -233,12 +236,14 @@ def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_deco
         raise InvalidArgumentError(
             f"{len(requests)} prefill requests in one step, at most {_core.MAX_REQUESTS} fit")
     if not requests:
-        _core.clear_current_chunk()  # a device op's "next layer" posts nothing this step
+        # a device op's "next layer" posts nothing this step (this channel's only)
+        seg = _producers.get((os.getpid(), path))
+        if seg is not None and not seg.closed:
+            seg.clear_current_chunk()
         return ChunkSignal(None, 0, num_layers, requests)
     seg = _producer_channel("chunk", rank, device_id)
     table = [word for request in requests for word in request]
-    step = seg.ring_begin_step(table, num_layers, backpressure_timeout())
-    seg.set_current_chunk(step, num_layers)
+    step = seg.ring_begin_step(table, num_layers, timeout)  # and makes it the current step
     return ChunkSignal(seg, step, num_layers, requests)
 
 
@@ -399,6 +404,7 @@ def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
     """
     words, capacity = writable_int32(out, "out", minimum=2)  # bad input: fail before waiting
     spin = spin_ns(spin_us)
+    started = time.monotonic()
     try:
         key, reader = _process_chunk_reader(rank_id, device_id, timeout if wait_flag else 0)
     except SegmentError as e:
@@ -406,6 +412,8 @@ def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
             raise
         words[0] = words[1] = -1
         return
+    if timeout is not None:  # one deadline for attaching and reading, not one each
+        timeout = max(0.0, timeout - (time.monotonic() - started))
     try:
         reader._next_into(words, capacity, wait_flag, timeout, spin)
     except ProducerDiedError:
@@ -415,6 +423,17 @@ def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
                 del _chunk_readers[key]
         reader.close()
         raise
+
+
+def ack_kv_signal(rank_id: int, device_id: int = 0) -> None:
+    """Acknowledge every record get_output_kv_signal delivered on (rank_id, device_id), as
+    ChunkReader.ack() does: call it before a clean shutdown, or a restarted messager gets
+    the last step again (at least once). Nothing to acknowledge is no error."""
+    key = (os.getpid(), _names.channel_path("chunk", rank_id, device_id))
+    with _chunk_readers_lock:
+        reader = _chunk_readers.get(key)
+    if reader is not None:
+        reader.ack()
 
 
 def open_kv_chunk_reader(rank: int, device_id: int = 0, timeout: float | None = 60.0
@@ -427,5 +446,5 @@ def open_kv_chunk_reader(rank: int, device_id: int = 0, timeout: float | None = 
 COMMON_OPS = {
     f.__name__: f
     for f in (open_shm_and_get_meta_signal, init_signal_layerwise, init_kv_signal_per_query,
-              open_kv_signal_reader, open_kv_chunk_reader, get_output_kv_signal)
+              open_kv_signal_reader, open_kv_chunk_reader, get_output_kv_signal, ack_kv_signal)
 }

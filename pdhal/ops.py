@@ -6,7 +6,7 @@ attributes, with no plugin dispatch on the per-layer path.
 
 Producer: open_shm_and_get_meta_signal, init_signal_layerwise, init_kv_signal_per_query,
 signal_layer_ready, create_kv_signal_sender, destroy_kv_signal_sender.
-Consumer: open_kv_signal_reader, open_kv_chunk_reader, get_output_kv_signal.
+Consumer: open_kv_signal_reader, open_kv_chunk_reader, get_output_kv_signal, ack_kv_signal.
 Memory: host_alloc / host_free (aliases cuda_host_alloc / cuda_host_free), host_register /
 host_unregister, get_peer_mem_addr, set_data_ipc, share_external_data, get_data_ptr_ipc,
 unset_data_ipc.
@@ -27,6 +27,7 @@ OP_NAMES = (
     "open_kv_signal_reader",
     "open_kv_chunk_reader",
     "get_output_kv_signal",
+    "ack_kv_signal",
     "host_alloc",
     "host_free",
     "cuda_host_alloc",

@@ -16,7 +16,7 @@ import pytest
 
 import pdhal
 from conftest import python_child, segments_of
-from pdhal import _names, ops
+from pdhal import _core, _names, ops
 
 LAYERS = 4
 ROUNDS = int(os.environ.get("PDHAL_CRASH_ROUNDS", "50"))
@@ -201,3 +201,58 @@ def test_a_messager_outliving_its_producer_waits_for_the_next_one():
     assert list(out[:5]) == [1, 0, 0, 0, 7]
     second.stdin.close()
     assert second.wait(timeout=30) == 0
+
+
+READ_ACK_AND_DIE = """
+import array, os, signal
+from pdhal import ops
+out = array.array("i", [0] * 1538)
+for _ in range(2):
+    ops.get_output_kv_signal(out, 0, True, timeout=10)
+ops.ack_kv_signal(0)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_ack_kv_signal_finishes_what_get_output_kv_signal_delivered():
+    for step in (1, 2):
+        chunk = ops.init_kv_signal_per_query([step], [step], [0], 0, 2)
+        ops.signal_layer_ready(chunk.layer(0))
+        ops.signal_layer_ready(chunk.layer(1))
+    assert python_child(READ_ACK_AND_DIE).wait(timeout=30) == -signal.SIGKILL
+    out = array.array("i", [0] * 1538)
+    with ops.open_kv_chunk_reader(0, 0, timeout=10) as reader:
+        assert reader.next(out, timeout=10) == 2 and out[1] == 0
+    ops.ack_kv_signal(0, 0)  # nothing delivered in this process: nothing to do, no error
+
+
+CLOSE_CLEANLY = """
+import array, sys
+from pdhal import ops
+out = array.array("i", [0] * 1538)
+with ops.open_kv_chunk_reader(0, 0, timeout=10) as reader:
+    reader.next(out, timeout=10)
+    reader.ack()
+print("closed", flush=True)
+sys.stdin.read()  # alive, attached to nothing
+"""
+
+
+def test_a_messager_closing_its_reader_is_not_reported_dead(monkeypatch):
+    """A reader that detaches cleanly (a messager restarting its reader, or stopping) leaves
+    the producer waiting for the next reader: back-pressure, not ReaderDiedError."""
+    chunk = ops.init_kv_signal_per_query([1], [1], [0], 0, 1)
+    ops.signal_layer_ready(chunk.layer(0))
+    child = python_child(CLOSE_CLEANLY, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    assert child.stdout.readline() == "closed\n"
+    monkeypatch.setenv("PDHAL_BACKPRESSURE_TIMEOUT", "0.3")
+    with pytest.raises(pdhal.BackPressureTimeoutError, match="no cache messager is attached"):
+        for step in range(2, 2 + _core.DEFAULT_RING_SLOTS + 1):  # one more than fits
+            chunk = ops.init_kv_signal_per_query([step], [step], [0], 0, 1)
+            ops.signal_layer_ready(chunk.layer(0))
+    out = array.array("i", [0] * 1538)
+    with ops.open_kv_chunk_reader(0, 0, timeout=10) as reader:  # the next reader resumes
+        assert reader.next(out, timeout=10) == 2
+    child.stdin.close()
+    assert child.wait(timeout=30) == 0

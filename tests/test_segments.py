@@ -274,11 +274,11 @@ WRAPPING_BUFFER = """
 import errno, os, struct
 import numpy as np
 import pdhal
-from pdhal import _names, ops
+from pdhal import _core, _names, ops
 path = _names.buffer_path("evil")
 size = 2048
-header = struct.pack("<QIIQiIIIQ", 0x4745534C41484450, 1, 3, size, os.getpid(), os.geteuid(),
-                     0, 512, 2**64 - 4096 + size)
+header = struct.pack("<QIIQiIIIQ", 0x4745534C41484450, _core.SEGMENT_VERSION, 3, size,
+                     os.getpid(), os.geteuid(), 0, 512, 2**64 - 4096 + size)
 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
 os.write(fd, header.ljust(size, b"\\0"))
 os.close(fd)

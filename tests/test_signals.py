@@ -329,3 +329,21 @@ def test_each_device_of_a_rank_has_its_own_channel():
     ops.signal_layer_ready(ops.init_signal_layerwise(b, 5))
     with ops.open_kv_signal_reader(0, 0) as r0, ops.open_kv_signal_reader(0, 1) as r1:
         assert (r0.current(), r1.current()) == ((a.step, -1), (b.step, 5))
+
+
+def test_an_empty_step_on_one_channel_keeps_another_channels_current_step():
+    """A C op's "next layer of the current per-chunk step" belongs to the last step started;
+    a step with no prefill request on another device's channel must not end it."""
+    from pdhal._core import lib
+    ops.init_kv_signal_per_query([3], [3], [0], 0, 2, device_id=0)
+    ops.init_kv_signal_per_query([0], [1], [4], 0, 2, device_id=1)  # decode only: nothing
+    for _ in range(2):
+        lib.pdhal_store_run(lib.pdhal_next_chunk_layer_store())
+    out = array.array("i", [0] * 1538)
+    seen = []
+    for _ in range(2):
+        ops.get_output_kv_signal(out, 0, False, device_id=0)
+        seen.append((out[1], out[4]))
+    assert seen == [(0, 3), (1, 3)]
+    ops.init_kv_signal_per_query([0], [1], [4], 0, 2, device_id=0)  # its own empty step ends it
+    assert lib.pdhal_next_chunk_layer_store() == pdhal._core.ffi.NULL

@@ -21,7 +21,7 @@ extern "C" {
 
 /* PDHAL_CDEF_BEGIN */
 #define PDHAL_ABI_VERSION 2
-#define PDHAL_SEGMENT_VERSION 1
+#define PDHAL_SEGMENT_VERSION 2
 #define PDHAL_LAYER_BITS 20
 #define PDHAL_MAX_LAYER 1048574
 #define PDHAL_MAX_REQUESTS 512
@@ -200,14 +200,17 @@ uint64_t pdhal_sender_failures(pdhal_sender *sender);
  * signal of this process; pdhal_store_run(NULL) does nothing, so a launch line that does
  * not check still never crashes. */
 pdhal_store *pdhal_signal_store(const int64_t *words);
-/* The pending store of the next layer of this process's current per-chunk step: layers are
- * numbered in the order of these calls, from 0 at each step start (which pdhal's
- * init_kv_signal_per_query sets). NULL (with the reason) when no step is current, e.g. a
- * step without prefill requests, or when every layer of the step was taken already.
- * Thread-safe; a process producing several per-chunk channels names them by signal words. */
+/* The pending store of the next layer of this process's current per-chunk step (the step
+ * pdhal_ring_begin_step published last, in this process): layers are numbered in the order
+ * of these calls, from 0 at each step start. NULL (with the reason) when no step is
+ * current, e.g. a step without prefill requests, or when every layer of the step was taken
+ * already. Thread-safe; a process producing several per-chunk channels at once (threads
+ * starting steps concurrently) names each layer by its signal words instead. */
 pdhal_store *pdhal_next_chunk_layer_store(void);
 /* Make (seg, step, num_layers) the current per-chunk step of this process, its next layer
- * 0; seg NULL clears it. pdhal's init_kv_signal_per_query calls it. 0 or -errno. */
+ * 0 (pdhal_ring_begin_step does it for each step it publishes, under its lock).
+ * num_layers 0 clears it if `seg` is the current step's channel (a step of that channel
+ * with no prefill request); seg NULL clears it whatever it is. 0 or -errno. */
 int pdhal_chunk_set_current(pdhal_segment *seg, uint64_t step, uint32_t num_layers);
 /* The kernel-form id of a producer channel: registers `seg` (once) so signal words can name
  * it; the registration ends when the handle is closed. 0 on failure (table full). */
