@@ -10,7 +10,7 @@ from setuptools.command.build_ext import build_ext
 
 class BuildExtAndLibrary(build_ext):
     """The cffi extension, and next to it libpdhal.so: the same C core without Python, for
-    C/C++ programs that run outside a Python process (pdhal.get_library("standalone"))."""
+    C/C++ programs that run outside a Python process (pdhal.get_library(standalone=True))."""
 
     def run(self):
         super().run()

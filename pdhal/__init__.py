@@ -22,6 +22,7 @@ from pdhal._errors import (
     ReaderDiedError,
     SegmentError,
     SignalTimeoutError,
+    SystemResourceError,
     UnsupportedError,
 )
 from pdhal._hookspecs import hookimpl
@@ -106,32 +107,41 @@ def cleanup(namespace: str | None = None) -> tuple[list[str], list[str]]:
     return _cleanup.cleanup(namespace)
 
 
-# Constants of the C core (pdhal.h), read on first use so `import pdhal` loads no library:
+# Names resolved on first use, so `import pdhal` loads no library (the compiled core):
 #: RECORD_WORDS: int32 words of one per-chunk record, the buffer get_output_kv_signal and
 #:   reader.next fill: [count, layer, (slot, cached, length) * MAX_REQUESTS].
 #: MAX_REQUESTS: the most prefill requests one per-chunk step may publish.
-_CORE_CONSTANTS = ("RECORD_WORDS", "MAX_REQUESTS")
+#: The classes ops return (importable from here for annotations and isinstance checks).
+_LAZY = {
+    "RECORD_WORDS": "pdhal._core", "MAX_REQUESTS": "pdhal._core",
+    "SignalMeta": "pdhal._signals", "LayerSignal": "pdhal._signals",
+    "ChunkSignal": "pdhal._signals", "ProgressReader": "pdhal._signals",
+    "ChunkReader": "pdhal._signals", "KVSignalSender": "pdhal._sender",
+    "HostBuffer": "pdhal._hostmem", "SharedDeviceBuffer": "pdhal._published",
+}
 
 
 def __getattr__(name: str):
-    if name in _CORE_CONSTANTS:
-        from pdhal import _core
+    if name in _LAZY:
+        import importlib
 
-        value = globals()[name] = getattr(_core, name)
+        value = globals()[name] = getattr(importlib.import_module(_LAZY[name]), name)
         return value
     raise AttributeError(f"module 'pdhal' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_CORE_CONSTANTS))
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [
     "Availability", "Backend", "BackendLoadError", "BackendNotFoundError",
     "BackendUnavailableError", "BackPressureTimeoutError", "ChannelBusyError",
-    "ClosedHandleError", "DeviceError", "InvalidArgumentError", "InvalidTypeError",
-    "MAX_REQUESTS", "PdhalError", "Platform", "ProducerDiedError", "RECORD_WORDS",
-    "ReaderDiedError", "SegmentError", "SignalTimeoutError", "UnsupportedError",
-    "channel_path", "check_environment", "cleanup", "current_backend", "current_platform", "get_include",
+    "ChunkReader", "ChunkSignal", "ClosedHandleError", "DeviceError", "HostBuffer",
+    "InvalidArgumentError", "InvalidTypeError", "KVSignalSender", "LayerSignal",
+    "MAX_REQUESTS", "PdhalError", "Platform", "ProducerDiedError", "ProgressReader",
+    "ReaderDiedError", "RECORD_WORDS", "SegmentError", "SharedDeviceBuffer", "SignalMeta",
+    "SignalTimeoutError", "SystemResourceError", "UnsupportedError", "channel_path",
+    "check_environment", "cleanup", "current_backend", "current_platform", "get_include",
     "get_library", "hookimpl", "namespace",
 ]

@@ -40,6 +40,9 @@ def cleanup(namespace: str | None = None, dry_run: bool = False
         if not entry.startswith(mine):
             continue
         path = os.path.join(folder, entry)
-        gone = _dead(path, entry) if dry_run else _core.reclaim(path)
+        try:
+            gone = _dead(path, entry) if dry_run else _core.reclaim(path)
+        except SegmentError:  # not ours to judge (another uid's file at our prefix, say)
+            gone = False
         (removed if gone else left).append(path)
     return removed, left

@@ -266,6 +266,9 @@ def signal_layer_ready(signal, stream=None, sender: KVSignalSender | None = None
         return
     if sender is None:
         signal.publish()
+    elif not isinstance(sender, KVSignalSender) or sender.backend != "cpu":
+        raise InvalidArgumentError(f"sender must come from the cpu backend's "
+                                   f"create_kv_signal_sender, got {sender!r}")
     else:
         sender.post(None, signal)
 

@@ -49,15 +49,15 @@ class ChannelBusyError(SegmentError):
     """The channel already has a live producer, or (per-chunk) a reader."""
 
 
-class ProducerDiedError(PdhalError, ConnectionError):
+class ProducerDiedError(PdhalError, _WithErrno, ConnectionError):
     """The process that produced a channel's signals is gone."""
 
 
-class ReaderDiedError(PdhalError, ConnectionError):
+class ReaderDiedError(PdhalError, _WithErrno, ConnectionError):
     """The per-chunk reader (the cache messager) died while the producer waited for it."""
 
 
-class SignalTimeoutError(PdhalError, TimeoutError):
+class SignalTimeoutError(PdhalError, _WithErrno, TimeoutError):
     """A wait ran past its timeout."""
 
 
@@ -67,3 +67,7 @@ class BackPressureTimeoutError(SignalTimeoutError):
 
 class DeviceError(PdhalError, RuntimeError):
     """A vendor runtime call failed."""
+
+
+class SystemResourceError(PdhalError, _WithErrno):
+    """The system refused what pdhal asked for: a thread, memory, a lock."""

@@ -125,7 +125,9 @@ class SharedDeviceBuffer:
         from pdhal import _dlpack
 
         kind, _, index = self.device.partition(":")
-        return _dlpack.DEVICE_TYPES.get(kind, 0), int(index or 0)
+        if kind not in _dlpack.DEVICE_TYPES:
+            raise UnsupportedError(f"DLPack has no device type for {self.device} memory")
+        return _dlpack.DEVICE_TYPES[kind], int(index or 0)
 
 
 def mapped(address: int, shape: tuple, dtype: str, nbytes: int, device: str,
@@ -158,7 +160,13 @@ def request(like, name: str, shape, timeout: float | None) -> tuple[dict, tuple,
 
     `like` gives the dtype (a tensor, an array, or a dtype name); the record published under
     `name` must hold enough bytes."""
-    dtype = (like if isinstance(like, str) else str(getattr(like, "dtype", ""))).split(".")[-1]
+    if isinstance(like, str):
+        dtype = like
+    elif isinstance(like, type):  # numpy.float16 and the like: a scalar type names a dtype
+        dtype = like.__name__
+    else:
+        dtype = str(getattr(like, "dtype", ""))
+    dtype = dtype.split(".")[-1]
     if not dtype:
         raise InvalidTypeError(f"like must be a tensor or array with a dtype, got "
                                f"{type(like).__name__}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -122,3 +123,26 @@ def test_a_backend_missing_ops_is_told_exactly_which():
     assert "offers ops pdhal does not know: host_fre" in message
     with pytest.raises(pdhal.BackendLoadError, match="returned list, expected a dict"):
         check_ops([], "backend 'x'")
+
+
+def test_every_public_name_resolves_and_the_classes_ops_return_are_exported():
+    proc = subprocess.run([sys.executable, "-c", """
+import sys, pdhal
+assert "pdhal._core" not in sys.modules  # nothing compiled is loaded by the import
+missing = [name for name in pdhal.__all__ if getattr(pdhal, name, None) is None]
+assert not missing, missing
+assert set(pdhal.__all__) <= set(dir(pdhal))
+from pdhal import ops
+assert isinstance(ops.open_shm_and_get_meta_signal(0, 0), pdhal.SignalMeta)
+print("ok")
+"""], capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "ok\n", proc.stderr
+
+
+def test_errors_read_as_their_message_and_keep_their_errno():
+    ops.open_shm_and_get_meta_signal(0, 0)
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        with pytest.raises(pdhal.SignalTimeoutError) as caught:
+            reader.wait(reader.current(), timeout=0)
+    assert caught.value.errno == errno.ETIMEDOUT
+    assert not str(caught.value).startswith("[Errno"), str(caught.value)

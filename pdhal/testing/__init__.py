@@ -1,5 +1,5 @@
 """pdhal's backend conformance kit: `pytest --pdhal-backend NAME` runs the behavioural
-contract of DESIGN.md against one backend (registered as the `pytest11` plugin `pdhal`).
+contract of docs/design.md against one backend (registered as the `pytest11` plugin `pdhal`).
 
 A backend takes part by returning a TestSupport from `Backend.test_support()`: a few
 device primitives (allocate, a stream, "work that writes memory after a delay", read back)

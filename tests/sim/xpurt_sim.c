@@ -1,5 +1,6 @@
 /* xpurt_sim.c: a simulated Kunlunxin XPU runtime (libxpurt.so) for tests on machines
- * without an XPU. It exports the C ABI listed in shared/REFERENCE.md, backed by sim_device.
+ * without an XPU. It exports the runtime's C ABI that pdhal-xpu binds (its cdef lists the
+ * calls), backed by sim_device.
  * Built twice: the full runtime, and with -DSIM_OLD_RUNTIME one without the KL3 additions
  * (IPC handles and the CUDA-compatible cudaPointerGetAttributes), like older runtimes.
  * Error codes: 0 success, XPUERR_INVALID for a bad argument. Device count: SIM_XPU_DEVICES

@@ -1,4 +1,4 @@
-"""pdhal's behavioural contract (DESIGN.md), run against the backend named by --pdhal-backend.
+"""pdhal's behavioural contract (docs/design.md), run against the backend named by --pdhal-backend.
 
 Every op, both signal modes across processes, ordering against device work, sender flush,
 shared buffers across processes, peer addresses, host memory, bad inputs, platform facts.
