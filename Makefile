@@ -51,12 +51,14 @@ bench: $(STAMP)
 	$(PY) bench/bench_sender.py
 	$(PY) bench/bench_demo.py
 	$(PY) bench/bench_copy.py
+	$(PY) bench/bench_kernel_post.py
 
 # The C core under AddressSanitizer + UBSan, then the suite. Tests that load paddle are left
 # out: paddle's own C++ aborts under ASan at exit (alloc/dealloc mismatch inside paddle).
 sanitize: $(STAMP)
 	PDHAL_SANITIZE=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
-	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	PDHAL_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	$(PY) -m pytest -q -p no:cacheprovider -m "not paddle"
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .

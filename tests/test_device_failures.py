@@ -339,6 +339,33 @@ SIM_CALLS = {
 }
 
 
+def test_the_simulators_let_an_event_be_destroyed_while_its_record_is_queued(dev):
+    """As CUDA allows (and pdhal does, refusing a post after recording): the queued record
+    and a stream's wait on it still run, then the event is freed (under make sanitize the
+    simulators are built with ASan, which reported a use after free here)."""
+    ffi = FFI()
+    ffi.cdef("""void *sim_event_new(void); void sim_event_free(void *e);
+                void sim_event_record(void *e, void *s); void sim_stream_sync(void *s);
+                void sim_stream_wait_event(void *s, void *e); int sim_live_events(void);
+                void sim_stream_host_fn(void *s, void (*fn)(void *), void *arg);
+                int sem_init(void *sem, int shared, unsigned value); int sem_wait(void *sem);
+                int sem_post(void *sem);""")
+    lib, libc = ffi.dlopen(dev.sim.path), ffi.dlopen(None)
+    held, waiting = (ffi.cast("void *", dev.sim.stream()) for _ in range(2))
+    gate = ffi.new("char[64]")  # a sem_t: the held stream blocks on it
+    assert libc.sem_init(gate, 0, 0) == 0
+    lib.sim_stream_host_fn(held, ffi.cast("void (*)(void *)", libc.sem_wait), gate)
+    live = lib.sim_live_events()
+    event = lib.sim_event_new()
+    lib.sim_event_record(event, held)  # queued behind the gate
+    lib.sim_stream_wait_event(waiting, event)
+    lib.sim_event_free(event)
+    assert lib.sim_live_events() == live  # released by its owner at once
+    libc.sem_post(gate)
+    lib.sim_stream_sync(waiting)  # the wait ran after the record fired: no hang, no crash
+    lib.sim_stream_sync(held)
+
+
 def test_the_simulators_fail_the_calls_they_are_told_to(dev):
     name, cdef, source = SIM_CALLS[dev.kind]
     ffi = FFI()

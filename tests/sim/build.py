@@ -17,12 +17,19 @@ RUNTIMES = {
 
 
 def build(name: str) -> str:
-    """Path of the simulated runtime `name`, compiled if missing or older than its sources."""
+    """Path of the simulated runtime `name`, compiled if missing or older than its sources.
+    Under PDHAL_SANITIZE=1 (make sanitize) it is built with ASan/UBSan too, in its own
+    folder, so the simulators' own memory errors are caught with pdhal's."""
     sources, flags = RUNTIMES[name]
-    out = os.path.join(BUILD, name)
+    if os.environ.get("PDHAL_SANITIZE") == "1":
+        folder = os.path.join(BUILD, "sanitize")
+        flags = [*flags, "-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+    else:
+        folder = BUILD
+    out = os.path.join(folder, name)
     inputs = [os.path.join(HERE, s) for s in sources] + [os.path.join(HERE, "sim_device.h")]
     if not os.path.exists(out) or os.path.getmtime(out) < max(map(os.path.getmtime, inputs)):
-        os.makedirs(BUILD, exist_ok=True)
+        os.makedirs(folder, exist_ok=True)
         tmp = f"{out}.{os.getpid()}.tmp"
         subprocess.run(["gcc", "-std=gnu11", "-O1", "-g", "-Wall", "-Wextra",
                         "-Wno-unused-parameter", "-shared", "-fPIC", *flags, "-o", tmp,

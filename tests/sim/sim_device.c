@@ -130,9 +130,12 @@ __attribute__((constructor)) static void fail_from_env(void)
     free(copy);
 }
 
-/* ---- events: a generation counter; record asks for the next generation ---- */
+/* ---- events: a generation counter; record asks for the next generation ----
+ * Like CUDA, an event may be destroyed while its record or a wait on it is still queued:
+ * each queued task holds a reference, and the last one frees it. */
 
 struct sim_event {
+    atomic_int refs; /* the caller's, plus one per queued task naming it */
     pthread_mutex_t lock;
     pthread_cond_t fired;
     uint64_t recorded; /* generations recorded so far */
@@ -144,18 +147,32 @@ sim_event *sim_event_new(void)
     sim_event *e = calloc(1, sizeof *e);
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->fired, NULL);
+    atomic_init(&e->refs, 1);
     atomic_fetch_add(&live_events, 1);
     return e;
+}
+
+static sim_event *event_ref(sim_event *e)
+{
+    atomic_fetch_add(&e->refs, 1);
+    return e;
+}
+
+static void event_unref(sim_event *e)
+{
+    if (atomic_fetch_sub(&e->refs, 1) != 1)
+        return;
+    pthread_mutex_destroy(&e->lock);
+    pthread_cond_destroy(&e->fired);
+    free(e);
 }
 
 void sim_event_free(sim_event *e)
 {
     if (!e)
         return;
-    pthread_mutex_destroy(&e->lock);
-    pthread_cond_destroy(&e->fired);
-    free(e);
-    atomic_fetch_sub(&live_events, 1);
+    atomic_fetch_sub(&live_events, 1); /* live to its owner until here */
+    event_unref(e);
 }
 
 void sim_event_wait(sim_event *e)
@@ -208,12 +225,14 @@ static void run_task(struct task *t)
             t->event->done = t->generation;
         pthread_cond_broadcast(&t->event->fired);
         pthread_mutex_unlock(&t->event->lock);
+        event_unref(t->event);
         break;
     case TASK_WAIT_EVENT:
         pthread_mutex_lock(&t->event->lock);
         while (t->event->done < t->generation)
             pthread_cond_wait(&t->event->fired, &t->event->lock);
         pthread_mutex_unlock(&t->event->lock);
+        event_unref(t->event);
         break;
     case TASK_HOST_FN:
         t->fn(t->arg);
@@ -351,7 +370,7 @@ void sim_event_record(sim_event *e, sim_stream *s)
 {
     struct task *t = calloc(1, sizeof *t);
     t->kind = TASK_FIRE;
-    t->event = e;
+    t->event = event_ref(e);
     pthread_mutex_lock(&e->lock);
     t->generation = ++e->recorded;
     pthread_mutex_unlock(&e->lock);
@@ -362,7 +381,7 @@ void sim_stream_wait_event(sim_stream *s, sim_event *e)
 {
     struct task *t = calloc(1, sizeof *t);
     t->kind = TASK_WAIT_EVENT;
-    t->event = e;
+    t->event = event_ref(e);
     pthread_mutex_lock(&e->lock);
     t->generation = e->recorded;
     pthread_mutex_unlock(&e->lock);
