@@ -137,7 +137,7 @@ int pdhal_sender_post(pdhal_sender *s, void *event, pdhal_store *store)
 {
     if (!s) { /* e.g. a kernel form that named no live sender: that call set the reason */
         pdhal_store_free(store);
-        return -EINVAL;
+        return -EBADF; /* not -EINVAL: the event is still the caller's to destroy */
     }
     if (!store || store == &pdhal_noop_store) { /* an error, or nothing to report */
         /* NULL comes from the lookup in the op's post line (pdhal_signal_store, ...): keep

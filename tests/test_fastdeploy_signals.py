@@ -686,13 +686,8 @@ def test_bad_kernel_forms_are_refused_with_the_reason_never_a_crash(device):
             rc = op.per_query(stream, (KVWrite * 0)(), words.ctypes.data, sender_ptr)
             assert rc == -errno.EINVAL, (what, rc)
             assert _matches(reason, op.last_error()), (what, op.last_error())
-            # From Python. On XPU only the words refused before pdhal records its event:
-            # for the others the event is destroyed while its record may still be queued,
-            # which a real runtime allows and the simulated one does not survive (it
-            # frees the event at once).
-            if not xpu or "kernel form" in reason:
-                with pytest.raises(pdhal.PdhalError):
-                    fd.signal_layer_ready(words, stream, sender)
+            with pytest.raises(pdhal.PdhalError):  # from Python too (on XPU the event it
+                fd.signal_layer_ready(words, stream, sender)  # recorded is destroyed queued)
         rc = op.per_query(stream, (KVWrite * 0)(), None, sender_ptr)
         assert rc == -errno.EINVAL and _matches(r"no signal words \(NULL\)", op.last_error())
         if not xpu:  # the header's launch line, unchecked: pdhal_store_run(NULL) is a no-op
@@ -722,6 +717,9 @@ def test_bad_kernel_forms_are_refused_with_the_reason_never_a_crash(device):
                 (what, rc, op.last_error())
         rc = op.per_query(stream, (KVWrite * 0)(), layer1.ctypes.data, None)
         assert rc == -errno.EINVAL and "not a sender's kernel form" in op.last_error()
+        # the header's post line: no live sender is -EBADF, the event left to the caller
+        rc = op.lib.attention_xpu_post_line(stream, layer1.ctypes.data, sender_words.ctypes.data)
+        assert rc == -errno.EBADF and "which is not alive" in op.last_error()
         with pytest.raises(pdhal.InvalidArgumentError, match="names no sender alive"):
             fd.signal_layer_ready(layer1, stream, sender_words)  # the sender's tensor
         assert device.live_events() == events, "a refused post left its event"

@@ -163,9 +163,11 @@ int pdhal_sender_create(pdhal_event_wait_fn wait, pdhal_event_destroy_fn destroy
                         pdhal_sender **out);
 /* Queue (event, store): the thread waits for the event, runs the store, destroys the event.
  * Takes ownership of both, also on failure; a store that stores nothing (a no-op kernel
- * form) destroys the event at once. A NULL store is -EINVAL; a NULL sender is -EINVAL and
- * leaves the event to the caller (it cannot know how to destroy it). Safe from several
- * threads, but not concurrently with pdhal_sender_destroy; -ECHILD in a forked child. */
+ * form) destroys the event at once. A NULL store is -EINVAL (the event destroyed). A NULL
+ * sender is -EBADF, and the only case where the event stays the caller's to destroy (no
+ * sender, no destroy function): a caller tells the two apart by the code alone. Safe from
+ * several threads, but not concurrently with pdhal_sender_destroy; -ECHILD in a forked
+ * child. */
 int pdhal_sender_post(pdhal_sender *sender, void *event, pdhal_store *store);
 /* Poll each queued event with `query` (yielding between polls) for up to poll_ns before the
  * blocking wait: a layer is signalled within microseconds of its event rather than after a
@@ -189,8 +191,9 @@ uint64_t pdhal_sender_failures(pdhal_sender *sender);
  * Per query, after the layer's cache writes, on a CUDA stream:
  *     cudaLaunchHostFunc(stream, pdhal_store_run, pdhal_signal_store(kv_signal_data));
  * Through a sender (a device without host functions), after recording `event`:
- *     pdhal_sender_post(pdhal_kernel_sender(sender_words), event,
- *                       pdhal_signal_store(kv_signal_data));
+ *     if (pdhal_sender_post(pdhal_kernel_sender(sender_words), event,
+ *                           pdhal_signal_store(kv_signal_data)) == -EBADF)
+ *         xpu_event_destroy(event); // no live sender took it
  * Per chunk, "the next layer of the current step", with no signal argument:
  *     cudaLaunchHostFunc(stream, pdhal_store_run, pdhal_next_chunk_layer_store());
  */

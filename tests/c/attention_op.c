@@ -183,7 +183,6 @@ int xpu_event_create(XPUEvent *event);
 int xpu_event_record(XPUEvent event, XPUStream stream);
 int xpu_event_query(XPUEvent event);
 int xpu_event_destroy(XPUEvent event);
-int xpu_wait(XPUStream stream);
 int sim_xpu_launch_write(XPUStream stream, void *dst, const void *src, uint64_t n,
                          uint32_t delay_us);
 /* XPU has no host functions: the gate uses the simulator's own (tests only). */
@@ -204,8 +203,7 @@ static int write_cache(XPUStream stream, const struct kv_write *writes, int coun
 /* After the writes: an event behind them, handed with the layer's store to the sender that
  * sender_words (create_kv_signal_sender's tensor) names. Both are looked up before the
  * event is recorded, so a refused kernel form costs no event (FastDeploy's op checks its
- * worker pointer after recording; an event destroyed while its record is still queued is
- * fine on a real runtime, but not on the simulated one, which frees it at once). */
+ * worker pointer after recording, which works too: see attention_xpu_post_line). */
 static int post_through_sender(XPUStream stream, int per_chunk, const int64_t *kv_signal_data,
                                const int64_t *sender_words)
 {
@@ -233,8 +231,8 @@ static int post_through_sender(XPUStream stream, int per_chunk, const int64_t *k
 
 /* The header's one-line post through a sender, as written: a refused signal comes back as
  * the post's -EINVAL, the reason in pdhal_last_error(), the event destroyed by the post
- * (with a live sender; a dead one leaves the event to the caller). The event is waited for
- * first, so that its early destroy is safe on the simulated runtime too. */
+ * (its record may still be queued: runtimes allow that); a dead sender is -EBADF, the event
+ * left to us. */
 int attention_xpu_post_line(XPUStream stream, const int64_t *kv_signal_data,
                             const int64_t *sender_words)
 {
@@ -243,14 +241,15 @@ int attention_xpu_post_line(XPUStream stream, const int64_t *kv_signal_data,
     if (rc)
         return rc;
     rc = xpu_event_record(event, stream);
-    if (!rc)
-        rc = xpu_wait(stream);
     if (rc) {
         xpu_event_destroy(event);
         return rc;
     }
-    return pdhal_sender_post(pdhal_kernel_sender(sender_words), event,
-                             pdhal_signal_store(kv_signal_data));
+    rc = pdhal_sender_post(pdhal_kernel_sender(sender_words), event,
+                           pdhal_signal_store(kv_signal_data));
+    if (rc == -EBADF)
+        xpu_event_destroy(event);
+    return rc;
 }
 
 int attention_xpu_per_query(XPUStream stream, const struct kv_write *writes, int count,
