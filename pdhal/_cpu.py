@@ -8,6 +8,7 @@ also what makes it shareable with set_data_ipc. CpuBackend.ops() names the funct
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import ctypes
 import ctypes.util
@@ -75,6 +76,7 @@ class CpuHostBuffer(HostBuffer):
         pinned = _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0
         super().__init__(address, nbytes, pinned)
         self.path = self._segment.path
+        self._creator_pid = os.getpid()
         with _live_lock:
             _live_buffers[address] = self
 
@@ -86,6 +88,22 @@ class CpuHostBuffer(HostBuffer):
         if self.pinned:
             _libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(self.nbytes))
         self._segment.close()
+
+
+@atexit.register
+def _unlink_unfreed_buffers() -> None:
+    """At a normal exit, remove the files of buffers never freed (an engine's KV cache lives
+    as long as the process), so none is left in the shm folder. Only the file: the memory
+    stays mapped, for a thread still using it, until the process ends; a process that
+    already mapped the buffer keeps its mapping."""
+    with _live_lock:
+        buffers = list(_live_buffers.values())
+    for buf in buffers:
+        if buf._creator_pid == os.getpid():  # a forked child's exit leaves its parent's
+            try:
+                os.unlink(buf.path)
+            except FileNotFoundError:
+                pass
 
 
 def host_alloc(nbytes: int) -> CpuHostBuffer:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import array
 import ctypes
 import os
+import subprocess
 
 import numpy as np
 import pytest
 
 import pdhal
-from conftest import run_child
+from conftest import python_child, run_child, segments_of
 from pdhal import ops
 
 
@@ -198,3 +199,43 @@ def test_a_shared_tensor_bounds_copies_into_it_not_the_buffer_behind_it():
         assert buf.as_numpy(np.uint8, (4, 4096))[:, 0].tolist() == [0, 1, 0, 0]
     finally:
         ops.host_free(buf)
+
+
+def test_host_memory_never_freed_leaves_no_file_after_a_normal_exit(namespace):
+    """An engine never frees its KV cache: at exit its file goes (a forked child exiting
+    first leaves its parent's), while a process that mapped it keeps its mapping."""
+    holder = python_child("""
+        import os, sys, threading
+        import numpy as np
+        from pdhal import ops
+        buf = ops.host_alloc(4096)
+        kv = buf.as_numpy("uint8", (4096,))
+        kv[:] = 7
+        # held by a thread still running at exit, as an engine's cache is: never finalized
+        threading.Thread(target=lambda held=buf: threading.Event().wait(), daemon=True).start()
+        ops.set_data_ipc(kv, "kv_never_freed")
+        if os.fork() == 0:
+            sys.exit(0)  # a normal exit of a forked child: runs atexit, must keep our file
+        os.wait()
+        print("ready", flush=True)
+        sys.stdin.read()
+    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "ready\n"
+    assert any(".host." in path for path in segments_of(namespace))
+    mapper = python_child("""
+        import sys
+        import numpy as np
+        from pdhal import ops
+        kv = ops.share_external_data(np.zeros(1, np.uint8), "kv_never_freed", [4096])
+        print("mapped", flush=True)
+        sys.stdin.readline()
+        assert (kv == 7).all()
+        print("still", flush=True)
+    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert mapper.stdout.readline() == "mapped\n"
+    holder.stdin.close()
+    assert holder.wait(timeout=30) == 0
+    assert not [path for path in segments_of(namespace) if ".host." in path]
+    mapper.stdin.write("\n")
+    mapper.stdin.close()
+    assert mapper.stdout.readline() == "still\n" and mapper.wait(timeout=30) == 0
