@@ -27,7 +27,6 @@ allocation in pdhal host memory (get_mem_pool_context) and shares it with set_da
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import threading
@@ -319,12 +318,6 @@ class _MessagerLink:
                                         f"connection closed)")
 
 
-def _unlink(path: str | None) -> None:
-    if path:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
 class _Worker:
     def __init__(self, owner: PdhalConnector, vllm_config: VllmConfig):
         self.o = owner
@@ -377,10 +370,9 @@ class _Worker:
             def zeros(*size, dtype=None, device=None, **kwargs):
                 if len(size) == 1 and isinstance(size[0], int) and dtype is torch.int8 and \
                         not kwargs and torch.device(device or "cpu").type == "cpu":
-                    buf = ops.host_alloc(size[0])  # fresh shared memory: zero-filled
-                    # vLLM never frees its KV cache: unlink the name at exit (the mapping
-                    # stays valid for whatever still runs), so /dev/shm is not left holding it
-                    atexit.register(_unlink, getattr(buf, "path", None))
+                    # fresh shared memory, zero-filled; vLLM never frees its KV cache, and
+                    # pdhal removes the file of a buffer never freed at exit
+                    buf = ops.host_alloc(size[0])
                     tensor = torch.from_numpy(buf.as_numpy(np.int8, (size[0],)))
                     buffers.append((buf, tensor))
                     return tensor
