@@ -30,13 +30,24 @@ def resolve(obj: object, what: str, writable: bool = False) -> MemoryRef:
 
 
 def block_ids_array(obj: object, what: str):
-    """Block ids as an int64_t[] for the C loop: a list or tuple converts in C (the common
-    case costs no Python per id); anything else, or ids cffi refuses, takes block_ids."""
+    """Block ids as an int64_t[] for the C loop, with no Python per id in the common cases:
+    a list or tuple converts in C, a contiguous 1-D int64 array (numpy) is used in place.
+    Anything else, or ids cffi refuses, takes block_ids (which says which entry is wrong)."""
     if isinstance(obj, (list, tuple)):
         try:
             return _core.ffi.new("int64_t[]", obj)
         except (TypeError, OverflowError):
-            pass  # let block_ids say which entry is wrong
+            pass
+    elif not isinstance(obj, (bytes, bytearray, str)):
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            view = None
+        if view is not None:
+            with view:
+                if (view.ndim == 1 and view.itemsize == 8 and view.c_contiguous
+                        and view.format.lstrip("@=<") in ("l", "q")):
+                    return _core.ffi.from_buffer("int64_t[]", obj)
     return _core.ffi.new("int64_t[]", block_ids(obj, what))
 
 

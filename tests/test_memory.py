@@ -239,3 +239,18 @@ def test_host_memory_never_freed_leaves_no_file_after_a_normal_exit(namespace):
     mapper.stdin.write("\n")
     mapper.stdin.close()
     assert mapper.stdout.readline() == "still\n" and mapper.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("make_ids", [
+    lambda ids: np.array(ids, np.int64),  # used in place
+    lambda ids: np.array(ids, ">i8"),  # the other byte order: converted
+    lambda ids: np.repeat(np.array(ids, np.int64), 2)[::2],  # strided: converted
+    lambda ids: np.array(ids, np.int32),
+])
+def test_copy_blocks_takes_block_ids_as_arrays_and_checks_every_one(make_ids):
+    src = np.arange(8 * 16, dtype=np.uint8).reshape(8, 16)
+    dst = np.zeros_like(src)
+    assert ops.copy_blocks(dst, make_ids([5, 6, 0]), src, make_ids([1, 2, 7]), 16) == 2
+    assert (dst[[5, 6, 0]] == src[[1, 2, 7]]).all() and not dst[[1, 2, 3, 4, 7]].any()
+    with pytest.raises(pdhal.InvalidArgumentError, match=r"source block id 8 \(entry 1\)"):
+        ops.copy_blocks(dst, make_ids([0, 1]), src, make_ids([0, 8]), 16)
