@@ -170,7 +170,10 @@ def test_many_requests_recycle_blocks_slots_and_ring_at_a_flat_rate(transport, m
 def test_human_output_shows_progress_and_summary():
     run = demo(*SMALL, "--mode", "per_chunk")
     assert run.returncode == 0, run.stderr
-    assert run.stderr.count("on decode at") == 4  # one progress line per request
+    lines = [line for line in run.stderr.splitlines() if "on decode at" in line]
+    assert len(lines) == 4  # one progress line per request, when it is on decode: all sent
+    for line, prompt in zip(lines, [64, 100, 200, 333]):
+        assert _positions(line) == ((prompt, 4), (prompt, 4)), line
     assert "every byte verified, decode tokens match the reference" in run.stdout
     assert "overlap efficiency" in run.stdout and "time to first token" in run.stdout
 
@@ -339,3 +342,59 @@ def test_a_child_that_dies_before_connecting_is_reported_not_waited_on():
         hub.start("no-such-role", dict(os.environ))
     assert time.monotonic() - start < 30
     hub.stop(grace=1.0)
+
+
+# -- live progress -------------------------------------------------------------------------
+
+_PROGRESS = re.compile(r"prefilled\s+(\d+) tok, layer\s+(\d+)/\d+ \| sent\s+(\d+) tok, "
+                       r"layer\s+(\d+)/\d+")
+
+
+def _positions(line: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((prefilled tokens, layers), (sent tokens, layers)) of a progress line."""
+    ct, cl, st, sl = map(int, _PROGRESS.search(line).groups())
+    return (ct, cl), (st, sl)
+
+
+@pytest.mark.parametrize("mode", ["per_query", "per_chunk"])
+def test_progress_never_shows_a_request_sent_ahead_of_its_prefill(mode):
+    """The parent reads the worker's and the messager's events on two connections, in
+    whatever order they come: a transfer of layer L is often read before the worker's
+    event for layer L. Every order must give lines with sent <= prefilled, ending full."""
+    import random
+
+    from pdhal_demo.pipeline import Options, Pipeline
+
+    plan = make_plan(ModelConfig(layers=4), [64, 100, 200, 333], mode, "shm",
+                     cache_blocks=64, decode_steps=1, batch=2, chunk_tokens=128)
+    worker, messager = [], []
+    for index in range(len(plan.steps)):
+        step = 7 + index  # channel steps start after the warm-up step
+        worker.append(("step", {"rank": 0, "step": step, "index": index, "start": 0}))
+        for layer in range(plan.model.layers):
+            worker.append(("layer", {"rank": 0, "step": step, "index": index, "layer": layer,
+                                     "end": 1, "signal": 2}))
+            messager.append(("xfer", {"rank": 0, "step": step, "index": index, "layer": layer,
+                                      "start": 3, "end": 4, "bytes": 1}))
+    orders = {"messager read first": [1] * len(messager) + [0] * len(worker),
+              "worker read first": [0] * len(worker) + [1] * len(messager)}
+    for seed in range(20):
+        order = [0] * len(worker) + [1] * len(messager)
+        random.Random(seed).shuffle(order)
+        orders[f"shuffled {seed}"] = order
+    for name, order in orders.items():
+        pipeline = Pipeline(plan, Options(progress=False))
+        try:
+            queues = [list(worker), list(messager)]
+            handlers = [pipeline._on_worker, pipeline._on_messager]
+            for source in order:
+                handlers[source](*queues[source].pop(0))
+                for request in plan.requests:
+                    line = pipeline.progress.line(request)
+                    prefilled, sent = _positions(line)
+                    assert sent <= prefilled, f"{name}: {line}"
+            for request in plan.requests:
+                full = (request.prompt_len, plan.model.layers)
+                assert _positions(pipeline.progress.line(request)) == (full, full), name
+        finally:
+            pipeline.hub.stop(grace=0)

@@ -52,8 +52,9 @@ class Shipper:
             threading.Thread(target=self._complete, name="pdhal-demo-completion",
                              daemon=True).start()
 
-    def send(self, step: int, layer: int, ready: list[tuple[int, int]]) -> None:
-        """Send layer `layer` of each (request, tokens now in the cache) in `ready`."""
+    def send(self, step: int, index: int, layer: int, ready: list[tuple[int, int]]) -> None:
+        """Send layer `layer` of each (request, tokens now in the cache) in `ready`: channel
+        step `step`, the plan's step `index` (the parent's progress lines go by it)."""
         for request_id, _ in ready:
             if request_id not in self.started:  # its decode blocks may still be in use
                 self._await_released(self.plan.requests[request_id])
@@ -83,8 +84,8 @@ class Shipper:
             # runs span requests where both tables are consecutive: fewer, longer copies
             planned = self._runs[key] = (block_runs(src, dst), len(src))
         runs, blocks = planned
-        event = {"rank": self.rank, "step": step, "layer": layer, "start": start,
-                 "bytes": 2 * blocks * self.block_bytes}
+        event = {"rank": self.rank, "step": step, "index": index, "layer": layer,
+                 "start": start, "bytes": 2 * blocks * self.block_bytes}
         if hasattr(self, "_inflight"):  # in order behind the layers still in flight
             self._slots.acquire()  # at most `inflight` layers in flight
             self._inflight.put((event, self.sender.write(layer, runs) if runs else None,
@@ -162,7 +163,7 @@ def _per_query(shipper: Shipper, plan: Plan, reader, base: int) -> None:
                 upto = seen[1] if channel_step == seen[0] else layers - 1
                 ready = [(c.request, c.start + c.length) for c in plan.steps[index]]
                 for layer in range(done + 1, upto + 1):
-                    shipper.send(channel_step, layer, ready)
+                    shipper.send(channel_step, index, layer, ready)
                 done = max(done, upto)
                 if done < layers - 1:
                     break
@@ -182,8 +183,8 @@ def _per_chunk(shipper: Shipper, plan: Plan, rank: int, device: int) -> None:
             holder = {plan.request(c.request).slot: c.request for c in plan.steps[step - first]}
             count, layer = int(record[0]), int(record[1])
             table = record[2:2 + 3 * count].reshape(count, 3)
-            shipper.send(step, layer, [(holder[int(slot)], int(cached + length))
-                                       for slot, cached, length in table])
+            shipper.send(step, step - first, layer, [(holder[int(slot)], int(cached + length))
+                                                     for slot, cached, length in table])
 
 
 def run(link, setup: dict) -> None:

@@ -42,7 +42,15 @@ class Options:
 
 
 class Progress:
-    """A live line per request: layers computed, layers sent, arrival on decode."""
+    """A live line per request: how far its prefill got (tokens, layers of its current
+    chunk), how far sending it got, and when it was on decode.
+
+    The two counts come from two processes over two connections, which the parent reads in
+    whatever order they become readable: a transfer may be read before the worker's event
+    for the layer it sent. The messager sends only what a layer signal made ready, so a sent
+    layer was computed: `sent` advances `prefilled` too, and no line ever shows a request
+    sent further than it was prefilled. Both only move forward.
+    """
 
     def __init__(self, plan: Plan, enabled: bool):
         self.plan = plan
@@ -53,6 +61,20 @@ class Progress:
         self.arrived: dict[int, float] = {}
         self._drawn = 0
         self._last_draw = 0.0
+
+    def _reached(self, index: int, layer: int):
+        """(request, (tokens, layers)) once layer `layer` of plan step `index` is done."""
+        for c in self.plan.steps[index]:
+            yield c.request, (c.start + c.length, layer + 1)
+
+    def layer_computed(self, index: int, layer: int) -> None:
+        for request, at in self._reached(index, layer):
+            self.computed[request] = max(self.computed[request], at)
+
+    def layer_sent(self, index: int, layer: int) -> None:
+        for request, at in self._reached(index, layer):
+            self.sent[request] = max(self.sent[request], at)
+            self.computed[request] = max(self.computed[request], at)  # its signal came first
 
     def line(self, request) -> str:
         layers = self.plan.model.layers
@@ -212,8 +234,7 @@ class Pipeline:
         elif kind == "layer":
             self.timeline.layer_end[m["rank"], m["step"], m["layer"]] = m["end"]
             if m["rank"] == 0:
-                for c in self.plan.steps[m["index"]]:
-                    self.progress.computed[c.request] = (c.start + c.length, m["layer"] + 1)
+                self.progress.layer_computed(m["index"], m["layer"])
         elif kind == "fault":
             self.killed_at = m["at"]
             self.victim = "decoder" if m["victim"] == "decoder" else self.role(m["victim"], 0)
@@ -227,10 +248,8 @@ class Pipeline:
     def _on_messager(self, kind: str, m: dict) -> None:
         if kind == "xfer":
             self.timeline.transfers.append(m)
-            # The worker's "step" comes on another connection and may not be read yet.
-            index = self.timeline.step_index.get((m["rank"], m["step"]))
-            for c in self.plan.steps[index] if index is not None and m["rank"] == 0 else []:
-                self.progress.sent[c.request] = (c.start + c.length, m["layer"] + 1)
+            if m["rank"] == 0:
+                self.progress.layer_sent(m["index"], m["layer"])
         elif kind == "sent":
             self.sent.setdefault(m["request"], set()).add(m["rank"])
             self._maybe_hand_over(m["request"])
