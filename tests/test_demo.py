@@ -34,6 +34,18 @@ def demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def runs_of(stdout: str) -> list[dict]:
+    """The runs `pdhal demo --json` printed: stdout holds one JSON object and nothing else
+    (json.loads refuses anything after it), with the versions it was made by."""
+    import pdhal
+
+    printed = json.loads(stdout)
+    assert set(printed) == {"pdhal_version", "backend", "schema_version", "runs"}, printed
+    assert printed["schema_version"] == 1 and printed["pdhal_version"] == pdhal.__version__
+    assert printed["backend"] == pdhal.current_backend()
+    return printed["runs"]
+
+
 def expected_bytes(prompts: list[int], layers: int) -> int:
     """Bytes moved: K and V of every block a prompt fills, every layer."""
     block = ModelConfig().block_bytes()
@@ -55,7 +67,7 @@ def test_both_modes_verify_every_byte(transport, extra, tmp_path):
     run = demo(*SMALL, "--mode", "both", "--transport", transport, "--json", "--plot", str(plot),
                *extra)
     assert run.returncode == 0, run.stderr
-    summaries = json.loads(run.stdout)
+    summaries = runs_of(run.stdout)
     assert [s["mode"] for s in summaries] == ["per_query", "per_chunk"]
     for s in summaries:
         assert s["ok"] and not s["bad_blocks"] and not s["bad_tokens"]
@@ -85,7 +97,7 @@ def test_figures_keep_their_bounds_with_every_core_busy(transport):
             hog.kill()
             hog.wait()
     assert run.returncode == 0, run.stderr
-    for s in json.loads(run.stdout):
+    for s in runs_of(run.stdout):
         assert s["ok"] and s["causality_violations"] == 0
         assert 0 < s["overlap_efficiency"] <= 1 and s["exposed_transfer_ms"] >= 0
 
@@ -121,7 +133,7 @@ def test_tensor_parallel_ranks_each_ship_their_heads_and_decode_verifies_every_b
                                                                                      mode):
     run = demo(*SMALL, "--tp", "2", "--mode", mode, "--transport", transport, "--json")
     assert run.returncode == 0, run.stderr
-    for s in json.loads(run.stdout):
+    for s in runs_of(run.stdout):
         assert s["ok"] and s["tp"] == 2 and s["causality_violations"] == 0
         assert s["bytes_moved"] == expected_bytes([64, 100, 200, 333], 4)
         assert s["verified_bytes"] == token_bytes([64, 100, 200, 333], 4)
@@ -136,7 +148,7 @@ def test_a_slow_rank_stalls_only_itself():
     run = demo(*SMALL, "--tp", "2", "--layers", "8", "--mode", "per_query", "--slow-rank",
                "1:100", "--json")
     assert run.returncode == 0, run.stderr
-    [s] = json.loads(run.stdout)
+    [s] = runs_of(run.stdout)
     fast, slow = s["ranks"]
     assert s["ok"] and slow["max_start_lag_ms"] > 300 and slow["exposed_transfer_ms"] > 300
     assert fast["max_start_lag_ms"] < slow["max_start_lag_ms"] / 4
@@ -154,7 +166,7 @@ def test_many_requests_recycle_blocks_slots_and_ring_at_a_flat_rate(transport, m
                "--cache-blocks", "16", "--max-batch", "4", "--batch", "2", "--chunk-tokens",
                "128", "--mode", mode, "--transport", transport, "--json")
     assert run.returncode == 0, run.stderr
-    [s] = json.loads(run.stdout)
+    [s] = runs_of(run.stdout)
     prompts = [[64, 100, 200, 333][i % 4] for i in range(requests)]
     assert s["ok"] and s["recycled_blocks"] and s["requests"] == requests
     assert s["bytes_moved"] == expected_bytes(prompts, 4) > 10 * 16 * 2 * 4 * 32768
@@ -323,7 +335,7 @@ def test_decoder_started_by_hand_elsewhere_connects_with_the_printed_command():
     finally:
         parent.kill()
     assert decoder.returncode == 0 and parent.returncode == 0, err
-    [summary] = json.loads(out)
+    [summary] = runs_of(out)
     assert summary["ok"] and summary["transport"] == "mooncake"
     assert summary["verified_bytes"] == token_bytes([64, 100, 200, 333], 4)
 
@@ -342,6 +354,159 @@ def test_a_child_that_dies_before_connecting_is_reported_not_waited_on():
         hub.start("no-such-role", dict(os.environ))
     assert time.monotonic() - start < 30
     hub.stop(grace=1.0)
+
+
+# -- checks before the run: one line, the right exit status, no process started ----------
+
+#: `pdhal demo ARGS` in a parent that records every demo process it starts (its role, in a
+#: file) and where the modules named are not installed (`import` fails, find_spec: None).
+RECORDED = """
+import subprocess, sys
+blocked, record, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+for name in filter(None, blocked.split(",")):
+    sys.modules[name] = None
+class Recorded(subprocess.Popen):
+    def __init__(self, args, *rest, **kwargs):
+        if "pdhal_demo.child" in args:
+            with open(record, "a") as log:
+                log.write(args[-1] + "\\n")
+        super().__init__(args, *rest, **kwargs)
+subprocess.Popen = Recorded
+from pdhal._cli import main
+sys.exit(main(argv))
+"""
+
+
+def recorded_demo(tmp_path, *args: str, blocked=(), env=None):
+    """(the finished `pdhal demo ARGS`, the roles of the processes it started)."""
+    record = tmp_path / "started"
+    run = subprocess.run([sys.executable, "-c", RECORDED, ",".join(blocked), str(record),
+                          "demo", *args], capture_output=True, text=True, timeout=240,
+                         env=None if env is None else dict(os.environ, **env), check=False)
+    return run, record.read_text().split() if record.exists() else []
+
+
+def test_json_is_one_object_and_the_plot_any_format_matplotlib_writes(tmp_path, namespace):
+    """The positive side of the checks below: the recording parent does see the processes
+    start, prints one JSON object, and writes an SVG plot (its format from the name)."""
+    plot = tmp_path / "timeline.svg"
+    run, started = recorded_demo(tmp_path, *SMALL, "--mode", "per_query", "--json", "--plot",
+                                 str(plot))
+    assert run.returncode == 0, run.stderr
+    assert started == ["decoder", "worker", "messager"]
+    [s] = runs_of(run.stdout)
+    assert s["mode"] == "per_query" and s["ok"]
+    assert plot.read_text().lstrip().startswith("<?xml") and "<svg" in plot.read_text()
+    assert not segments_of(namespace)
+
+
+@pytest.mark.parametrize("args, blocked, env, status, says", [
+    (["--plot", "{tmp}/no/such/folder/timeline.png"], (), None, 2,
+     "/no/such/folder does not exist; create it, or give a path in an existing folder"),
+    (["--plot", "{tmp}"], (), None, 2, "is a folder: give a file name, such as"),
+    (["--plot", "/proc/timeline.png"], (), None, 2,  # nobody, root neither, creates files there
+     "--plot /proc/timeline.png: cannot create a file in /proc"),
+    (["--plot", "{tmp}/timeline.pgn"], (), None, 2,
+     "matplotlib cannot write '.pgn' files; end the name in .png, .pdf or .svg"),
+    (["--plot", "{tmp}/timeline"], (), None, 2, "the file name has no extension"),
+    (["--plot", "{tmp}/timeline.png"], ("matplotlib",), None, 1,
+     "--plot needs matplotlib, which cannot be imported"),
+    ([], ("paddle",), None, 1, "Paddle is not installed: pip install paddlepaddle"),
+    (["--transport", "mooncake"], ("mooncake",), None, 1, "pip install 'pdhal-demo[mooncake]'"),
+    ([], (), {"PDHAL_BACKPRESSURE_TIMEOUT": "abc"}, 1,
+     ("PDHAL_BACKPRESSURE_TIMEOUT: must be a positive number of seconds, got 'abc'; fix or "
+      "unset it")),
+    (["--decoder", "remote"], (), None, 2, "--decoder remote needs --transport mooncake"),
+], ids=["plot-folder-missing", "plot-is-a-folder", "plot-folder-unwritable", "plot-format",
+        "plot-no-extension", "no-matplotlib", "no-paddle", "no-mooncake",
+        "bad-PDHAL-variable", "usage"])
+def test_what_the_run_needs_is_checked_before_any_process_starts(tmp_path, namespace, args,
+                                                                  blocked, env, status, says):
+    """Each failed check: one line `pdhal: error: ...` that says what to do, exit status 2
+    (usage) or 1 (environment), and no demo process started, no segment made."""
+    args = [a.format(tmp=tmp_path) for a in args]
+    run, started = recorded_demo(tmp_path, *SMALL, *args, blocked=blocked, env=env)
+    assert started == [], f"a child process was started: {started}\n{run.stderr}"
+    assert run.returncode == status, run.stderr
+    assert run.stderr.startswith("pdhal: error: ") and run.stderr.count("\n") == 1, run.stderr
+    assert says in run.stderr, run.stderr
+    assert run.stdout == ""
+    assert not segments_of(namespace)
+    assert not list(tmp_path.glob("timeline*"))
+
+
+# -- the picture ---------------------------------------------------------------------------
+
+def _synthetic_run(plan):
+    """A timeline as the pipeline records it for `plan` (rank 0, 10 ms a layer, each
+    signal 1 µs after its layer, each transfer 0.5 ms; a request on decode 1 ms after its
+    last transfer)."""
+    from pdhal_demo.report import Timeline
+
+    t, now = Timeline(start=1_000_000), 1_000_000
+    for index, step in enumerate(plan.steps):
+        t.step_start[0, index + 1] = now
+        t.step_index[0, index + 1] = index
+        for layer in range(plan.model.layers):
+            now += 10_000_000
+            t.layer_end[0, index + 1, layer] = now
+            t.signal[0, index + 1, layer] = now + 1_000
+            t.transfers.append({"rank": 0, "step": index + 1, "index": index, "layer": layer,
+                                "start": now + 2_000, "end": now + 502_000, "bytes": 1})
+        for c in step:
+            if c.start + c.length == plan.request(c.request).prompt_len:
+                t.inserted[c.request] = now + 1_502_000
+    return plan, t
+
+
+def _requests_named(label: str) -> set[int]:
+    """"r0–r2, r5" -> {0, 1, 2, 5}."""
+    out = set()
+    for part in label.split(", "):
+        first, _, last = part.partition("–")
+        out |= set(range(int(first[1:]), int((last or first)[1:]) + 1))
+    return out
+
+
+def test_timeline_figure_says_what_each_colour_and_tick_is(tmp_path):
+    from matplotlib.collections import LineCollection
+
+    from pdhal_demo import report
+
+    plans = [make_plan(ModelConfig(layers=3), [70, 40, 130], mode, "shm", cache_blocks=16,
+                       decode_steps=1, batch=2, chunk_tokens=64) for mode in
+             ("per_query", "per_chunk")]
+    runs = [_synthetic_run(plan) for plan in plans]
+    fig = report.figure(runs)
+    [legend] = fig.legends
+    said = " | ".join(text.get_text() for text in legend.get_texts())
+    for what in ("compute: the worker runs one layer", "(colour: which layer)",
+                 "transfer: the messager copies that layer's KV blocks to decode",
+                 "layer signal: posted by the worker through pdhal",
+                 "rN: request N is in the decode cache", "step k: a prefill step starts"):
+        assert what in said, said
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title().split(":")[0] for ax in panels] == ["per_query over shm",
+                                                               "per_chunk over shm"]
+    [bar] = [ax for ax in fig.axes if "layer" in ax.get_ylabel()]
+    assert bar.get_ylabel().startswith("layer (the colour of its compute and transfer bars)")
+    for ax, (plan, t) in zip(panels, runs):
+        assert ax.get_xlabel() == "time since the prefill worker started (ms)"
+        assert [label.get_text() for label in ax.get_yticklabels()] == [
+            "worker: compute", "layer signal", "messager: transfer",
+            "decode: request\nin its cache"]
+        notes = [text.get_text() for text in ax.texts]
+        steps = [n.partition(": ") for n in notes if n.startswith("step ")]
+        assert [(head, _requests_named(ids)) for head, _, ids in steps] == [
+            (f"step {i}", {c.request for c in step}) for i, step in enumerate(plan.steps)]
+        arrivals = [_requests_named(n) for n in notes if n.startswith("r")]
+        assert sorted(r for group in arrivals for r in group) == [0, 1, 2]
+        [ticks] = [c for c in ax.collections if isinstance(c, LineCollection)]
+        assert len(ticks.get_segments()) == len(t.signal)  # a tick per layer signal
+        assert sorted(seg[0][0] for seg in ticks.get_segments()) == sorted(
+            (at - t.start) / 1e6 for at in t.signal.values())
+    report.plot(runs, str(tmp_path / "timeline.png"))
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -- live progress -------------------------------------------------------------------------

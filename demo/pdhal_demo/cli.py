@@ -2,6 +2,16 @@
 
 `add_arguments(parser)` fills the subcommand's parser and imports nothing heavy (`pdhal
 --help` builds it); `main(args)` runs the demo and returns the exit status.
+
+Before any process starts, `main` checks what the run needs: the options, the --plot path
+(its folder exists and takes a file, matplotlib is there and writes its format), the PDHAL_*
+variables the processes inherit (pdhal.check_environment()), Paddle, and Mooncake for
+--transport mooncake. A failed check is one line, `pdhal: error: ...`, saying what to do;
+exit status 2 for a usage error, 1 for the environment.
+
+`--json` prints one JSON object on stdout (report.to_json): {"pdhal_version", "backend",
+"schema_version": 1, "runs": [one summary per mode run, report.summarize]}; the processes'
+own output goes to their logs, never to stdout.
 """
 
 from __future__ import annotations
@@ -84,48 +94,133 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", default="tcp", help="Mooncake: tcp, or rdma on a cluster")
     parser.add_argument("--fault", choices=["kill-messager", "kill-worker", "kill-decoder"],
                         help="show fault handling: SIGKILL that process mid-step")
-    parser.add_argument("--plot", metavar="FILE.png", help="timeline of compute and transfer")
-    parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw the timeline of compute, signals and transfers (any format "
+                             "matplotlib writes: .png, .pdf, .svg, ...)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object: {pdhal_version, backend, schema_version, "
+                             "runs: [one summary per mode]}")
 
 
-def main(args) -> int:
-    from pdhal_demo import pipeline, report
-    from pdhal_demo.control import DemoError
-    from pdhal_demo.model import ModelConfig
-    from pdhal_demo.plan import make_plan
+class _Refused(Exception):
+    """A check before the run failed: one line, and the exit status (2 usage, 1 environment)."""
 
-    model = ModelConfig(layers=args.layers)
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _check_usage(args, model) -> None:
+    import pdhal
+
     try:
         model.check_tp(args.tp)
     except ValueError as exc:
-        print(f"pdhal demo: {exc}", file=sys.stderr)
-        return 2
+        raise _Refused(2, str(exc)) from None
+    if args.max_batch > pdhal.MAX_REQUESTS:
+        raise _Refused(2, f"--max-batch is at most {pdhal.MAX_REQUESTS}")
+    if any(rank >= args.tp for rank in args.slow_rank):
+        raise _Refused(2, f"--slow-rank names a rank beyond --tp {args.tp}")
+    if args.fault == "kill-decoder" and args.decoder == "remote":
+        raise _Refused(2, "--fault kill-decoder kills a local decoder; kill a remote one by hand")
+    if args.decoder == "remote" and args.transport != "mooncake":
+        raise _Refused(2, "--decoder remote needs --transport mooncake (shm stays on one host)")
+
+
+def _check_plot(path: str) -> None:
+    """--plot PATH: a file matplotlib can write, in a folder this process can write in."""
+    import os
+    import tempfile
+
+    if os.path.isdir(path):
+        raise _Refused(2, f"--plot {path} is a folder: give a file name, such as "
+                          f"{os.path.join(path, 'demo-timeline.png')}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise _Refused(2, f"--plot {path}: {folder} {what}; create it, or give a path in "
+                          f"an existing folder")
+    try:  # as the plot will be written (access() would say yes to root on a read-only mount)
+        with tempfile.TemporaryFile(dir=folder, prefix=".pdhal-demo-plot-"):
+            pass
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is read-only")
+    except OSError as exc:
+        raise _Refused(2, f"--plot {path}: cannot create a file in {folder} "
+                          f"({exc.strerror or exc}); give a path in a folder you can write "
+                          f"to") from None
+    try:
+        from pdhal_demo.report import plot_formats
+
+        formats = plot_formats()
+    except ImportError as exc:
+        raise _Refused(1, f"--plot needs matplotlib, which cannot be imported ({exc}): "
+                          f"pip install matplotlib, or leave out --plot") from None
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in formats:
+        common = ["png", "pdf", "svg"]
+        said = (f"matplotlib cannot write '.{extension}' files" if extension else
+                "the file name has no extension to say the format")
+        raise _Refused(2, f"--plot {path}: {said}; end the name in .png, .pdf or .svg "
+                          f"(matplotlib also writes "
+                          f"{', '.join('.' + f for f in formats if f not in common)})")
+
+
+def _check_environment(args) -> None:
+    """What the processes will need, checked here, before any of them starts."""
+    import importlib.util
+
     import pdhal
 
-    if args.max_batch > pdhal.MAX_REQUESTS:
-        print(f"pdhal demo: --max-batch is at most {pdhal.MAX_REQUESTS}", file=sys.stderr)
-        return 2
+    try:
+        pdhal.check_environment()  # the PDHAL_* variables every child inherits
+    except pdhal.PdhalError as exc:
+        raise _Refused(1, f"{exc}; fix or unset it (`pdhal info` lists every PDHAL_* variable "
+                          f"and what it means)") from None
+    if importlib.util.find_spec("paddle") is None:  # imported by the worker and the decoder
+        raise _Refused(1, "the demo's prefill worker and decode receiver run a Paddle model, "
+                          "and Paddle is not installed: pip install paddlepaddle (or pip "
+                          "install -e demo, which pulls it in)")
+    if args.transport == "mooncake":
+        from pdhal_demo.control import DemoError
+        from pdhal_demo.transport import require_mooncake
+
+        try:
+            require_mooncake()
+        except DemoError as exc:
+            raise _Refused(1, str(exc)) from None
+
+
+def main(args) -> int:
+    """Check everything the run needs (usage, --plot, PDHAL_* variables, Paddle, Mooncake)
+    before any process starts, then run each mode; a failed check is one line on stderr,
+    `pdhal: error: ...`, exit status 2 for a usage error and 1 for the environment."""
+    from pdhal_demo.model import ModelConfig
+
+    model = ModelConfig(layers=args.layers)
+    try:
+        _check_usage(args, model)
+        if args.plot:
+            _check_plot(args.plot)
+        _check_environment(args)
+    except _Refused as exc:
+        print(f"pdhal: error: {exc}", file=sys.stderr)
+        return exc.status
+
+    from pdhal_demo import pipeline, report
+    from pdhal_demo.control import DemoError
+    from pdhal_demo.plan import make_plan
+
     prompt_lens = args.prompt_lens
     if args.requests:
         prompt_lens = [prompt_lens[i % len(prompt_lens)] for i in range(args.requests)]
-    if any(rank >= args.tp for rank in args.slow_rank):
-        print(f"pdhal demo: --slow-rank names a rank beyond --tp {args.tp}", file=sys.stderr)
-        return 2
-    if args.fault == "kill-decoder" and args.decoder == "remote":
-        print("pdhal demo: --fault kill-decoder kills a local decoder; kill a remote one by hand",
-              file=sys.stderr)
-        return 2
-    if args.decoder == "remote" and args.transport != "mooncake":
-        print("pdhal demo: --decoder remote needs --transport mooncake (shm stays on one host)",
-              file=sys.stderr)
-        return 2
     options = pipeline.Options(host=args.host, protocol=args.protocol, fault=args.fault,
                                progress=not args.json, remote_decoder=args.decoder == "remote",
                                control_host=args.control_host, shm_copy=args.shm_copy,
                                inflight=args.inflight,
                                transfer_timeout_s=args.transfer_timeout,
                                slow_ms=args.slow_rank)
-    summaries, timelines = [], []
+    summaries, runs = [], []
     try:
         for mode in MODES if args.mode == "both" else [args.mode]:
             plan = make_plan(model, prompt_lens, mode, args.transport, args.cache_blocks,
@@ -141,14 +236,20 @@ def main(args) -> int:
                       file=sys.stderr)
             summary, timeline = pipeline.run(plan, options)
             summaries.append(summary)
-            timelines.append((f"{mode} over {args.transport}", timeline))
+            runs.append((plan, timeline))
             if not args.json:
                 print(report.format_summary(summary), flush=True)
-        if args.plot:
-            report.plot(timelines, args.plot)
     except DemoError as exc:
-        print(f"pdhal demo: {exc}", file=sys.stderr)
+        print(f"pdhal: error: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(summaries, indent=2))
+        print(json.dumps(report.to_json(summaries), indent=2), flush=True)
+    if args.plot:
+        try:
+            report.plot(runs, args.plot)
+        except OSError as exc:  # checked before the run; the disk may have filled since
+            print(f"pdhal: error: could not write the plot {args.plot}: {exc}", file=sys.stderr)
+            return 1
+        if not args.json:
+            print(f"pdhal demo: wrote the timeline to {args.plot}", file=sys.stderr)
     return 0 if all(s["ok"] for s in summaries) else 1

@@ -70,10 +70,11 @@ class Hub:
 
     def start(self, role: str, env: dict[str, str], pass_fds=()) -> None:
         """Launch `python -m pdhal_demo.child ROLE` with `env` (and the file descriptors
-        `pass_fds`) and wait for it to connect."""
+        `pass_fds`) and wait for it to connect. Its stdout and stderr go to its log: the
+        parent's stdout carries only what `pdhal demo` prints (one JSON object with --json)."""
         with open(self.log_path(role), "wb") as log:
             process = subprocess.Popen([sys.executable, "-m", "pdhal_demo.child", role],
-                                       env=env | self.child_env(), stderr=log,
+                                       env=env | self.child_env(), stdout=log, stderr=log,
                                        pass_fds=pass_fds)
         self.processes[role] = process
         self.accept(role, 120.0, lambda: process.poll() is None)

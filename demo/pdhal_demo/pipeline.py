@@ -233,8 +233,13 @@ class Pipeline:
             self.timeline.step_start[m["rank"], m["step"]] = m["start"]
         elif kind == "layer":
             self.timeline.layer_end[m["rank"], m["step"], m["layer"]] = m["end"]
+            if "signal" in m:
+                self.timeline.signal[m["rank"], m["step"], m["layer"]] = m["signal"]
             if m["rank"] == 0:
                 self.progress.layer_computed(m["index"], m["layer"])
+        elif kind == "signals":  # every layer's, after the forward pass (--signal-at-end)
+            for layer in range(self.plan.model.layers):
+                self.timeline.signal[m["rank"], m["step"], layer] = m["at"]
         elif kind == "fault":
             self.killed_at = m["at"]
             self.victim = "decoder" if m["victim"] == "decoder" else self.role(m["victim"], 0)

@@ -35,6 +35,7 @@ class Timeline:
     step_start: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, step) -> ns
     step_index: dict[tuple[int, int], int] = field(default_factory=dict)  # -> plan.steps[i]
     layer_end: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (rank, step, layer)
+    signal: dict[tuple[int, int, int], int] = field(default_factory=dict)  # layer signal posted
     transfers: list[dict] = field(default_factory=list)  # messager "xfer" events
     inserted: dict[int, int] = field(default_factory=dict)  # request -> on decode, ns
 
@@ -147,6 +148,19 @@ def _rank(timeline: Timeline, rank: int, device) -> dict:
 
 def summarize(timeline: Timeline, plan, verification: dict,
               devices: dict[int, int] | None = None) -> dict:
+    """One run's figures: an element of the "runs" `pdhal demo --json` prints (to_json).
+
+    What ran: mode, transport, layer_signals ("per layer" or "after the forward pass"),
+    requests, rejected (prompts that fit no cache), layers, steps, tp, prompt_tokens. What
+    moved: bytes_moved (whole blocks), verified_bytes (rows of prompt tokens, every layer,
+    K and V), transfer_throughput_gib_s. Times, in the unit their key ends in: compute_s,
+    transfer_busy_s, wall_s (to the last byte), ttft_ms and ttft_after_prefill_ms (decode has
+    the request, from the start and from its prefill's end), exposed_transfer_ms (the last
+    byte after the last layer). overlap_efficiency (<= 1), causality_violations (0), ranks
+    (the same per tensor-parallel rank), throughput_windows (requests/s by tenths of the run,
+    from 20 requests on), recycled_blocks. The verdict: bad_blocks, bad_tokens, tokens (per
+    request: the first token, then those decoded), ok.
+    """
     bytes_moved = sum(x["bytes"] for x in timeline.transfers)
     busy = timeline.busy()
     ttft = [t - timeline.start for t in timeline.inserted.values()]
@@ -227,31 +241,168 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(timelines: list[tuple[str, Timeline]], path: str) -> None:
-    """One panel per run: a row of layer compute and a row of layer transfer."""
-    try:
-        import matplotlib
-    except ImportError:
-        from pdhal_demo.control import DemoError
+#: `pdhal demo --json` prints one object (to_json); its version changes when a field's
+#: meaning does or one is removed (added fields keep it).
+SCHEMA_VERSION = 1
 
-        raise DemoError("--plot needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 1.8 * len(timelines) + 0.6),
-                             squeeze=False)
-    for ax, (title, t) in zip(axes[:, 0], timelines):
+def to_json(runs: list[dict]) -> dict:
+    """What `pdhal demo --json` prints, as one JSON object:
+
+    {"pdhal_version": "0.1.0", "backend": "cpu", "schema_version": 1, "runs": [...]}
+
+    `backend` is the pdhal backend that ran (PDHAL_PLATFORM or the one selected), `runs` one
+    summary (see summarize) per mode run, in the order run (per_query, then per_chunk).
+    """
+    import pdhal
+
+    return {"pdhal_version": pdhal.__version__, "backend": pdhal.current_backend(),
+            "schema_version": SCHEMA_VERSION, "runs": runs}
+
+
+#: The formats --plot may end in: matplotlib's own list (FigureCanvasBase), once imported.
+def plot_formats() -> list[str]:
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+LAYER_CMAP = "viridis"  # a layer's colour, the same in the compute and the transfer row
+MAX_LABELS = 16  # steps or request groups in a panel labelled by their request ids
+
+
+def _ids(ids: list[int]) -> str:
+    """Request ids as the picture labels them: [0, 1, 2, 3, 6, 7] -> "r0–r3, r6, r7"."""
+    out, ids = [], sorted(set(ids))
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        if j - i >= 2:
+            out.append(f"r{ids[i]}–r{ids[j]}")
+        else:
+            out += [f"r{n}" for n in ids[i:j + 1]]
+        i = j + 1
+    return ", ".join(out)
+
+
+def _label(ax, span: float, text: str, x: float, y: float, dy: int, colour: str) -> None:
+    """Text by the point (x, y); near the right edge it ends there instead of starting."""
+    right = x > 0.85 * span
+    ax.annotate(text, (x, y), fontsize=7, xytext=(-3 if right else 3, dy),
+                textcoords="offset points", ha="right" if right else "left", color=colour)
+
+
+def figure(runs: list[tuple]):
+    """The timeline picture (a matplotlib Figure, not drawn): one panel per (plan, timeline)
+    run. Rows, top to bottom: the prefill worker computing each layer (rank 0's), each layer
+    signal it posted, the cache messager's transfer of each layer (a row per rank), each
+    request reaching the decode cache. A layer has one colour in both bar rows (the colour
+    bar says which); dotted lines start prefill steps, labelled with their requests."""
+    import numpy as np
+    from matplotlib import colormaps, colors
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.figure import Figure
+    from matplotlib.legend_handler import HandlerTuple
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    cmap = colormaps[LAYER_CMAP]
+    layers = max(plan.model.layers for plan, _ in runs)
+    norm = colors.BoundaryNorm(np.arange(layers + 1) - 0.5, cmap.N)
+    heights = [3.0 + 0.45 * plan.tp for plan, _ in runs]
+    fig = Figure(figsize=(13, sum(heights) + 1.6), layout="constrained")
+    axes = fig.subplots(len(runs), 1, squeeze=False, height_ratios=heights)[:, 0]
+    for ax, (plan, t) in zip(axes, runs):
+        def ms(ns: int, start: int = t.start) -> float:
+            return (ns - start) / 1e6
+        rank0 = "\n(rank 0)" if plan.tp > 1 else ""
+        rows = [f"worker: compute{rank0}", f"layer signal{rank0}"]
+        rows += [f"messager rank {r}:\ntransfer" if plan.tp > 1 else "messager: transfer"
+                 for r in range(plan.tp)]
+        rows.append("decode: request\nin its cache")
+        y = {name: len(rows) - 1 - i for i, name in enumerate(rows)}  # first row on top
         compute = t.compute_intervals()
-        ax.broken_barh([((b - t.start) / 1e6, (e - b) / 1e6) for b, e, _ in compute], (10, 8),
-                       facecolors=[["tab:blue", "tab:cyan"][layer % 2] for _, _, layer in compute])
-        ax.broken_barh([((x["start"] - t.start) / 1e6, (x["end"] - x["start"]) / 1e6)
-                        for x in t.transfers], (0, 8),
-                       facecolors=[["tab:orange", "tab:red"][x["layer"] % 2]
-                                   for x in t.transfers],
-                       edgecolors=[["tab:orange", "tab:red"][x["layer"] % 2]
-                                   for x in t.transfers], linewidth=0.8)  # short ones show
-        ax.set_yticks([4, 14], ["transfer", "compute"])
-        ax.set_title(f"{title}: overlap efficiency {t.overlap_efficiency():.3f}", fontsize=10)
-    axes[-1, 0].set_xlabel("ms since the prefill started")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        ax.broken_barh([(ms(b), (e - b) / 1e6) for b, e, _ in compute],
+                       (y[rows[0]] - 0.35, 0.7),
+                       facecolors=[cmap(norm(layer)) for *_, layer in compute],
+                       edgecolors="white",  # between layers, unless that is all one would see
+                       linewidth=0.4 if len(compute) <= 300 else 0)
+        ticks = [ms(at) for (rank, _, _), at in t.signal.items() if rank == 0]
+        ax.vlines(ticks, y[rows[1]] - 0.3, y[rows[1]] + 0.3, colors="black", linewidth=0.7)
+        for rank in range(plan.tp):
+            row = y[rows[2 + rank]]
+            mine = [x for x in t.transfers if x.get("rank", 0) == rank]
+            shades = [cmap(norm(x["layer"])) for x in mine]
+            ax.broken_barh([(ms(x["start"]), (x["end"] - x["start"]) / 1e6) for x in mine],
+                           (row - 0.35, 0.7), facecolors=shades, edgecolors=shades,
+                           linewidth=0.8)  # a transfer far shorter than a pixel still shows
+        # Requests on decode; those a few pixels apart share one label.
+        row = y[rows[-1]]
+        arrivals = sorted((ms(at), r) for r, at in t.inserted.items())
+        span = max([ms(x["end"]) for x in t.transfers] + [a for a, _ in arrivals] + [1.0])
+
+        ax.plot([a for a, _ in arrivals], [row] * len(arrivals), linestyle="none",
+                marker="v", color="tab:red", markersize=6)
+        groups: list[list] = []
+        for at, r in arrivals:
+            if groups and at - groups[-1][0][0] < span / 60:
+                groups[-1].append((at, r))
+            else:
+                groups.append([(at, r)])
+        if len(plan.requests) <= MAX_LABELS:
+            for group in groups:
+                _label(ax, span, _ids([r for _, r in group]), group[0][0], row, -12,
+                       "tab:red")
+        # Steps: where each began (rank 0), and the requests it computed.
+        starts = sorted((ms(at), t.step_index[key]) for key, at in t.step_start.items()
+                        if key[0] == 0 and key in t.step_index)
+        for at, _ in starts if len(starts) <= 3 * MAX_LABELS else []:  # else a grey wash
+            ax.axvline(at, color="grey", linestyle=":", linewidth=0.8)
+        if len(starts) <= MAX_LABELS:
+            for at, index in starts:
+                _label(ax, span, f"step {index}: {_ids([c.request for c in plan.steps[index]])}",
+                       at, len(rows) - 0.5, 2, "dimgrey")
+        ax.set_yticks(list(y.values()), list(y))
+        ax.set_ylim(-0.6, len(rows) - 0.1)
+        ax.set_xlim(-0.01 * span, 1.01 * span)
+        ax.set_xlabel("time since the prefill worker started (ms)")
+        signals = "after the forward pass" if plan.signal_at_end else "per layer"
+        ax.set_title(f"{plan.mode} over {plan.transport}: {len(plan.requests)} requests, "
+                     f"{plan.model.layers} layers, {len(plan.steps)} "
+                     f"step{'s' if len(plan.steps) > 1 else ''}, signals {signals}"
+                     + (f", {plan.tp} tensor-parallel ranks" if plan.tp > 1 else "")
+                     + f" — overlap efficiency {t.overlap_efficiency():.3f}, last byte "
+                     f"{t.exposed_transfer() / 1e6:.1f} ms after the last layer", fontsize=10)
+    fig.suptitle("pdhal demo: prefill worker → layer signal → cache messager → decode cache",
+                 fontsize=11)
+    bar = fig.colorbar(ScalarMappable(norm, cmap), ax=list(axes), pad=0.01, aspect=40)
+    bar.set_label("layer (the colour of its compute and transfer bars)")
+    bar.set_ticks(sorted({*range(0, layers, max(1, round(layers / 8))), layers - 1}))
+    # A layer's colour is not the row's: each bar entry shows three layers' colours.
+    shades = [cmap(norm(layer)) for layer in (0, layers // 2, layers - 1)]
+    handles = [
+        tuple(Patch(facecolor=c, edgecolor="white") for c in shades),
+        tuple(Line2D([], [], color=c, marker="|", linestyle="none", markersize=10,
+                     markeredgewidth=2) for c in shades),
+        Line2D([], [], color="black", marker="|", linestyle="none", markersize=10,
+               markeredgewidth=1),
+        Line2D([], [], color="tab:red", marker="v", linestyle="none"),
+        Line2D([], [], color="grey", linestyle=":"),
+    ]
+    labels = [
+        "compute: the worker runs one layer, writing its K/V (colour: which layer)",
+        "transfer: the messager copies that layer's KV blocks to decode (same colour)",
+        "layer signal: posted by the worker through pdhal, it wakes the messager",
+        "rN: request N is in the decode cache, its first token known",
+        "step k: a prefill step starts; rN: the requests it computes",
+    ]
+    fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8,
+               frameon=False, handler_map={tuple: HandlerTuple(ndivide=None, pad=0)})
+    return fig
+
+
+def plot(runs: list[tuple], path: str) -> None:
+    """Write figure(runs) to `path` (the format its extension names)."""
+    figure(runs).savefig(path, dpi=110)

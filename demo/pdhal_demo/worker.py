@@ -180,10 +180,12 @@ def run(link, setup: dict) -> None:
             # the moment the signal lands, and no transfer may seem to start before its
             # layer was done (overlap efficiency <= 1 and exposed transfer >= 0 rest on it).
             end = time.monotonic_ns()
+            event = {"rank": rank, "step": channel_step, "index": index, "layer": layer,
+                     "end": end}
             if not plan.signal_at_end:
                 ops.signal_layer_ready(signal_of(layer))
-            out.post("layer", {"rank": rank, "step": channel_step, "index": index,
-                               "layer": layer, "end": end})
+                event["signal"] = time.monotonic_ns()  # posted (the timeline's ticks)
+            out.post("layer", event)
             if fault and index == 0 and layer == layers // 2:
                 _inject(fault, out, {"messager": go["messager_pid"], "worker": os.getpid(),
                                      "decoder": go.get("decoder_pid")})
@@ -196,6 +198,7 @@ def run(link, setup: dict) -> None:
         if plan.signal_at_end:
             for layer in range(layers):
                 ops.signal_layer_ready(signal_of(layer))
+            out.post("signals", {"rank": rank, "step": channel_step, "at": time.monotonic_ns()})
         for request, token in first_tokens.items():
             out.post("first_token", {"rank": rank, "request": request, "token": token})
         out.flush()
