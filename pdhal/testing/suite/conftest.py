@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from pdhal import _registry
+from pdhal import _registry, ops
 from pdhal.testing.reset import release_process_state, remove_leftovers
 
 
@@ -15,7 +15,14 @@ from pdhal.testing.reset import release_process_state, remove_leftovers
 def namespace(monkeypatch, support):
     ns = f"kit{uuid.uuid4().hex[:12]}"
     monkeypatch.setenv("PDHAL_NAMESPACE", ns)
+    streams = [None]  # the default stream, and every stream the test took
+    take_stream = support.stream
+    monkeypatch.setattr(support, "stream", lambda: streams.append(take_stream()) or streams[-1])
     yield ns
+    # A signal queued on a stream holds its channel until it ran: wait for the test's device
+    # work before judging what was left behind.
+    for stream in streams:
+        ops.synchronize(stream)
     support.release()
     release_process_state(forget_backend=False)
     left = remove_leftovers(ns)
