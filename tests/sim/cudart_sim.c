@@ -13,7 +13,6 @@
 #include "sim_device.h"
 
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,8 +47,6 @@ struct cudaPointerAttributes {
 };
 
 static _Thread_local int current_device;
-static atomic_int live_host_buffers;
-#define HOST_MAGIC 0x4355484f5354ULL
 
 /* SIM_CUDA_NO_DRIVER: no driver at all; SIM_CUDA_OLD_DRIVER: one older than the runtime.
  * Both make cudaGetDeviceCount fail with 35, as CUDA does; the driver version tells. */
@@ -276,30 +273,74 @@ int cudaFree(void *ptr)
     return sim_free(ptr) == 0 ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+/* cudaHostAlloc buffers: kept in a list, so cudaPointerGetAttributes and cudaFreeHost know
+ * them (anywhere inside) without reading memory around a pointer they were merely handed. */
+struct host_buffer {
+    char *base;
+    size_t size;
+    struct host_buffer *next;
+};
+static struct host_buffer *host_buffers;
+static int live_host_buffers;
+static pthread_mutex_t host_buffers_lock = PTHREAD_MUTEX_INITIALIZER;
+
 int cudaHostAlloc(void **ptr, size_t size, unsigned int flags)
 {
     SIM_FAILPOINT(cudaErrorMemoryAllocation);
     if (!size)
         return cudaErrorInvalidValue;
-    uint64_t *raw = malloc(size + 16);
-    raw[0] = HOST_MAGIC;
-    raw[1] = size;
-    atomic_fetch_add(&live_host_buffers, 1);
-    *ptr = raw + 2;
+    struct host_buffer *buf = malloc(sizeof *buf);
+    char *base = malloc(size);
+    if (!buf || !base) {
+        free(buf);
+        free(base);
+        return cudaErrorMemoryAllocation;
+    }
+    *buf = (struct host_buffer){base, size, NULL};
+    pthread_mutex_lock(&host_buffers_lock);
+    buf->next = host_buffers;
+    host_buffers = buf;
+    live_host_buffers++;
+    pthread_mutex_unlock(&host_buffers_lock);
+    *ptr = base;
     return cudaSuccess;
 }
 int cudaFreeHost(void *ptr)
 {
     SIM_FAILPOINT(cudaErrorInvalidValue);
-    uint64_t *raw = (uint64_t *)ptr - 2;
-    if (!ptr || raw[0] != HOST_MAGIC)
+    struct host_buffer *found = NULL;
+    pthread_mutex_lock(&host_buffers_lock);
+    for (struct host_buffer **at = &host_buffers; *at; at = &(*at)->next) {
+        if ((*at)->base == ptr) {
+            found = *at;
+            *at = found->next;
+            live_host_buffers--;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&host_buffers_lock);
+    if (!found)
         return cudaErrorInvalidValue;
-    raw[0] = 0;
-    free(raw);
-    atomic_fetch_sub(&live_host_buffers, 1);
+    free(found->base);
+    free(found);
     return cudaSuccess;
 }
-int sim_live_host_buffers(void) { return live_host_buffers; }
+static int host_allocated(const void *ptr)
+{
+    int found = 0;
+    pthread_mutex_lock(&host_buffers_lock);
+    for (struct host_buffer *buf = host_buffers; buf && !found; buf = buf->next)
+        found = (const char *)ptr >= buf->base && (const char *)ptr < buf->base + buf->size;
+    pthread_mutex_unlock(&host_buffers_lock);
+    return found;
+}
+int sim_live_host_buffers(void)
+{
+    pthread_mutex_lock(&host_buffers_lock);
+    int live = live_host_buffers;
+    pthread_mutex_unlock(&host_buffers_lock);
+    return live;
+}
 
 int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr)
 {
@@ -318,12 +359,9 @@ int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr
         attr->devicePointer = attr->hostPointer = (void *)ptr;
         return cudaSuccess;
     }
-    /* cudaHostAlloc memory: recognised by the header only at the start of a buffer. */
-    const uint64_t *raw = (const uint64_t *)ptr - 2;
-    if (ptr && ((uintptr_t)ptr & 7) == 0 && raw[0] == HOST_MAGIC) {
+    if (host_allocated(ptr)) {
         attr->type = 1;
-        attr->devicePointer = (void *)ptr;
-        attr->hostPointer = (void *)ptr;
+        attr->devicePointer = attr->hostPointer = (void *)ptr;
     }
     return cudaSuccess;
 }
