@@ -6,9 +6,9 @@ run the tests named for it; a bug the tests do not notice is a survivor.
     python tests/mutation/run.py --only ID  # one mutant (repeatable)
     python tests/mutation/run.py --check    # every `find` occurs once; nothing runs
 
-The copy gets its own C extension when a mutant changes csrc/ (built with the project's
-cffi build script), and runs with PYTHONPATH pointing at it, so the installed editable
-checkout is never touched. Mutants claimed equivalent are proven so for C (identical object
+The copy gets its own C core when a mutant changes csrc/ (the extension, built with the
+project's cffi build script, and libpdhal.so), and runs with PYTHONPATH pointing at it, so
+the installed editable checkout is never touched. Mutants claimed equivalent are proven so for C (identical object
 code) and listed apart, not counted. Exit status 1 when the score is below --min-score
 (90%), or, with --fast, when any mutant survives.
 """
@@ -56,11 +56,12 @@ def check_finds(mutants: list[dict]) -> list[str]:
 
 
 def snapshot() -> str:
-    """The repository's files (tracked and new, not ignored) plus its built extension and
-    simulated runtimes, copied once: later edits to the checkout do not leak into the run."""
+    """The repository's files (tracked and new, not ignored) plus its built C core (the
+    extension and the standalone libpdhal.so) and simulated runtimes, copied once: later
+    edits to the checkout do not leak into the run."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    built = glob.glob(os.path.join(ROOT, "pdhal", "_pdhal_c*.so")) + \
+    built = glob.glob(os.path.join(ROOT, "pdhal", "*.so")) + \
         glob.glob(os.path.join(ROOT, "tests", "sim", "build", "*.so"))
     dest = tempfile.mkdtemp(prefix="pdhal-mutate-base-")
     for rel in files + [os.path.relpath(p, ROOT) for p in built]:
@@ -87,15 +88,21 @@ def apply(copy: str, m: dict) -> None:
         f.write(text.replace(m["find"], m["replace"]))
 
 
-def build_extension(copy: str) -> str | None:
-    """Rebuild pdhal._pdhal_c in the copy; None when it built, else the compiler's output."""
-    for old in glob.glob(os.path.join(copy, "pdhal", "_pdhal_c*.so")):
+def build_c_core(copy: str) -> str | None:
+    """Rebuild the copy's C core as setup.py does: pdhal._pdhal_c and libpdhal.so (what C
+    programs outside Python link). None when both built, else the compiler's output."""
+    for old in glob.glob(os.path.join(copy, "pdhal", "*.so")):
         os.remove(old)
     # cffi compiles in tmpdir with the build script's relative source paths: the copy's root.
-    code = ("import sys; sys.path.insert(0, 'csrc'); import build_ffi; "
-            "build_ffi.ffibuilder.compile(tmpdir='.')")
+    code = ("import sys, subprocess; sys.path.insert(0, 'csrc'); import build_ffi as b; "
+            "b.ffibuilder.compile(tmpdir='.'); "
+            "subprocess.run(['gcc', '-shared', '-fPIC', *b.compile_args(), '-Ipdhal/include', "
+            "*['csrc/' + s for s in b.SOURCES], '-o', 'pdhal/libpdhal.so', "
+            "*b.link_args(b.CDEF, python_module=False), '-lpthread'], check=True)")
     proc = subprocess.run([PYTHON, "-c", code], cwd=copy, capture_output=True, text=True)
-    if proc.returncode != 0 or not glob.glob(os.path.join(copy, "pdhal", "_pdhal_c*.so")):
+    built = [glob.glob(os.path.join(copy, "pdhal", name)) for name in ("_pdhal_c*.so",
+                                                                      "libpdhal.so")]
+    if proc.returncode != 0 or not all(built):
         return proc.stdout + proc.stderr
     return None
 
@@ -173,7 +180,7 @@ def run_one(base: str, m: dict) -> tuple[str, str]:
                 return "error", "claimed equivalent, but its object code differs"
             return "equivalent", m["equivalent"]
         if m["file"].startswith("csrc/"):
-            failed = build_extension(copy)
+            failed = build_c_core(copy)
             if failed:
                 return "stillborn", failed.strip().splitlines()[-1]
         failed = run_tests(copy, m["tests"])
