@@ -37,11 +37,12 @@ import subprocess
 import sys
 import time
 
-from pdhal import ops
 from pdhal_demo import DEFAULT_PROMPTS, pipeline
 from pdhal_demo.model import ModelConfig
 from pdhal_demo.plan import make_plan
 from pdhal_demo.transport import block_runs
+
+from pdhal import ops
 
 PROMPTS = [int(n) for n in DEFAULT_PROMPTS.split(",")]
 MODEL = ModelConfig(layers=32)

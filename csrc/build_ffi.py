@@ -38,7 +38,7 @@ def export_map(cdef: str, python_module: bool = True) -> str:
     functions = sorted(set(re.findall(r"\b(pdhal_\w+)\s*\(", cdef)))
     if python_module:
         functions.insert(0, "PyInit__pdhal_c")
-    script = "{ global: %s; local: *; };\n" % "; ".join(functions)
+    script = f"{{ global: {'; '.join(functions)}; local: *; }};\n"
     digest = hashlib.sha256(script.encode()).hexdigest()[:16]
     path = pathlib.Path(tempfile.gettempdir()) / f"pdhal-exports-{digest}.map"
     path.write_text(script)

@@ -262,7 +262,7 @@ class Segment:
         """This producer channel's id in kernel forms (registered on first use)."""
         channel = lib.pdhal_kernel_channel(self.ptr)
         if channel == 0:
-            _raise(-errno.ENFILE, "registering %s for kernel forms" % self.path)
+            _raise(-errno.ENFILE, f"registering {self.path} for kernel forms")
         return channel
 
     def clear_current_chunk(self) -> None:

@@ -16,7 +16,7 @@ from importlib import metadata
 
 import pluggy
 
-from pdhal import _hookspecs
+from pdhal import _hookspecs, _published, _signals
 from pdhal._backend import Availability, Backend, check_ops
 from pdhal._errors import (
     BackendLoadError,
@@ -25,7 +25,6 @@ from pdhal._errors import (
     PdhalError,
 )
 from pdhal._platform import Platform
-from pdhal import _published, _signals
 from pdhal._sender import destroy_kv_signal_sender
 
 log = logging.getLogger("pdhal")

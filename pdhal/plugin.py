@@ -12,6 +12,7 @@ stream, the peer address, IPC). docs/writing-a-backend.md walks through one.
 
 from pdhal._backend import BACKEND_OPS, Availability, Backend
 from pdhal._core import STORE_CALLBACK_ADDRESS, free_store, store_address
+from pdhal._extents import forget as forget_mapping
 from pdhal._hookspecs import hookimpl
 from pdhal._hostmem import HostBuffer
 from pdhal._names import validate_index, validate_name
@@ -20,7 +21,6 @@ from pdhal._published import SharedDeviceBuffer
 from pdhal._published import publish as publish_shared
 from pdhal._published import request as request_shared
 from pdhal._published import unset as unset_shared
-from pdhal._extents import forget as forget_mapping
 from pdhal._runtime_backend import RuntimeBackend, RuntimeHostBuffer
 from pdhal._runtime_library import RuntimeLibrary
 from pdhal._sender import KVSignalSender, ProcessSender, require_signal

@@ -1,5 +1,6 @@
 """10,000,000 signals through each channel kind between two processes: none lost, memory
-flat. Run by `make stress` (CI runs it after `make test`; not part of the quick suite); prints RSS before and after."""
+flat. Run by `make stress` (CI runs it after `make test`; not part of the quick suite);
+prints RSS before and after."""
 
 from __future__ import annotations
 

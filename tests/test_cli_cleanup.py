@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import run_child
+
 from pdhal import _names, ops
 
 DIE_HOLDING = ("import os; from pdhal import ops; ops.open_shm_and_get_meta_signal(5, 0); "

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import run_child
+from sim.harness import SimRuntime
 
 import pdhal
-from conftest import run_child
 from pdhal import _core, _registry, ops
-from sim.harness import SimRuntime
 
 BLOCK = 16
 

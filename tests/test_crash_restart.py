@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
+from conftest import python_child, segments_of
 
 import pdhal
-from conftest import python_child, segments_of
 from pdhal import _core, _names, ops
 
 LAYERS = 4

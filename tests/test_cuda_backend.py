@@ -12,11 +12,11 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import python_child, run_child
+from sim.harness import DeviceTensor, SimRuntime
 
 import pdhal
-from conftest import python_child, run_child
 from pdhal import _registry, ops
-from sim.harness import DeviceTensor, SimRuntime
 
 pytestmark = pytest.mark.simulated
 

@@ -16,7 +16,6 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import segments_of
 from pdhal_demo.control import DemoError
 from pdhal_demo.model import ModelConfig
@@ -470,7 +469,6 @@ def _requests_named(label: str) -> set[int]:
 
 def test_timeline_figure_says_what_each_colour_and_tick_is(tmp_path):
     from matplotlib.collections import LineCollection
-
     from pdhal_demo import report
 
     plans = [make_plan(ModelConfig(layers=3), [70, 40, 130], mode, "shm", cache_blocks=16,

@@ -23,7 +23,6 @@ import time
 import uuid
 
 import pytest
-
 from pdhal_demo.transport import require_mooncake
 
 pytestmark = [pytest.mark.paddle, pytest.mark.skipif(
@@ -145,7 +144,7 @@ class Run:
         except subprocess.TimeoutExpired:
             self.prefill.kill()
             out, err = self.prefill.communicate()
-            raise AssertionError(f"the prefill side hung:\n{''.join(self.err)}{err}")
+            raise AssertionError(f"the prefill side hung:\n{''.join(self.err)}{err}") from None
         return self.prefill.returncode, out, "".join(self.err) + err
 
     def close(self) -> None:

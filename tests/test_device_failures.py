@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from cffi import FFI
+from conftest import run_child, segments_of
+from sim.harness import DeviceTensor, SimRuntime
 
 import pdhal
-from conftest import run_child, segments_of
 from pdhal import _registry, _signals, ops
-from sim.harness import DeviceTensor, SimRuntime
 
 pytestmark = pytest.mark.simulated
 

@@ -10,11 +10,11 @@ import weakref
 
 import numpy as np
 import pytest
+from sim.harness import DeviceTensor, SimRuntime
 
 import pdhal
 from pdhal import _dlpack, _registry, ops
 from pdhal._published import SharedDeviceBuffer
-from sim.harness import DeviceTensor, SimRuntime
 
 
 def _dl_tensor(capsule) -> _dlpack.DLTensor:

@@ -7,7 +7,6 @@ import os
 import re
 
 import pytest
-
 from conftest import run_child
 
 DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs")

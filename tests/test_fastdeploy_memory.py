@@ -19,12 +19,12 @@ import subprocess
 
 import numpy as np
 import pytest
+from sim.harness import SimRuntime
 
 import pdhal
 from pdhal import _registry, ops
 from pdhal.compat import fastdeploy as fd
 from pdhal.testing.procs import child, finish
-from sim.harness import SimRuntime
 
 RUNTIMES = {"cuda": ("PDHAL_CUDART", "libcudart_sim.so"), "xpu": ("PDHAL_XPURT", "libxpurt.so")}
 BACKENDS = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.simulated),

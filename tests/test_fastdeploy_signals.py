@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from sim.harness import DeviceTensor, SimRuntime
 
 import pdhal
 from pdhal import _core, _registry, _signals, ops
 from pdhal.compat import fastdeploy as fd
-from sim.harness import DeviceTensor, SimRuntime
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNTIMES = {"cuda": ("PDHAL_CUDART", "libcudart_sim.so", "gpu:0"),
@@ -74,7 +74,10 @@ def cache_name(kv, layer, rank, device_id):
     """FastDeploy's names of the caches a worker shares with its cache messager."""
     return f"{('key', 'value')[kv]}_caches_{layer}_rank{rank}.device{device_id}"
 '''
-exec(COMMON)  # block_pattern, cache_name, BLOCK_BYTES  # noqa: S102
+_common: dict = {}
+exec(COMMON, _common)
+BLOCK_BYTES, block_pattern, cache_name = (_common[name] for name in
+                                          ("BLOCK_BYTES", "block_pattern", "cache_name"))
 
 
 def make_schedule() -> tuple[list[dict], int]:
@@ -137,23 +140,23 @@ class AttentionOp:
     def __init__(self, kind: str, path: str):
         self.kind = kind
         lib, holding_gil = ctypes.CDLL(path), ctypes.PyDLL(path)
-        P, I, W = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(KVWrite)
-        signatures = {"gate_new": (P, []), "gate_close": (I, [P, P]), "gate_free": (None, [P])}
+        P, Int, W = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(KVWrite)
+        signatures = {"gate_new": (P, []), "gate_close": (Int, [P, P]), "gate_free": (None, [P])}
         if kind == "cuda":
-            signatures.update(attention_cuda_per_query=(I, [P, W, I, ctypes.c_uint32, P]),
-                              attention_cuda_per_chunk=(I, [P, W, I, ctypes.c_uint32]),
-                              attention_cuda_unchecked=(I, [P, P]))
+            signatures.update(attention_cuda_per_query=(Int, [P, W, Int, ctypes.c_uint32, P]),
+                              attention_cuda_per_chunk=(Int, [P, W, Int, ctypes.c_uint32]),
+                              attention_cuda_unchecked=(Int, [P, P]))
         else:
-            signatures.update(attention_xpu_per_query=(I, [P, W, I, ctypes.c_uint32, P, P]),
-                              attention_xpu_per_chunk=(I, [P, W, I, ctypes.c_uint32, P]),
-                              attention_xpu_post_line=(I, [P, P, P]))
+            signatures.update(attention_xpu_per_query=(Int, [P, W, Int, ctypes.c_uint32, P, P]),
+                              attention_xpu_per_chunk=(Int, [P, W, Int, ctypes.c_uint32, P]),
+                              attention_xpu_post_line=(Int, [P, P, P]))
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
         self.lib = lib
         #: Called holding the GIL (ctypes.PyDLL): see attention_op.c.
         self.gate_open_and_drain = holding_gil.gate_open_and_drain
-        self.gate_open_and_drain.restype = I
+        self.gate_open_and_drain.restype = Int
         self.gate_open_and_drain.argtypes = [P, P, P, ctypes.c_int64]
         core = ctypes.CDLL(pdhal.get_library())
         self._last_error = core.pdhal_last_error

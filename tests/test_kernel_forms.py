@@ -16,9 +16,9 @@ import os
 import subprocess
 
 import pytest
+from conftest import python_child, run_child
 
 import pdhal
-from conftest import python_child, run_child
 from pdhal import _core, _signals, ops
 from pdhal._core import ffi, lib
 

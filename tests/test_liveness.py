@@ -8,9 +8,9 @@ import signal
 import time
 
 import pytest
+from conftest import python_child
 
 import pdhal
-from conftest import python_child
 from pdhal import _core, _names, ops
 
 PRODUCER = """

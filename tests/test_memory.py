@@ -9,9 +9,9 @@ import subprocess
 
 import numpy as np
 import pytest
+from conftest import python_child, run_child, segments_of
 
 import pdhal
-from conftest import python_child, run_child, segments_of
 from pdhal import ops
 
 
@@ -25,7 +25,7 @@ def test_host_alloc_is_usable_pinned_and_freed():
     assert buf.closed
     ops.host_free(buf)  # idempotent
     with pytest.raises(pdhal.ClosedHandleError):
-        buf.address
+        _ = buf.address
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1 << 50, "10", 1.5, None])
@@ -152,7 +152,7 @@ def resident_kib(path: str) -> int:
         lines = smaps.read().splitlines()
     starts = [i for i, line in enumerate(lines) if line.endswith(" " + path)]
     assert starts, f"{path} is not mapped"
-    return sum(next(int(l.split()[1]) for l in lines[i + 1:] if l.startswith("Rss:"))
+    return sum(next(int(line.split()[1]) for line in lines[i + 1:] if line.startswith("Rss:"))
                for i in starts)
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from conftest import run_child
 
 import pdhal
-from conftest import run_child
 from pdhal._platform import parse_visible_devices
 
 

@@ -12,9 +12,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import python_child
 
 import pdhal
-from conftest import python_child
 from pdhal import _core, _names, ops
 
 READER = """

@@ -80,7 +80,7 @@ def test_unknown_platform_lists_what_is_installed(monkeypatch):
     monkeypatch.setenv("PDHAL_PLATFORM", "xpuu")
     with pytest.raises(pdhal.BackendNotFoundError,
                        match=r"no backend 'xpuu' \(PDHAL_PLATFORM\); installed: cpu"):
-        ops.signal_layer_ready
+        _ = ops.signal_layer_ready
 
 
 def test_selection_happens_once_and_binds_plain_attributes():
@@ -93,7 +93,7 @@ def test_selection_happens_once_and_binds_plain_attributes():
 
 def test_unknown_op_is_an_attribute_error_listing_ops():
     with pytest.raises(AttributeError, match="no op 'signal_layer'"):
-        ops.signal_layer
+        _ = ops.signal_layer
 
 
 def test_import_is_light():

@@ -10,7 +10,6 @@ import struct
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import pdhal

@@ -13,12 +13,12 @@ import subprocess
 import threading
 
 import pytest
+from conftest import python_child
+from sim.harness import SimRuntime
 
 import pdhal
-from conftest import python_child
 from pdhal import _core, _registry, ops
 from pdhal._core import ffi
-from sim.harness import SimRuntime
 
 #: What the reader process prints: the first progress it sees past "no layer" of step 1.
 READER = """

@@ -9,10 +9,10 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import python_child
-from pdhal import ops
+
 import pdhal
+from pdhal import ops
 
 LAYERS = 32
 STEPS = 3125  # x 32 layers = 100,000 signals
@@ -311,7 +311,7 @@ def test_ops_are_the_backends_own_functions():
 def test_backpressure_timeout_is_read_from_the_environment(monkeypatch):
     """No reader: the ring's 16 steps fill, then the 17th waits PDHAL_BACKPRESSURE_TIMEOUT."""
     monkeypatch.setenv("PDHAL_BACKPRESSURE_TIMEOUT", "0.2")
-    for step in range(16):
+    for _ in range(16):
         ops.init_kv_signal_per_query([1], [1], [0], 0, 1)
     start = time.monotonic()
     with pytest.raises(pdhal.BackPressureTimeoutError, match="no cache messager is attached"):

@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import python_child
 
 import pdhal
-from conftest import python_child
 from pdhal import ops
 
 THREADS = 8

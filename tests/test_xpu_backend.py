@@ -12,11 +12,12 @@ import time
 
 import numpy as np
 import pytest
-import pdhal
 from conftest import python_child, run_child
-from pdhal import _registry, ops
 from sim.build import build
 from sim.harness import DeviceTensor, SimRuntime
+
+import pdhal
+from pdhal import _registry, ops
 
 pytestmark = pytest.mark.simulated
 

@@ -45,7 +45,8 @@ def _prompt_lens(text: str) -> list[int]:
     try:
         lens = [int(n) for n in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
     if not 1 <= len(lens) <= pdhal.MAX_REQUESTS:
         raise argparse.ArgumentTypeError(
             f"expected 1 to {pdhal.MAX_REQUESTS} prompts, got {len(lens)}")

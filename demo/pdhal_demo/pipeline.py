@@ -347,8 +347,9 @@ class Pipeline:
                         self.finished.add(role)
                         if role.startswith("messager"):  # its worker may go now
                             self.hub.links[role.replace("messager", "worker")].send(("exit", {}))
-                    for kind, message in message if kind == "events" else [(kind, message)]:
-                        handlers[role](kind, message)
+                    batch = message if kind == "events" else [(kind, message)]
+                    for event_kind, event in batch:
+                        handlers[role](event_kind, event)
                 self.progress.update()
             self.progress.update(force=True)
         except DemoError as exc:

@@ -143,10 +143,10 @@ class MooncakeSender:
     Both caches are registered once. `write` submits a layer's runs and returns at once
     (one transfer_submit_write per run: a batch of one, whose status transfer_check_status
     reports exactly); `wait` checks their status, sleeping 50 us, then twice as long each
-    time up to 500 us, until they are all in the decode cache. Mooncake's own blocking wait (get_batch_transfer_status) spins a core,
-    which on a two-core machine is the core its TCP threads need. A transfer that has not
-    completed by its deadline (`timeout_s` plus 100 MiB/s for its bytes) is reported: the
-    link or the decode side is gone.
+    time up to 500 us, until they are all in the decode cache. Mooncake's own blocking wait
+    (get_batch_transfer_status) spins a core, which on a two-core machine is the core its TCP
+    threads need. A transfer that has not completed by its deadline (`timeout_s` plus
+    100 MiB/s for its bytes) is reported: the link or the decode side is gone.
     """
 
     POLL_S = (50e-6, 500e-6)  # the first sleep between status checks, and the longest

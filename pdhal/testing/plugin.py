@@ -33,7 +33,8 @@ def _require_usable(name: str) -> None:
         _registry.selection()
     except PdhalError as e:
         message = str(e).replace("(PDHAL_PLATFORM)", "(--pdhal-backend)")
-        raise pytest.UsageError(f"pdhal conformance kit: --pdhal-backend {name}: {message}")
+        raise pytest.UsageError(
+            f"pdhal conformance kit: --pdhal-backend {name}: {message}") from None
 
 
 @pytest.fixture(scope="session")

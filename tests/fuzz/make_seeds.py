@@ -54,7 +54,7 @@ def ring_slot(step=0, ready_layers=0, table=(), num_layers=1):
     s = bytearray(SLOT)
     struct.pack_into("<QII", s, 0, (step << LAYER_BITS) | ready_layers if step else 0,
                      len(table) // 3, num_layers)
-    struct.pack_into("<%di" % len(table), s, 16, *table)
+    struct.pack_into(f"<{len(table)}i", s, 16, *table)
     return bytes(s)
 
 
@@ -108,7 +108,7 @@ def main():
         with open(os.path.join(out, name), "wb") as f:
             f.write(data)
         total += len(data)
-    print("wrote %s seeds (%d bytes) to %s" % (len(list(seeds())), total, out))
+    print(f"wrote {len(list(seeds()))} seeds ({total} bytes) to {out}")
 
 
 if __name__ == "__main__":

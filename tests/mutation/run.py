@@ -8,9 +8,9 @@ run the tests named for it; a bug the tests do not notice is a survivor.
 
 The copy gets its own C core when a mutant changes csrc/ (the extension, built with the
 project's cffi build script, and libpdhal.so), and runs with PYTHONPATH pointing at it, so
-the installed editable checkout is never touched. Mutants claimed equivalent are proven so for C (identical object
-code) and listed apart, not counted. Exit status 1 when the score is below --min-score
-(90%), or, with --fast, when any mutant survives.
+the installed editable checkout is never touched. Mutants claimed equivalent are proven so
+for C (identical object code) and listed apart, not counted. Exit status 1 when the score
+is below --min-score (90%), or, with --fast, when any mutant survives.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+
 import tomllib
 
 HERE = os.path.dirname(os.path.abspath(__file__))

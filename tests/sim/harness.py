@@ -5,11 +5,11 @@ failure injection."""
 from __future__ import annotations
 
 from cffi import FFI
-
-from pdhal.testing import DeviceTensor  # noqa: F401  (re-exported for the sim tests)
 from pdhal_cuda.testing import CudaTestSupport
 from pdhal_xpu.testing import XpuTestSupport
 from sim.build import build
+
+from pdhal.testing import DeviceTensor  # noqa: F401  (re-exported for the sim tests)
 
 SUPPORT = {"cuda": CudaTestSupport, "xpu": XpuTestSupport}
 

@@ -3,7 +3,6 @@ on a partial cache: it is failed explicitly or recomputed, as kv_load_failure_po
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 

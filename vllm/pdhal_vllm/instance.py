@@ -87,8 +87,9 @@ def _pending_sends() -> int:
 
 
 def run(args) -> dict:
-    from vllm import LLM
     from vllm.inputs import TokensPrompt
+
+    from vllm import LLM
 
     with open(args.prompts) as f:
         prompts = json.load(f)

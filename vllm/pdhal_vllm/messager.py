@@ -19,7 +19,6 @@ import argparse
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -27,8 +26,6 @@ import traceback
 import zlib
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
-
-import numpy as np
 
 from pdhal import ops
 from pdhal._errors import PdhalError, ProducerDiedError, SignalTimeoutError
@@ -417,7 +414,7 @@ def main(argv=None) -> int:
     try:
         messager = Messager(args.listen, args.rank, auth_key(args.auth_key), args.host,
                             args.protocol, args.claim_timeout, args.trace, args.trace_blocks)
-    except (ConnectorError, OSError, socket.error) as exc:
+    except (ConnectorError, OSError) as exc:
         print(f"pdhal-vllm messager: {exc}", file=sys.stderr)
         return 1
     try:

@@ -10,8 +10,8 @@ from pdhal import InvalidArgumentError, InvalidTypeError
 from pdhal.plugin import (
     STORE_CALLBACK_ADDRESS,
     Platform,
-    forget_mapping,
     RuntimeBackend,
+    forget_mapping,
     free_store,
     memory_ref,
     publish_shared,

@@ -176,7 +176,7 @@ def test_host_memory_roundtrip():
     ops.host_free(buf)  # idempotent
     assert buf.closed
     with pytest.raises(pdhal.ClosedHandleError):
-        buf.address
+        _ = buf.address
 
 
 def test_a_signal_in_kernel_form_posts_like_the_signal(support):
