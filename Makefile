@@ -26,9 +26,16 @@ ibverbs:
 	  { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }; \
 	else echo "libibverbs1 is not installed and this is not root: the mooncake tests will fail"; fi
 
-# The suite, then the conformance kit against every in-tree backend (cuda and xpu on the
-# simulated runtimes of tests/sim).
-test: $(STAMP) ibverbs
+# The linter and the formatter's check (settings in pyproject.toml's [tool.ruff]); `ruff
+# format .` fixes what the second one reports.
+.PHONY: lint
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Lint, the suite, then the conformance kit against every in-tree backend (cuda and xpu on
+# the simulated runtimes of tests/sim).
+test: lint $(STAMP) ibverbs
 	$(PY) -m pytest -q -p no:cacheprovider
 	$(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cpu
 	PDHAL_XPURT=$$($(PY) tests/sim/build.py libxpurt.so) \

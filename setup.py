@@ -19,14 +19,23 @@ class BuildExtAndLibrary(build_ext):
 
         out_dir = os.path.dirname(self.get_ext_fullpath("pdhal._pdhal_c"))
         sources = [os.path.join("csrc", source) for source in build_ffi.SOURCES]
-        objects = self.compiler.compile(sources, output_dir=os.path.join(self.build_temp, "lib"),
-                                        include_dirs=[os.path.join("pdhal", "include")],
-                                        extra_postargs=build_ffi.compile_args() + ["-fPIC"])
+        objects = self.compiler.compile(
+            sources,
+            output_dir=os.path.join(self.build_temp, "lib"),
+            include_dirs=[os.path.join("pdhal", "include")],
+            extra_postargs=build_ffi.compile_args() + ["-fPIC"],
+        )
         self.compiler.link_shared_object(
-            objects, "libpdhal.so", output_dir=out_dir, libraries=["pthread"],
-            extra_postargs=build_ffi.link_args(build_ffi.CDEF, python_module=False))
+            objects,
+            "libpdhal.so",
+            output_dir=out_dir,
+            libraries=["pthread"],
+            extra_postargs=build_ffi.link_args(build_ffi.CDEF, python_module=False),
+        )
 
 
-setup(cffi_modules=["csrc/build_ffi.py:ffibuilder"],
-      cmdclass={"build_ext": BuildExtAndLibrary},
-      options={"bdist_wheel": {"py_limited_api": "cp310"}})
+setup(
+    cffi_modules=["csrc/build_ffi.py:ffibuilder"],
+    cmdclass={"build_ext": BuildExtAndLibrary},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+)

@@ -85,25 +85,30 @@ def bench_copies(ops, core) -> list[dict]:
             copies = reps = None
             for round_ in range(ROUNDS):
                 dst_ids, src_ids = make_ids(rng, cache_blocks, run)
-                plan = [(da + d * block_bytes, sa + s * block_bytes, n * block_bytes)
-                        for d, s, n in runs_of(dst_ids, src_ids)]
+                plan = [
+                    (da + d * block_bytes, sa + s * block_bytes, n * block_bytes)
+                    for d, s, n in runs_of(dst_ids, src_ids)
+                ]
                 memmove = ctypes.memmove
 
                 def pdhal_copy():
                     return ops.copy_blocks(dst, dst_ids, src, src_ids, block_bytes)
 
                 if run == 1:  # the plain copy an engine writes: one memcpy per block
+
                     def plain_copy():
                         for d, s in zip(dst_ids, src_ids):
                             memmove(da + d * block_bytes, sa + s * block_bytes, block_bytes)
                 else:  # ... or one per run, its runs found beforehand (not timed)
+
                     def plain_copy():
                         for to, frm, n in plan:
                             memmove(to, frm, n)
 
                 def c_loop():
-                    return core.copy_blocks(0, 0, 0, da, cache_blocks, sa, cache_blocks,
-                                            block_bytes, dst_ids, src_ids)
+                    return core.copy_blocks(
+                        0, 0, 0, da, cache_blocks, sa, cache_blocks, block_bytes, dst_ids, src_ids
+                    )
 
                 copies = pdhal_copy()
                 assert copies == len(plan), (copies, len(plan))
@@ -115,16 +120,22 @@ def bench_copies(ops, core) -> list[dict]:
                     fn()  # same cache state for each: the ids' blocks were just touched
                     samples[name].append(per_call(fn, reps))
             med = {k: statistics.median(v) for k, v in samples.items()}
-            results.append({
-                "block": size_name, "block_bytes": block_bytes, "layout": layout_name,
-                "blocks_per_call": BLOCKS, "copies_per_call": copies,
-                "pdhal_us": med["pdhal"] * 1e6, "memcpy_us": med["memcpy"] * 1e6,
-                "c_loop_us": med["C loop"] * 1e6,
-                "pdhal_gbps": BLOCKS * block_bytes / med["pdhal"] / 1e9,
-                "memcpy_gbps": BLOCKS * block_bytes / med["memcpy"] / 1e9,
-                "ratio": med["memcpy"] / med["pdhal"],
-                "c_loop_ratio": med["memcpy"] / med["C loop"],
-            })
+            results.append(
+                {
+                    "block": size_name,
+                    "block_bytes": block_bytes,
+                    "layout": layout_name,
+                    "blocks_per_call": BLOCKS,
+                    "copies_per_call": copies,
+                    "pdhal_us": med["pdhal"] * 1e6,
+                    "memcpy_us": med["memcpy"] * 1e6,
+                    "c_loop_us": med["C loop"] * 1e6,
+                    "pdhal_gbps": BLOCKS * block_bytes / med["pdhal"] / 1e9,
+                    "memcpy_gbps": BLOCKS * block_bytes / med["memcpy"] / 1e9,
+                    "ratio": med["memcpy"] / med["pdhal"],
+                    "c_loop_ratio": med["memcpy"] / med["C loop"],
+                }
+            )
         ops.host_free(dst)
         ops.host_free(src)
     return results
@@ -144,24 +155,43 @@ def profile(ops, core) -> dict:
         d_ids, s_ids = rng.sample(range(cache_blocks), n), rng.sample(range(cache_blocks), n)
         parts = {
             "ops.copy_blocks": lambda: ops.copy_blocks(dst, d_ids, src, s_ids, block_bytes),
-            "C loop via cffi": lambda: core.copy_blocks(0, 0, 0, dst.address, cache_blocks,
-                                                        src.address, cache_blocks, block_bytes,
-                                                        d_ids, s_ids),
-            "parse ids (block_ids x2)": lambda: (_blocks.block_ids(d_ids, "d"),
-                                                 _blocks.block_ids(s_ids, "s")),
-            "resolve dst and src": lambda: (_blocks.resolve(dst, "dst", writable=True),
-                                            _blocks.resolve(src, "src")),
-            "ids to int64_t[] (ffi.new x2)": lambda: (core.ffi.new("int64_t[]", d_ids),
-                                                      core.ffi.new("int64_t[]", s_ids)),
+            "C loop via cffi": lambda: core.copy_blocks(
+                0,
+                0,
+                0,
+                dst.address,
+                cache_blocks,
+                src.address,
+                cache_blocks,
+                block_bytes,
+                d_ids,
+                s_ids,
+            ),
+            "parse ids (block_ids x2)": lambda: (
+                _blocks.block_ids(d_ids, "d"),
+                _blocks.block_ids(s_ids, "s"),
+            ),
+            "resolve dst and src": lambda: (
+                _blocks.resolve(dst, "dst", writable=True),
+                _blocks.resolve(src, "src"),
+            ),
+            "ids to int64_t[] (ffi.new x2)": lambda: (
+                core.ffi.new("int64_t[]", d_ids),
+                core.ffi.new("int64_t[]", s_ids),
+            ),
         }
         for name, fn in parts.items():
             reps = calibrate(fn)
             out.setdefault(name, {})[n] = statistics.median(per_call(fn, reps) for _ in range(7))
     ops.host_free(dst)
     ops.host_free(src)
-    return {name: {"per_call_us": (t[few] - (t[many] - t[few]) / (many - few) * few) * 1e6,
-                   "per_id_ns": (t[many] - t[few]) / (many - few) * 1e9}
-            for name, t in out.items()}
+    return {
+        name: {
+            "per_call_us": (t[few] - (t[many] - t[few]) / (many - few) * few) * 1e6,
+            "per_id_ns": (t[many] - t[few]) / (many - few) * 1e9,
+        }
+        for name, t in out.items()
+    }
 
 
 def main() -> None:
@@ -175,14 +205,20 @@ def main() -> None:
     if "--json" in sys.argv:
         print(json.dumps({"copies": results, "overhead": prof}, indent=2))
         return
-    print(f"pdhal.ops.copy_blocks (cpu backend) vs ctypes.memmove, {BLOCKS} blocks per call, "
-          f"{CACHE_BYTES >> 20} MiB caches, median of {ROUNDS} interleaved rounds")
-    print(f"{'block':<40} {'layout':<26} {'copies':>6} {'pdhal us':>9} {'memcpy us':>9} "
-          f"{'C loop us':>9} {'ratio':>6} {'C loop':>6}")
+    print(
+        f"pdhal.ops.copy_blocks (cpu backend) vs ctypes.memmove, {BLOCKS} blocks per call, "
+        f"{CACHE_BYTES >> 20} MiB caches, median of {ROUNDS} interleaved rounds"
+    )
+    print(
+        f"{'block':<40} {'layout':<26} {'copies':>6} {'pdhal us':>9} {'memcpy us':>9} "
+        f"{'C loop us':>9} {'ratio':>6} {'C loop':>6}"
+    )
     for r in results:
-        print(f"{r['block']:<40} {r['layout']:<26} {r['copies_per_call']:>6} {r['pdhal_us']:>9.1f} "
-              f"{r['memcpy_us']:>9.1f} {r['c_loop_us']:>9.1f} {r['ratio']:>5.2f}x "
-              f"{r['c_loop_ratio']:>5.2f}x")
+        print(
+            f"{r['block']:<40} {r['layout']:<26} {r['copies_per_call']:>6} {r['pdhal_us']:>9.1f} "
+            f"{r['memcpy_us']:>9.1f} {r['c_loop_us']:>9.1f} {r['ratio']:>5.2f}x "
+            f"{r['c_loop_ratio']:>5.2f}x"
+        )
     print("ratio = memcpy time / pdhal time (target >= 0.9x); C loop = the C core alone")
     print()
     print("Python overhead of ops.copy_blocks at 64-byte blocks (copying ~free), fit a + b * ids:")

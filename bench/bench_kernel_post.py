@@ -46,10 +46,26 @@ def build_op(runtime: str) -> ctypes.CDLL:
 
     library = os.path.join(HERE, "build", "libattention_op_cuda.so")
     os.makedirs(os.path.dirname(library), exist_ok=True)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror",
-                    "-DATTENTION_OP_CUDA", f"-I{pdhal.get_include()}", "-o", library,
-                    os.path.join(ROOT, "tests", "c", "attention_op.c"), pdhal.get_library(),
-                    runtime, "-lpthread"], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-DATTENTION_OP_CUDA",
+            f"-I{pdhal.get_include()}",
+            "-o",
+            library,
+            os.path.join(ROOT, "tests", "c", "attention_op.c"),
+            pdhal.get_library(),
+            runtime,
+            "-lpthread",
+        ],
+        check=True,
+    )
     op = ctypes.CDLL(library)
     op.bench_cuda_posts.restype = ctypes.c_int64
     op.bench_cuda_posts.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -94,16 +110,24 @@ def main() -> int:
         for name in order if round_ % 2 == 0 else order[::-1]:
             timings[name].append(runs[name]())
             ops.synchronize(stream)  # the stream's thread has run every store: untimed
-    ratios = {name: statistics.median(p / c for p, c in zip(timings[name], timings["c"]))
-              for name in ("signal", "words")}
+    ratios = {
+        name: statistics.median(p / c for p, c in zip(timings[name], timings["c"]))
+        for name in ("signal", "words")
+    }
     med = {name: statistics.median(values) for name, values in timings.items()}
-    print(f"posting one layer, host side (ns/layer; medians of {ROUNDS} interleaved rounds of "
-          f"{LAYERS}; simulated CUDA, no write delay)")
+    print(
+        f"posting one layer, host side (ns/layer; medians of {ROUNDS} interleaved rounds of "
+        f"{LAYERS}; simulated CUDA, no write delay)"
+    )
     print(f"  C op: kernel form, cudaLaunchHostFunc(pdhal_store_run)   {med['c']:8.0f}")
-    print(f"  Python signal_layer_ready(LayerSignal, stream)            {med['signal']:8.0f}"
-          f"   {ratios['signal']:5.1f}x the C op")
-    print(f"  Python signal_layer_ready(kernel-form words, stream)      {med['words']:8.0f}"
-          f"   {ratios['words']:5.1f}x the C op")
+    print(
+        f"  Python signal_layer_ready(LayerSignal, stream)            {med['signal']:8.0f}"
+        f"   {ratios['signal']:5.1f}x the C op"
+    )
+    print(
+        f"  Python signal_layer_ready(kernel-form words, stream)      {med['words']:8.0f}"
+        f"   {ratios['words']:5.1f}x the C op"
+    )
     _signals.close_producer_channels()
     support.release()
     return 0

@@ -46,8 +46,19 @@ print(json.dumps(seen))
 def build_baseline() -> str:
     out = os.path.join(HERE, "build", "libpoll_sender.so")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", out,
-                    os.path.join(HERE, "poll_sender.c"), "-lpthread"], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-o",
+            out,
+            os.path.join(HERE, "poll_sender.c"),
+            "-lpthread",
+        ],
+        check=True,
+    )
     return out
 
 
@@ -57,8 +68,9 @@ def run(style: str, sim, baseline) -> tuple[list[float], float, float]:
     from pdhal import _core, _registry, _signals, ops
 
     meta = ops.open_shm_and_get_meta_signal(0, 0)
-    reader = subprocess.Popen([sys.executable, "-c", READER, str(LAYERS)],
-                              stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(LAYERS)], stdout=subprocess.PIPE, text=True
+    )
     assert reader.stdout.readline().strip() == "ready"
     rt = _registry.selection().candidate.backend.runtime
     finished = np.zeros(LAYERS, dtype=np.uint64)
@@ -73,12 +85,14 @@ def run(style: str, sim, baseline) -> tuple[list[float], float, float]:
         sender = baseline.lib.poll_sender_start(
             baseline.ffi.cast("void *", rt.address(rt.lib.xpu_event_wait)),
             baseline.ffi.cast("void *", rt.address(rt.lib.xpu_event_destroy)),
-            baseline.ffi.cast("void *", _core.STORE_CALLBACK_ADDRESS))
+            baseline.ffi.cast("void *", _core.STORE_CALLBACK_ADDRESS),
+        )
     cpu0 = time.process_time()
     for layer in range(LAYERS):
         sim.lib.sim_xpu_launch_write(stream[0], scratch, b"k" * 64, 64, LAYER_US)
         sim.lib.sim_xpu_launch_timestamp(
-            stream[0], sim.ffi.cast("uint64_t *", finished.ctypes.data + 8 * layer))
+            stream[0], sim.ffi.cast("uint64_t *", finished.ctypes.data + 8 * layer)
+        )
         signal = ops.init_signal_layerwise(meta, layer)
         if style.startswith("pdhal"):
             ops.signal_layer_ready(signal, int(sim.ffi.cast("uintptr_t", stream[0])), sender)
@@ -87,8 +101,11 @@ def run(style: str, sim, baseline) -> tuple[list[float], float, float]:
             rt.lib.xpu_event_create(event)
             rt.lib.xpu_event_record(event[0], rt.ffi.cast("void *", stream[0]))
             store = signal.new_store()
-            baseline.lib.poll_sender_post(sender, baseline.ffi.cast("void *", rt.address(event[0])),
-                                          baseline.ffi.cast("void *", _core.store_address(store)))
+            baseline.lib.poll_sender_post(
+                sender,
+                baseline.ffi.cast("void *", rt.address(event[0])),
+                baseline.ffi.cast("void *", _core.store_address(store)),
+            )
     seen = json.loads(reader.stdout.readline())
     cpu = time.process_time() - cpu0
     idle0 = time.process_time()
@@ -122,22 +139,29 @@ def main() -> int:
     os.environ.setdefault("PDHAL_NAMESPACE", f"bench{os.getpid()}")
     os.environ["PDHAL_XPURT"] = build("libxpurt.so")
     os.environ["PDHAL_PLATFORM"] = "xpu"
-    sim = Loaded(os.environ["PDHAL_XPURT"], """
+    sim = Loaded(
+        os.environ["PDHAL_XPURT"],
+        """
         int xpu_stream_create(void **s); int xpu_stream_destroy(void *s);
         int sim_xpu_launch_write(void *s, void *dst, const void *src, uint64_t n, uint32_t us);
-        int sim_xpu_launch_timestamp(void *s, uint64_t *dst);""")
-    baseline = Loaded(build_baseline(), """
+        int sim_xpu_launch_timestamp(void *s, uint64_t *dst);""",
+    )
+    baseline = Loaded(
+        build_baseline(),
+        """
         void *poll_sender_start(void *wait, void *destroy, void *store);
         void poll_sender_post(void *s, void *event, void *store);
-        void poll_sender_stop(void *s);""")
+        void poll_sender_stop(void *s);""",
+    )
 
     import pdhal
 
     assert pdhal.current_backend() == "xpu"
     as_json = "--json" in sys.argv[1:]
     styles = ("pdhal", "pdhal-blocking", "poll-1us")
-    rows = {style: {"p50_us": [], "p99_us": [], "cpu_s": [], "idle_cpu_pct": []}
-            for style in styles}
+    rows = {
+        style: {"p50_us": [], "p99_us": [], "cpu_s": [], "idle_cpu_pct": []} for style in styles
+    }
     if not as_json:
         print(f"simulated XPU runtime, {LAYERS} layers of {LAYER_US} us each")
         print("sender            latency p50 us    p99 us   seen   CPU s (run)   idle CPU %")
@@ -151,17 +175,29 @@ def main() -> int:
             row["cpu_s"].append(cpu)
             row["idle_cpu_pct"].append(idle * 100)
             if not as_json:
-                print(f"  {style:<14} {q[49]:16.1f} {q[98]:9.1f} {len(lat):6d} {cpu:13.3f} "
-                      f"{idle * 100:12.2f}")
+                print(
+                    f"  {style:<14} {q[49]:16.1f} {q[98]:9.1f} {len(lat):6d} {cpu:13.3f} "
+                    f"{idle * 100:12.2f}"
+                )
     p50 = {style: statistics.median(rows[style]["p50_us"]) for style in styles}
     if as_json:
-        print(json.dumps({"layers": LAYERS, "layer_us": LAYER_US, "runs": rows,
-                          "p50_ratio_pdhal_to_poll": p50["pdhal"] / p50["poll-1us"]}))
+        print(
+            json.dumps(
+                {
+                    "layers": LAYERS,
+                    "layer_us": LAYER_US,
+                    "runs": rows,
+                    "p50_ratio_pdhal_to_poll": p50["pdhal"] / p50["poll-1us"],
+                }
+            )
+        )
     else:
-        print(f"p50 pdhal / poll-1us: {p50['pdhal'] / p50['poll-1us']:.2f}x "
-              f"(blocking: {p50['pdhal-blocking'] / p50['poll-1us']:.2f}x); run: "
-              f"~{LAYERS * LAYER_US / 1e6:.1f} s of layers; idle: {IDLE_S:.0f} s with the sender "
-              f"alive and nothing queued (CPU of the whole producer process)")
+        print(
+            f"p50 pdhal / poll-1us: {p50['pdhal'] / p50['poll-1us']:.2f}x "
+            f"(blocking: {p50['pdhal-blocking'] / p50['poll-1us']:.2f}x); run: "
+            f"~{LAYERS * LAYER_US / 1e6:.1f} s of layers; idle: {IDLE_S:.0f} s with the sender "
+            f"alive and nothing queued (CPU of the whole producer process)"
+        )
     return 0
 
 

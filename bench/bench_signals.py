@@ -54,8 +54,12 @@ def one_way_latency(style: str) -> list[float]:
     from pdhal import ops
 
     meta = ops.open_shm_and_get_meta_signal(0, 0)
-    reader = subprocess.Popen([sys.executable, "-c", READER, style, str(SIGNALS)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, style, str(SIGNALS)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert reader.stdout.readline().strip() == "ready"
     pipe = reader.stdin.fileno()
     sent = {}
@@ -80,32 +84,43 @@ def build_c_wake() -> str:
     exe = os.path.join(here, "build", "c_wake")
     csrc = os.path.join(here, "..", "csrc")
     os.makedirs(os.path.dirname(exe), exist_ok=True)
-    sources = [os.path.join(here, "c_wake.c")] + [os.path.join(csrc, f"{name}.c") for name in
-                                                  ("segment", "progress", "wait", "errors")]
-    subprocess.run(["gcc", "-O2", f"-I{pdhal.get_include()}", "-o", exe, *sources,
-                    "-lpthread"], check=True)
+    sources = [os.path.join(here, "c_wake.c")] + [
+        os.path.join(csrc, f"{name}.c") for name in ("segment", "progress", "wait", "errors")
+    ]
+    subprocess.run(
+        ["gcc", "-O2", f"-I{pdhal.get_include()}", "-o", exe, *sources, "-lpthread"], check=True
+    )
     return exe
 
 
 def c_latency(exe: str, style: str) -> list[float]:
     """Latencies with C on both ends (bench/c_wake.c over pdhal.h): no interpreter wakes."""
-    out = subprocess.run([exe, style, str(SIGNALS), str(int(GAP_S * 1e6))], check=True,
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [exe, style, str(SIGNALS), str(int(GAP_S * 1e6))],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     return [float(us) for us in out]
 
 
 def latency_rows(title: str, measured: dict[str, list[float]]) -> None:
-    (f50, f99), (p50, p99) = ((percentile(measured[k], 50), percentile(measured[k], 99))
-                              for k in ("futex", "poll"))
+    (f50, f99), (p50, p99) = (
+        (percentile(measured[k], 50), percentile(measured[k], 99)) for k in ("futex", "poll")
+    )
     print(title)
     print(f"  pdhal futex wait                   {f50:9.1f} {f99:9.1f}")
     print(f"  1 ms sleep-poll reader             {p50:9.1f} {p99:9.1f}")
-    print(f"  ratio poll / pdhal                 {p50 / f50:9.1f}x {p99 / f99:8.1f}x"
-          f"   (target p50 >= 20x: {'met' if p50 / f50 >= 20 else 'NOT met'})")
+    print(
+        f"  ratio poll / pdhal                 {p50 / f50:9.1f}x {p99 / f99:8.1f}x"
+        f"   (target p50 >= 20x: {'met' if p50 / f50 >= 20 else 'NOT met'})"
+    )
     w50, w99 = percentile(measured["pipe"], 50), percentile(measured["pipe"], 99)
-    print(f"  floor: reader blocked in read()    {w50:9.1f} {w99:9.1f}"
-          f"   (poll / floor {p50 / w50:.1f}x is the best any reader gets here;"
-          f" pdhal / floor {f50 / w50:.2f}x)")
+    print(
+        f"  floor: reader blocked in read()    {w50:9.1f} {w99:9.1f}"
+        f"   (poll / floor {p50 / w50:.1f}x is the best any reader gets here;"
+        f" pdhal / floor {f50 / w50:.2f}x)"
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -122,8 +137,10 @@ def dispatch_overhead() -> tuple[float, float, float]:
     calls = 50000
     via_ops, plain = [], []
     for round_ in range(9):  # adjacent pairs, alternating which goes first: drift cancels
-        pair = [lambda: timeit.timeit(lambda: ops.signal_layer_ready(signal), number=calls),
-                lambda: timeit.timeit(lambda: direct(signal), number=calls)]
+        pair = [
+            lambda: timeit.timeit(lambda: ops.signal_layer_ready(signal), number=calls),
+            lambda: timeit.timeit(lambda: direct(signal), number=calls),
+        ]
         if round_ % 2:
             plain_s, via_s = pair[1](), pair[0]()
         else:
@@ -139,8 +156,10 @@ def main() -> int:
     import pdhal
     from pdhal import _signals
 
-    print(f"backend: {pdhal.current_backend()}, {ROUNDS} interleaved rounds of {SIGNALS} "
-          f"signals per reader, pooled (drift on a shared machine hits every row alike)")
+    print(
+        f"backend: {pdhal.current_backend()}, {ROUNDS} interleaved rounds of {SIGNALS} "
+        f"signals per reader, pooled (drift on a shared machine hits every row alike)"
+    )
     exe = build_c_wake()
     python, c = {}, {}
     for _ in range(ROUNDS):
@@ -149,16 +168,19 @@ def main() -> int:
             _signals.close_producer_channels()
         for style in ("futex", "poll", "pipe"):
             c.setdefault(style, []).extend(c_latency(exe, style))
-    latency_rows("cross-process one-way latency (us), Python API on both ends   p50       p99",
-                 python)
+    latency_rows(
+        "cross-process one-way latency (us), Python API on both ends   p50       p99", python
+    )
     latency_rows("the same with C on both ends (bench/c_wake.c, pdhal.h)", c)
     via_ops, direct, ratio = dispatch_overhead()
     _signals.close_producer_channels()
     print("dispatch of signal_layer_ready (ns/call, medians of 9 adjacent pairs)")
     print(f"  pdhal.ops.signal_layer_ready       {via_ops:9.1f}")
     print(f"  backend function called directly   {direct:9.1f}")
-    print(f"  ratio                              {ratio:9.2f}x"
-          f"   (target <= 1.2x: {'met' if ratio <= 1.2 else 'NOT met'})")
+    print(
+        f"  ratio                              {ratio:9.2f}x"
+        f"   (target <= 1.2x: {'met' if ratio <= 1.2 else 'NOT met'})"
+    )
     return 0
 
 

@@ -3,6 +3,7 @@
 The cdef is the region of pdhal.h between PDHAL_CDEF_BEGIN and PDHAL_CDEF_END, so the
 compiler and cffi read the very same prototypes.
 """
+
 import hashlib
 import os
 import pathlib
@@ -14,14 +15,22 @@ from cffi import FFI
 HERE = pathlib.Path(__file__).resolve().parent
 #: The public header ships inside the package (pdhal.get_include()) for engine kernels.
 INCLUDE = HERE.parent / "pdhal" / "include"
-SOURCES = ["errors.c", "wait.c", "segment.c", "progress.c", "ring.c", "sender.c", "kernel.c",
-           "copy.c"]
+SOURCES = [
+    "errors.c",
+    "wait.c",
+    "segment.c",
+    "progress.c",
+    "ring.c",
+    "sender.c",
+    "kernel.c",
+    "copy.c",
+]
 
 
 def read_cdef() -> str:
     header = (INCLUDE / "pdhal.h").read_text()
     start = header.index("/* PDHAL_CDEF_BEGIN */") + len("/* PDHAL_CDEF_BEGIN */")
-    return header[start:header.index("/* PDHAL_CDEF_END */")]
+    return header[start : header.index("/* PDHAL_CDEF_END */")]
 
 
 def compile_args() -> list[str]:

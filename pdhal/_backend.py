@@ -74,8 +74,9 @@ def check_ops(table: object, who: str) -> dict[str, Callable]:
     """`table` if it maps every name of BACKEND_OPS, and nothing else, to a callable; else a
     BackendLoadError naming exactly what is missing, not callable or unknown."""
     if not isinstance(table, dict):
-        raise BackendLoadError(f"{who}: ops() returned {type(table).__name__}, expected a dict "
-                               f"of op name -> callable")
+        raise BackendLoadError(
+            f"{who}: ops() returned {type(table).__name__}, expected a dict of op name -> callable"
+        )
     missing = [name for name in BACKEND_OPS if name not in table]
     broken = [name for name in BACKEND_OPS if name in table and not callable(table[name])]
     unknown = sorted(set(table) - set(BACKEND_OPS))
@@ -85,8 +86,10 @@ def check_ops(table: object, who: str) -> dict[str, Callable]:
     if broken:
         problems.append(f"gives non-callables for {', '.join(broken)}")
     if unknown:
-        problems.append(f"offers ops pdhal does not know: {', '.join(unknown)} (backend ops "
-                        f"are {', '.join(BACKEND_OPS)})")
+        problems.append(
+            f"offers ops pdhal does not know: {', '.join(unknown)} (backend ops "
+            f"are {', '.join(BACKEND_OPS)})"
+        )
     if problems:
         raise BackendLoadError(f"{who} " + "; ".join(problems))
     return table

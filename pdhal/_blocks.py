@@ -25,7 +25,8 @@ def resolve(obj: object, what: str, writable: bool = False) -> MemoryRef:
         raise InvalidArgumentError(
             f"{what} is the address {ref.address:#x}, which pdhal did not hand out, so how far "
             f"it extends is unknown: pass a tensor, or memory from host_alloc, "
-            f"cuda_host_alloc, get_data_ptr_ipc or host_register")
+            f"cuda_host_alloc, get_data_ptr_ipc or host_register"
+        )
     return MemoryRef(ref.address, extent.start + extent.nbytes - ref.address, extent.device)
 
 
@@ -45,8 +46,12 @@ def block_ids_array(obj: object, what: str):
             view = None
         if view is not None:
             with view:
-                if (view.ndim == 1 and view.itemsize == 8 and view.c_contiguous
-                        and view.format.lstrip("@=<") in ("l", "q")):
+                if (
+                    view.ndim == 1
+                    and view.itemsize == 8
+                    and view.c_contiguous
+                    and view.format.lstrip("@=<") in ("l", "q")
+                ):
                     return _core.ffi.from_buffer("int64_t[]", obj)
     return _core.ffi.new("int64_t[]", block_ids(obj, what))
 
@@ -56,15 +61,16 @@ def block_ids(obj: object, what: str) -> list[int]:
     if hasattr(obj, "tolist") and not isinstance(obj, (list, tuple)):
         obj = obj.tolist()
     if not isinstance(obj, (list, tuple)):
-        raise InvalidTypeError(f"{what} must be a list or 1-D tensor of block ids, got "
-                               f"{type(obj).__name__}")
+        raise InvalidTypeError(
+            f"{what} must be a list or 1-D tensor of block ids, got {type(obj).__name__}"
+        )
     ids = []
     for value in obj:
         if isinstance(value, list) and len(value) == 1:
             value = value[0]
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidArgumentError(f"{what} must hold integer block ids, found {value!r}")
-        if not -2**63 <= value < 2**63:
+        if not -(2**63) <= value < 2**63:
             raise InvalidArgumentError(f"{what} holds {value}, beyond any block id")
         ids.append(value)
     return ids
@@ -78,8 +84,10 @@ def _plan(dst, dst_block_ids, src, src_block_ids, block_bytes: int):
     dst_ids = block_ids(dst_block_ids, "dst_block_ids")
     src_ids = block_ids(src_block_ids, "src_block_ids")
     if len(dst_ids) != len(src_ids):
-        raise InvalidArgumentError(f"dst_block_ids and src_block_ids must pair up, got "
-                                   f"{len(dst_ids)} and {len(src_ids)} ids")
+        raise InvalidArgumentError(
+            f"dst_block_ids and src_block_ids must pair up, got "
+            f"{len(dst_ids)} and {len(src_ids)} ids"
+        )
     return resolve(dst, "dst", writable=True), resolve(src, "src"), dst_ids, src_ids, block_bytes
 
 
@@ -87,18 +95,27 @@ def check(dst, dst_block_ids, src, src_block_ids, block_bytes: int) -> None:
     """Refuse what copy_blocks would refuse (the memory, the ids, a block id outside its
     side's extent), copying nothing: an op made of several copies (K then V, one layer after
     another) checks them all first, so a bad argument of the last leaves the first unmade."""
-    d, s, dst_ids, src_ids, block_bytes = _plan(dst, dst_block_ids, src, src_block_ids,
-                                                block_bytes)
+    d, s, dst_ids, src_ids, block_bytes = _plan(dst, dst_block_ids, src, src_block_ids, block_bytes)
     for side, ref, ids in (("destination", d, dst_ids), ("source", s, src_ids)):
         blocks = ref.nbytes // block_bytes
         if ids and (min(ids) < 0 or max(ids) >= blocks):
             entry = next(i for i, b in enumerate(ids) if not 0 <= b < blocks)
-            raise InvalidArgumentError(f"{side} block id {ids[entry]} (entry {entry}) is outside "
-                                       f"the cache's blocks 0..{blocks - 1}")
+            raise InvalidArgumentError(
+                f"{side} block id {ids[entry]} (entry {entry}) is outside "
+                f"the cache's blocks 0..{blocks - 1}"
+            )
 
 
-def copy_blocks(copy_fn: int, kind_of: Callable[[str, str], int], stream: int, dst,
-                dst_block_ids, src, src_block_ids, block_bytes: int) -> int:
+def copy_blocks(
+    copy_fn: int,
+    kind_of: Callable[[str, str], int],
+    stream: int,
+    dst,
+    dst_block_ids,
+    src,
+    src_block_ids,
+    block_bytes: int,
+) -> int:
     """Copy block src_block_ids[i] of `src` to block dst_block_ids[i] of `dst` through the
     runtime's copy (its C address; 0: memmove now). kind_of(dst device, src device) gives
     the runtime's copy kind. Returns the number of copies made (runs of consecutive ids).
@@ -109,10 +126,21 @@ def copy_blocks(copy_fn: int, kind_of: Callable[[str, str], int], stream: int, d
     dst_ids = block_ids_array(dst_block_ids, "dst_block_ids")
     src_ids = block_ids_array(src_block_ids, "src_block_ids")
     if len(dst_ids) != len(src_ids):
-        raise InvalidArgumentError(f"dst_block_ids and src_block_ids must pair up, got "
-                                   f"{len(dst_ids)} and {len(src_ids)} ids")
+        raise InvalidArgumentError(
+            f"dst_block_ids and src_block_ids must pair up, got "
+            f"{len(dst_ids)} and {len(src_ids)} ids"
+        )
     d = resolve(dst, "dst", writable=True)
     s = resolve(src, "src")
-    return _core.copy_blocks(copy_fn, kind_of(d.device, s.device), stream, d.address,
-                             d.nbytes // block_bytes, s.address, s.nbytes // block_bytes,
-                             block_bytes, dst_ids, src_ids)
+    return _core.copy_blocks(
+        copy_fn,
+        kind_of(d.device, s.device),
+        stream,
+        d.address,
+        d.nbytes // block_bytes,
+        s.address,
+        s.nbytes // block_bytes,
+        block_bytes,
+        dst_ids,
+        src_ids,
+    )

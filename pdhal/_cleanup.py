@@ -27,8 +27,7 @@ def _dead(path: str, entry: str) -> bool:
         segment.close()
 
 
-def cleanup(namespace: str | None = None, dry_run: bool = False
-            ) -> tuple[list[str], list[str]]:
+def cleanup(namespace: str | None = None, dry_run: bool = False) -> tuple[list[str], list[str]]:
     """(removed, left) paths among this user's pdhal segments in `namespace` (default:
     every namespace); with dry_run, what would be removed, removing nothing."""
     folder = _names.shm_dir()

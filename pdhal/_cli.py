@@ -40,8 +40,10 @@ def _cleanup(args) -> int:
     removed, alive = _cleanup.cleanup(args.namespace, dry_run=args.dry_run)
     for path in removed:
         print(f"{'would remove' if args.dry_run else 'removed'} {path}")
-    print(f"{len(removed)} dead segment(s) {'to remove' if args.dry_run else 'removed'}, "
-          f"{len(alive)} live segment(s) left alone")
+    print(
+        f"{len(removed)} dead segment(s) {'to remove' if args.dry_run else 'removed'}, "
+        f"{len(alive)} live segment(s) left alone"
+    )
     return 0
 
 
@@ -49,9 +51,11 @@ def _new_backend(args) -> int:
     from pdhal import _template
 
     folder = _template.write(args.name, args.into)
-    print(f"wrote the backend distribution pdhal-{args.name} in {folder}; next:\n"
-          f"  pip install -e {folder}\n  pytest --pdhal-backend {args.name}   # the "
-          f"conformance kit\nthen replace what each '# Replace:' comment points at")
+    print(
+        f"wrote the backend distribution pdhal-{args.name} in {folder}; next:\n"
+        f"  pip install -e {folder}\n  pytest --pdhal-backend {args.name}   # the "
+        f"conformance kit\nthen replace what each '# Replace:' comment points at"
+    )
     return 0
 
 
@@ -63,11 +67,16 @@ def _command_entry_points() -> dict:
     found: dict = {}
     for ep in metadata.entry_points(group=COMMANDS_GROUP):
         if ep.name in BUILTIN:
-            print(f"pdhal: command {ep.name!r} ({_origin(ep)}) is skipped: it is built in",
-                  file=sys.stderr)
+            print(
+                f"pdhal: command {ep.name!r} ({_origin(ep)}) is skipped: it is built in",
+                file=sys.stderr,
+            )
         elif ep.name in found and found[ep.name].value != ep.value:
-            print(f"pdhal: command {ep.name!r} ({_origin(ep)}) is skipped: "
-                  f"{_origin(found[ep.name])} provides it", file=sys.stderr)
+            print(
+                f"pdhal: command {ep.name!r} ({_origin(ep)}) is skipped: "
+                f"{_origin(found[ep.name])} provides it",
+                file=sys.stderr,
+            )
         else:
             found.setdefault(ep.name, ep)
     return found
@@ -83,8 +92,10 @@ def _add_command(sub, ep):
     add nothing (None)."""
     try:
         module = ep.load()
-        if not (callable(getattr(module, "add_arguments", None))
-                and callable(getattr(module, "main", None))):
+        if not (
+            callable(getattr(module, "add_arguments", None))
+            and callable(getattr(module, "main", None))
+        ):
             raise TypeError("it needs add_arguments(parser) and main(args)")
         doc = (module.__doc__ or "").strip()
         help_line = getattr(module, "HELP", None) or doc.split("\n", 1)[0]
@@ -93,8 +104,11 @@ def _add_command(sub, ep):
         module.add_arguments(options)
         p = sub.add_parser(ep.name, parents=[options], help=help_line, description=help_line)
     except Exception as exc:  # a broken command must never take `pdhal` down
-        print(f"pdhal: command {ep.name!r} ({_origin(ep)}) failed to load and is skipped: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(
+            f"pdhal: command {ep.name!r} ({_origin(ep)}) failed to load and is skipped: "
+            f"{type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
         return None
     p.set_defaults(func=module.main)
     return p
@@ -118,23 +132,31 @@ def build_parser(plugins: dict) -> tuple[argparse.ArgumentParser, dict]:
     """The parser and its subcommand parsers by name (plugins: entry points to add)."""
     parser = _Parser(prog="pdhal", description=__doc__.split("\n", 1)[0])
     parser.add_argument("--version", action="version", version=_version())
-    parser.add_argument("--debug", action="store_true",
-                        help="show tracebacks of errors (also PDHAL_DEBUG=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help="show tracebacks of errors (also PDHAL_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     commands = {}
     p = commands["info"] = sub.add_parser(
-        "info", help="this machine and pdhal: backends, devices, segments folder, limits, "
-                     "PDHAL_* variables (as `vllm collect-env` does)")
+        "info",
+        help="this machine and pdhal: backends, devices, segments folder, limits, "
+        "PDHAL_* variables (as `vllm collect-env` does)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_info)
     p = commands["cleanup"] = sub.add_parser(
-        "cleanup", help="remove this user's segments whose producer died")
+        "cleanup", help="remove this user's segments whose producer died"
+    )
     p.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
-    p.add_argument("--namespace", default=None,
-                   help="only this namespace (default: every namespace of this user)")
+    p.add_argument(
+        "--namespace",
+        default=None,
+        help="only this namespace (default: every namespace of this user)",
+    )
     p.set_defaults(func=_cleanup)
     p = commands["new-backend"] = sub.add_parser(
-        "new-backend", help="write a new backend distribution from pdhal's template")
+        "new-backend", help="write a new backend distribution from pdhal's template"
+    )
     p.add_argument("name", help="the backend's name (PDHAL_PLATFORM=NAME selects it)")
     p.add_argument("--into", default=".", help="folder to create pdhal-NAME in")
     p.set_defaults(func=_new_backend)
@@ -155,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         if command in plugins:
             plugins = {command: plugins[command]}  # load only the command that runs
         elif command in _NOT_INSTALLED:
-            print(f"pdhal: error: `pdhal {command}` is not installed: {_NOT_INSTALLED[command]}",
-                  file=sys.stderr)
+            print(
+                f"pdhal: error: `pdhal {command}` is not installed: {_NOT_INSTALLED[command]}",
+                file=sys.stderr,
+            )
             return 2
     parser, commands = build_parser(plugins)
     if command in plugins and command not in commands:
@@ -176,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         what = "error" if isinstance(e, PdhalError) else f"internal error ({type(e).__name__})"
         hint = "" if debug else " (--debug for the traceback)"
-        print(f"pdhal: {what}: {e}{hint if not isinstance(e, PdhalError) else ''}",
-              file=sys.stderr)
+        print(f"pdhal: {what}: {e}{hint if not isinstance(e, PdhalError) else ''}", file=sys.stderr)
         return 1
 
 

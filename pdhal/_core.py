@@ -102,8 +102,9 @@ def deadline_ns(timeout: float | None) -> int:
     if timeout is None:
         return FOREVER_NS
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise InvalidArgumentError(f"timeout must be a number of seconds >= 0 or None, got "
-                                   f"{timeout!r}")
+        raise InvalidArgumentError(
+            f"timeout must be a number of seconds >= 0 or None, got {timeout!r}"
+        )
     timeout_ns = min(timeout * 1e9, FOREVER_NS)  # inf, or past any clock: no deadline
     return min(FOREVER_NS, time.monotonic_ns() + int(timeout_ns))
 
@@ -144,12 +145,16 @@ class Segment:
         self.ring_slots = lib.pdhal_segment_ring_slots(ptr)
 
     @classmethod
-    def create(cls, path: str, kind: int, body_bytes: int = 0,
-               ring_slots: int = DEFAULT_RING_SLOTS) -> Segment:
+    def create(
+        cls, path: str, kind: int, body_bytes: int = 0, ring_slots: int = DEFAULT_RING_SLOTS
+    ) -> Segment:
         """Create (or reclaim from a dead producer) the segment at `path` as its producer."""
         out = ffi.new("pdhal_segment **")
-        check(lib.pdhal_segment_create(path.encode(), kind, body_bytes, ring_slots, out),
-              "creating %s", path)
+        check(
+            lib.pdhal_segment_create(path.encode(), kind, body_bytes, ring_slots, out),
+            "creating %s",
+            path,
+        )
         return cls(out[0], path, kind, True)
 
     @classmethod
@@ -159,12 +164,17 @@ class Segment:
         `flags`: OPEN_EXCLUSIVE_READER (the per-chunk reader), OPEN_LIVE_PRODUCER (a
         segment whose producer died counts as missing: wait for a new producer)."""
         out = ffi.new("pdhal_segment **")
-        rc = _retry_interrupted(lib.pdhal_segment_open, path.encode(), kind,
-                                deadline_ns(timeout), flags, out)
+        rc = _retry_interrupted(
+            lib.pdhal_segment_open, path.encode(), kind, deadline_ns(timeout), flags, out
+        )
         # a wait for the file that ran out, or a file that is no segment (EINVAL: not a
         # regular file): what is wrong is the segment, not an argument
-        check(rc, "opening %s", path,
-              overrides={errno.ETIMEDOUT: SegmentError, errno.EINVAL: SegmentError})
+        check(
+            rc,
+            "opening %s",
+            path,
+            overrides={errno.ETIMEDOUT: SegmentError, errno.EINVAL: SegmentError},
+        )
         return cls(out[0], path, kind, False)
 
     @property
@@ -190,8 +200,11 @@ class Segment:
         return bool(check(lib.pdhal_segment_producer_alive(self.ptr), "probing %s", self.path))
 
     def reader_attached(self) -> bool:
-        return bool(check(lib.pdhal_segment_reader_attached(self.ptr), "probing the reader of %s",
-                          self.path))
+        return bool(
+            check(
+                lib.pdhal_segment_reader_attached(self.ptr), "probing the reader of %s", self.path
+            )
+        )
 
     @property
     def creator_pid(self) -> int:
@@ -227,21 +240,32 @@ class Segment:
         count = len(table) // 3
         words = ffi.new("int32_t[]", table) if table else ffi.NULL
         step = ffi.new("uint64_t *")
-        rc = _retry_interrupted(lib.pdhal_ring_begin_step, self.ptr, words, count, num_layers,
-                                deadline_ns(timeout), step)
-        check(rc, "publishing a step on %s", self.path,
-              overrides={errno.ETIMEDOUT: BackPressureTimeoutError})
+        rc = _retry_interrupted(
+            lib.pdhal_ring_begin_step,
+            self.ptr,
+            words,
+            count,
+            num_layers,
+            deadline_ns(timeout),
+            step,
+        )
+        check(
+            rc,
+            "publishing a step on %s",
+            self.path,
+            overrides={errno.ETIMEDOUT: BackPressureTimeoutError},
+        )
         return step[0]
 
-    def ring_next(self, out, capacity: int, timeout: float | None, spin_ns: int = 0
-                  ) -> int | None:
+    def ring_next(self, out, capacity: int, timeout: float | None, spin_ns: int = 0) -> int | None:
         """Write the next record into the int32 cdata `out`; its step, or None if none came.
 
         timeout 0 means "do not wait". Acknowledges the records delivered before."""
         step = ffi.new("uint64_t *")
         deadline = 0 if timeout == 0 else deadline_ns(timeout)
-        rc = _retry_interrupted(lib.pdhal_ring_next, self.ptr, out, capacity, deadline,
-                                spin_ns, step)
+        rc = _retry_interrupted(
+            lib.pdhal_ring_next, self.ptr, out, capacity, deadline, spin_ns, step
+        )
         check(rc, "reading %s", self.path)
         return step[0] if rc == 1 else None
 
@@ -296,17 +320,40 @@ def run_store(store) -> None:
     lib.pdhal_store_run(store)
 
 
-def copy_blocks(copy_fn, kind: int, stream: int, dst: int, dst_blocks: int, src: int,
-                src_blocks: int, block_bytes: int, dst_ids, src_ids) -> int:
+def copy_blocks(
+    copy_fn,
+    kind: int,
+    stream: int,
+    dst: int,
+    dst_blocks: int,
+    src: int,
+    src_blocks: int,
+    block_bytes: int,
+    dst_ids,
+    src_ids,
+) -> int:
     """pdhal_copy_blocks: copy_fn a C function address (0: memmove now); the ids int64_t[]
     cdata of equal length; returns the copies made."""
     count = len(dst_ids)
     fn = ffi.NULL if not copy_fn else ffi.cast("pdhal_copy_fn", copy_fn)
-    return check(lib.pdhal_copy_blocks(fn, kind, ffi.cast("void *", stream),
-                                       ffi.cast("void *", dst), dst_blocks,
-                                       ffi.cast("void *", src), src_blocks, block_bytes,
-                                       dst_ids, src_ids, count),
-                 "copying %d blocks", count, overrides={errno.EIO: DeviceError})
+    return check(
+        lib.pdhal_copy_blocks(
+            fn,
+            kind,
+            ffi.cast("void *", stream),
+            ffi.cast("void *", dst),
+            dst_blocks,
+            ffi.cast("void *", src),
+            src_blocks,
+            block_bytes,
+            dst_ids,
+            src_ids,
+            count,
+        ),
+        "copying %d blocks",
+        count,
+        overrides={errno.EIO: DeviceError},
+    )
 
 
 def store_address(store) -> int:
@@ -336,9 +383,10 @@ class Sender:
         """`wait_fn` / `destroy_fn`: C function pointers (cdata or int addresses) or NULL."""
         out = ffi.new("pdhal_sender **")
         self._destroy_event = _fn(destroy_fn, "pdhal_event_destroy_fn")
-        check(lib.pdhal_sender_create(_fn(wait_fn, "pdhal_event_wait_fn"), self._destroy_event,
-                                      out),
-              "creating the KV signal sender")
+        check(
+            lib.pdhal_sender_create(_fn(wait_fn, "pdhal_event_wait_fn"), self._destroy_event, out),
+            "creating the KV signal sender",
+        )
         self._ptr = ffi.gc(out[0], lib.pdhal_sender_destroy)
         self._lock = threading.Lock()
 
@@ -354,8 +402,10 @@ class Sender:
 
     def set_polling(self, query_fn, poll_ns: int) -> None:
         """Poll queued events with the C function `query_fn` for up to poll_ns each."""
-        check(lib.pdhal_sender_set_polling(self.ptr, _fn(query_fn, "pdhal_event_query_fn"),
-                                           poll_ns), "turning on polling")
+        check(
+            lib.pdhal_sender_set_polling(self.ptr, _fn(query_fn, "pdhal_event_query_fn"), poll_ns),
+            "turning on polling",
+        )
 
     def kernel_id(self) -> int:
         """This sender's id in kernel forms."""
@@ -406,4 +456,3 @@ def _event(event):
     if isinstance(event, int):
         return ffi.cast("void *", event)
     return event
-

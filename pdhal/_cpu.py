@@ -70,8 +70,9 @@ class CpuHostBuffer(HostBuffer):
 
     def __init__(self, nbytes: int):
         name = f"host.{os.getpid()}.{next(_counter)}"
-        self._segment = _core.Segment.create(_names.buffer_path(name), _core.KIND_BUFFER,
-                                             body_bytes=nbytes)
+        self._segment = _core.Segment.create(
+            _names.buffer_path(name), _core.KIND_BUFFER, body_bytes=nbytes
+        )
         address = self._segment.body_address()
         pinned = _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0
         super().__init__(address, nbytes, pinned)
@@ -114,16 +115,18 @@ def host_alloc(nbytes: int) -> CpuHostBuffer:
     # Locking pages means touching them all: a request beyond RAM would grind, not fail.
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if nbytes > ram:
-        raise InvalidArgumentError(f"nbytes {nbytes} is more than this machine's memory "
-                                   f"({ram} bytes)")
+        raise InvalidArgumentError(
+            f"nbytes {nbytes} is more than this machine's memory ({ram} bytes)"
+        )
     return CpuHostBuffer(nbytes)
 
 
 def host_free(buf: HostBuffer) -> None:
     """Free memory from host_alloc (by the same backend that allocated it)."""
     if not isinstance(buf, CpuHostBuffer):
-        raise InvalidTypeError(f"host_free needs a buffer from the cpu backend's host_alloc, got "
-                               f"{type(buf).__name__}")
+        raise InvalidTypeError(
+            f"host_free needs a buffer from the cpu backend's host_alloc, got {type(buf).__name__}"
+        )
     buf.close()
 
 
@@ -137,6 +140,7 @@ def _owning_buffer(address: int, nbytes: int) -> CpuHostBuffer | None:
 
 
 # ---- addresses -----------------------------------------------------------------------
+
 
 def _mapped(address: int, nbytes: int) -> bool:
     """Is [address, address + nbytes) inside this process's mappings?"""
@@ -176,9 +180,11 @@ def set_data_ipc(tensor, name: str) -> None:
         raise UnsupportedError(
             f"the cpu backend can only share memory allocated by pdhal: allocate the KV cache "
             f"with pdhal.ops.host_alloc and view it as a tensor (address {ref.address:#x} is not "
-            f"inside any live host_alloc buffer)")
-    _published.publish(name, {"path": owner.path, "offset": ref.address - owner.address,
-                              "nbytes": ref.nbytes})
+            f"inside any live host_alloc buffer)"
+        )
+    _published.publish(
+        name, {"path": owner.path, "offset": ref.address - owner.address, "nbytes": ref.nbytes}
+    )
 
 
 def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
@@ -192,17 +198,20 @@ def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
     try:
         numpy_dtype = np.dtype(numpy_dtype)
     except TypeError:
-        raise UnsupportedError(f"the cpu backend maps shared buffers through numpy, which has "
-                               f"no dtype {dtype}") from None
+        raise UnsupportedError(
+            f"the cpu backend maps shared buffers through numpy, which has no dtype {dtype}"
+        ) from None
     seg = _imported.get(record["path"])
     if seg is None:
-        seg = _imported.setdefault(record["path"], _core.Segment.open(
-            record["path"], _core.KIND_BUFFER, timeout))
+        seg = _imported.setdefault(
+            record["path"], _core.Segment.open(record["path"], _core.KIND_BUFFER, timeout)
+        )
     # What was shared is the tensor, not the whole buffer behind it: an address inside the
     # mapping is bounded by the tensor's bytes.
-    _extents.register(seg.body_address() + record["offset"], record["nbytes"], "cpu",
-                      f"shared buffer {name!r}")
-    view = memoryview(seg.body())[record["offset"]:record["offset"] + need]
+    _extents.register(
+        seg.body_address() + record["offset"], record["nbytes"], "cpu", f"shared buffer {name!r}"
+    )
+    view = memoryview(seg.body())[record["offset"] : record["offset"] + need]
     array = np.frombuffer(view, dtype=numpy_dtype).reshape(shape)
     if is_paddle_tensor(like):
         import paddle
@@ -210,8 +219,10 @@ def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
         tensor = paddle.from_dlpack(array)
         return tensor.view(paddle.bfloat16) if dtype == "bfloat16" else tensor
     if dtype == "bfloat16":
-        raise UnsupportedError("a bfloat16 buffer maps as a Paddle tensor only (numpy has no "
-                               "bfloat16): pass a Paddle tensor as `like`")
+        raise UnsupportedError(
+            "a bfloat16 buffer maps as a Paddle tensor only (numpy has no "
+            "bfloat16): pass a Paddle tensor as `like`"
+        )
     return array
 
 
@@ -237,8 +248,10 @@ def host_register(ptr_or_tensor, nbytes: int | None = None) -> None:
         raise InvalidArgumentError(f"[{ref.address:#x}, +{size}) is not mapped in this process")
     if _libc.mlock(ctypes.c_void_p(ref.address), ctypes.c_size_t(size)) != 0:
         err = ctypes.get_errno()
-        raise DeviceError(f"mlock of {size} bytes at {ref.address:#x} failed: "
-                          f"{os.strerror(err)} (raise RLIMIT_MEMLOCK: ulimit -l)")
+        raise DeviceError(
+            f"mlock of {size} bytes at {ref.address:#x} failed: "
+            f"{os.strerror(err)} (raise RLIMIT_MEMLOCK: ulimit -l)"
+        )
     with _live_lock:
         _registered[ref.address] = size
     _extents.register(ref.address, size, "cpu", "host_register")
@@ -258,15 +271,17 @@ def host_unregister(ptr_or_tensor) -> None:
 def copy_blocks(dst, dst_block_ids, src, src_block_ids, block_bytes: int, stream=None) -> int:
     """Copy block src_block_ids[i] of `src` into block dst_block_ids[i] of `dst` (memmove,
     done on return), runs of consecutive ids as one copy. Returns the copies made."""
-    return _blocks.copy_blocks(0, _host_only, 0, dst, dst_block_ids, src, src_block_ids,
-                               block_bytes)
+    return _blocks.copy_blocks(
+        0, _host_only, 0, dst, dst_block_ids, src, src_block_ids, block_bytes
+    )
 
 
 def _host_only(dst_device: str, src_device: str) -> int:
     for device in (dst_device, src_device):
         if device not in ("cpu", "unknown"):
-            raise InvalidArgumentError(f"the cpu backend copies host memory only, got {device} "
-                                       f"memory")
+            raise InvalidArgumentError(
+                f"the cpu backend copies host memory only, got {device} memory"
+            )
     return 0
 
 
@@ -275,6 +290,7 @@ def synchronize(stream=None) -> None:
 
 
 # ---- signals -------------------------------------------------------------------------
+
 
 def signal_layer_ready(signal, stream=None, sender: KVSignalSender | None = None) -> None:
     """Mark the layer ready: CPU work before this call is complete, so store now (or, with a
@@ -285,8 +301,9 @@ def signal_layer_ready(signal, stream=None, sender: KVSignalSender | None = None
     if sender is None:
         signal.publish()
     elif not isinstance(sender, KVSignalSender) or sender.backend != "cpu":
-        raise InvalidArgumentError(f"sender must come from the cpu backend's "
-                                   f"create_kv_signal_sender, got {sender!r}")
+        raise InvalidArgumentError(
+            f"sender must come from the cpu backend's create_kv_signal_sender, got {sender!r}"
+        )
     else:
         sender.post(None, signal)
 
@@ -307,13 +324,20 @@ class CpuBackend(Backend):
         return CpuPlatform()
 
     def ops(self) -> dict:
-        return {"signal_layer_ready": signal_layer_ready,
-                "create_kv_signal_sender": create_kv_signal_sender,
-                "host_alloc": host_alloc, "host_free": host_free,
-                "host_register": host_register, "host_unregister": host_unregister,
-                "get_peer_mem_addr": get_peer_mem_addr, "set_data_ipc": set_data_ipc,
-                "share_external_data": share_external_data, "unset_data_ipc": unset_data_ipc,
-                "copy_blocks": copy_blocks, "synchronize": synchronize}
+        return {
+            "signal_layer_ready": signal_layer_ready,
+            "create_kv_signal_sender": create_kv_signal_sender,
+            "host_alloc": host_alloc,
+            "host_free": host_free,
+            "host_register": host_register,
+            "host_unregister": host_unregister,
+            "get_peer_mem_addr": get_peer_mem_addr,
+            "set_data_ipc": set_data_ipc,
+            "share_external_data": share_external_data,
+            "unset_data_ipc": unset_data_ipc,
+            "copy_blocks": copy_blocks,
+            "synchronize": synchronize,
+        }
 
     def info(self) -> dict[str, object]:
         return {"runtime": "none (host memory and threads)"}

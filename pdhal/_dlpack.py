@@ -19,9 +19,15 @@ class DLDataType(ctypes.Structure):
 
 
 class DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
 
 
 class DLManagedTensor(ctypes.Structure):
@@ -29,16 +35,30 @@ class DLManagedTensor(ctypes.Structure):
 
 
 _Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
-DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
-                            ("deleter", _Deleter)]
+DLManagedTensor._fields_ = [
+    ("dl_tensor", DLTensor),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", _Deleter),
+]
 
 #: DLDeviceType of pdhal's device kinds.
 DEVICE_TYPES = {"cpu": 1, "gpu": 2}
 #: DLDataTypeCode and bits of dtype names.
-DTYPES = {"bool": (6, 8), "int8": (0, 8), "uint8": (1, 8), "int16": (0, 16),
-          "uint16": (1, 16), "int32": (0, 32), "uint32": (1, 32), "int64": (0, 64),
-          "uint64": (1, 64), "float16": (2, 16), "bfloat16": (4, 16), "float32": (2, 32),
-          "float64": (2, 64)}
+DTYPES = {
+    "bool": (6, 8),
+    "int8": (0, 8),
+    "uint8": (1, 8),
+    "int16": (0, 16),
+    "uint16": (1, 16),
+    "int32": (0, 32),
+    "uint32": (1, 32),
+    "int64": (0, 64),
+    "uint64": (1, 64),
+    "float16": (2, 16),
+    "bfloat16": (4, 16),
+    "float32": (2, 32),
+    "float64": (2, 64),
+}
 
 _alive: dict[int, tuple] = {}  # managed tensor address -> what must outlive the consumer
 _alive_lock = threading.Lock()
@@ -90,11 +110,18 @@ def export(owner: object, address: int, shape: tuple[int, ...], dtype: str, devi
     code, bits = DTYPES[dtype]
     dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
     managed = DLManagedTensor()
-    managed.dl_tensor = DLTensor(address, DLDevice(DEVICE_TYPES[kind], int(index or 0)),
-                                 len(shape), DLDataType(code, bits, 1),
-                                 ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64)), None, 0)
+    managed.dl_tensor = DLTensor(
+        address,
+        DLDevice(DEVICE_TYPES[kind], int(index or 0)),
+        len(shape),
+        DLDataType(code, bits, 1),
+        ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64)),
+        None,
+        0,
+    )
     managed.deleter = _delete
     with _alive_lock:
         _alive[ctypes.addressof(managed)] = (managed, dims, owner)
-    return _capsule_new(ctypes.addressof(managed), b"dltensor",
-                        ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+    return _capsule_new(
+        ctypes.addressof(managed), b"dltensor", ctypes.cast(_capsule_destructor, ctypes.c_void_p)
+    )

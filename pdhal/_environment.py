@@ -12,18 +12,17 @@ from pdhal._errors import PdhalError
 #: name -> what it does (the README's table says the same).
 VARIABLES = {
     "PDHAL_PLATFORM": "use exactly this backend; fail loudly if it is missing, broken or has "
-                      "no device",
-    "PDHAL_PLUGINS": "comma-separated allow-list of backend plugins to load (cpu is always "
-                     "there)",
+    "no device",
+    "PDHAL_PLUGINS": "comma-separated allow-list of backend plugins to load (cpu is always there)",
     "PDHAL_NAMESPACE": "keeps deployments on one host apart (default 'default')",
     "PDHAL_SHM_DIR": "folder of pdhal's segments (default /dev/shm)",
     "PDHAL_BACKPRESSURE_TIMEOUT": "seconds a per-chunk step waits for the messager (default 60)",
     "PDHAL_CPU_VISIBLE_DEVICES": "logical devices of the cpu backend this process sees",
     "PDHAL_CPU_DEVICE_COUNT": "logical devices of the cpu backend (default 1)",
     "PDHAL_CUDART": "path of the CUDA runtime to bind (else the nvidia-cuda-runtime wheel, else "
-                    "libcudart.so.13/.12)",
+    "libcudart.so.13/.12)",
     "PDHAL_XPURT": "path of the XPU runtime to bind (else paddle/libs/libxpurt.so of a Paddle "
-                   "XPU wheel, else libxpurt.so)",
+    "XPU wheel, else libxpurt.so)",
     "PDHAL_DEBUG": "`pdhal` commands print tracebacks (1)",
 }
 
@@ -70,27 +69,37 @@ def _library(value: str) -> None:
 def _plugins(value: str) -> None:
     from pdhal import _registry
 
-    unknown = sorted({n.strip() for n in value.split(",") if n.strip()}
-                     - set(_registry.installed_names()))
+    unknown = sorted(
+        {n.strip() for n in value.split(",") if n.strip()} - set(_registry.installed_names())
+    )
     if unknown:
-        raise ValueError(f"names no installed backend: {', '.join(unknown)} (installed: "
-                         f"{', '.join(_registry.installed_names())})")
+        raise ValueError(
+            f"names no installed backend: {', '.join(unknown)} (installed: "
+            f"{', '.join(_registry.installed_names())})"
+        )
 
 
 def _platform(value: str) -> None:
     from pdhal import _registry
 
     if value.strip() not in _registry.installed_names():
-        raise ValueError(f"no backend {value.strip()!r} is installed (installed: "
-                         f"{', '.join(_registry.installed_names())}; a pdhal backend "
-                         f"distribution is named pdhal-<name>)")
+        raise ValueError(
+            f"no backend {value.strip()!r} is installed (installed: "
+            f"{', '.join(_registry.installed_names())}; a pdhal backend "
+            f"distribution is named pdhal-<name>)"
+        )
 
 
 _CHECKS: dict[str, Callable[[str], None]] = {
-    "PDHAL_PLATFORM": _platform, "PDHAL_PLUGINS": _plugins, "PDHAL_NAMESPACE": _namespace,
-    "PDHAL_SHM_DIR": _shm_dir, "PDHAL_BACKPRESSURE_TIMEOUT": _timeout,
-    "PDHAL_CPU_DEVICE_COUNT": _device_count, "PDHAL_CPU_VISIBLE_DEVICES": _visible,
-    "PDHAL_CUDART": _library, "PDHAL_XPURT": _library,
+    "PDHAL_PLATFORM": _platform,
+    "PDHAL_PLUGINS": _plugins,
+    "PDHAL_NAMESPACE": _namespace,
+    "PDHAL_SHM_DIR": _shm_dir,
+    "PDHAL_BACKPRESSURE_TIMEOUT": _timeout,
+    "PDHAL_CPU_DEVICE_COUNT": _device_count,
+    "PDHAL_CPU_VISIBLE_DEVICES": _visible,
+    "PDHAL_CUDART": _library,
+    "PDHAL_XPURT": _library,
 }
 
 

@@ -35,8 +35,11 @@ class HostBuffer:
         return self._address is None
 
     def contains(self, address: int, nbytes: int = 1) -> bool:
-        return (self._address is not None and self._address <= address
-                and address + nbytes <= self._address + self.nbytes)
+        return (
+            self._address is not None
+            and self._address <= address
+            and address + nbytes <= self._address + self.nbytes
+        )
 
     # Named like a tensor's memory (data_ptr, numel, element_size), so every op that takes a
     # tensor takes the buffer itself.
@@ -60,8 +63,9 @@ class HostBuffer:
         shape = tuple(shape)
         need = math.prod(shape) * dtype.itemsize
         if need > self.nbytes:
-            raise InvalidArgumentError(f"shape {shape} of {dtype} needs {need} bytes, the buffer "
-                                       f"has {self.nbytes}")
+            raise InvalidArgumentError(
+                f"shape {shape} of {dtype} needs {need} bytes, the buffer has {self.nbytes}"
+            )
         return np.frombuffer(self.memoryview(), dtype=dtype, count=math.prod(shape)).reshape(shape)
 
     def _release(self) -> None:

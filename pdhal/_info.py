@@ -16,8 +16,16 @@ from pdhal._errors import PdhalError
 
 NOT_SET = "not set"
 #: Distributions worth naming next to pdhal (Paddle's builds are three distributions).
-_PACKAGES = ("cffi", "pluggy", "numpy", "paddlepaddle", "paddlepaddle-gpu", "paddlepaddle-xpu",
-             "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+_PACKAGES = (
+    "cffi",
+    "pluggy",
+    "numpy",
+    "paddlepaddle",
+    "paddlepaddle-gpu",
+    "paddlepaddle-xpu",
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine",
+)
 
 
 def _version(dist: str) -> str | None:
@@ -33,8 +41,11 @@ def _limit(value: int) -> str:
 
 def _paddle_build() -> str:
     """Which Paddle is installed and for what, from its distribution's name (no import)."""
-    for dist, build in (("paddlepaddle-gpu", "CUDA"), ("paddlepaddle-xpu", "XPU"),
-                        ("paddlepaddle", "CPU")):
+    for dist, build in (
+        ("paddlepaddle-gpu", "CUDA"),
+        ("paddlepaddle-xpu", "XPU"),
+        ("paddlepaddle", "CPU"),
+    ):
         version = _version(dist)
         if version:
             return f"{version} ({build} build, distribution {dist})"
@@ -63,16 +74,15 @@ def _machine() -> dict:
         "kernel": os.uname().release,
         "python": sys.version.split()[0],
         "memlock_limit": {"soft": _limit(soft), "hard": _limit(hard)},
-        "libibverbs": ctypes.util.find_library("ibverbs") or "not found (Mooncake's RDMA and "
-                                                             "its non-CUDA wheel need it)",
+        "libibverbs": ctypes.util.find_library("ibverbs")
+        or "not found (Mooncake's RDMA and its non-CUDA wheel need it)",
         "paddle": _paddle_build(),
     }
 
 
 def _platform_facts(sel) -> dict:
     platform = sel.platform
-    facts: dict = {"name": platform.name,
-                   "device_control_env_var": platform.device_control_env_var}
+    facts: dict = {"name": platform.name, "device_control_env_var": platform.device_control_env_var}
     try:  # a report must not fail on a half-working runtime
         facts["visible_devices"] = platform.visible_devices()
         facts["device_count"] = platform.device_count()
@@ -86,11 +96,14 @@ def report() -> dict:
     """A JSON-able description of this process's pdhal set-up (never raises PdhalError)."""
     from pdhal import __version__
 
-    out: dict = {"pdhal": __version__, "machine": _machine(),
-                 "packages": {dist: _version(dist) for dist in _PACKAGES},
-                 "segment_folder": _segment_folder(),
-                 "environment": _environment.in_effect(),
-                 "environment_problems": _environment.problems()}
+    out: dict = {
+        "pdhal": __version__,
+        "machine": _machine(),
+        "packages": {dist: _version(dist) for dist in _PACKAGES},
+        "segment_folder": _segment_folder(),
+        "environment": _environment.in_effect(),
+        "environment_problems": _environment.problems(),
+    }
     try:
         sel = _registry.selection()
     except PdhalError as e:
@@ -104,8 +117,12 @@ def report() -> dict:
         candidates = sel.candidates
     out["backends"] = []
     for cand in candidates:
-        entry = {"name": cand.name, "distribution": cand.distribution, "version": cand.version,
-                 "source": cand.source}
+        entry = {
+            "name": cand.name,
+            "distribution": cand.distribution,
+            "version": cand.version,
+            "source": cand.source,
+        }
         if cand.error:
             entry["status"] = "broken"
             entry["error"] = cand.error
@@ -125,8 +142,10 @@ def _text(value) -> str:
 
 def format_text(info: dict) -> str:
     m = info["machine"]
-    lines = [f"pdhal {info['pdhal']} on {m['os']} (kernel {m['kernel']}), Python {m['python']}",
-             f"selected: {info['selected'] or '(none)'}"]
+    lines = [
+        f"pdhal {info['pdhal']} on {m['os']} (kernel {m['kernel']}), Python {m['python']}",
+        f"selected: {info['selected'] or '(none)'}",
+    ]
     if info.get("error"):
         lines.append(f"  error: {info['error']}")
     else:
@@ -136,30 +155,43 @@ def format_text(info: dict) -> str:
             lines.append(f"  devices: cannot be counted: {p['error']}")
         else:
             visible = p["visible_devices"]
-            lines.append(f"  devices: {p['device_count']} ({p['device_control_env_var']}="
-                         f"{NOT_SET if visible is None else ','.join(map(str, visible))})")
+            lines.append(
+                f"  devices: {p['device_count']} ({p['device_control_env_var']}="
+                f"{NOT_SET if visible is None else ','.join(map(str, visible))})"
+            )
             caps = ", ".join(f"{k}={v}" for k, v in p["capabilities"].items())
             lines.append(f"  capabilities: {caps}")
     lines.append("backends:")
     for b in info["backends"]:
         detail = b.get("error") or b.get("reason", "")
-        lines.append(f"  {b['name']:<8} {b['status']:<12} {b['distribution']} {b['version']}"
-                     f"  {detail}")
+        lines.append(
+            f"  {b['name']:<8} {b['status']:<12} {b['distribution']} {b['version']}  {detail}"
+        )
         for key, value in (b.get("runtime") or {}).items():
             lines.append(f"           {key}: {_text(value)}")
     f = info["segment_folder"]
     if "error" in f:
         lines.append(f"segment folder: {f['path']}: {f['error']}")
     else:
-        lines.append(f"segment folder: {f['path']}, {f['free_bytes'] / 2**30:.1f} GiB free of "
-                     f"{f['size_bytes'] / 2**30:.1f} GiB, {f['pdhal_segments_of_this_user']} pdhal "
-                     f"segment(s) of this user")
-    lines.append(f"pinned memory (RLIMIT_MEMLOCK): soft {m['memlock_limit']['soft']}, hard "
-                 f"{m['memlock_limit']['hard']}")
+        lines.append(
+            f"segment folder: {f['path']}, {f['free_bytes'] / 2**30:.1f} GiB free of "
+            f"{f['size_bytes'] / 2**30:.1f} GiB, {f['pdhal_segments_of_this_user']} pdhal "
+            f"segment(s) of this user"
+        )
+    lines.append(
+        f"pinned memory (RLIMIT_MEMLOCK): soft {m['memlock_limit']['soft']}, hard "
+        f"{m['memlock_limit']['hard']}"
+    )
     lines.append(f"libibverbs: {m['libibverbs']}")
     lines.append(f"paddle: {m['paddle']}")
-    lines.append("packages: " + ", ".join(f"{k} {_text(v)}" for k, v in info["packages"].items()
-                                          if v is not None or not k.startswith("paddle")))
+    lines.append(
+        "packages: "
+        + ", ".join(
+            f"{k} {_text(v)}"
+            for k, v in info["packages"].items()
+            if v is not None or not k.startswith("paddle")
+        )
+    )
     lines.append("environment:")
     for name, value in info["environment"].items():
         problem = info["environment_problems"].get(name)

@@ -31,7 +31,8 @@ def validate_namespace(value: object, what: str = "PDHAL_NAMESPACE") -> str:
     if not isinstance(value, str) or not _NAMESPACE.fullmatch(value):
         raise InvalidArgumentError(
             f"{what} must be 1-64 characters of letters, digits, '_' or '-' (no '.', which "
-            f"separates the parts of a segment name), got {value!r}")
+            f"separates the parts of a segment name), got {value!r}"
+        )
     return value
 
 

@@ -11,9 +11,9 @@ from pdhal._errors import InvalidArgumentError
 DeviceId = int | str  # an index, or a platform-specific name (e.g. a CUDA "GPU-<uuid>")
 
 
-def parse_visible_devices(value: str | None, var: str,
-                          named: Callable[[str], bool] = lambda entry: False
-                          ) -> list[DeviceId] | None:
+def parse_visible_devices(
+    value: str | None, var: str, named: Callable[[str], bool] = lambda entry: False
+) -> list[DeviceId] | None:
     """Parse a *_VISIBLE_DEVICES list: None when unset (all devices visible).
 
     Entries are non-negative integers, or names that `named` accepts (the platform's own
@@ -32,8 +32,10 @@ def parse_visible_devices(value: str | None, var: str,
         elif named(entry):
             entries.append(entry)
         else:
-            raise InvalidArgumentError(f"{var}={value!r}: entry {entry!r} is neither a device "
-                                       f"index nor a device name of this platform")
+            raise InvalidArgumentError(
+                f"{var}={value!r}: entry {entry!r} is neither a device "
+                f"index nor a device name of this platform"
+            )
     if len(set(entries)) != len(entries):
         raise InvalidArgumentError(f"{var}={value!r} lists a device twice")
     return entries
@@ -77,7 +79,8 @@ class Platform:
         if local_rank >= len(visible):
             raise InvalidArgumentError(
                 f"local_rank {local_rank} is out of range: {self.device_control_env_var}="
-                f"{os.environ.get(self.device_control_env_var)!r} makes {len(visible)} visible")
+                f"{os.environ.get(self.device_control_env_var)!r} makes {len(visible)} visible"
+            )
         return visible[local_rank]
 
     def device_index(self, local_rank: int) -> int:
@@ -88,11 +91,17 @@ class Platform:
         if not isinstance(device, int):
             raise InvalidArgumentError(
                 f"{self.device_control_env_var} names local device {local_rank} {device!r}, not "
-                f"an index: list devices by index to name channels after them")
+                f"an index: list devices by index to name channels after them"
+            )
         return device
 
-    def child_env(self, device_ids: list[DeviceId], base: dict[str, str] | None = None, *,
-                  isolate: bool = True) -> dict[str, str]:
+    def child_env(
+        self,
+        device_ids: list[DeviceId],
+        base: dict[str, str] | None = None,
+        *,
+        isolate: bool = True,
+    ) -> dict[str, str]:
         """Environment for a child process on the given PHYSICAL devices.
 
         isolate=True: the child sees exactly these devices, as its local devices 0..n-1 in
@@ -108,14 +117,19 @@ class Platform:
             raise InvalidArgumentError("device_ids must name at least one device")
         parent = self.visible_devices(env)
         for dev in device_ids:
-            if isinstance(dev, bool) or not isinstance(dev, (int, str)) or (
-                    isinstance(dev, int) and dev < 0):
-                raise InvalidArgumentError(f"device ids must be ints >= 0 or device names, "
-                                           f"got {dev!r}")
+            if (
+                isinstance(dev, bool)
+                or not isinstance(dev, (int, str))
+                or (isinstance(dev, int) and dev < 0)
+            ):
+                raise InvalidArgumentError(
+                    f"device ids must be ints >= 0 or device names, got {dev!r}"
+                )
             if parent is not None and dev not in parent:
                 raise InvalidArgumentError(
                     f"device {dev!r} is not visible to this process "
-                    f"({self.device_control_env_var}={env.get(self.device_control_env_var)!r})")
+                    f"({self.device_control_env_var}={env.get(self.device_control_env_var)!r})"
+                )
         if isolate:
             env[self.device_control_env_var] = ",".join(str(d) for d in device_ids)
         else:

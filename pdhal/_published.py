@@ -59,19 +59,22 @@ def unset(name: str, unlink: bool = True) -> None:
     try:
         seg = _core.Segment.open(path, _core.KIND_BUFFER, 0)
     except SegmentError:
-        raise InvalidArgumentError(f"no buffer is shared as {name!r} (never shared, or unset "
-                                   f"already)") from None
+        raise InvalidArgumentError(
+            f"no buffer is shared as {name!r} (never shared, or unset already)"
+        ) from None
     pid = seg.creator_pid
     seg.close()
     if not _core.reclaim(path):
-        raise InvalidArgumentError(f"{name!r} was shared by pid {pid}, which is alive: only its "
-                                   f"publisher unsets it")
+        raise InvalidArgumentError(
+            f"{name!r} was shared by pid {pid}, which is alive: only its publisher unsets it"
+        )
 
 
 def lookup(name: str, timeout: float | None) -> dict:
     """The record published under `name`, waiting up to `timeout` s for it to appear."""
-    seg = _core.Segment.open(_names.buffer_path(name), _core.KIND_BUFFER, timeout,
-                             _core.OPEN_LIVE_PRODUCER)  # a dead publisher's memory is gone
+    seg = _core.Segment.open(
+        _names.buffer_path(name), _core.KIND_BUFFER, timeout, _core.OPEN_LIVE_PRODUCER
+    )  # a dead publisher's memory is gone
     try:
         return json.loads(bytes(seg.body()))
     finally:
@@ -130,8 +133,9 @@ class SharedDeviceBuffer:
         return _dlpack.DEVICE_TYPES[kind], int(index or 0)
 
 
-def mapped(address: int, shape: tuple, dtype: str, nbytes: int, device: str,
-           name: str) -> SharedDeviceBuffer:
+def mapped(
+    address: int, shape: tuple, dtype: str, nbytes: int, device: str, name: str
+) -> SharedDeviceBuffer:
     """A SharedDeviceBuffer over what share_external_data mapped, its extent known to pdhal
     (so raw addresses inside it can be bounds-checked) for the process's life."""
     _extents.register(address, nbytes, device, f"shared buffer {name!r}")
@@ -168,8 +172,9 @@ def request(like, name: str, shape, timeout: float | None) -> tuple[dict, tuple,
         dtype = str(getattr(like, "dtype", ""))
     dtype = dtype.split(".")[-1]
     if not dtype:
-        raise InvalidTypeError(f"like must be a tensor or array with a dtype, got "
-                               f"{type(like).__name__}")
+        raise InvalidTypeError(
+            f"like must be a tensor or array with a dtype, got {type(like).__name__}"
+        )
     itemsize = _ITEMSIZE_BEYOND_NUMPY.get(dtype)
     if itemsize is None:
         import numpy as np
@@ -177,15 +182,18 @@ def request(like, name: str, shape, timeout: float | None) -> tuple[dict, tuple,
         try:
             itemsize = np.dtype(dtype).itemsize
         except Exception:  # numpy raises TypeError, ValueError, even SyntaxError for junk
-            raise UnsupportedError(f"share_external_data cannot size dtype {dtype!r}: like "
-                                   f"must be a tensor or array (or a dtype name such as "
-                                   f"'float16')") from None
+            raise UnsupportedError(
+                f"share_external_data cannot size dtype {dtype!r}: like "
+                f"must be a tensor or array (or a dtype name such as "
+                f"'float16')"
+            ) from None
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise InvalidArgumentError(f"shape must be a list of sizes, got {shape!r}")
     shape = tuple(_names.validate_index(n, "shape entry", 1 << 46) for n in shape)
     need = math.prod(shape) * itemsize
     record = lookup(name, timeout)
     if need > record["nbytes"]:
-        raise InvalidArgumentError(f"shape {shape} of {dtype} needs {need} bytes, but {name!r} "
-                                   f"shares {record['nbytes']}")
+        raise InvalidArgumentError(
+            f"shape {shape} of {dtype} needs {need} bytes, but {name!r} shares {record['nbytes']}"
+        )
     return record, shape, dtype, need

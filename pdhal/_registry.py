@@ -62,6 +62,7 @@ class Selection:
 
 def _embedded_candidate() -> Candidate:
     from pdhal import __version__
+
     return Candidate(EMBEDDED, "pdhal", __version__, "pdhal._cpu")
 
 
@@ -69,8 +70,9 @@ def _entry_points() -> list[tuple[Candidate, metadata.EntryPoint]]:
     found = []
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = ep.dist
-        cand = Candidate(ep.name, dist.name if dist else "?", dist.version if dist else "?",
-                         ep.value)
+        cand = Candidate(
+            ep.name, dist.name if dist else "?", dist.version if dist else "?", ep.value
+        )
         found.append((cand, ep))
     return found
 
@@ -85,8 +87,9 @@ def _import_plugin(cand: Candidate, load: Callable[[], object]) -> None:
         if len(backends) != 1 or not isinstance(backends[0], Backend):
             raise BackendLoadError(f"pdhal_backend returned {backends!r}, expected one Backend")
         if backends[0].name != cand.name:
-            raise BackendLoadError(f"its Backend is named {backends[0].name!r}, but its entry "
-                                   f"point is {cand.name!r}")
+            raise BackendLoadError(
+                f"its Backend is named {backends[0].name!r}, but its entry point is {cand.name!r}"
+            )
         cand.backend = backends[0]
     except Exception as e:  # a broken plugin must never take the others down
         cand.error = f"{type(e).__name__}: {e}"
@@ -95,6 +98,7 @@ def _import_plugin(cand: Candidate, load: Callable[[], object]) -> None:
 
 def _load_embedded():
     from pdhal import _cpu
+
     return _cpu
 
 
@@ -123,8 +127,11 @@ def _allow_list() -> set[str] | None:
     allowed = {n.strip() for n in raw.split(",") if n.strip()}
     unknown = sorted(allowed - set(installed_names()))
     if unknown:
-        log.warning("PDHAL_PLUGINS names backends that are not installed: %s (installed: %s)",
-                    ", ".join(unknown), ", ".join(installed_names()))
+        log.warning(
+            "PDHAL_PLUGINS names backends that are not installed: %s (installed: %s)",
+            ", ".join(unknown),
+            ", ".join(installed_names()),
+        )
     return allowed
 
 
@@ -137,8 +144,9 @@ def _check_availability(cand: Candidate) -> Availability:
     try:
         cand.availability = cand.backend.availability()
     except Exception as e:  # detection must say "no" with a reason, not raise
-        cand.availability = Availability(False, f"availability check raised "
-                                                f"{type(e).__name__}: {e}")
+        cand.availability = Availability(
+            False, f"availability check raised {type(e).__name__}: {e}"
+        )
     return cand.availability
 
 
@@ -151,32 +159,39 @@ def _choose() -> tuple[Candidate, str, list[Candidate]]:
             raise BackendNotFoundError(
                 f"no backend {forced!r} (PDHAL_PLATFORM); installed: "
                 f"{', '.join(installed_names())} (a pdhal backend {forced!r} would come from "
-                f"`pip install pdhal-{forced}`)")
+                f"`pip install pdhal-{forced}`)"
+            )
         cand = candidates[0]
         if cand.backend is None:
-            raise BackendLoadError(f"{cand.describe()} (PDHAL_PLATFORM) failed to load: "
-                                   f"{cand.error}")
+            raise BackendLoadError(
+                f"{cand.describe()} (PDHAL_PLATFORM) failed to load: {cand.error}"
+            )
         avail = _check_availability(cand)
         if not avail.available:
             raise BackendUnavailableError(
-                f"{cand.describe()} (PDHAL_PLATFORM) is not available here: {avail.reason}")
+                f"{cand.describe()} (PDHAL_PLATFORM) is not available here: {avail.reason}"
+            )
         return cand, f"PDHAL_PLATFORM={forced}", candidates
     candidates = discover()
-    usable = [c for c in candidates if c.backend is not None and
-              _check_availability(c).available]
+    usable = [c for c in candidates if c.backend is not None and _check_availability(c).available]
     if not usable:
         raise BackendUnavailableError(
-            "no pdhal backend is usable: " +
-            "; ".join(f"{c.name}: {c.error or c.availability.reason}" for c in candidates))
+            "no pdhal backend is usable: "
+            + "; ".join(f"{c.name}: {c.error or c.availability.reason}" for c in candidates)
+        )
     best = max(c.backend.priority for c in usable)
     top = [c for c in usable if c.backend.priority == best]
     if len(top) > 1:
         raise BackendLoadError(
             f"backends {', '.join(repr(c.name) for c in top)} are all available with priority "
-            f"{best}: set PDHAL_PLATFORM to choose one")
+            f"{best}: set PDHAL_PLATFORM to choose one"
+        )
     cand = top[0]
-    skipped = [f"{c.name}: {c.error or c.availability.reason}" for c in candidates
-               if c is not cand and (c.error or not c.availability.available)]
+    skipped = [
+        f"{c.name}: {c.error or c.availability.reason}"
+        for c in candidates
+        if c is not cand and (c.error or not c.availability.available)
+    ]
     reason = f"highest-priority available backend (priority {best})"
     if skipped:
         reason += "; not usable: " + "; ".join(skipped)
@@ -200,8 +215,9 @@ def _resolve() -> Selection:
     except PdhalError:
         raise
     except Exception as e:
-        raise BackendLoadError(f"{cand.describe()} failed to load its runtime: "
-                               f"{type(e).__name__}: {e}") from e
+        raise BackendLoadError(
+            f"{cand.describe()} failed to load its runtime: {type(e).__name__}: {e}"
+        ) from e
     table = dict(COMMON_OPS)
     table.update(backend_ops)
     table["get_data_ptr_ipc"] = _published.data_ptr_op(backend_ops["share_external_data"])
@@ -230,4 +246,5 @@ def reset() -> None:
     with _lock:
         _selection = None
         from pdhal import ops
+
         ops._unbind()

@@ -34,8 +34,7 @@ class RuntimeHostBuffer(HostBuffer):
 
     def _release(self) -> None:
         rt = self._runtime
-        rt.check(getattr(rt.lib, self._free_symbol)(rt.pointer(self._address)),
-                 self._free_symbol)
+        rt.check(getattr(rt.lib, self._free_symbol)(rt.pointer(self._address)), self._free_symbol)
 
 
 class RuntimeBackend(Backend):
@@ -130,7 +129,8 @@ class RuntimeBackend(Backend):
                 return int(getattr(stream, attribute))
         raise InvalidTypeError(
             f"stream must be an int {self.name} stream handle or expose "
-            f"{' / '.join(self.stream_attributes)}, got {type(stream).__name__}")
+            f"{' / '.join(self.stream_attributes)}, got {type(stream).__name__}"
+        )
 
     # ---- host memory ---------------------------------------------------------------
 
@@ -141,15 +141,19 @@ class RuntimeBackend(Backend):
             raise InvalidArgumentError("nbytes must be at least 1")
         rt = self.runtime
         ptr = rt.ffi.new("void **")
-        rt.check(getattr(rt.lib, self.host_alloc_symbol)(ptr, nbytes, 0),
-                 f"{self.host_alloc_symbol}({nbytes})")
+        rt.check(
+            getattr(rt.lib, self.host_alloc_symbol)(ptr, nbytes, 0),
+            f"{self.host_alloc_symbol}({nbytes})",
+        )
         return RuntimeHostBuffer(rt, self.host_free_symbol, rt.address(ptr[0]), nbytes)
 
     def host_free(self, buf: HostBuffer) -> None:
         """Free memory from host_alloc, through the runtime that allocated it."""
         if not isinstance(buf, RuntimeHostBuffer) or buf._runtime is not self.runtime:
-            raise InvalidTypeError(f"host_free needs a buffer from the {self.name} backend's "
-                                   f"host_alloc, got {type(buf).__name__}")
+            raise InvalidTypeError(
+                f"host_free needs a buffer from the {self.name} backend's "
+                f"host_alloc, got {type(buf).__name__}"
+            )
         buf.close()
 
     def host_register(self, ptr_or_tensor, nbytes: int | None = None) -> None:
@@ -160,8 +164,10 @@ class RuntimeBackend(Backend):
             raise InvalidArgumentError("host_register needs nbytes with a raw address")
         rt = self.runtime
         register = rt.optional(self.host_register_symbol)
-        rt.check(register(rt.pointer(ref.address), size, 0),
-                 f"{self.host_register_symbol}({ref.address:#x}, {size})")
+        rt.check(
+            register(rt.pointer(ref.address), size, 0),
+            f"{self.host_register_symbol}({ref.address:#x}, {size})",
+        )
         _extents.register(ref.address, size, "cpu", "host_register")
 
     def host_unregister(self, ptr_or_tensor) -> None:
@@ -171,8 +177,10 @@ class RuntimeBackend(Backend):
         if extent is None or extent.start != address or extent.what != "host_register":
             raise InvalidArgumentError(f"{address:#x} was not registered with host_register")
         rt = self.runtime
-        rt.check(rt.optional(self.host_unregister_symbol)(rt.pointer(address)),
-                 self.host_unregister_symbol)
+        rt.check(
+            rt.optional(self.host_unregister_symbol)(rt.pointer(address)),
+            self.host_unregister_symbol,
+        )
         _extents.forget(address)
 
     # ---- block copies --------------------------------------------------------------
@@ -181,22 +189,32 @@ class RuntimeBackend(Backend):
         """The runtime's copy kind for a copy from `src_device` memory to `dst_device`."""
         raise NotImplementedError
 
-    def copy_blocks(self, dst, dst_block_ids, src, src_block_ids, block_bytes: int,
-                    stream=None) -> int:
+    def copy_blocks(
+        self, dst, dst_block_ids, src, src_block_ids, block_bytes: int, stream=None
+    ) -> int:
         """Copy block src_block_ids[i] of `src` into block dst_block_ids[i] of `dst`,
         ordered on `stream` after the work queued there (runs of consecutive ids as one
         copy; every id checked first). Returns the copies issued; synchronize(stream) waits
         for them."""
         rt = self.runtime
-        return _blocks.copy_blocks(rt.address(getattr(rt.lib, self.copy_symbol)),
-                                   self.copy_kind, self.stream_handle(stream), dst,
-                                   dst_block_ids, src, src_block_ids, block_bytes)
+        return _blocks.copy_blocks(
+            rt.address(getattr(rt.lib, self.copy_symbol)),
+            self.copy_kind,
+            self.stream_handle(stream),
+            dst,
+            dst_block_ids,
+            src,
+            src_block_ids,
+            block_bytes,
+        )
 
     def synchronize(self, stream=None) -> None:
         """Wait until the work queued on `stream` so far has finished."""
         rt = self.runtime
-        rt.check(getattr(rt.lib, self.stream_sync_symbol)(rt.pointer(self.stream_handle(stream))),
-                 self.stream_sync_symbol)
+        rt.check(
+            getattr(rt.lib, self.stream_sync_symbol)(rt.pointer(self.stream_handle(stream))),
+            self.stream_sync_symbol,
+        )
 
     # ---- shared buffers ------------------------------------------------------------
 
@@ -210,8 +228,9 @@ class RuntimeBackend(Backend):
     def mapped(self, address: int, shape: tuple, dtype: str, nbytes: int, name: str):
         """The SharedDeviceBuffer share_external_data returns over `address`, on the
         device this thread uses (a cache process on device 3 maps onto device 3)."""
-        return _published.mapped(address, shape, dtype, nbytes,
-                                 f"{self.device_kind}:{self.current_device()}", name)
+        return _published.mapped(
+            address, shape, dtype, nbytes, f"{self.device_kind}:{self.current_device()}", name
+        )
 
     # ---- layer signals behind device events ----------------------------------------
 
@@ -219,27 +238,34 @@ class RuntimeBackend(Backend):
         """A long-lived sender thread that waits on this runtime's device events."""
         rt = self.runtime
         query = self.event_query_symbol if rt.has(self.event_query_symbol) else None
-        return KVSignalSender(rt.address(getattr(rt.lib, self.event_wait_symbol)),
-                              rt.address(getattr(rt.lib, self.event_destroy_symbol)),
-                              backend=self.name,
-                              event_query=query and rt.address(getattr(rt.lib, query)))
+        return KVSignalSender(
+            rt.address(getattr(rt.lib, self.event_wait_symbol)),
+            rt.address(getattr(rt.lib, self.event_destroy_symbol)),
+            backend=self.name,
+            event_query=query and rt.address(getattr(rt.lib, query)),
+        )
 
     def require_sender(self, sender: object) -> KVSignalSender:
         if not isinstance(sender, KVSignalSender) or sender.backend != self.name:
-            raise InvalidArgumentError(f"sender must come from the {self.name} backend's "
-                                       f"create_kv_signal_sender, got {sender!r}")
+            raise InvalidArgumentError(
+                f"sender must come from the {self.name} backend's "
+                f"create_kv_signal_sender, got {sender!r}"
+            )
         return sender
 
-    def post_behind_event(self, signal: LayerSignal | KernelSignal, stream,
-                          sender: KVSignalSender) -> None:
+    def post_behind_event(
+        self, signal: LayerSignal | KernelSignal, stream, sender: KVSignalSender
+    ) -> None:
         """Record an event on `stream` now and hand (event, signal) to `sender`, whose
         thread stores the signal once the event fired: the layer counts as ready only after
         the work queued before this call."""
         rt = self.runtime
         handle = rt.pointer(self.stream_handle(stream))
         event = rt.ffi.new("void **")
-        rt.check(getattr(rt.lib, self.event_create_symbol)(event, *self.event_create_args),
-                 self.event_create_symbol)
+        rt.check(
+            getattr(rt.lib, self.event_create_symbol)(event, *self.event_create_args),
+            self.event_create_symbol,
+        )
         rc = getattr(rt.lib, self.event_record_symbol)(event[0], handle)
         if rc != 0:
             getattr(rt.lib, self.event_destroy_symbol)(event[0])

@@ -84,7 +84,8 @@ class RuntimeLibrary:
         except AttributeError:
             raise UnsupportedError(
                 f"{name} is unsupported by this {self.title} version ({self.version()} at "
-                f"{self.path})") from None
+                f"{self.path})"
+            ) from None
 
     def address(self, cdata) -> int:
         return int(self.ffi.cast("uintptr_t", cdata))

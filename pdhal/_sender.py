@@ -23,7 +23,8 @@ def require_signal(signal: object) -> LayerSignal | KernelSignal:
     except InvalidTypeError:
         raise InvalidTypeError(
             f"signal must be a LayerSignal (from init_signal_layerwise or ChunkSignal.layer) or "
-            f"its kernel form, got {type(signal).__name__}") from None
+            f"its kernel form, got {type(signal).__name__}"
+        ) from None
 
 
 class KVSignalSender:
@@ -37,8 +38,7 @@ class KVSignalSender:
     #: How long the thread polls one queued event before the blocking wait takes over.
     POLL_NS = 50_000_000
 
-    def __init__(self, event_wait=None, event_destroy=None, backend: str = "cpu",
-                 event_query=None):
+    def __init__(self, event_wait=None, event_destroy=None, backend: str = "cpu", event_query=None):
         """`event_wait` / `event_destroy` / `event_query`: C function pointers (int
         addresses or cdata) of the backend's runtime, or None when work is complete at
         posting time. With `event_query` (non-blocking, 0 once fired) the thread polls each
@@ -67,8 +67,10 @@ class KVSignalSender:
             raise
         if store is None:
             self._sender.discard(event)
-            raise InvalidTypeError("post() needs a signal that publishes something; skip no-op "
-                                   "signals (steps without prefill requests) before recording")
+            raise InvalidTypeError(
+                "post() needs a signal that publishes something; skip no-op "
+                "signals (steps without prefill requests) before recording"
+            )
         self._sender.post(event, store)
 
     @property
@@ -84,8 +86,10 @@ class KVSignalSender:
         """Deliver everything pending, stop the thread. Idempotent."""
         failures = self._sender.destroy()
         if failures:
-            raise DeviceError(f"{failures} layer signal(s) were not delivered: waiting for their "
-                              f"device event failed")
+            raise DeviceError(
+                f"{failures} layer signal(s) were not delivered: waiting for their "
+                f"device event failed"
+            )
 
     def __enter__(self) -> KVSignalSender:
         return self

@@ -30,7 +30,7 @@ MAX_SPIN_US = 1_000_000
 
 
 class LayerSignal:
-    """"Layer `layer` of step `step` is in the cache": what signal_layer_ready publishes."""
+    """ "Layer `layer` of step `step` is in the cache": what signal_layer_ready publishes."""
 
     __slots__ = ("segment", "slot", "value", "step", "layer")
 
@@ -58,8 +58,9 @@ class LayerSignal:
         them during its launch only."""
         if self.segment is None:
             return array.array("q", [_core.KERNEL_NOOP, 0, 0, 0])
-        return array.array("q", [_core.KERNEL_SIGNAL, self.segment.kernel_id(), self.slot,
-                                 self.value])
+        return array.array(
+            "q", [_core.KERNEL_SIGNAL, self.segment.kernel_id(), self.slot, self.value]
+        )
 
     def __repr__(self) -> str:
         return f"LayerSignal(step={self.step}, layer={self.layer})"
@@ -87,16 +88,21 @@ def kernel_signal(obj: object) -> KernelSignal:
     """The KernelSignal of `obj`, the kernel form of a layer signal (4 int64 words in a
     tensor, array or buffer); a pdhal error when it is none."""
     ref = memory_ref(obj, "signal")
-    if ref.dtype not in ("int64", None) or ref.nbytes != 8 * _core.KERNEL_WORDS or \
-            ref.device not in ("cpu", "unknown"):
+    if (
+        ref.dtype not in ("int64", None)
+        or ref.nbytes != 8 * _core.KERNEL_WORDS
+        or ref.device not in ("cpu", "unknown")
+    ):
         raise InvalidArgumentError(
             f"a signal in kernel form is {_core.KERNEL_WORDS} int64 words in CPU memory, got "
-            f"{ref.nbytes} bytes of {ref.dtype} on {ref.device}")
+            f"{ref.nbytes} bytes of {ref.dtype} on {ref.device}"
+        )
     words = _core.ffi.new("int64_t[]", _core.KERNEL_WORDS)
     _core.ffi.memmove(words, _core.ffi.cast("int64_t *", ref.address), 8 * _core.KERNEL_WORDS)
     if words[0] not in (_core.KERNEL_SIGNAL, _core.KERNEL_NOOP):
-        raise InvalidArgumentError(f"these words are not a layer signal's kernel form (tag "
-                                   f"{words[0]:#x})")
+        raise InvalidArgumentError(
+            f"these words are not a layer signal's kernel form (tag {words[0]:#x})"
+        )
     return KernelSignal(words)
 
 
@@ -125,8 +131,13 @@ class ChunkSignal:
 
     __slots__ = ("segment", "step", "num_layers", "requests", "_slot")
 
-    def __init__(self, segment: _core.Segment | None, step: int, num_layers: int,
-                 requests: list[tuple[int, int, int]]):
+    def __init__(
+        self,
+        segment: _core.Segment | None,
+        step: int,
+        num_layers: int,
+        requests: list[tuple[int, int, int]],
+    ):
         self.segment = segment
         self.step = step
         self.num_layers = num_layers
@@ -167,8 +178,9 @@ def close_producer_channels() -> None:
         _producers.clear()
 
 
-def open_shm_and_get_meta_signal(rank: int, device_id: int = 0,
-                                 keep_pd_step_flag: bool = False) -> SignalMeta:
+def open_shm_and_get_meta_signal(
+    rank: int, device_id: int = 0, keep_pd_step_flag: bool = False
+) -> SignalMeta:
     """Open (or create) this rank/device's per-query channel and start a new step.
 
     With keep_pd_step_flag (a draft/MTP model sharing the main model's step) the step and
@@ -187,7 +199,8 @@ def init_signal_layerwise(meta: SignalMeta, layer_id: int) -> LayerSignal:
     if not isinstance(meta, SignalMeta):
         raise InvalidTypeError(
             f"meta must be the SignalMeta from open_shm_and_get_meta_signal, got "
-            f"{type(meta).__name__}")
+            f"{type(meta).__name__}"
+        )
     layer_id = _names.validate_index(layer_id, "layer_id", _core.MAX_LAYER + 1)
     return LayerSignal(meta.segment, _core.QUERY_SLOT, meta.step, layer_id)
 
@@ -201,12 +214,19 @@ def backpressure_timeout() -> float:
         value = -1.0
     if not value > 0:
         raise InvalidArgumentError(
-            f"PDHAL_BACKPRESSURE_TIMEOUT must be a positive number of seconds, got {raw!r}")
+            f"PDHAL_BACKPRESSURE_TIMEOUT must be a positive number of seconds, got {raw!r}"
+        )
     return value
 
 
-def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_decoder,
-                             rank: int, num_layers: int, device_id: int = 0) -> ChunkSignal:
+def init_kv_signal_per_query(
+    seq_lens_encoder,
+    seq_lens_this_time,
+    seq_lens_decoder,
+    rank: int,
+    num_layers: int,
+    device_id: int = 0,
+) -> ChunkSignal:
     """Publish this step's table of prefill requests (per-chunk mode).
 
     For every batch slot with seq_lens_encoder > 0 the record holds (slot, tokens cached
@@ -219,7 +239,8 @@ def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_deco
     if not len(encoder) == len(this_time) == len(decoder):
         raise InvalidArgumentError(
             f"seq_lens_encoder, seq_lens_this_time and seq_lens_decoder must have one entry per "
-            f"batch slot, got lengths {len(encoder)}, {len(this_time)}, {len(decoder)}")
+            f"batch slot, got lengths {len(encoder)}, {len(this_time)}, {len(decoder)}"
+        )
     num_layers = _names.validate_index(num_layers, "num_layers", _core.MAX_LAYER + 2)
     if num_layers == 0:
         raise InvalidArgumentError("num_layers must be at least 1, got 0")
@@ -229,12 +250,14 @@ def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_deco
     for slot, (enc, dec) in enumerate(zip(encoder, decoder)):
         if enc < 0 or dec < 0:
             raise InvalidArgumentError(
-                f"sequence lengths must be >= 0, got encoder {enc}, decoder {dec} at slot {slot}")
+                f"sequence lengths must be >= 0, got encoder {enc}, decoder {dec} at slot {slot}"
+            )
         if enc > 0:
             requests.append((slot, dec, enc))
     if len(requests) > _core.MAX_REQUESTS:
         raise InvalidArgumentError(
-            f"{len(requests)} prefill requests in one step, at most {_core.MAX_REQUESTS} fit")
+            f"{len(requests)} prefill requests in one step, at most {_core.MAX_REQUESTS} fit"
+        )
     if not requests:
         # a device op's "next layer" posts nothing this step (this channel's only)
         seg = _producers.get((os.getpid(), path))
@@ -249,6 +272,7 @@ def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_deco
 
 # ---- consumer side -------------------------------------------------------------------
 
+
 class ProgressReader:
     """The messager's view of a per-query channel: current() and wait().
 
@@ -259,8 +283,9 @@ class ProgressReader:
         """Open the channel of (rank, device_id), waiting up to `timeout` s for a live
         producer's channel (one left by a dead producer is waited past, for its successor)."""
         path = _names.channel_path("query", rank, device_id)
-        self._segment = _core.Segment.open(path, _core.KIND_QUERY, timeout,
-                                           _core.OPEN_LIVE_PRODUCER)
+        self._segment = _core.Segment.open(
+            path, _core.KIND_QUERY, timeout, _core.OPEN_LIVE_PRODUCER
+        )
         self.rank = rank
         self.device_id = device_id
 
@@ -268,8 +293,12 @@ class ProgressReader:
         """(step, layer) now; layer -1 while the step has no layer yet."""
         return _core.unpack_progress(self._segment.progress())
 
-    def wait(self, since: tuple[int, int] = (0, _NO_LAYER), timeout: float | None = None,
-             spin_us: int = 0) -> tuple[int, int]:
+    def wait(
+        self,
+        since: tuple[int, int] = (0, _NO_LAYER),
+        timeout: float | None = None,
+        spin_us: int = 0,
+    ) -> tuple[int, int]:
         """Block until progress passes `since` and return it.
 
         Spins `spin_us` microseconds (at most a second) before it sleeps: worth it only
@@ -303,11 +332,14 @@ def since_word(since) -> int:
         step, layer = since
         step, layer = step.__index__(), layer.__index__()
     except (AttributeError, TypeError, ValueError):
-        raise InvalidArgumentError(f"since must be a (step, layer) pair of integers, got "
-                                   f"{since!r}") from None
+        raise InvalidArgumentError(
+            f"since must be a (step, layer) pair of integers, got {since!r}"
+        ) from None
     if not (0 <= step < 1 << (64 - _core.LAYER_BITS) and _NO_LAYER <= layer <= _core.MAX_LAYER):
-        raise InvalidArgumentError(f"since must have 0 <= step < 2**{64 - _core.LAYER_BITS} and "
-                                   f"-1 <= layer <= {_core.MAX_LAYER}, got {since!r}")
+        raise InvalidArgumentError(
+            f"since must have 0 <= step < 2**{64 - _core.LAYER_BITS} and "
+            f"-1 <= layer <= {_core.MAX_LAYER}, got {since!r}"
+        )
     return _core.pack_progress(step, layer)
 
 
@@ -318,8 +350,9 @@ def spin_ns(spin_us) -> int:
     return _names.validate_index(spin_us, "spin_us", MAX_SPIN_US + 1) * 1000
 
 
-def open_kv_signal_reader(rank: int, device_id: int = 0, timeout: float | None = 60.0
-                          ) -> ProgressReader:
+def open_kv_signal_reader(
+    rank: int, device_id: int = 0, timeout: float | None = 60.0
+) -> ProgressReader:
     """Open the per-query progress of (rank, device_id) for reading."""
     return ProgressReader(rank, device_id, timeout)
 
@@ -339,11 +372,12 @@ class ChunkReader:
         producer's channel (one left by a dead producer is waited past, for its successor)."""
         path = _names.channel_path("chunk", rank, device_id)
         self._segment = _core.Segment.open(
-            path, _core.KIND_CHUNK, timeout,
-            _core.OPEN_EXCLUSIVE_READER | _core.OPEN_LIVE_PRODUCER)
+            path, _core.KIND_CHUNK, timeout, _core.OPEN_EXCLUSIVE_READER | _core.OPEN_LIVE_PRODUCER
+        )
 
-    def next(self, out, wait: bool = True, timeout: float | None = None,
-             spin_us: int = 0) -> int | None:
+    def next(
+        self, out, wait: bool = True, timeout: float | None = None, spin_us: int = 0
+    ) -> int | None:
         """Write the next record into `out`; returns its step, or None (and -1, -1) if none.
 
         Without `wait` it returns at once; with it, it blocks until a record comes, the
@@ -353,8 +387,9 @@ class ChunkReader:
         words, capacity = writable_int32(out, "out", minimum=2)
         return self._next_into(words, capacity, wait, timeout, spin_ns(spin_us))
 
-    def _next_into(self, words, capacity: int, wait: bool, timeout: float | None,
-                   spin: int) -> int | None:
+    def _next_into(
+        self, words, capacity: int, wait: bool, timeout: float | None, spin: int
+    ) -> int | None:
         step = self._segment.ring_next(words, capacity, timeout if wait else 0, spin)
         if step is None:
             words[0] = words[1] = -1
@@ -381,8 +416,9 @@ _chunk_readers: dict[tuple[int, str], ChunkReader] = {}
 _chunk_readers_lock = threading.Lock()
 
 
-def _process_chunk_reader(rank_id: int, device_id: int, timeout: float | None
-                          ) -> tuple[tuple[int, str], ChunkReader]:
+def _process_chunk_reader(
+    rank_id: int, device_id: int, timeout: float | None
+) -> tuple[tuple[int, str], ChunkReader]:
     """This process's reader of (rank_id, device_id), attached on first use."""
     key = (os.getpid(), _names.channel_path("chunk", rank_id, device_id))
     with _chunk_readers_lock:  # two threads' first calls must not both attach
@@ -392,8 +428,14 @@ def _process_chunk_reader(rank_id: int, device_id: int, timeout: float | None
     return key, reader
 
 
-def get_output_kv_signal(out, rank_id: int, wait_flag: bool, device_id: int = 0,
-                         timeout: float | None = None, spin_us: int = 0) -> None:
+def get_output_kv_signal(
+    out,
+    rank_id: int,
+    wait_flag: bool,
+    device_id: int = 0,
+    timeout: float | None = None,
+    spin_us: int = 0,
+) -> None:
     """Fill `out` (int32, >= 2 + 3 * requests words) with the next per-chunk record.
 
     Layout: out[0] request count, out[1] layer, then (slot, cached tokens, chunk tokens)
@@ -436,8 +478,9 @@ def ack_kv_signal(rank_id: int, device_id: int = 0) -> None:
         reader.ack()
 
 
-def open_kv_chunk_reader(rank: int, device_id: int = 0, timeout: float | None = 60.0
-                         ) -> ChunkReader:
+def open_kv_chunk_reader(
+    rank: int, device_id: int = 0, timeout: float | None = 60.0
+) -> ChunkReader:
     """Open the per-chunk channel of (rank, device_id) as its single reader."""
     return ChunkReader(rank, device_id, timeout)
 
@@ -445,6 +488,13 @@ def open_kv_chunk_reader(rank: int, device_id: int = 0, timeout: float | None = 
 #: The device-independent ops every backend shares (see _registry).
 COMMON_OPS = {
     f.__name__: f
-    for f in (open_shm_and_get_meta_signal, init_signal_layerwise, init_kv_signal_per_query,
-              open_kv_signal_reader, open_kv_chunk_reader, get_output_kv_signal, ack_kv_signal)
+    for f in (
+        open_shm_and_get_meta_signal,
+        init_signal_layerwise,
+        init_kv_signal_per_query,
+        open_kv_signal_reader,
+        open_kv_chunk_reader,
+        get_output_kv_signal,
+        ack_kv_signal,
+    )
 }

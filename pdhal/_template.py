@@ -20,19 +20,23 @@ def write(name: str, into: str = ".") -> str:
         raise InvalidArgumentError(
             f"a backend name is 1-32 of lowercase letters, digits and '_', starting with a "
             f"letter (it becomes PDHAL_PLATFORM's value and part of a Python package name), "
-            f"and not 'cpu'; got {name!r}")
+            f"and not 'cpu'; got {name!r}"
+        )
     folder = os.path.join(into, f"pdhal-{name}")
     if os.path.exists(folder):
         raise InvalidArgumentError(f"{folder} exists already: choose another --into")
-    words = {"{{name}}": name, "{{Name}}": name.title().replace("_", ""),
-             "{{NAME}}": name.upper()}
+    words = {"{{name}}": name, "{{Name}}": name.title().replace("_", ""), "{{NAME}}": name.upper()}
     for root, _, files in os.walk(TEMPLATE):
         for file in sorted(files):
             if not file.endswith(".tmpl"):
                 continue
-            relative = os.path.relpath(os.path.join(root, file), TEMPLATE)[:-len(".tmpl")]
-            target = os.path.join(folder, relative.replace("pkg", f"pdhal_{name}", 1)
-                                  if relative.startswith("pkg") else relative)
+            relative = os.path.relpath(os.path.join(root, file), TEMPLATE)[: -len(".tmpl")]
+            target = os.path.join(
+                folder,
+                relative.replace("pkg", f"pdhal_{name}", 1)
+                if relative.startswith("pkg")
+                else relative,
+            )
             with open(os.path.join(root, file)) as f:
                 text = f.read()
             for placeholder, value in words.items():

@@ -19,8 +19,10 @@ from pdhal._core import ffi
 from pdhal._dlpack import DLTensor, capsule_pointer
 from pdhal._errors import InvalidArgumentError, InvalidTypeError
 
-_ACCEPTED = ("a Paddle tensor, a buffer (numpy array, bytearray, ...), an object with "
-             "data_ptr(), __cuda_array_interface__ or __dlpack__, or an int address")
+_ACCEPTED = (
+    "a Paddle tensor, a buffer (numpy array, bytearray, ...), an object with "
+    "data_ptr(), __cuda_array_interface__ or __dlpack__, or an int address"
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def is_paddle_tensor(obj: object) -> bool:
 
 
 def dtype_name(dtype: object) -> str:
-    """"float16" for paddle.float16, numpy.float16, torch.float16 or "float16"."""
+    """ "float16" for paddle.float16, numpy.float16, torch.float16 or "float16"."""
     return str(dtype).rsplit(".", 1)[-1]
 
 
@@ -62,7 +64,8 @@ def _require_contiguous(contiguous: bool, what: str, detail) -> None:
     if not contiguous:
         raise InvalidArgumentError(
             f"{what} must be contiguous (its elements back to back in memory), got "
-            f"{detail()}: pass a contiguous copy (tensor.contiguous(), numpy.ascontiguousarray)")
+            f"{detail()}: pass a contiguous copy (tensor.contiguous(), numpy.ascontiguousarray)"
+        )
 
 
 def _require_elements(count: int, what: str) -> None:
@@ -82,28 +85,54 @@ def _compact(shape, strides, itemsize: int) -> bool:
 
 def _paddle_ref(tensor, what: str) -> MemoryRef:
     contiguous = tensor.is_contiguous() if hasattr(tensor, "is_contiguous") else True
-    _require_contiguous(contiguous, what, lambda: f"a Paddle view of shape {list(tensor.shape)} "
-                                                  f"with strides {list(tensor.strides)}")
+    _require_contiguous(
+        contiguous,
+        what,
+        lambda: f"a Paddle view of shape {list(tensor.shape)} with strides {list(tensor.strides)}",
+    )
     count = int(tensor.numel())
     _require_elements(count, what)
-    return MemoryRef(tensor.data_ptr(), count * tensor.element_size(), _paddle_device(tensor),
-                     dtype_name(tensor.dtype))
+    return MemoryRef(
+        tensor.data_ptr(),
+        count * tensor.element_size(),
+        _paddle_device(tensor),
+        dtype_name(tensor.dtype),
+    )
 
 
 # Python buffer format characters (native byte order) and their dtype names.
-_FORMATS = {"b": "int8", "B": "uint8", "h": "int16", "H": "uint16", "i": "int32", "I": "uint32",
-            "l": "int64", "L": "uint64", "q": "int64", "Q": "uint64", "e": "float16",
-            "f": "float32", "d": "float64", "?": "bool", "c": "uint8"}
+_FORMATS = {
+    "b": "int8",
+    "B": "uint8",
+    "h": "int16",
+    "H": "uint16",
+    "i": "int32",
+    "I": "uint32",
+    "l": "int64",
+    "L": "uint64",
+    "q": "int64",
+    "Q": "uint64",
+    "e": "float16",
+    "f": "float32",
+    "d": "float64",
+    "?": "bool",
+    "c": "uint8",
+}
 
 
 def _buffer_ref(view: memoryview, what: str) -> MemoryRef:
     fmt = view.format.lstrip("@=<")
     if "O" in fmt:
-        raise InvalidArgumentError(f"{what} holds Python objects (format {view.format!r}), not "
-                                   f"numbers in memory")
-    _require_contiguous(view.c_contiguous, what,
-                        lambda: f"a strided view of shape {list(view.shape)} with strides "
-                                f"{list(view.strides)} bytes")
+        raise InvalidArgumentError(
+            f"{what} holds Python objects (format {view.format!r}), not numbers in memory"
+        )
+    _require_contiguous(
+        view.c_contiguous,
+        what,
+        lambda: (
+            f"a strided view of shape {list(view.shape)} with strides {list(view.strides)} bytes"
+        ),
+    )
     _require_elements(view.nbytes, what)
     address = int(ffi.cast("uintptr_t", ffi.from_buffer(view)))
     dtype = _FORMATS.get(fmt) if view.itemsize in (1, 2, 4, 8) else None
@@ -114,15 +143,25 @@ def _buffer_ref(view: memoryview, what: str) -> MemoryRef:
 
 def _data_ptr_ref(obj, what: str) -> MemoryRef:
     if hasattr(obj, "is_contiguous"):
-        _require_contiguous(obj.is_contiguous(), what,
-                            lambda: f"a view with strides {obj.stride()}"
-                            if hasattr(obj, "stride") else "a non-contiguous view")
+        _require_contiguous(
+            obj.is_contiguous(),
+            what,
+            lambda: (
+                f"a view with strides {obj.stride()}"
+                if hasattr(obj, "stride")
+                else "a non-contiguous view"
+            ),
+        )
     count = int(obj.numel())
     _require_elements(count, what)
     device = str(getattr(obj, "device", "cpu"))
     device = "cpu" if device == "cpu" else device.replace("cuda", "gpu")
-    return MemoryRef(obj.data_ptr(), count * obj.element_size(), device,
-                     dtype_name(getattr(obj, "dtype", "")) or None)
+    return MemoryRef(
+        obj.data_ptr(),
+        count * obj.element_size(),
+        device,
+        dtype_name(getattr(obj, "dtype", "")) or None,
+    )
 
 
 # __cuda_array_interface__ / DLPack type kinds and their dtype-name stems.
@@ -134,8 +173,11 @@ def _cai_ref(cai: dict, what: str) -> MemoryRef:
     itemsize = int(typestr[2:])
     shape = tuple(cai["shape"])
     strides = cai.get("strides")
-    _require_contiguous(strides is None or _compact(shape, strides, itemsize), what,
-                        lambda: f"strides {strides} bytes over shape {list(shape)}")
+    _require_contiguous(
+        strides is None or _compact(shape, strides, itemsize),
+        what,
+        lambda: f"strides {strides} bytes over shape {list(shape)}",
+    )
     count = math.prod(shape)
     _require_elements(count, what)
     stem = _TYPE_KINDS.get(typestr[1])
@@ -146,6 +188,7 @@ def _cai_ref(cai: dict, what: str) -> MemoryRef:
 
 _DL_DEVICE_NAMES = {1: "cpu", 2: "gpu", 3: "cpu", 13: "cpu"}  # kDLCPU, kDLCUDA, pinned, managed
 _DL_CODES = {0: "int", 1: "uint", 2: "float", 4: "bfloat", 6: "bool"}
+
 
 def _dlpack_ref(obj, what: str) -> MemoryRef:
     # Reading the capsule without renaming it leaves ownership with the capsule, whose
@@ -159,16 +202,23 @@ def _dlpack_ref(obj, what: str) -> MemoryRef:
     itemsize = tensor.dtype.bits * tensor.dtype.lanes // 8
     if tensor.strides:  # in elements; NULL means compact row-major
         strides = [tensor.strides[i] * itemsize for i in range(tensor.ndim)]
-        _require_contiguous(_compact(shape, strides, itemsize), what,
-                            lambda: f"DLPack strides {[s // itemsize for s in strides]} "
-                                    f"(elements) over shape {shape}")
+        _require_contiguous(
+            _compact(shape, strides, itemsize),
+            what,
+            lambda: (
+                f"DLPack strides {[s // itemsize for s in strides]} (elements) over shape {shape}"
+            ),
+        )
     count = math.prod(shape)
     _require_elements(count, what)
     kind = _DL_DEVICE_NAMES.get(tensor.device.device_type, f"dl{tensor.device.device_type}")
     device = "cpu" if kind == "cpu" else f"{kind}:{tensor.device.device_id}"
     stem = _DL_CODES.get(tensor.dtype.code)
-    dtype = None if stem is None or tensor.dtype.lanes != 1 else (
-        "bool" if stem == "bool" else f"{stem}{tensor.dtype.bits}")
+    dtype = (
+        None
+        if stem is None or tensor.dtype.lanes != 1
+        else ("bool" if stem == "bool" else f"{stem}{tensor.dtype.bits}")
+    )
     return MemoryRef((tensor.data or 0) + tensor.byte_offset, count * itemsize, device, dtype)
 
 
@@ -201,8 +251,9 @@ def memory_ref(obj: object, what: str = "memory", *, writable: bool = False) -> 
         else:
             raise InvalidTypeError(f"{what} must be {_ACCEPTED}, got {type(obj).__name__}")
     if writable and ref.readonly:
-        raise InvalidArgumentError(f"{what} is read-only, and pdhal writes into it: pass a "
-                                   f"writable array")
+        raise InvalidArgumentError(
+            f"{what} is read-only, and pdhal writes into it: pass a writable array"
+        )
     return ref
 
 
@@ -210,8 +261,10 @@ def writable_int32(obj: object, what: str, minimum: int):
     """(int32_t * cdata, length in words) of a writable, contiguous CPU int32 array with at
     least `minimum` words. The cdata is only valid while `obj` is alive; use it at once."""
     if isinstance(obj, (bool, int)) or obj is None:
-        raise InvalidTypeError(f"{what} must be a writable int32 CPU array (Paddle tensor, numpy "
-                               f"array, array('i')), got {type(obj).__name__}")
+        raise InvalidTypeError(
+            f"{what} must be a writable int32 CPU array (Paddle tensor, numpy "
+            f"array, array('i')), got {type(obj).__name__}"
+        )
     ref = memory_ref(obj, what, writable=True)
     if ref.dtype != "int32":
         raise InvalidArgumentError(f"{what} must have dtype int32, got {ref.dtype or 'no dtype'}")
@@ -233,8 +286,9 @@ def int_list(obj: object, what: str) -> list[int]:
     elif isinstance(obj, (list, tuple)):
         values = list(obj)
     else:
-        raise InvalidTypeError(f"{what} must be a tensor, array or list of ints, got "
-                               f"{type(obj).__name__}")
+        raise InvalidTypeError(
+            f"{what} must be a tensor, array or list of ints, got {type(obj).__name__}"
+        )
     if not isinstance(values, list):
         raise InvalidArgumentError(f"{what} must be 1-D ([n] or [n, 1]), got a scalar {values!r}")
     flat = []
@@ -242,10 +296,12 @@ def int_list(obj: object, what: str) -> list[int]:
         if isinstance(v, list) and len(v) == 1:
             v = v[0]
         if isinstance(v, bool) or not isinstance(v, int):
-            raise InvalidArgumentError(f"{what} must hold integers of shape [n] or [n, 1], "
-                                       f"found {v!r}")
+            raise InvalidArgumentError(
+                f"{what} must hold integers of shape [n] or [n, 1], found {v!r}"
+            )
         if not -_INT32_MAX - 1 <= v <= _INT32_MAX:
-            raise InvalidArgumentError(f"{what} holds {v}, which does not fit the int32 record "
-                                       f"the messager reads")
+            raise InvalidArgumentError(
+                f"{what} holds {v}, which does not fit the int32 record the messager reads"
+            )
         flat.append(v)
     return flat

@@ -55,8 +55,9 @@ def main() -> int:
     kv = torch.zeros(LAYERS * BLOCK, dtype=torch.uint8, device="cuda")
     ops.set_data_ipc(kv, "gpu_check_kv")
     stream = torch.cuda.Stream()
-    reader = subprocess.Popen([sys.executable, "-c", VERIFY, str(LAYERS), str(BLOCK)],
-                              stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", VERIFY, str(LAYERS), str(BLOCK)], stdout=subprocess.PIPE, text=True
+    )
     assert reader.stdout.readline().strip() == "ready"
 
     # step 1: ordering, all layers queued at once behind slow kernels
@@ -64,7 +65,7 @@ def main() -> int:
     with torch.cuda.stream(stream):
         for layer in range(LAYERS):
             torch.cuda._sleep(2_000_000)  # ~1 ms at H200 clocks
-            kv[layer * BLOCK:(layer + 1) * BLOCK].fill_((layer + 1) % 251)
+            kv[layer * BLOCK : (layer + 1) * BLOCK].fill_((layer + 1) % 251)
             ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream)
     stream.synchronize()
 
@@ -87,11 +88,14 @@ def main() -> int:
     print(f"ordering: {result['checked']} block checks, all bytes present when signalled")
     if len(lat) >= 2:
         q = statistics.quantiles(lat, n=100)
-        print(f"latency sync-return -> reader wake: p50 {q[49]:.1f} us, p99 {q[98]:.1f} us "
-              f"({len(lat)} layers seen)")
+        print(
+            f"latency sync-return -> reader wake: p50 {q[49]:.1f} us, p99 {q[98]:.1f} us "
+            f"({len(lat)} layers seen)"
+        )
 
     # step 3: host-function overhead per layer
     small = torch.zeros(1024, device="cuda")
+
     def run(with_signal: bool, n: int = 2000) -> float:
         meta = ops.open_shm_and_get_meta_signal(0, 0)
         torch.cuda.synchronize()
@@ -103,10 +107,13 @@ def main() -> int:
                     ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer % 1000), stream)
         stream.synchronize()
         return (time.perf_counter() - start) / n * 1e6
+
     run(True, 200), run(False, 200)  # warm up
     plain, signalled = min(run(False) for _ in range(3)), min(run(True) for _ in range(3))
-    print(f"per layer: {plain:.2f} us without a signal, {signalled:.2f} us with one: "
-          f"host-function overhead {signalled - plain:.2f} us")
+    print(
+        f"per layer: {plain:.2f} us without a signal, {signalled:.2f} us with one: "
+        f"host-function overhead {signalled - plain:.2f} us"
+    )
     return 0
 
 

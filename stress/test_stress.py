@@ -76,8 +76,12 @@ READER = {
 
 
 def _start(code: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", RSS + textwrap.dedent(code)], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", RSS + textwrap.dedent(code)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.parametrize("mode", ["per_query", "per_chunk"])
@@ -90,8 +94,10 @@ def test_ten_million_signals(mode):
     assert reader.returncode == 0 and producer.returncode == 0
     p_before, p_after = map(int, p_out.split())
     r_before, r_after, seen = map(int, r_out.split())
-    print(f"\n{mode}: {TOTAL} signals; reader observed {seen}; RSS KiB producer "
-          f"{p_before} -> {p_after}, reader {r_before} -> {r_after}")
+    print(
+        f"\n{mode}: {TOTAL} signals; reader observed {seen}; RSS KiB producer "
+        f"{p_before} -> {p_after}, reader {r_before} -> {r_after}"
+    )
     assert p_after - p_before < 8192 and r_after - r_before < 8192  # flat: < 8 MiB growth
     leftovers = [n for n in os.listdir("/dev/shm") if env["PDHAL_NAMESPACE"] in n]
     assert not leftovers

@@ -34,15 +34,24 @@ def namespace(monkeypatch):
 
 def python_child(code: str, *, env: dict | None = None, **kwargs) -> subprocess.Popen:
     """Start `code` (dedented) in a fresh Python process with this test's environment."""
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
-                            env=dict(os.environ) if env is None else env, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=dict(os.environ) if env is None else env,
+        **kwargs,
+    )
 
 
-def run_child(code: str, timeout: float = 120, env: dict | None = None,
-              **kwargs) -> subprocess.CompletedProcess:
+def run_child(
+    code: str, timeout: float = 120, env: dict | None = None, **kwargs
+) -> subprocess.CompletedProcess:
     """Run `code` in a child process; fail the test (showing its output) unless it exits 0."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                          env=dict(os.environ) if env is None else env,
-                          capture_output=True, text=True, timeout=timeout, **kwargs)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=dict(os.environ) if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
     assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc

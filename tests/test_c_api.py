@@ -40,26 +40,65 @@ assert "pdhal" not in sys.modules
 
 def test_the_installed_header_compiles_as_c_and_as_cxx(tmp_path):
     source = tmp_path / "kernel.c"
-    source.write_text('#include "pdhal.h"\n'
-                      "int check(void) { return pdhal_abi_version() == PDHAL_ABI_VERSION; }\n")
+    source.write_text(
+        '#include "pdhal.h"\nint check(void) { return pdhal_abi_version() == PDHAL_ABI_VERSION; }\n'
+    )
     for compiler, language in (("gcc", "c"), ("g++", "c++")):
-        subprocess.run([compiler, "-x", language, "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
-                        "-pedantic", f"-I{pdhal.get_include()}", str(source)], check=True)
+        subprocess.run(
+            [
+                compiler,
+                "-x",
+                language,
+                "-fsyntax-only",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-pedantic",
+                f"-I{pdhal.get_include()}",
+                str(source),
+            ],
+            check=True,
+        )
 
 
 @pytest.fixture(scope="module")
 def messager_library(tmp_path_factory) -> str:
     library = tmp_path_factory.mktemp("c") / "libmessager.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror",
-                    f"-I{pdhal.get_include()}", "-o", str(library),
-                    os.path.join(HERE, "c", "messager.c"), pdhal.get_library()], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{pdhal.get_include()}",
+            "-o",
+            str(library),
+            os.path.join(HERE, "c", "messager.c"),
+            pdhal.get_library(),
+        ],
+        check=True,
+    )
     return str(library)
 
 
 def _start_messager(library: str, mode: str, a: int, b: int) -> subprocess.Popen:
-    messager = subprocess.Popen([sys.executable, "-c", MESSAGER, library, mode,
-                                 pdhal.channel_path(mode, 0), str(a), str(b)],
-                                stdout=subprocess.PIPE, text=True)
+    messager = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            MESSAGER,
+            library,
+            mode,
+            pdhal.channel_path(mode, 0),
+            str(a),
+            str(b),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert messager.stdout.readline() == "ready\n"
     time.sleep(0.05)  # it is in its first wait before the first signal
     return messager
@@ -68,8 +107,12 @@ def _start_messager(library: str, mode: str, a: int, b: int) -> subprocess.Popen
 def test_a_c_messager_waits_on_per_query_progress(messager_library):
     layers = 40
     meta = ops.open_shm_and_get_meta_signal(0, 0)
-    messager = _start_messager(messager_library, "per_query", pack_progress(meta.step, -1),
-                               pack_progress(meta.step, layers - 1))
+    messager = _start_messager(
+        messager_library,
+        "per_query",
+        pack_progress(meta.step, -1),
+        pack_progress(meta.step, layers - 1),
+    )
     for layer in range(layers):
         time.sleep(0.001 * (layer % 3))  # some layers find the messager asleep
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer))
@@ -83,14 +126,14 @@ def test_a_c_messager_reads_every_per_chunk_record_once_in_order(messager_librar
     steps, layers = 40, 6  # more steps than the ring holds: the producer waits for C
     messager = _start_messager(messager_library, "per_chunk", steps * layers, 0)
     for step in range(1, steps + 1):
-        chunk = ops.init_kv_signal_per_query([0, 64 + step], [0, 64 + step], [0, step], 0,
-                                             layers)
+        chunk = ops.init_kv_signal_per_query([0, 64 + step], [0, 64 + step], [0, step], 0, layers)
         for layer in range(layers):
             ops.signal_layer_ready(chunk.layer(layer))
     n, *records = json.loads(messager.communicate(timeout=60)[0])
     assert n == steps * layers, f"messager_per_chunk: {n}"
-    assert records == [[1, layer, 1, step, 64 + step] for step in range(1, steps + 1)
-                       for layer in range(layers)]
+    assert records == [
+        [1, layer, 1, step, 64 + step] for step in range(1, steps + 1) for layer in range(layers)
+    ]
 
 
 def test_the_library_exports_the_header_s_functions_and_no_internals():
@@ -125,8 +168,7 @@ except ImportError as e:
 else:
     print("imported")
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "compiled core speaks ABI 1, this Python code expects 2" in proc.stdout
     assert "pip install -e ." in proc.stdout
@@ -137,10 +179,23 @@ def standalone_messager(tmp_path_factory) -> str:
     """A messager program linked against libpdhal.so alone: no Python in its process."""
     program = str(tmp_path_factory.mktemp("c") / "messager")
     library = pdhal.get_library(standalone=True)
-    subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{pdhal.get_include()}",
-                    "-o", program, os.path.join(HERE, "c", "messager_main.c"),
-                    os.path.join(HERE, "c", "messager.c"), library,
-                    f"-Wl,-rpath,{os.path.dirname(library)}"], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{pdhal.get_include()}",
+            "-o",
+            program,
+            os.path.join(HERE, "c", "messager_main.c"),
+            os.path.join(HERE, "c", "messager.c"),
+            library,
+            f"-Wl,-rpath,{os.path.dirname(library)}",
+        ],
+        check=True,
+    )
     libraries = subprocess.run(["ldd", program], capture_output=True, text=True).stdout
     assert "libpython" not in libraries, libraries
     return program
@@ -150,14 +205,22 @@ def test_a_messager_program_without_python_reads_both_channels(standalone_messag
     """The documented way to build a C messager that runs outside a Python process."""
     layers, steps = 20, 30
     meta = ops.open_shm_and_get_meta_signal(0, 0)
-    per_query = subprocess.Popen([standalone_messager, "per_query",
-                                  pdhal.channel_path("per_query", 0),
-                                  str(pack_progress(meta.step, -1)),
-                                  str(pack_progress(meta.step, layers - 1))],
-                                 stdout=subprocess.PIPE, text=True)
-    per_chunk = subprocess.Popen([standalone_messager, "per_chunk",
-                                  pdhal.channel_path("per_chunk", 0), str(steps * 2)],
-                                 stdout=subprocess.PIPE, text=True)
+    per_query = subprocess.Popen(
+        [
+            standalone_messager,
+            "per_query",
+            pdhal.channel_path("per_query", 0),
+            str(pack_progress(meta.step, -1)),
+            str(pack_progress(meta.step, layers - 1)),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    per_chunk = subprocess.Popen(
+        [standalone_messager, "per_chunk", pdhal.channel_path("per_chunk", 0), str(steps * 2)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     for layer in range(layers):
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer))
     for step in range(1, steps + 1):
@@ -166,11 +229,11 @@ def test_a_messager_program_without_python_reads_both_channels(standalone_messag
             ops.signal_layer_ready(chunk.layer(layer))
     words = [int(w) for w in per_query.communicate(timeout=60)[0].split()]
     assert per_query.returncode == 0 and unpack_progress(words[-1]) == (meta.step, layers - 1)
-    records = [list(map(int, line.split())) for line in
-               per_chunk.communicate(timeout=60)[0].splitlines()]
+    records = [
+        list(map(int, line.split())) for line in per_chunk.communicate(timeout=60)[0].splitlines()
+    ]
     assert per_chunk.returncode == 0
-    assert records == [[1, layer, 0, step, 9] for step in range(1, steps + 1)
-                       for layer in range(2)]
+    assert records == [[1, layer, 0, step, 9] for step in range(1, steps + 1) for layer in range(2)]
 
 
 def test_the_standalone_library_exports_the_same_functions():
@@ -180,7 +243,11 @@ def test_the_standalone_library_exports_the_same_functions():
     standalone = ctypes.CDLL(pdhal.get_library(standalone=True))
     for name in functions:
         assert hasattr(standalone, name), name
-    exported = subprocess.run(["nm", "-D", "--defined-only", pdhal.get_library(standalone=True)],
-                              capture_output=True, text=True, check=True).stdout.split()
+    exported = subprocess.run(
+        ["nm", "-D", "--defined-only", pdhal.get_library(standalone=True)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert sorted(w for w in exported if w.startswith("pdhal_")) == functions
     assert not [w for w in exported if w.startswith(("Py", "_Py"))]

@@ -39,7 +39,8 @@ def command_env(tmp_path_factory):
     """A --target folder on PYTHONPATH holding one distribution with three commands: `hello`
     (works), `kaput` (its module fails to import) and `info` (clashes with a built-in)."""
     source = tmp_path_factory.mktemp("source")
-    (source / "pyproject.toml").write_text(textwrap.dedent("""
+    (source / "pyproject.toml").write_text(
+        textwrap.dedent("""
         [build-system]
         requires = ["setuptools>=68"]
         build-backend = "setuptools.build_meta"
@@ -55,13 +56,28 @@ def command_env(tmp_path_factory):
 
         [tool.setuptools]
         py-modules = ["pdhal_hello_command", "pdhal_kaput_command"]
-    """))
+    """)
+    )
     (source / "pdhal_hello_command.py").write_text(textwrap.dedent(HELLO))
     (source / "pdhal_kaput_command.py").write_text(
-        "raise ImportError('libkaput.so.1 is missing')\n")
+        "raise ImportError('libkaput.so.1 is missing')\n"
+    )
     target = tmp_path_factory.mktemp("commands")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--no-build-isolation", "--target", str(target), str(source)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        check=True,
+    )
     env = dict(os.environ, IMPORT_LOG=str(target / "imported.log"))
     # prepended: a run against a scratch copy of pdhal (make mutate) keeps its own on the path
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
@@ -69,8 +85,9 @@ def command_env(tmp_path_factory):
 
 
 def pdhal(env, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdhal", *args], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pdhal", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_a_command_from_another_distribution_runs(command_env):
@@ -84,10 +101,14 @@ def test_help_lists_it_and_reports_the_broken_and_the_clashing_one(command_env):
     assert run.returncode == 0, run.stderr
     assert "Greets: a command from a distribution of its own." in run.stdout
     assert "Not this line" not in run.stdout
-    assert ("command 'kaput' (pdhal_kaput_command, from pdhal-hello-command 0.0.1) failed to "
-            "load and is skipped: ImportError: libkaput.so.1 is missing") in run.stderr
-    assert "command 'info' (pdhal_hello_command, from pdhal-hello-command 0.0.1) is skipped: " \
-           "it is built in" in run.stderr
+    assert (
+        "command 'kaput' (pdhal_kaput_command, from pdhal-hello-command 0.0.1) failed to "
+        "load and is skipped: ImportError: libkaput.so.1 is missing"
+    ) in run.stderr
+    assert (
+        "command 'info' (pdhal_hello_command, from pdhal-hello-command 0.0.1) is skipped: "
+        "it is built in" in run.stderr
+    )
 
 
 def test_builtin_commands_import_no_command_module(command_env, tmp_path):

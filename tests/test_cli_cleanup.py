@@ -13,8 +13,9 @@ from conftest import run_child
 
 from pdhal import _names, ops
 
-DIE_HOLDING = ("import os; from pdhal import ops; ops.open_shm_and_get_meta_signal(5, 0); "
-               "os._exit(0)")
+DIE_HOLDING = (
+    "import os; from pdhal import ops; ops.open_shm_and_get_meta_signal(5, 0); os._exit(0)"
+)
 
 
 def _dead_segment(namespace: str) -> str:
@@ -26,8 +27,12 @@ def _dead_segment(namespace: str) -> str:
 
 
 def _cleanup(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdhal", "cleanup", *args], check=False,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "pdhal", "cleanup", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
 
 
 @pytest.fixture
@@ -39,8 +44,7 @@ def other_namespace(namespace):
     _cleanup("--namespace", other)
 
 
-def test_cleanup_removes_dead_segments_of_the_namespace_named_only(namespace,
-                                                                   other_namespace):
+def test_cleanup_removes_dead_segments_of_the_namespace_named_only(namespace, other_namespace):
     ours, theirs = _dead_segment(namespace), _dead_segment(other_namespace)
     live = ops.open_shm_and_get_meta_signal(0, 0)
     proc = _cleanup("--namespace", namespace)
@@ -55,8 +59,10 @@ def test_a_dry_run_lists_the_dead_and_removes_nothing(namespace, other_namespace
     ops.open_shm_and_get_meta_signal(0, 0)  # alive: neither listed nor removed
     proc = _cleanup("--dry-run", "--namespace", namespace)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [f"would remove {ours}",
-                                        "1 dead segment(s) to remove, 1 live segment(s) left alone"]
+    assert proc.stdout.splitlines() == [
+        f"would remove {ours}",
+        "1 dead segment(s) to remove, 1 live segment(s) left alone",
+    ]
     assert os.path.exists(ours) and os.path.exists(theirs)
     assert _cleanup("--namespace", namespace).returncode == 0
     assert not os.path.exists(ours)

@@ -21,12 +21,15 @@ def _caches(blocks: int = 8):
     return src, np.zeros_like(src)
 
 
-@pytest.mark.parametrize("dst_ids, src_ids, copies", [
-    ([0, 1, 2], [5, 3, 4], 2),  # destination consecutive, source not: [0]<-[5], [1, 2]<-[3, 4]
-    ([4, 2, 3], [0, 1, 2], 2),  # source consecutive, destination not
-    ([6, 7, 1, 2], [2, 3, 5, 6], 2),  # two runs, a gap on both sides between them
-    ([3, 4, 5], [3, 4, 5], 1),
-])
+@pytest.mark.parametrize(
+    "dst_ids, src_ids, copies",
+    [
+        ([0, 1, 2], [5, 3, 4], 2),  # destination consecutive, source not: [0]<-[5], [1, 2]<-[3, 4]
+        ([4, 2, 3], [0, 1, 2], 2),  # source consecutive, destination not
+        ([6, 7, 1, 2], [2, 3, 5, 6], 2),  # two runs, a gap on both sides between them
+        ([3, 4, 5], [3, 4, 5], 1),
+    ],
+)
 def test_only_ids_consecutive_on_both_sides_become_one_copy(dst_ids, src_ids, copies):
     src, dst = _caches()
     assert ops.copy_blocks(dst, dst_ids, src, src_ids, BLOCK) == copies
@@ -42,8 +45,7 @@ def test_an_extent_whose_size_wraps_is_refused_by_the_c_loop():
     src, dst = _caches(4)
     ids = _core.ffi.new("int64_t[]", [0])
     with pytest.raises(pdhal.InvalidArgumentError, match="do not fit in an address space"):
-        _core.copy_blocks(0, 0, 0, dst.ctypes.data, 1 << 61, src.ctypes.data, 4, BLOCK, ids,
-                          ids)
+        _core.copy_blocks(0, 0, 0, dst.ctypes.data, 1 << 61, src.ctypes.data, 4, BLOCK, ids, ids)
     assert not dst.any()
 
 

@@ -105,19 +105,27 @@ def test_random_kills_are_reported_within_a_second_and_restarts_take_over():
     print(f"crash rounds: {counts}")
     assert min(counts.values()) >= 10
     # what SIGKILL left behind (a dead producer's segment) is stale: cleanup removes it
-    proc = subprocess.run([sys.executable, "-m", "pdhal", "cleanup"], capture_output=True,
-                          text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdhal", "cleanup"], capture_output=True, text=True, check=True
+    )
     assert not segments_of(os.environ["PDHAL_NAMESPACE"]), proc.stdout
 
 
 def test_cleanup_removes_dead_segments_only():
     live = ops.open_shm_and_get_meta_signal(0, 0)
-    subprocess.run([sys.executable, "-c", "import os; from pdhal import ops; "
-                    "ops.open_shm_and_get_meta_signal(1, 0); os._exit(0)"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os; from pdhal import ops; ops.open_shm_and_get_meta_signal(1, 0); os._exit(0)",
+        ],
+        check=True,
+    )
     dead = _names.channel_path("query", 1, 0)
     assert os.path.exists(dead)
-    proc = subprocess.run([sys.executable, "-m", "pdhal", "cleanup"], capture_output=True,
-                          text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdhal", "cleanup"], capture_output=True, text=True, check=True
+    )
     assert f"removed {dead}" in proc.stdout
     assert not os.path.exists(dead)
     assert os.path.exists(_names.channel_path("query", 0, 0)) and live.step == 1
@@ -137,12 +145,16 @@ os.kill(os.getpid(), signal.SIGKILL)  # a messager dying right after the records
 """
 
 
-@pytest.mark.parametrize("then, resumes_at", [
-    ("pass", (1, 0)),  # the last layer of step 1 came, unacknowledged: step 1 again
-    ("reader.ack()", (2, 0)),  # acknowledged: step 1 is finished
-])
+@pytest.mark.parametrize(
+    "then, resumes_at",
+    [
+        ("pass", (1, 0)),  # the last layer of step 1 came, unacknowledged: step 1 again
+        ("reader.ack()", (2, 0)),  # acknowledged: step 1 is finished
+    ],
+)
 def test_a_messager_dying_after_a_steps_last_layer_gets_it_again_unless_acknowledged(
-        then, resumes_at):
+    then, resumes_at
+):
     for step in (1, 2):
         chunk = ops.init_kv_signal_per_query([step], [step], [0], 0, 2)
         ops.signal_layer_ready(chunk.layer(0))
@@ -180,8 +192,9 @@ sys.stdin.read()
 def test_a_messager_outliving_its_producer_waits_for_the_next_one():
     """After ProducerDiedError, the next call waits (up to its timeout) for a new producer
     instead of attaching to the dead one's file again and failing at once, over and over."""
-    first = python_child(PRODUCE_ONE.format(tokens=1), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    first = python_child(
+        PRODUCE_ONE.format(tokens=1), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert first.stdout.readline() == "published\n"
     out = array.array("i", [0] * 1538)
     ops.get_output_kv_signal(out, 0, True, timeout=5)
@@ -243,8 +256,7 @@ def test_a_messager_closing_its_reader_is_not_reported_dead(monkeypatch):
     the producer waiting for the next reader: back-pressure, not ReaderDiedError."""
     chunk = ops.init_kv_signal_per_query([1], [1], [0], 0, 1)
     ops.signal_layer_ready(chunk.layer(0))
-    child = python_child(CLOSE_CLEANLY, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True)
+    child = python_child(CLOSE_CLEANLY, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline() == "closed\n"
     monkeypatch.setenv("PDHAL_BACKPRESSURE_TIMEOUT", "0.3")
     with pytest.raises(pdhal.BackPressureTimeoutError, match="no cache messager is attached"):

@@ -141,18 +141,27 @@ def test_streams_are_ints_or_objects_with_cuda_stream(sim):
 def test_cache_process_on_a_mig_instance(sim, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-aaaa,MIG-bbbb")
     env = pdhal.current_platform().child_env(["MIG-bbbb"])
-    proc = run_child("""
+    proc = run_child(
+        """
         import pdhal
         print(pdhal.current_platform().physical_device_id(0))
-    """, env=env)
+    """,
+        env=env,
+    )
     assert proc.stdout.strip() == "MIG-bbbb"
 
 
-@pytest.mark.parametrize("driver, words", [
-    ("none", r"no NVIDIA driver here \(libcuda.so.1 is not installed\)"),
-    ("old", r"the NVIDIA driver supports CUDA 11.8, older than this runtime's 12.8 .*update the "
-            r"driver, or set PDHAL_CUDART"),
-])
+@pytest.mark.parametrize(
+    "driver, words",
+    [
+        ("none", r"no NVIDIA driver here \(libcuda.so.1 is not installed\)"),
+        (
+            "old",
+            r"the NVIDIA driver supports CUDA 11.8, older than this runtime's 12.8 .*update the "
+            r"driver, or set PDHAL_CUDART",
+        ),
+    ],
+)
 def test_no_driver_and_an_old_driver_are_told_apart(tmp_path, driver, words):
     """CUDA reports both as error 35 ("driver version is insufficient"), which misled users
     of machines with no driver at all."""
@@ -169,8 +178,12 @@ def test_no_driver_and_an_old_driver_are_told_apart(tmp_path, driver, words):
         env["LD_LIBRARY_PATH"] = str(tmp_path)
     auto = run_child("import pdhal; print(pdhal.current_backend())", env=env)
     assert auto.stdout.strip() == "cpu"
-    forced = subprocess.run([sys.executable, "-c", "import pdhal; pdhal.current_platform()"],
-                            env=dict(env, PDHAL_PLATFORM="cuda"), capture_output=True, text=True)
+    forced = subprocess.run(
+        [sys.executable, "-c", "import pdhal; pdhal.current_platform()"],
+        env=dict(env, PDHAL_PLATFORM="cuda"),
+        capture_output=True,
+        text=True,
+    )
     assert forced.returncode != 0 and "BackendUnavailableError" in forced.stderr
     assert re.search(words, forced.stderr), forced.stderr[-500:]
 
@@ -185,13 +198,19 @@ def _real_cudart() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_real_cudart() is None, reason="needs the CUDA runtime library installed "
-                                                   "(this project's machines have it)")
+@pytest.mark.skipif(
+    _real_cudart() is None,
+    reason="needs the CUDA runtime library installed (this project's machines have it)",
+)
 def test_real_libcudart_loads_and_reports_no_device_cleanly(monkeypatch):
     monkeypatch.delenv("PDHAL_CUDART", raising=False)
     env = dict(os.environ, PDHAL_PLATFORM="cuda")
-    forced = subprocess.run([sys.executable, "-c", "import pdhal; pdhal.current_platform()"],
-                            env=env, capture_output=True, text=True)
+    forced = subprocess.run(
+        [sys.executable, "-c", "import pdhal; pdhal.current_platform()"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert forced.returncode != 0
     assert "BackendUnavailableError" in forced.stderr
     assert "NVIDIA driver" in forced.stderr

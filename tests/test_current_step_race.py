@@ -17,10 +17,25 @@ ROOT = os.path.dirname(HERE)
 
 def test_of_two_racing_step_starts_the_later_step_is_current(tmp_path):
     binary = str(tmp_path / "current_step_race")
-    subprocess.run(["gcc", "-std=gnu11", "-O1", "-g", "-Wall", "-Wextra", "-Werror",
-                    f"-I{pdhal.get_include()}", f"-I{os.path.join(ROOT, 'csrc')}", "-o", binary,
-                    os.path.join(HERE, "c", "current_step_race.c"),
-                    *sorted(glob.glob(os.path.join(ROOT, "csrc", "*.c"))), "-lpthread",
-                    "-Wl,--wrap=pdhal_chunk_set_current"], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-std=gnu11",
+            "-O1",
+            "-g",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{pdhal.get_include()}",
+            f"-I{os.path.join(ROOT, 'csrc')}",
+            "-o",
+            binary,
+            os.path.join(HERE, "c", "current_step_race.c"),
+            *sorted(glob.glob(os.path.join(ROOT, "csrc", "*.c"))),
+            "-lpthread",
+            "-Wl,--wrap=pdhal_chunk_set_current",
+        ],
+        check=True,
+    )
     proc = subprocess.run([binary], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

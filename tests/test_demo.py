@@ -24,13 +24,27 @@ from pdhal_demo.transport import block_runs, require_mooncake
 
 pytestmark = pytest.mark.paddle
 
-SMALL = ["--layers", "4", "--prompt-lens", "64,100,200,333", "--batch", "2",
-         "--chunk-tokens", "128", "--decode-steps", "3"]
+SMALL = [
+    "--layers",
+    "4",
+    "--prompt-lens",
+    "64,100,200,333",
+    "--batch",
+    "2",
+    "--chunk-tokens",
+    "128",
+    "--decode-steps",
+    "3",
+]
 
 
 def demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdhal", "demo", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pdhal", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def runs_of(stdout: str) -> list[dict]:
@@ -56,15 +70,21 @@ def token_bytes(prompts: list[int], layers: int) -> int:
     return sum(prompts) * 2 * layers * ModelConfig().block_bytes() // 64
 
 
-@pytest.mark.parametrize("transport, extra", [
-    ("shm", []), ("shm", ["--shm-copy", "copy_blocks"]),
-    ("mooncake", []),  # several layers in flight (asynchronous submission)
-    ("mooncake", ["--inflight", "1"]),
-], ids=["shm-memmove", "shm-copy_blocks", "mooncake-inflight4", "mooncake-inflight1"])
+@pytest.mark.parametrize(
+    "transport, extra",
+    [
+        ("shm", []),
+        ("shm", ["--shm-copy", "copy_blocks"]),
+        ("mooncake", []),  # several layers in flight (asynchronous submission)
+        ("mooncake", ["--inflight", "1"]),
+    ],
+    ids=["shm-memmove", "shm-copy_blocks", "mooncake-inflight4", "mooncake-inflight1"],
+)
 def test_both_modes_verify_every_byte(transport, extra, tmp_path):
     plot = tmp_path / "timeline.png"
-    run = demo(*SMALL, "--mode", "both", "--transport", transport, "--json", "--plot", str(plot),
-               *extra)
+    run = demo(
+        *SMALL, "--mode", "both", "--transport", transport, "--json", "--plot", str(plot), *extra
+    )
     assert run.returncode == 0, run.stderr
     summaries = runs_of(run.stdout)
     assert [s["mode"] for s in summaries] == ["per_query", "per_chunk"]
@@ -87,8 +107,10 @@ def test_figures_keep_their_bounds_with_every_core_busy(transport):
     """Two busy loops compete for the two cores: the worker and the messager get preempted
     anywhere, yet every transfer starts after its layer ended (the worker reads the end
     before it posts the signal), so efficiency <= 1 and exposed transfer >= 0 still hold."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(os.cpu_count() or 2)]
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 2)
+    ]
     try:
         run = demo(*SMALL, "--mode", "both", "--transport", transport, "--json")
     finally:
@@ -111,15 +133,19 @@ def test_timeline_bounds_hold_for_transfers_in_flight_together():
     for layer, end in enumerate([10, 20, 30]):
         t.layer_end[0, 1, layer] = end
     # three transfers, each starting right after its layer, each 25 long: they overlap
-    t.transfers = [{"rank": 0, "step": 1, "layer": i, "start": 10 * i + 11, "end": 10 * i + 36,
-                    "bytes": 1} for i in range(3)]
+    t.transfers = [
+        {"rank": 0, "step": 1, "layer": i, "start": 10 * i + 11, "end": 10 * i + 36, "bytes": 1}
+        for i in range(3)
+    ]
     assert t.busy() == 56 - 11  # the union, not 3 * 25
     assert t.ideal_end() == 10 + 25 + 10 + 10 == 55  # 10 + each one's share (25, 10, 10)
     assert t.overlap_efficiency() == 55 / 56 <= 1
     assert t.exposed_transfer() == 56 - 30 and t.causality_violations() == 0
     # one at a time, back to back after their layers: the old serial schedule, efficiency 1
-    t.transfers = [{"rank": 0, "step": 1, "layer": i, "start": 10 * i + 10,
-                    "end": 10 * i + 15, "bytes": 1} for i in range(3)]
+    t.transfers = [
+        {"rank": 0, "step": 1, "layer": i, "start": 10 * i + 10, "end": 10 * i + 15, "bytes": 1}
+        for i in range(3)
+    ]
     assert t.busy() == 15 and t.ideal_end() == t.measured_end() == 35
     assert t.overlap_efficiency() == 1.0
     # a transfer that seems to start before its layer ended is counted, never hidden
@@ -128,8 +154,9 @@ def test_timeline_bounds_hold_for_transfers_in_flight_together():
 
 
 @pytest.mark.parametrize("transport, mode", [("shm", "both"), ("mooncake", "per_query")])
-def test_tensor_parallel_ranks_each_ship_their_heads_and_decode_verifies_every_byte(transport,
-                                                                                     mode):
+def test_tensor_parallel_ranks_each_ship_their_heads_and_decode_verifies_every_byte(
+    transport, mode
+):
     run = demo(*SMALL, "--tp", "2", "--mode", mode, "--transport", transport, "--json")
     assert run.returncode == 0, run.stderr
     for s in runs_of(run.stdout):
@@ -144,8 +171,18 @@ def test_tensor_parallel_ranks_each_ship_their_heads_and_decode_verifies_every_b
 def test_a_slow_rank_stalls_only_itself():
     """Rank 1's link is slow (each layer's transfer waits 100 ms): its transfers fall behind
     its layers more and more, rank 0's keep pace with theirs (own channels, own messager)."""
-    run = demo(*SMALL, "--tp", "2", "--layers", "8", "--mode", "per_query", "--slow-rank",
-               "1:100", "--json")
+    run = demo(
+        *SMALL,
+        "--tp",
+        "2",
+        "--layers",
+        "8",
+        "--mode",
+        "per_query",
+        "--slow-rank",
+        "1:100",
+        "--json",
+    )
     assert run.returncode == 0, run.stderr
     [s] = runs_of(run.stdout)
     fast, slow = s["ranks"]
@@ -154,16 +191,35 @@ def test_a_slow_rank_stalls_only_itself():
     assert fast["exposed_transfer_ms"] < slow["exposed_transfer_ms"] / 4
 
 
-@pytest.mark.parametrize("transport, mode, requests", [("shm", "per_chunk", 150),
-                                                      ("mooncake", "per_query", 100)])
+@pytest.mark.parametrize(
+    "transport, mode, requests", [("shm", "per_chunk", 150), ("mooncake", "per_query", 100)]
+)
 def test_many_requests_recycle_blocks_slots_and_ring_at_a_flat_rate(transport, mode, requests):
     """Far more requests than the caches hold (16 blocks a side) or the batch has slots (4):
     blocks and slots are reused as requests finish, the per-chunk ring (16 steps) wraps
     about a dozen times, every byte is checked before its blocks are released, and the rate
     at which requests reach decode does not fall as the run goes on."""
-    run = demo("--layers", "4", "--prompt-lens", "64,100,200,333", "--requests", str(requests),
-               "--cache-blocks", "16", "--max-batch", "4", "--batch", "2", "--chunk-tokens",
-               "128", "--mode", mode, "--transport", transport, "--json")
+    run = demo(
+        "--layers",
+        "4",
+        "--prompt-lens",
+        "64,100,200,333",
+        "--requests",
+        str(requests),
+        "--cache-blocks",
+        "16",
+        "--max-batch",
+        "4",
+        "--batch",
+        "2",
+        "--chunk-tokens",
+        "128",
+        "--mode",
+        mode,
+        "--transport",
+        transport,
+        "--json",
+    )
     assert run.returncode == 0, run.stderr
     [s] = runs_of(run.stdout)
     prompts = [[64, 100, 200, 333][i % 4] for i in range(requests)]
@@ -211,8 +267,17 @@ def test_killed_decoder_fails_the_messager_s_mooncake_writes_at_once():
     """The decode side dies mid-step: the messager's next write fails, it says so, the run
     exits non-zero (nothing waits for the transfer timeout)."""
     start = time.monotonic()
-    run = demo(*SMALL, "--mode", "per_query", "--layers", "8", "--transport", "mooncake",
-               "--fault", "kill-decoder")
+    run = demo(
+        *SMALL,
+        "--mode",
+        "per_query",
+        "--layers",
+        "8",
+        "--transport",
+        "mooncake",
+        "--fault",
+        "kill-decoder",
+    )
     assert run.returncode == 1
     assert "the decoder exited (killed by signal 9); the messager reported it" in run.stderr
     assert "Mooncake's write of layer" in run.stderr
@@ -224,8 +289,10 @@ def test_killed_decoder_fails_the_messager_s_mooncake_writes_at_once():
 def test_prompt_bigger_than_the_cache_is_rejected_up_front():
     run = demo(*SMALL, "--mode", "per_query", "--prompt-lens", "64,5000", "--cache-blocks", "16")
     assert run.returncode == 0, run.stderr
-    assert ("rejected a 5000-token prompt up front: needs 79 blocks of 64 tokens, the whole "
-            "cache has 15 (block 0 is reserved)") in run.stderr
+    assert (
+        "rejected a 5000-token prompt up front: needs 79 blocks of 64 tokens, the whole "
+        "cache has 15 (block 0 is reserved)"
+    ) in run.stderr
     assert "requests 1 " in run.stdout and "every byte verified" in run.stdout
     run = demo("--prompt-lens", "5000", "--cache-blocks", "16")
     assert run.returncode == 1 and "no request fits the cache" in run.stderr
@@ -239,11 +306,16 @@ def _fake_mooncake(tmp_path, error: str) -> str:
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("error, advice", [
-    ("libibverbs.so.1: cannot open shared object file: No such file or directory",
-     "install Debian's libibverbs1 (apt-get install libibverbs1)"),
-    ("No module named 'mooncake.engine'", "pip install 'pdhal-demo[mooncake]'"),
-])
+@pytest.mark.parametrize(
+    "error, advice",
+    [
+        (
+            "libibverbs.so.1: cannot open shared object file: No such file or directory",
+            "install Debian's libibverbs1 (apt-get install libibverbs1)",
+        ),
+        ("No module named 'mooncake.engine'", "pip install 'pdhal-demo[mooncake]'"),
+    ],
+)
 def test_missing_mooncake_says_what_to_install(tmp_path, monkeypatch, error, advice):
     fake = _fake_mooncake(tmp_path, error)
     monkeypatch.syspath_prepend(fake)
@@ -256,14 +328,27 @@ def test_missing_mooncake_says_what_to_install(tmp_path, monkeypatch, error, adv
         for name in [m for m in sys.modules if m.startswith("mooncake")]:
             del sys.modules[name]
     env = dict(os.environ, PYTHONPATH=fake)
-    run = subprocess.run([sys.executable, "-m", "pdhal", "demo", *SMALL, "--transport",
-                          "mooncake"], capture_output=True, text=True, timeout=60, env=env)
+    run = subprocess.run(
+        [sys.executable, "-m", "pdhal", "demo", *SMALL, "--transport", "mooncake"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert run.returncode == 1 and advice in run.stderr
 
 
 def test_per_chunk_plan_splits_long_prompts_within_the_token_budget():
-    plan = make_plan(ModelConfig(layers=2), [64, 300, 50], "per_chunk", "shm", cache_blocks=32,
-                     decode_steps=2, batch=4, chunk_tokens=128)
+    plan = make_plan(
+        ModelConfig(layers=2),
+        [64, 300, 50],
+        "per_chunk",
+        "shm",
+        cache_blocks=32,
+        decode_steps=2,
+        batch=4,
+        chunk_tokens=128,
+    )
     assert all(sum(c.length for c in step) <= 128 for step in plan.steps)
     for request in plan.requests:
         chunks = [c for step in plan.steps for c in step if c.request == request.id]
@@ -272,7 +357,7 @@ def test_per_chunk_plan_splits_long_prompts_within_the_token_budget():
     prefill = [b for r in plan.requests for b in r.prefill_blocks]
     decode = [b for r in plan.requests for b in r.decode_blocks]
     assert len(set(prefill)) == len(prefill) and len(set(decode)) == len(decode)
-    assert prefill != decode[:len(prefill)]  # placement differs between the two sides
+    assert prefill != decode[: len(prefill)]  # placement differs between the two sides
 
 
 def test_block_runs_pair_only_blocks_consecutive_on_both_sides():
@@ -283,8 +368,17 @@ def test_block_runs_pair_only_blocks_consecutive_on_both_sides():
 def test_verification_catches_one_wrong_byte(tp):
     from pdhal_demo.decoder import TinyDecoder, reference_prefill, verify
 
-    plan = make_plan(ModelConfig(layers=3), [70, 40], "per_query", "shm", cache_blocks=8,
-                     decode_steps=2, batch=2, chunk_tokens=0, tp=tp)
+    plan = make_plan(
+        ModelConfig(layers=3),
+        [70, 40],
+        "per_query",
+        "shm",
+        cache_blocks=8,
+        decode_steps=2,
+        batch=2,
+        chunk_tokens=0,
+        tp=tp,
+    )
     cache = np.zeros((tp, *plan.model.cache_shape(plan.decode_cache_blocks, tp)), np.float32)
     first = reference_prefill(TinyDecoder(plan.model, tp), plan, cache)
     clean = verify(plan, cache.copy(), first)
@@ -302,8 +396,17 @@ def test_tensor_parallel_ranks_sum_to_the_single_rank_model():
 
     caches, tokens = {}, {}
     for tp in (1, 2, 4):
-        plan = make_plan(ModelConfig(layers=2), [70, 40, 130], "per_chunk", "shm",
-                         cache_blocks=8, decode_steps=1, batch=3, chunk_tokens=64, tp=tp)
+        plan = make_plan(
+            ModelConfig(layers=2),
+            [70, 40, 130],
+            "per_chunk",
+            "shm",
+            cache_blocks=8,
+            decode_steps=1,
+            batch=3,
+            chunk_tokens=64,
+            tp=tp,
+        )
         cache = np.zeros((tp, *plan.model.cache_shape(8, tp)), np.float32)
         tokens[tp] = reference_prefill(TinyDecoder(plan.model, tp), plan, cache)
         # [tp, layers, 2, blocks, heads/tp, ...] -> [layers, 2, blocks, heads, ...]
@@ -316,10 +419,25 @@ def test_tensor_parallel_ranks_sum_to_the_single_rank_model():
 def test_decoder_started_by_hand_elsewhere_connects_with_the_printed_command():
     """--decoder remote: the decode receiver is started from the command the demo prints, as
     on another host (loopback stands in for the network here; Mooncake carries the blocks)."""
-    parent = subprocess.Popen([sys.executable, "-m", "pdhal", "demo", *SMALL, "--mode",
-                               "per_query", "--transport", "mooncake", "--decoder", "remote",
-                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdhal",
+            "demo",
+            *SMALL,
+            "--mode",
+            "per_query",
+            "--transport",
+            "mooncake",
+            "--decoder",
+            "remote",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in parent.stderr:
             if line.rstrip().endswith("python -m pdhal_demo.child decoder"):
@@ -328,8 +446,12 @@ def test_decoder_started_by_hand_elsewhere_connects_with_the_printed_command():
         env = dict(os.environ, **dict(a.split("=", 1) for a in assignments))
         assert env["PDHAL_DEMO_HOST"] == "<decode-host-ip>"
         env["PDHAL_DEMO_HOST"] = "127.0.0.1"
-        decoder = subprocess.run([sys.executable, "-m", "pdhal_demo.child", "decoder"], env=env,
-                                 capture_output=True, timeout=240)
+        decoder = subprocess.run(
+            [sys.executable, "-m", "pdhal_demo.child", "decoder"],
+            env=env,
+            capture_output=True,
+            timeout=240,
+        )
         out, err = parent.communicate(timeout=60)
     finally:
         parent.kill()
@@ -379,9 +501,14 @@ sys.exit(main(argv))
 def recorded_demo(tmp_path, *args: str, blocked=(), env=None):
     """(the finished `pdhal demo ARGS`, the roles of the processes it started)."""
     record = tmp_path / "started"
-    run = subprocess.run([sys.executable, "-c", RECORDED, ",".join(blocked), str(record),
-                          "demo", *args], capture_output=True, text=True, timeout=240,
-                         env=None if env is None else dict(os.environ, **env), check=False)
+    run = subprocess.run(
+        [sys.executable, "-c", RECORDED, ",".join(blocked), str(record), "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=None if env is None else dict(os.environ, **env),
+        check=False,
+    )
     return run, record.read_text().split() if record.exists() else []
 
 
@@ -389,8 +516,9 @@ def test_json_is_one_object_and_the_plot_any_format_matplotlib_writes(tmp_path, 
     """The positive side of the checks below: the recording parent does see the processes
     start, prints one JSON object, and writes an SVG plot (its format from the name)."""
     plot = tmp_path / "timeline.svg"
-    run, started = recorded_demo(tmp_path, *SMALL, "--mode", "per_query", "--json", "--plot",
-                                 str(plot))
+    run, started = recorded_demo(
+        tmp_path, *SMALL, "--mode", "per_query", "--json", "--plot", str(plot)
+    )
     assert run.returncode == 0, run.stderr
     assert started == ["decoder", "worker", "messager"]
     [s] = runs_of(run.stdout)
@@ -399,28 +527,69 @@ def test_json_is_one_object_and_the_plot_any_format_matplotlib_writes(tmp_path, 
     assert not segments_of(namespace)
 
 
-@pytest.mark.parametrize("args, blocked, env, status, says", [
-    (["--plot", "{tmp}/no/such/folder/timeline.png"], (), None, 2,
-     "/no/such/folder does not exist; create it, or give a path in an existing folder"),
-    (["--plot", "{tmp}"], (), None, 2, "is a folder: give a file name, such as"),
-    (["--plot", "/proc/timeline.png"], (), None, 2,  # nobody, root neither, creates files there
-     "--plot /proc/timeline.png: cannot create a file in /proc"),
-    (["--plot", "{tmp}/timeline.pgn"], (), None, 2,
-     "matplotlib cannot write '.pgn' files; end the name in .png, .pdf or .svg"),
-    (["--plot", "{tmp}/timeline"], (), None, 2, "the file name has no extension"),
-    (["--plot", "{tmp}/timeline.png"], ("matplotlib",), None, 1,
-     "--plot needs matplotlib, which cannot be imported"),
-    ([], ("paddle",), None, 1, "Paddle is not installed: pip install paddlepaddle"),
-    (["--transport", "mooncake"], ("mooncake",), None, 1, "pip install 'pdhal-demo[mooncake]'"),
-    ([], (), {"PDHAL_BACKPRESSURE_TIMEOUT": "abc"}, 1,
-     ("PDHAL_BACKPRESSURE_TIMEOUT: must be a positive number of seconds, got 'abc'; fix or "
-      "unset it")),
-    (["--decoder", "remote"], (), None, 2, "--decoder remote needs --transport mooncake"),
-], ids=["plot-folder-missing", "plot-is-a-folder", "plot-folder-unwritable", "plot-format",
-        "plot-no-extension", "no-matplotlib", "no-paddle", "no-mooncake",
-        "bad-PDHAL-variable", "usage"])
-def test_what_the_run_needs_is_checked_before_any_process_starts(tmp_path, namespace, args,
-                                                                  blocked, env, status, says):
+@pytest.mark.parametrize(
+    "args, blocked, env, status, says",
+    [
+        (
+            ["--plot", "{tmp}/no/such/folder/timeline.png"],
+            (),
+            None,
+            2,
+            "/no/such/folder does not exist; create it, or give a path in an existing folder",
+        ),
+        (["--plot", "{tmp}"], (), None, 2, "is a folder: give a file name, such as"),
+        (
+            ["--plot", "/proc/timeline.png"],
+            (),
+            None,
+            2,  # nobody, root neither, creates files there
+            "--plot /proc/timeline.png: cannot create a file in /proc",
+        ),
+        (
+            ["--plot", "{tmp}/timeline.pgn"],
+            (),
+            None,
+            2,
+            "matplotlib cannot write '.pgn' files; end the name in .png, .pdf or .svg",
+        ),
+        (["--plot", "{tmp}/timeline"], (), None, 2, "the file name has no extension"),
+        (
+            ["--plot", "{tmp}/timeline.png"],
+            ("matplotlib",),
+            None,
+            1,
+            "--plot needs matplotlib, which cannot be imported",
+        ),
+        ([], ("paddle",), None, 1, "Paddle is not installed: pip install paddlepaddle"),
+        (["--transport", "mooncake"], ("mooncake",), None, 1, "pip install 'pdhal-demo[mooncake]'"),
+        (
+            [],
+            (),
+            {"PDHAL_BACKPRESSURE_TIMEOUT": "abc"},
+            1,
+            (
+                "PDHAL_BACKPRESSURE_TIMEOUT: must be a positive number of seconds, got 'abc'; "
+                "fix or unset it"
+            ),
+        ),
+        (["--decoder", "remote"], (), None, 2, "--decoder remote needs --transport mooncake"),
+    ],
+    ids=[
+        "plot-folder-missing",
+        "plot-is-a-folder",
+        "plot-folder-unwritable",
+        "plot-format",
+        "plot-no-extension",
+        "no-matplotlib",
+        "no-paddle",
+        "no-mooncake",
+        "bad-PDHAL-variable",
+        "usage",
+    ],
+)
+def test_what_the_run_needs_is_checked_before_any_process_starts(
+    tmp_path, namespace, args, blocked, env, status, says
+):
     """Each failed check: one line `pdhal: error: ...` that says what to do, exit status 2
     (usage) or 1 (environment), and no demo process started, no segment made."""
     args = [a.format(tmp=tmp_path) for a in args]
@@ -436,6 +605,7 @@ def test_what_the_run_needs_is_checked_before_any_process_starts(tmp_path, names
 
 # -- the picture ---------------------------------------------------------------------------
 
+
 def _synthetic_run(plan):
     """A timeline as the pipeline records it for `plan` (rank 0, 10 ms a layer, each
     signal 1 µs after its layer, each transfer 0.5 ms; a request on decode 1 ms after its
@@ -450,8 +620,17 @@ def _synthetic_run(plan):
             now += 10_000_000
             t.layer_end[0, index + 1, layer] = now
             t.signal[0, index + 1, layer] = now + 1_000
-            t.transfers.append({"rank": 0, "step": index + 1, "index": index, "layer": layer,
-                                "start": now + 2_000, "end": now + 502_000, "bytes": 1})
+            t.transfers.append(
+                {
+                    "rank": 0,
+                    "step": index + 1,
+                    "index": index,
+                    "layer": layer,
+                    "start": now + 2_000,
+                    "end": now + 502_000,
+                    "bytes": 1,
+                }
+            )
         for c in step:
             if c.start + c.length == plan.request(c.request).prompt_len:
                 t.inserted[c.request] = now + 1_502_000
@@ -459,7 +638,7 @@ def _synthetic_run(plan):
 
 
 def _requests_named(label: str) -> set[int]:
-    """"r0–r2, r5" -> {0, 1, 2, 5}."""
+    """ "r0–r2, r5" -> {0, 1, 2, 5}."""
     out = set()
     for part in label.split(", "):
         first, _, last = part.partition("–")
@@ -471,46 +650,69 @@ def test_timeline_figure_says_what_each_colour_and_tick_is(tmp_path):
     from matplotlib.collections import LineCollection
     from pdhal_demo import report
 
-    plans = [make_plan(ModelConfig(layers=3), [70, 40, 130], mode, "shm", cache_blocks=16,
-                       decode_steps=1, batch=2, chunk_tokens=64) for mode in
-             ("per_query", "per_chunk")]
+    plans = [
+        make_plan(
+            ModelConfig(layers=3),
+            [70, 40, 130],
+            mode,
+            "shm",
+            cache_blocks=16,
+            decode_steps=1,
+            batch=2,
+            chunk_tokens=64,
+        )
+        for mode in ("per_query", "per_chunk")
+    ]
     runs = [_synthetic_run(plan) for plan in plans]
     fig = report.figure(runs)
     [legend] = fig.legends
     said = " | ".join(text.get_text() for text in legend.get_texts())
-    for what in ("compute: the worker runs one layer", "(colour: which layer)",
-                 "transfer: the messager copies that layer's KV blocks to decode",
-                 "layer signal: posted by the worker through pdhal",
-                 "rN: request N is in the decode cache", "step k: a prefill step starts"):
+    for what in (
+        "compute: the worker runs one layer",
+        "(colour: which layer)",
+        "transfer: the messager copies that layer's KV blocks to decode",
+        "layer signal: posted by the worker through pdhal",
+        "rN: request N is in the decode cache",
+        "step k: a prefill step starts",
+    ):
         assert what in said, said
     panels = [ax for ax in fig.axes if ax.get_title()]
-    assert [ax.get_title().split(":")[0] for ax in panels] == ["per_query over shm",
-                                                               "per_chunk over shm"]
+    assert [ax.get_title().split(":")[0] for ax in panels] == [
+        "per_query over shm",
+        "per_chunk over shm",
+    ]
     [bar] = [ax for ax in fig.axes if "layer" in ax.get_ylabel()]
     assert bar.get_ylabel().startswith("layer (the colour of its compute and transfer bars)")
     for ax, (plan, t) in zip(panels, runs):
         assert ax.get_xlabel() == "time since the prefill worker started (ms)"
         assert [label.get_text() for label in ax.get_yticklabels()] == [
-            "worker: compute", "layer signal", "messager: transfer",
-            "decode: request\nin its cache"]
+            "worker: compute",
+            "layer signal",
+            "messager: transfer",
+            "decode: request\nin its cache",
+        ]
         notes = [text.get_text() for text in ax.texts]
         steps = [n.partition(": ") for n in notes if n.startswith("step ")]
         assert [(head, _requests_named(ids)) for head, _, ids in steps] == [
-            (f"step {i}", {c.request for c in step}) for i, step in enumerate(plan.steps)]
+            (f"step {i}", {c.request for c in step}) for i, step in enumerate(plan.steps)
+        ]
         arrivals = [_requests_named(n) for n in notes if n.startswith("r")]
         assert sorted(r for group in arrivals for r in group) == [0, 1, 2]
         [ticks] = [c for c in ax.collections if isinstance(c, LineCollection)]
         assert len(ticks.get_segments()) == len(t.signal)  # a tick per layer signal
         assert sorted(seg[0][0] for seg in ticks.get_segments()) == sorted(
-            (at - t.start) / 1e6 for at in t.signal.values())
+            (at - t.start) / 1e6 for at in t.signal.values()
+        )
     report.plot(runs, str(tmp_path / "timeline.png"))
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -- live progress -------------------------------------------------------------------------
 
-_PROGRESS = re.compile(r"prefilled\s+(\d+) tok, layer\s+(\d+)/\d+ \| sent\s+(\d+) tok, "
-                       r"layer\s+(\d+)/\d+")
+_PROGRESS = re.compile(
+    r"prefilled\s+(\d+) tok, layer\s+(\d+)/\d+ \| sent\s+(\d+) tok, "
+    r"layer\s+(\d+)/\d+"
+)
 
 
 def _positions(line: str) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -528,19 +730,52 @@ def test_progress_never_shows_a_request_sent_ahead_of_its_prefill(mode):
 
     from pdhal_demo.pipeline import Options, Pipeline
 
-    plan = make_plan(ModelConfig(layers=4), [64, 100, 200, 333], mode, "shm",
-                     cache_blocks=64, decode_steps=1, batch=2, chunk_tokens=128)
+    plan = make_plan(
+        ModelConfig(layers=4),
+        [64, 100, 200, 333],
+        mode,
+        "shm",
+        cache_blocks=64,
+        decode_steps=1,
+        batch=2,
+        chunk_tokens=128,
+    )
     worker, messager = [], []
     for index in range(len(plan.steps)):
         step = 7 + index  # channel steps start after the warm-up step
         worker.append(("step", {"rank": 0, "step": step, "index": index, "start": 0}))
         for layer in range(plan.model.layers):
-            worker.append(("layer", {"rank": 0, "step": step, "index": index, "layer": layer,
-                                     "end": 1, "signal": 2}))
-            messager.append(("xfer", {"rank": 0, "step": step, "index": index, "layer": layer,
-                                      "start": 3, "end": 4, "bytes": 1}))
-    orders = {"messager read first": [1] * len(messager) + [0] * len(worker),
-              "worker read first": [0] * len(worker) + [1] * len(messager)}
+            worker.append(
+                (
+                    "layer",
+                    {
+                        "rank": 0,
+                        "step": step,
+                        "index": index,
+                        "layer": layer,
+                        "end": 1,
+                        "signal": 2,
+                    },
+                )
+            )
+            messager.append(
+                (
+                    "xfer",
+                    {
+                        "rank": 0,
+                        "step": step,
+                        "index": index,
+                        "layer": layer,
+                        "start": 3,
+                        "end": 4,
+                        "bytes": 1,
+                    },
+                )
+            )
+    orders = {
+        "messager read first": [1] * len(messager) + [0] * len(worker),
+        "worker read first": [0] * len(worker) + [1] * len(messager),
+    }
     for seed in range(20):
         order = [0] * len(worker) + [1] * len(messager)
         random.Random(seed).shuffle(order)

@@ -25,12 +25,26 @@ import uuid
 import pytest
 from pdhal_demo.transport import require_mooncake
 
-pytestmark = [pytest.mark.paddle, pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None,
-    reason="needs root and iproute2 (`ip netns`) to put the decoder in a network namespace")]
+pytestmark = [
+    pytest.mark.paddle,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None,
+        reason="needs root and iproute2 (`ip netns`) to put the decoder in a network namespace",
+    ),
+]
 
-SMALL = ["--layers", "4", "--prompt-lens", "64,100,200,333", "--batch", "2", "--mode",
-         "per_query", "--decode-steps", "3"]
+SMALL = [
+    "--layers",
+    "4",
+    "--prompt-lens",
+    "64,100,200,333",
+    "--batch",
+    "2",
+    "--mode",
+    "per_query",
+    "--decode-steps",
+    "3",
+]
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -100,10 +114,26 @@ class Run:
     def __init__(self, hosts: TwoHosts, *args: str):
         self.hosts = hosts
         self.prefill = subprocess.Popen(
-            [sys.executable, "-m", "pdhal", "demo", *SMALL, "--transport", "mooncake",
-             "--decoder", "remote", "--control-host", hosts.prefill_ip, "--host",
-             hosts.prefill_ip, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
+            [
+                sys.executable,
+                "-m",
+                "pdhal",
+                "demo",
+                *SMALL,
+                "--transport",
+                "mooncake",
+                "--decoder",
+                "remote",
+                "--control-host",
+                hosts.prefill_ip,
+                "--host",
+                hosts.prefill_ip,
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.err: list[str] = []
         self.decoder = None
         try:
@@ -124,8 +154,21 @@ class Run:
         assert assignments["PDHAL_DEMO_CONTROL"].startswith(f"{self.hosts.prefill_ip}:")
         env = dict(os.environ) | assignments | {"PDHAL_DEMO_HOST": self.hosts.decode_ip}
         self.decoder = subprocess.Popen(
-            ["ip", "netns", "exec", self.hosts.ns, sys.executable, "-m", "pdhal_demo.child",
-             "decoder"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.hosts.ns,
+                sys.executable,
+                "-m",
+                "pdhal_demo.child",
+                "decoder",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def wait_for_arrival(self, timeout: float = 120) -> None:
         """Until the first request is on decode (its progress line), mid-run."""
@@ -135,8 +178,9 @@ class Run:
             if "on decode at" in line:
                 return
             assert time.monotonic() < deadline, "".join(self.err)
-        raise AssertionError("the prefill side ended before a request arrived:\n"
-                             + "".join(self.err))
+        raise AssertionError(
+            "the prefill side ended before a request arrived:\n" + "".join(self.err)
+        )
 
     def finish(self, timeout: float) -> tuple[int, str, str]:
         try:
@@ -191,7 +235,8 @@ def test_a_lost_link_or_decoder_is_reported_within_seconds_and_never_verified(ho
     assert reported < 20, err  # transfer timeout 5 s, control keepalive 5 s, grace 10 s
     assert "every byte verified" not in out and "verified" not in out.lower(), out
     if fault == "cut the link":
-        assert ("did not complete in time: the link to the decode side or the decode side "
-                "is gone") in err or "decoder exited (disconnected)" in err, err
+        assert (
+            "did not complete in time: the link to the decode side or the decode side is gone"
+        ) in err or "decoder exited (disconnected)" in err, err
     else:
         assert "the decoder exited (disconnected)" in err, err

@@ -27,22 +27,41 @@ pytestmark = pytest.mark.simulated
 # What differs between the two runtimes: their library, and the names of the calls.
 RUNTIMES = {
     "cuda": SimpleNamespace(
-        library="libcudart_sim.so", env="PDHAL_CUDART", device="gpu:0", title="CUDA runtime",
-        event_wait="cudaEventSynchronize", event_create="cudaEventCreateWithFlags",
-        event_record="cudaEventRecord", host_alloc="cudaHostAlloc", host_free="cudaFreeHost",
-        ipc_open="cudaIpcOpenMemHandle", device_count="cudaGetDeviceCount",
+        library="libcudart_sim.so",
+        env="PDHAL_CUDART",
+        device="gpu:0",
+        title="CUDA runtime",
+        event_wait="cudaEventSynchronize",
+        event_create="cudaEventCreateWithFlags",
+        event_record="cudaEventRecord",
+        host_alloc="cudaHostAlloc",
+        host_free="cudaFreeHost",
+        ipc_open="cudaIpcOpenMemHandle",
+        device_count="cudaGetDeviceCount",
         # set_data_ipc asks what the memory is and where its allocation starts first
-        ipc_publish_calls=["cudaPointerGetAttributes", "cuMemGetAddressRange_v2",
-                           "cudaIpcGetMemHandle"],
+        ipc_publish_calls=[
+            "cudaPointerGetAttributes",
+            "cuMemGetAddressRange_v2",
+            "cudaIpcGetMemHandle",
+        ],
         unavailable=r"no usable GPU: cudaGetDeviceCount returned error 100 \(no CUDA-capable "
-                    r"device is detected\)"),
+        r"device is detected\)",
+    ),
     "xpu": SimpleNamespace(
-        library="libxpurt.so", env="PDHAL_XPURT", device="xpu:0", title="XPU runtime",
-        event_wait="xpu_event_wait", event_create="xpu_event_create",
-        event_record="xpu_event_record", host_alloc="xpu_host_alloc", host_free="xpu_host_free",
-        ipc_open="xpu_ipc_open_memhandle", device_count="xpu_device_count",
+        library="libxpurt.so",
+        env="PDHAL_XPURT",
+        device="xpu:0",
+        title="XPU runtime",
+        event_wait="xpu_event_wait",
+        event_create="xpu_event_create",
+        event_record="xpu_event_record",
+        host_alloc="xpu_host_alloc",
+        host_free="xpu_host_free",
+        ipc_open="xpu_ipc_open_memhandle",
+        device_count="xpu_device_count",
         ipc_publish_calls=["xpu_ipc_get_memhandle"],
-        unavailable=r"xpu_device_count failed: .*XPU runtime error 2"),
+        unavailable=r"xpu_device_count failed: .*XPU runtime error 2",
+    ),
 }
 
 
@@ -114,8 +133,10 @@ def no_channel_left_mapped(namespace: str) -> bool:
 
 # ---- layer signals ---------------------------------------------------------------------
 
+
 def test_a_failed_event_wait_publishes_nothing_later_signals_flow_and_close_reports_it(
-        dev, namespace):
+    dev, namespace
+):
     sim, names = dev.sim, dev.names
     stream = sim.stream()
     events = sim.lib.sim_live_events()
@@ -139,8 +160,11 @@ def test_a_failed_event_wait_publishes_nothing_later_signals_flow_and_close_repo
 
     ops.signal_layer_ready(ops.init_signal_layerwise(meta, 2), stream, sender)
     assert reader.wait((1, 0), timeout=10) == (1, 2)  # the sender keeps going
-    with pytest.raises(pdhal.DeviceError, match=r"^1 layer signal\(s\) were not delivered: "
-                                                r"waiting for their device event failed$"):
+    with pytest.raises(
+        pdhal.DeviceError,
+        match=r"^1 layer signal\(s\) were not delivered: "
+        r"waiting for their device event failed$",
+    ):
         ops.destroy_kv_signal_sender(sender)
     assert sender.closed
     sender.close()  # reported once: closing again is quiet
@@ -149,8 +173,7 @@ def test_a_failed_event_wait_publishes_nothing_later_signals_flow_and_close_repo
     assert no_channel_left_mapped(namespace)
 
 
-def test_a_failed_event_wait_on_the_default_xpu_sender_is_reported_when_it_closes(
-        xpu, namespace):
+def test_a_failed_event_wait_on_the_default_xpu_sender_is_reported_when_it_closes(xpu, namespace):
     default_sender = _registry.selection().candidate.backend.default_sender
     sim = xpu.sim
     stream = sim.stream()
@@ -198,7 +221,8 @@ def test_event_create_or_record_failure_raises_and_leaks_no_event(dev, namespace
 
 
 def test_cuda_host_function_launch_failure_raises_frees_the_store_and_publishes_nothing(
-        cuda, namespace):
+    cuda, namespace
+):
     sim = cuda.sim
     stream = sim.stream()
     meta = ops.open_shm_and_get_meta_signal(0, 0)
@@ -206,8 +230,11 @@ def test_cuda_host_function_launch_failure_raises_frees_the_store_and_publishes_
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0), stream)
         assert reader.wait((1, -1), timeout=10) == (1, 0)
         sim.fail("cudaLaunchHostFunc", 1)
-        with pytest.raises(pdhal.DeviceError, match=r"^cudaLaunchHostFunc failed: CUDA runtime "
-                                                    r"error 719 \(unspecified launch failure\)"):
+        with pytest.raises(
+            pdhal.DeviceError,
+            match=r"^cudaLaunchHostFunc failed: CUDA runtime "
+            r"error 719 \(unspecified launch failure\)",
+        ):
             ops.signal_layer_ready(ops.init_signal_layerwise(meta, 1), stream)
         stream_reaches(sim, stream)
         assert reader.current() == (1, 0)
@@ -219,12 +246,14 @@ def test_cuda_host_function_launch_failure_raises_frees_the_store_and_publishes_
 
 # ---- host memory -----------------------------------------------------------------------
 
+
 def test_host_alloc_and_host_free_failures_raise_and_leak_nothing(dev):
     sim, names = dev.sim, dev.names
     live = sim.lib.sim_live_host_buffers()
     sim.fail(names.host_alloc, 1)
-    with pytest.raises(pdhal.DeviceError,
-                       match=rf"^{names.host_alloc}\(65536\) failed: {names.title} error \d+"):
+    with pytest.raises(
+        pdhal.DeviceError, match=rf"^{names.host_alloc}\(65536\) failed: {names.title} error \d+"
+    ):
         ops.host_alloc(65536)
     assert sim.lib.sim_live_host_buffers() == live
 
@@ -239,6 +268,7 @@ def test_host_alloc_and_host_free_failures_raise_and_leak_nothing(dev):
 
 
 # ---- peer addresses and IPC ------------------------------------------------------------
+
 
 def test_pointer_attributes_failure_in_get_peer_mem_addr_raises(dev):
     sim, names = dev.sim, dev.names
@@ -277,7 +307,8 @@ def test_ipc_open_failure_in_share_external_data_raises_and_the_next_open_works(
     ctypes.memmove(tensor, b"kv-cache-bytes", 14)
     ops.set_data_ipc(DeviceTensor(tensor, 256, names.device), "kv")
     # The reader is another process, told through SIM_FAIL before its runtime loads.
-    run_child(f"""
+    run_child(
+        f"""
         import ctypes, numpy as np, pdhal
         from pdhal import ops
         try:
@@ -288,10 +319,13 @@ def test_ipc_open_failure_in_share_external_data_raises_and_the_next_open_works(
             raise AssertionError("the injected {names.ipc_open} failure did not surface")
         kv = ops.share_external_data(np.zeros(1, np.uint8), "kv", [256], timeout=10)
         assert ctypes.string_at(kv.address, 14) == b"kv-cache-bytes"
-    """, env=dict(os.environ, SIM_FAIL=f"{names.ipc_open}:1"))
+    """,
+        env=dict(os.environ, SIM_FAIL=f"{names.ipc_open}:1"),
+    )
 
 
 # ---- device count ----------------------------------------------------------------------
+
 
 def test_device_count_failure_makes_the_backend_unavailable_with_the_reason(dev, monkeypatch):
     sim, names = dev.sim, dev.names
@@ -310,8 +344,13 @@ def test_device_count_failure_makes_the_backend_unavailable_with_the_reason(dev,
     # `pdhal info` in a process told through SIM_FAIL reports it, and does not crash.
     env = dict(os.environ, SIM_FAIL=names.device_count)
     env.pop("PDHAL_PLATFORM")
-    info = subprocess.run([sys.executable, "-m", "pdhal", "info"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    info = subprocess.run(
+        [sys.executable, "-m", "pdhal", "info"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert info.returncode == 0, info.stderr
     line = next(ln for ln in info.stdout.splitlines() if ln.split()[:1] == [dev.kind])
     assert line.split()[1] == "unavailable"
@@ -332,10 +371,16 @@ def test_device_count_failure_after_selection_raises_device_error(dev):
 
 # A call each simulator exports that no backend makes: (name, declaration, a call of it).
 SIM_CALLS = {
-    "cuda": ("cudaMalloc", "int cudaMalloc(void **ptr, size_t size);",
-             'lib.cudaMalloc(ffi.new("void **"), 64)'),
-    "xpu": ("xpu_memcpy", "int xpu_memcpy(void *dst, const void *src, uint64_t size, int kind);",
-            'lib.xpu_memcpy(ffi.new("char[4]"), b"abc", 4, 0)'),
+    "cuda": (
+        "cudaMalloc",
+        "int cudaMalloc(void **ptr, size_t size);",
+        'lib.cudaMalloc(ffi.new("void **"), 64)',
+    ),
+    "xpu": (
+        "xpu_memcpy",
+        "int xpu_memcpy(void *dst, const void *src, uint64_t size, int kind);",
+        'lib.xpu_memcpy(ffi.new("char[4]"), b"abc", 4, 0)',
+    ),
 }
 
 
@@ -386,12 +431,15 @@ def test_the_simulators_fail_the_calls_they_are_told_to(dev):
     assert dev.sim.failed_calls(name) == 0
     # SIM_FAIL="name[:count],...", read when the library loads; no count means every call.
     count = dev.names.device_count
-    child = run_child(f"""
+    child = run_child(
+        f"""
         from cffi import FFI
         ffi = FFI()
         ffi.cdef({cdef!r} + "int {count}(int *count); int sim_failed_calls(const char *f);")
         lib = ffi.dlopen({dev.sim.path!r})
         print(*[int({source} != 0) for _ in range(3)], lib.sim_failed_calls(b"{name}"))
         print(*[int(lib.{count}(ffi.new("int *")) != 0) for _ in range(3)])
-    """, env=dict(os.environ, SIM_FAIL=f"no_such_call:1,{name}:2,{count}"))
+    """,
+        env=dict(os.environ, SIM_FAIL=f"no_such_call:1,{name}:2,{count}"),
+    )
     assert child.stdout.splitlines() == ["1 1 0 2", "1 1 1"]

@@ -15,8 +15,10 @@ DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs")
 def _examples(name: str) -> list[tuple[int, str]]:
     with open(os.path.join(DOCS, name)) as f:
         text = f.read()
-    return [(text.count("\n", 0, m.start()) + 2, m.group(1))
-            for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
+    return [
+        (text.count("\n", 0, m.start()) + 2, m.group(1))
+        for m in re.finditer(r"```python\n(.*?)```", text, re.S)
+    ]
 
 
 API_EXAMPLES = _examples("api.md")
@@ -29,10 +31,15 @@ def test_the_reference_has_examples():
 def _as_params(examples: list[tuple[int, str]]) -> list:
     """One parameter per example, marked `paddle` when it imports paddle (so the sanitizer
     run, which cannot load paddle, leaves it out)."""
-    return [pytest.param(line, code, id=f"api.md:{line}",
-                         marks=[pytest.mark.paddle] if re.search(r"^import paddle", code, re.M)
-                         else [])
-            for line, code in examples]
+    return [
+        pytest.param(
+            line,
+            code,
+            id=f"api.md:{line}",
+            marks=[pytest.mark.paddle] if re.search(r"^import paddle", code, re.M) else [],
+        )
+        for line, code in examples
+    ]
 
 
 @pytest.mark.parametrize("line, code", _as_params(API_EXAMPLES))

@@ -12,30 +12,68 @@ import sys
 
 
 def test_a_new_backend_from_the_template_installs_and_passes_the_kit(tmp_path):
-    subprocess.run([sys.executable, "-m", "pdhal", "new-backend", "example", "--into",
-                    str(tmp_path / "src")], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pdhal", "new-backend", "example", "--into", str(tmp_path / "src")],
+        check=True,
+        capture_output=True,
+    )
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--no-build-isolation", "--target", str(target),
-                    str(tmp_path / "src" / "pdhal-example")], check=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
-        str(target), os.environ.get("PYTHONPATH")])))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(tmp_path / "src" / "pdhal-example"),
+        ],
+        check=True,
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")])),
+    )
     env.pop("PDHAL_NAMESPACE", None)
-    info = subprocess.run([sys.executable, "-m", "pdhal", "info"], env=env,
-                          capture_output=True, text=True, check=True).stdout
+    info = subprocess.run(
+        [sys.executable, "-m", "pdhal", "info"], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert "selected: example" in info and "pdhal-example 0.1.0" in info
-    kit = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "--pdhal-backend", "example"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
+    kit = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--pdhal-backend",
+            "example",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert kit.returncode == 0, kit.stdout[-3000:] + kit.stderr[-3000:]
     assert re.search(r"^\d+ passed in", kit.stdout, re.M), kit.stdout[-500:]
 
 
 def test_new_backend_refuses_bad_names_and_existing_folders(tmp_path):
-    bad = subprocess.run([sys.executable, "-m", "pdhal", "new-backend", "My-Accel", "--into",
-                          str(tmp_path)], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pdhal", "new-backend", "My-Accel", "--into", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 1 and bad.stderr.startswith("pdhal: error: a backend name is")
     (tmp_path / "pdhal-acc").mkdir()
-    again = subprocess.run([sys.executable, "-m", "pdhal", "new-backend", "acc", "--into",
-                            str(tmp_path)], capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "pdhal", "new-backend", "acc", "--into", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode == 1 and "exists already" in again.stderr

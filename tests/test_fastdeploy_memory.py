@@ -27,8 +27,11 @@ from pdhal.compat import fastdeploy as fd
 from pdhal.testing.procs import child, finish
 
 RUNTIMES = {"cuda": ("PDHAL_CUDART", "libcudart_sim.so"), "xpu": ("PDHAL_XPURT", "libxpurt.so")}
-BACKENDS = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.simulated),
-            pytest.param("xpu", marks=pytest.mark.simulated)]
+BACKENDS = [
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=pytest.mark.simulated),
+    pytest.param("xpu", marks=pytest.mark.simulated),
+]
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "uint8": 1}
 HEADS, BLOCK_SIZE, HEAD_DIM = 2, 4, 8  # a cache is [blocks, heads, block_size, head_dim]
 
@@ -39,7 +42,7 @@ def pattern(seed: int, nbytes: int) -> bytes:
 
 
 def blocks_of(data: bytes, block_bytes: int) -> list[bytes]:
-    return [data[i:i + block_bytes] for i in range(0, len(data), block_bytes)]
+    return [data[i : i + block_bytes] for i in range(0, len(data), block_bytes)]
 
 
 class Cache:
@@ -129,6 +132,7 @@ def live_host_buffers(dev: Device) -> int | None:
 
 # ---- cuda_host_alloc / cuda_host_free ---------------------------------------------------
 
+
 def test_host_memory_is_an_int_address_with_pointer_arithmetic(dev):
     live = live_host_buffers(dev)
     n = 1 << 16
@@ -151,12 +155,15 @@ def test_host_memory_is_an_int_address_with_pointer_arithmetic(dev):
         fd.cuda_host_free(ptr)
 
 
-@pytest.mark.parametrize("bad, error, words", [
-    (0x1000, pdhal.InvalidArgumentError, "0x1000 is not an address cuda_host_alloc returned"),
-    ("0x1000", pdhal.InvalidTypeError, "ptr must be the int cuda_host_alloc returned, got str"),
-    (1.5, pdhal.InvalidTypeError, "got float"),
-    (True, pdhal.InvalidTypeError, "got bool"),
-])
+@pytest.mark.parametrize(
+    "bad, error, words",
+    [
+        (0x1000, pdhal.InvalidArgumentError, "0x1000 is not an address cuda_host_alloc returned"),
+        ("0x1000", pdhal.InvalidTypeError, "ptr must be the int cuda_host_alloc returned, got str"),
+        (1.5, pdhal.InvalidTypeError, "got float"),
+        (True, pdhal.InvalidTypeError, "got bool"),
+    ],
+)
 def test_freeing_what_cuda_host_alloc_did_not_return_is_refused(dev, bad, error, words):
     ptr = fd.cuda_host_alloc(4096)
     with pytest.raises(error, match=words):
@@ -164,12 +171,15 @@ def test_freeing_what_cuda_host_alloc_did_not_return_is_refused(dev, bad, error,
     fd.cuda_host_free(ptr)
 
 
-@pytest.mark.parametrize("size, flags, words", [
-    (0, 0, "nbytes must be at least 1"),
-    (-1, 0, "nbytes must be in"),
-    ("4096", 0, "nbytes must be an integer"),
-    (4096, -1, "flags must be in"),
-])
+@pytest.mark.parametrize(
+    "size, flags, words",
+    [
+        (0, 0, "nbytes must be at least 1"),
+        (-1, 0, "nbytes must be in"),
+        ("4096", 0, "nbytes must be an integer"),
+        (4096, -1, "flags must be in"),
+    ],
+)
 def test_cuda_host_alloc_refuses_bad_sizes_and_flags(dev, size, flags, words):
     live = live_host_buffers(dev)
     with pytest.raises(pdhal.InvalidArgumentError, match=words):
@@ -179,6 +189,7 @@ def test_cuda_host_alloc_refuses_bad_sizes_and_flags(dev, size, flags, words):
 
 # ---- cuda_host_register / cuda_host_unregister ----------------------------------------
 
+
 def test_registered_host_memory_serves_as_swap_space_until_unregistered(dev):
     cache = dev.cache(4, "float16", seed=1)
     host = np.zeros(4 * cache.block_bytes, np.uint8)
@@ -186,8 +197,12 @@ def test_registered_host_memory_serves_as_swap_space_until_unregistered(dev):
     try:
         fd.swap_cache_all_layers([cache], [host.ctypes.data], 4, [2], [1], 0, 0)
         got = blocks_of(host.tobytes(), cache.block_bytes)
-        assert got == [bytes(cache.block_bytes), blocks_of(dev.read(cache), cache.block_bytes)[2],
-                       bytes(cache.block_bytes), bytes(cache.block_bytes)]
+        assert got == [
+            bytes(cache.block_bytes),
+            blocks_of(dev.read(cache), cache.block_bytes)[2],
+            bytes(cache.block_bytes),
+            bytes(cache.block_bytes),
+        ]
     finally:
         fd.cuda_host_unregister(host.ctypes.data)
     host[:] = 0
@@ -208,18 +223,21 @@ def test_a_tensor_registers_with_its_own_size(dev):
 
 # ---- set_data_ipc / share_external_data across processes --------------------------------
 
+
 def _like(dev: Device, dtype: str):
     """The "like" tensor FastDeploy passes: paddle.empty([], dtype=...) where Paddle can wrap
     the mapping (the cpu backend); a 0-d numpy array or the dtype's name on a simulated
     device (numpy has no bfloat16)."""
     if dev.name == "cpu":
         return f'paddle.empty([], dtype="{dtype}")'
-    return 'np.zeros((), np.float16)' if dtype == "float16" else '"bfloat16"'
+    return "np.zeros((), np.float16)" if dtype == "float16" else '"bfloat16"'
 
 
-CACHE_ATTACH = [pytest.param("cpu", marks=pytest.mark.paddle),
-                pytest.param("cuda", marks=pytest.mark.simulated),
-                pytest.param("xpu", marks=pytest.mark.simulated)]
+CACHE_ATTACH = [
+    pytest.param("cpu", marks=pytest.mark.paddle),
+    pytest.param("cuda", marks=pytest.mark.simulated),
+    pytest.param("xpu", marks=pytest.mark.simulated),
+]
 
 
 @pytest.mark.parametrize("dev", CACHE_ATTACH, indirect=True)
@@ -274,16 +292,26 @@ def test_the_cache_transfer_manager_attaches_swaps_and_detaches(dev, dtype, tmp_
     host = blocks_of((tmp_path / "host.bin").read_bytes(), bb)
     old_k, old_v = blocks_of(before_k, bb), blocks_of(before_v, bb)
     # swapped out: device blocks 1, 2, 6 -> host blocks 3, 0, 1 (block 2 untouched)
-    assert host == [old_k[2], old_k[6], bytes(bb), old_k[1],
-                    old_v[2], old_v[6], bytes(bb), old_v[1]]
+    assert host == [
+        old_k[2],
+        old_k[6],
+        bytes(bb),
+        old_k[1],
+        old_v[2],
+        old_v[6],
+        bytes(bb),
+        old_v[1],
+    ]
     # swapped in: host blocks 3, 0, 1 -> device blocks 4, 5, 7; every other block as it was
     for old, cache in ((old_k, k), (old_v, v)):
         want = list(old)
         want[4], want[5], want[7] = old[1], old[2], old[6]
         assert blocks_of(dev.read(cache), bb) == want
     # the attaching process closed its mappings only: the names are still shared
-    assert ops.share_external_data(np.zeros(1, np.uint8), "key_caches_0_rank0.device0", [1],
-                                   timeout=0) is not None
+    assert (
+        ops.share_external_data(np.zeros(1, np.uint8), "key_caches_0_rank0.device0", [1], timeout=0)
+        is not None
+    )
 
 
 @pytest.mark.paddle
@@ -320,8 +348,9 @@ def test_paddle_bfloat16_caches_in_pinned_memory_cross_processes():
     data = pattern(5, n)
     ctypes.memmove(ptr, data, n)
     # a Paddle tensor over the pinned buffer (FastDeploy's caches come from paddle.full)
-    words = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_int16)),
-                                  shape=(n // 2,)).reshape(shape)
+    words = np.ctypeslib.as_array(
+        ctypes.cast(ptr, ctypes.POINTER(ctypes.c_int16)), shape=(n // 2,)
+    ).reshape(shape)
     cache = paddle.from_dlpack(words).view(paddle.bfloat16)
     assert cache.dtype == paddle.bfloat16 and cache.data_ptr() == ptr
     fd.set_data_ipc(cache, "key_caches_0_rank0.device0")
@@ -337,12 +366,13 @@ def test_paddle_bfloat16_caches_in_pinned_memory_cross_processes():
     """)
     finish(proc)
     after = blocks_of(ctypes.string_at(ptr, n), n // 4)
-    assert after[0] == data[:n // 4] and after[2:] == blocks_of(data, n // 4)[2:]
+    assert after[0] == data[: n // 4] and after[2:] == blocks_of(data, n // 4)[2:]
     assert np.all(cache[1].astype("float32").numpy() == 1.5)
     fd.cuda_host_free(ptr)
 
 
 # ---- get_data_ptr_ipc + ipc_sent_key_value_cache_by_remote_ptr ---------------------------
+
 
 @pytest.mark.paddle
 def test_one_layer_s_blocks_land_in_another_process_s_caches(dev, copies, tmp_path):
@@ -354,7 +384,8 @@ def test_one_layer_s_blocks_land_in_another_process_s_caches(dev, copies, tmp_pa
     remote_blocks, local_blocks = 8, 6
     bb = HEADS * BLOCK_SIZE * HEAD_DIM * 2
     n = remote_blocks * bb
-    receiver = child(f"""
+    receiver = child(
+        f"""
         import ctypes, sys
         import numpy as np
         from pdhal.compat import fastdeploy as fd
@@ -370,7 +401,11 @@ def test_one_layer_s_blocks_land_in_another_process_s_caches(dev, copies, tmp_pa
         with open({str(tmp_path / "remote.bin")!r}, "wb") as f:
             for cache in caches:
                 f.write(support.read(cache.address, {n}))
-    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert receiver.stdout.readline() == "published\n"
         local_k, local_v = dev.cache(local_blocks, seed=11), dev.cache(local_blocks, seed=12)
@@ -386,11 +421,21 @@ def test_one_layer_s_blocks_land_in_another_process_s_caches(dev, copies, tmp_pa
 
         stream = dev.stream()
         local_ids, remote_ids = ids([2, 3, 4, 0]), ids([5, 6, 7, 1])
-        fd.ipc_sent_key_value_cache_by_remote_ptr(local_k, local_v, local_ids, remote_ids,
-                                                  remote_k, remote_v, len(local_ids), 0, 3,
-                                                  stream)
-        fd.ipc_sent_key_value_cache_by_remote_ptr(local_k, local_v, ids([5]), ids([3]), remote_k,
-                                                  remote_v, 1, 0, 3, stream, False)
+        fd.ipc_sent_key_value_cache_by_remote_ptr(
+            local_k,
+            local_v,
+            local_ids,
+            remote_ids,
+            remote_k,
+            remote_v,
+            len(local_ids),
+            0,
+            3,
+            stream,
+        )
+        fd.ipc_sent_key_value_cache_by_remote_ptr(
+            local_k, local_v, ids([5]), ids([3]), remote_k, remote_v, 1, 0, 3, stream, False
+        )
         fd.ipc_sent_key_value_cache_by_remote_ptr_block_sync(local_k, local_v, stream)
         assert copies == [2, 2, 1, 1], f"copies per K/V call: {copies} (2..4 -> 5..7 is one)"
         receiver.stdin.write("sent\n")
@@ -404,11 +449,12 @@ def test_one_layer_s_blocks_land_in_another_process_s_caches(dev, copies, tmp_pa
         sent = blocks_of(local, bb)
         for src, dst in ((2, 5), (3, 6), (4, 7), (0, 1), (5, 3)):
             want[dst] = sent[src]
-        assert blocks_of(remote[i * n:(i + 1) * n], bb) == want, "K" if i == 0 else "V"
+        assert blocks_of(remote[i * n : (i + 1) * n], bb) == want, "K" if i == 0 else "V"
     assert (dev.read(local_k), dev.read(local_v)) == local_before, "the sender's caches changed"
 
 
 # ---- swap_cache_all_layers ---------------------------------------------------------------
+
 
 def test_swap_all_layers_out_and_back_in(dev, copies):
     layers, blocks, cpu_blocks = 3, 8, 6
@@ -426,7 +472,7 @@ def test_swap_all_layers_out_and_back_in(dev, copies):
     host = blocks_of(ctypes.string_at(base, n), bb)
     for layer in range(layers):
         old = blocks_of(before[layer], bb)
-        got = host[layer * cpu_blocks:(layer + 1) * cpu_blocks]
+        got = host[layer * cpu_blocks : (layer + 1) * cpu_blocks]
         assert got == [old[3], bytes(bb), old[6], bytes(bb), old[1], old[2]], f"layer {layer}"
     for cache in caches:  # the device blocks are reused meanwhile
         dev.write(cache.address, bytes(cache.nbytes))
@@ -447,17 +493,21 @@ def test_swap_of_shared_caches_counts_block_bytes_from_their_dtype(dev):
     shared caches as numpy arrays or Paddle tensors.)"""
     cache = dev.cache(4, "float16", seed=3)
     fd.set_data_ipc(cache, "key_caches_0_rank0.device0")
-    shared = fd.share_external_data(np.zeros((), np.float16), "key_caches_0_rank0.device0",
-                                    cache.shape, True)
+    shared = fd.share_external_data(
+        np.zeros((), np.float16), "key_caches_0_rank0.device0", cache.shape, True
+    )
     assert list(shared.shape) == cache.shape and shared.nbytes == cache.nbytes
     ptr = fd.cuda_host_alloc(2 * cache.block_bytes)
     fd.swap_cache_all_layers([shared], [ptr], 2, [3], [1], 0, 0)
-    assert ctypes.string_at(ptr + cache.block_bytes, cache.block_bytes) == \
-        blocks_of(dev.read(cache), cache.block_bytes)[3]
+    assert (
+        ctypes.string_at(ptr + cache.block_bytes, cache.block_bytes)
+        == blocks_of(dev.read(cache), cache.block_bytes)[3]
+    )
     fd.cuda_host_free(ptr)
 
 
 # ---- unset_data_ipc ------------------------------------------------------------------------
+
 
 def test_unset_takes_the_record_away_and_readers_are_told(dev):
     cache = dev.cache(2, "float16", seed=4)
@@ -499,6 +549,7 @@ def test_unset_takes_the_record_away_and_readers_are_told(dev):
 
 # ---- bad input: a pdhal error naming what was wrong, nothing written -----------------------
 
+
 @pytest.fixture
 def sending(dev):
     """Local K/V caches of 4 blocks and remote ones of 6 (V's: 3) mapped by name in this
@@ -513,10 +564,10 @@ def sending(dev):
     fd.set_data_ipc(s.remote_k_cache, "key_caches_0_rank0.device1")
     fd.set_data_ipc(s.remote_v_cache, "value_caches_0_rank0.device1")
     s.remote_k = np.array([ops.get_data_ptr_ipc(None, "key_caches_0_rank0.device1")], np.int64)
-    s.remote_v = np.array([ops.get_data_ptr_ipc(None, "value_caches_0_rank0.device1")],
-                          np.int64)
-    s.snapshot = lambda: [dev.read(c) for c in (s.local_k, s.local_v, s.remote_k_cache,
-                                                  s.remote_v_cache)]
+    s.remote_v = np.array([ops.get_data_ptr_ipc(None, "value_caches_0_rank0.device1")], np.int64)
+    s.snapshot = lambda: [
+        dev.read(c) for c in (s.local_k, s.local_v, s.remote_k_cache, s.remote_v_cache)
+    ]
     return s
 
 
@@ -528,17 +579,26 @@ SEND_BAD = [
     # (what is wrong, changes to the arguments, the error's words)
     ("local id past the cache", dict(local_ids=_ids([0, 4])), "source block id 4"),
     ("negative remote id", dict(remote_ids=_ids([-1, 0])), "destination block id -1"),
-    ("remote id in K's cache but past V's", dict(remote_ids=_ids([0, 4])),
-     "destination block id 4 .* blocks 0..2"),
+    (
+        "remote id in K's cache but past V's",
+        dict(remote_ids=_ids([0, 4])),
+        "destination block id 4 .* blocks 0..2",
+    ),
     ("block_num beyond the ids", dict(block_num=3), "block_num 3 exceeds the block ids"),
     ("negative block_num", dict(block_num=-1), "block_num must be in"),
     ("float block ids", dict(local_ids=np.array([0.0, 1.0])), "integer block ids"),
     ("block ids as a string", dict(local_ids="0,1"), "must be a list or 1-D tensor"),
     ("V's shape differs from K's", dict(local_v="short"), "differ in shape"),
-    ("remote pointer pdhal never mapped", dict(remote_v=np.array([0x1000], np.int64)),
-     "did not hand out"),
-    ("remote pointer of two words", dict(remote_k=np.array([1, 2], np.int64)),
-     "must be an address"),
+    (
+        "remote pointer pdhal never mapped",
+        dict(remote_v=np.array([0x1000], np.int64)),
+        "did not hand out",
+    ),
+    (
+        "remote pointer of two words",
+        dict(remote_k=np.array([1, 2], np.int64)),
+        "must be an address",
+    ),
     ("is_scale given a device id", dict(is_scale=3), "is_scale must be a bool"),
 ]
 
@@ -546,9 +606,16 @@ SEND_BAD = [
 @pytest.mark.parametrize("what, change, words", SEND_BAD, ids=[w for w, _, _ in SEND_BAD])
 def test_a_bad_send_is_refused_with_nothing_written(dev, sending, what, change, words):
     s = sending
-    args = dict(local_k=s.local_k, local_v=s.local_v, local_ids=_ids([1, 2]),
-                remote_ids=_ids([0, 1]), remote_k=s.remote_k, remote_v=s.remote_v, block_num=2,
-                is_scale=False)
+    args = dict(
+        local_k=s.local_k,
+        local_v=s.local_v,
+        local_ids=_ids([1, 2]),
+        remote_ids=_ids([0, 1]),
+        remote_k=s.remote_k,
+        remote_v=s.remote_v,
+        block_num=2,
+        is_scale=False,
+    )
     args.update(change)
     if args["local_v"] == "short":
         args["local_v"] = dev.cache(3, seed=35)
@@ -556,9 +623,18 @@ def test_a_bad_send_is_refused_with_nothing_written(dev, sending, what, change, 
     stream = dev.stream()
     with pytest.raises(pdhal.PdhalError, match=words):
         fd.ipc_sent_key_value_cache_by_remote_ptr(
-            args["local_k"], args["local_v"], args["local_ids"], args["remote_ids"],
-            args["remote_k"], args["remote_v"], args["block_num"], 0, 1, stream,
-            args["is_scale"])
+            args["local_k"],
+            args["local_v"],
+            args["local_ids"],
+            args["remote_ids"],
+            args["remote_k"],
+            args["remote_v"],
+            args["block_num"],
+            0,
+            1,
+            stream,
+            args["is_scale"],
+        )
     fd.ipc_sent_key_value_cache_by_remote_ptr_block_sync(s.local_k, s.local_v, stream)
     assert s.snapshot() == before, f"{what}: a refused send wrote blocks"
 
@@ -568,10 +644,16 @@ SWAP_BAD = [
     ("cpu id past max_block_num_cpu", dict(cpu_ids=[0, 2]), "block id 2 .* blocks 0..1"),
     ("negative gpu id", dict(gpu_ids=[-1, 0]), "block id -1"),
     ("ids that do not pair up", dict(cpu_ids=[0]), "must pair up, got 2 and 1"),
-    ("host pointer too small for max_block_num_cpu", dict(max_blocks=3),
-     "does not hold .* bytes of memory from cuda_host_alloc"),
-    ("a layer's host pointer past the buffer's end", dict(layer1_offset=1),
-     "host pointer .* does not hold"),
+    (
+        "host pointer too small for max_block_num_cpu",
+        dict(max_blocks=3),
+        "does not hold .* bytes of memory from cuda_host_alloc",
+    ),
+    (
+        "a layer's host pointer past the buffer's end",
+        dict(layer1_offset=1),
+        "host pointer .* does not hold",
+    ),
     ("a freed host pointer", dict(freed=True), "does not hold"),
     ("a host pointer pdhal never handed out", dict(hosts=[0x1000, 0x2000]), "does not hold"),
     ("fewer host pointers than layers", dict(hosts="one"), "2 device caches but 1 host"),
@@ -607,24 +689,37 @@ def test_a_bad_swap_is_refused_with_nothing_written(dev, what, change, words, mo
 
     before = snapshot()
     with pytest.raises(pdhal.InvalidArgumentError, match=words):
-        fd.swap_cache_all_layers(caches, hosts, change.get("max_blocks", 2),
-                                 change.get("gpu_ids", [0, 1]), change.get("cpu_ids", [1, 0]),
-                                 change.get("rank", 0), change.get("mode", mode))
+        fd.swap_cache_all_layers(
+            caches,
+            hosts,
+            change.get("max_blocks", 2),
+            change.get("gpu_ids", [0, 1]),
+            change.get("cpu_ids", [1, 0]),
+            change.get("rank", 0),
+            change.get("mode", mode),
+        )
     ops.synchronize()
     assert snapshot() == before, f"{what}: a refused swap wrote blocks"
     fd.cuda_host_free(base)
 
 
-@pytest.mark.parametrize("call, words", [
-    (lambda: fd.share_external_data(np.zeros((), np.float16), "never_shared", [1], timeout=0),
-     "does not exist"),
-    (lambda: fd.share_external_data(np.zeros((), np.float16), "kv", [1], 3), "use_ipc must be"),
-    (lambda: fd.share_external_data(np.zeros((), np.float16), "a/b", [1]), "buffer name"),
-    (lambda: fd.share_external_data(np.zeros((), np.float16), "kv", [-1]), "shape entry"),
-    (lambda: ops.get_data_ptr_ipc(None, "never_shared", 0), "does not exist"),
-    (lambda: fd.set_data_ipc(12345, "kv"), "not a raw address"),
-    (lambda: fd.unset_data_ipc(None, "never_shared"), "no buffer is shared as 'never_shared'"),
-])
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (
+            lambda: fd.share_external_data(
+                np.zeros((), np.float16), "never_shared", [1], timeout=0
+            ),
+            "does not exist",
+        ),
+        (lambda: fd.share_external_data(np.zeros((), np.float16), "kv", [1], 3), "use_ipc must be"),
+        (lambda: fd.share_external_data(np.zeros((), np.float16), "a/b", [1]), "buffer name"),
+        (lambda: fd.share_external_data(np.zeros((), np.float16), "kv", [-1]), "shape entry"),
+        (lambda: ops.get_data_ptr_ipc(None, "never_shared", 0), "does not exist"),
+        (lambda: fd.set_data_ipc(12345, "kv"), "not a raw address"),
+        (lambda: fd.unset_data_ipc(None, "never_shared"), "no buffer is shared as 'never_shared'"),
+    ],
+)
 def test_unknown_names_and_bad_sharing_are_refused(dev, call, words):
     with pytest.raises(pdhal.PdhalError, match=words):
         call()
@@ -634,8 +729,9 @@ def test_mapping_more_than_was_shared_is_refused(dev):
     cache = dev.cache(2, "float16")
     fd.set_data_ipc(cache, "key_caches_0_rank0.device0")
     with pytest.raises(pdhal.InvalidArgumentError, match=f"shares {cache.nbytes}"):
-        fd.share_external_data(np.zeros((), np.float16), "key_caches_0_rank0.device0",
-                               [3] + cache.shape[1:])
+        fd.share_external_data(
+            np.zeros((), np.float16), "key_caches_0_rank0.device0", [3] + cache.shape[1:]
+        )
 
 
 @pytest.mark.paddle
@@ -647,15 +743,22 @@ def test_get_data_ptr_ipc_of_an_unknown_name_is_an_error_not_a_tensor(dev):
 
 # ---- calls in another argument order ------------------------------------------------------
 
+
 def test_a_branch_s_argument_order_is_a_pdhal_error_and_publishes_nothing():
     """FastDeploy's latest forms only: the device_id branch's longer forms name the problem
     instead of binding device_id to num_layers (or failing as a bare TypeError)."""
     out = np.full(1538, 7, np.int32)
-    with pytest.raises(pdhal.InvalidArgumentError, match=r"init_kv_signal_per_query takes "
-                       r"\(seq_lens_encoder, .*rank, num_layers\) positionally, got 1 more"):
+    with pytest.raises(
+        pdhal.InvalidArgumentError,
+        match=r"init_kv_signal_per_query takes "
+        r"\(seq_lens_encoder, .*rank, num_layers\) positionally, got 1 more",
+    ):
         fd.init_kv_signal_per_query([4], [4], [0], 0, 0, 2)  # (..., rank, device_id, layers)
-    with pytest.raises(pdhal.InvalidArgumentError, match=r"get_output_kv_signal takes "
-                       r"\(x, rank_id, wait_flag\) positionally.*device_id=\.\.\."):
+    with pytest.raises(
+        pdhal.InvalidArgumentError,
+        match=r"get_output_kv_signal takes "
+        r"\(x, rank_id, wait_flag\) positionally.*device_id=\.\.\.",
+    ):
         fd.get_output_kv_signal(out, 0, 0, 0)  # (x, rank_id, device_id, wait_flag)
     assert (out == 7).all(), "a refused call wrote the record"
     with pytest.raises(pdhal.InvalidArgumentError, match="wait_flag must be a bool"):

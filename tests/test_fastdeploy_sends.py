@@ -45,8 +45,9 @@ def test_only_the_first_block_num_blocks_are_sent():
         remote_v = fd.get_data_ptr_ipc(tmp, "value_caches_0_rank0.device0", timeout=30)
         local_ids = paddle.to_tensor([0, 1, 2, 3], dtype="int32", place="cpu")
         remote_ids = paddle.to_tensor([5, 4, 3, 2], dtype="int32", place="cpu")
-        fd.ipc_sent_key_value_cache_by_remote_ptr(key, value, local_ids, remote_ids, remote_k,
-                                                  remote_v, 2, 0, 0, 0)
+        fd.ipc_sent_key_value_cache_by_remote_ptr(
+            key, value, local_ids, remote_ids, remote_k, remote_v, 2, 0, 0, 0
+        )
         fd.ipc_sent_key_value_cache_by_remote_ptr_block_sync(key, value, 0)
         out, _ = receiver.communicate("sent\n", timeout=60)
     finally:

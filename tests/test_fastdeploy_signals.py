@@ -46,8 +46,10 @@ from pdhal import _core, _registry, _signals, ops
 from pdhal.compat import fastdeploy as fd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RUNTIMES = {"cuda": ("PDHAL_CUDART", "libcudart_sim.so", "gpu:0"),
-            "xpu": ("PDHAL_XPURT", "libxpurt.so", "xpu:0")}
+RUNTIMES = {
+    "cuda": ("PDHAL_CUDART", "libcudart_sim.so", "gpu:0"),
+    "xpu": ("PDHAL_XPURT", "libxpurt.so", "xpu:0"),
+}
 
 NUM_LAYERS, NUM_LAYERS_DRAFT = 6, 1  # the main model; the MTP draft (FastDeploy: 1 for mtp)
 LAYERS = NUM_LAYERS + NUM_LAYERS_DRAFT
@@ -76,8 +78,9 @@ def cache_name(kv, layer, rank, device_id):
 '''
 _common: dict = {}
 exec(COMMON, _common)
-BLOCK_BYTES, block_pattern, cache_name = (_common[name] for name in
-                                          ("BLOCK_BYTES", "block_pattern", "cache_name"))
+BLOCK_BYTES, block_pattern, cache_name = (
+    _common[name] for name in ("BLOCK_BYTES", "block_pattern", "cache_name")
+)
 
 
 def make_schedule() -> tuple[list[dict], int]:
@@ -95,15 +98,24 @@ def make_schedule() -> tuple[list[dict], int]:
             step = {"encoder": [], "this_time": [], "decoder": [], "chunks": []}
             for slot, prompt in enumerate(wave):
                 chunk = min(CHUNK_TOKENS, prompt - done[slot])
-                step["chunks"] += [[slot, done[slot], chunk, bases[slot] + done[slot]
-                                    // BLOCK_TOKENS]] if chunk else []
+                step["chunks"] += (
+                    [[slot, done[slot], chunk, bases[slot] + done[slot] // BLOCK_TOKENS]]
+                    if chunk
+                    else []
+                )
                 step["encoder"].append(chunk)
                 step["this_time"].append(chunk or 1)  # a slot done prefilling decodes
                 step["decoder"].append(done[slot])
                 done[slot] += chunk
             steps.append(step)
-        steps.append({"encoder": [0] * BATCH, "this_time": [1] * BATCH,
-                      "decoder": [p + 1 for p in wave], "chunks": []})
+        steps.append(
+            {
+                "encoder": [0] * BATCH,
+                "this_time": [1] * BATCH,
+                "decoder": [p + 1 for p in wave],
+                "chunks": [],
+            }
+        )
     return steps, next_block
 
 
@@ -112,6 +124,7 @@ PREFILL_STEPS = [i + 1 for i, step in enumerate(STEPS) if step["chunks"]]  # ste
 
 
 # ---- the C op --------------------------------------------------------------------------
+
 
 class KVWrite(ctypes.Structure):
     _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("bytes", ctypes.c_uint64)]
@@ -125,10 +138,26 @@ def build_op(kind: str, runtime_path: str, folder) -> str:
     header, pdhal.get_library() (the core pdhal's Python shares) and the runtime's .so."""
     if kind not in _built:
         library = str(folder / f"libattention_op_{kind}.so")
-        subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror",
-                        f"-DATTENTION_OP_{kind.upper()}", f"-I{pdhal.get_include()}", "-o",
-                        library, os.path.join(HERE, "c", "attention_op.c"),
-                        pdhal.get_library(), runtime_path, "-lpthread"], check=True)
+        subprocess.run(
+            [
+                "gcc",
+                "-shared",
+                "-fPIC",
+                "-O2",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                f"-DATTENTION_OP_{kind.upper()}",
+                f"-I{pdhal.get_include()}",
+                "-o",
+                library,
+                os.path.join(HERE, "c", "attention_op.c"),
+                pdhal.get_library(),
+                runtime_path,
+                "-lpthread",
+            ],
+            check=True,
+        )
         _built[kind] = library
     return _built[kind]
 
@@ -143,13 +172,17 @@ class AttentionOp:
         P, Int, W = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(KVWrite)
         signatures = {"gate_new": (P, []), "gate_close": (Int, [P, P]), "gate_free": (None, [P])}
         if kind == "cuda":
-            signatures.update(attention_cuda_per_query=(Int, [P, W, Int, ctypes.c_uint32, P]),
-                              attention_cuda_per_chunk=(Int, [P, W, Int, ctypes.c_uint32]),
-                              attention_cuda_unchecked=(Int, [P, P]))
+            signatures.update(
+                attention_cuda_per_query=(Int, [P, W, Int, ctypes.c_uint32, P]),
+                attention_cuda_per_chunk=(Int, [P, W, Int, ctypes.c_uint32]),
+                attention_cuda_unchecked=(Int, [P, P]),
+            )
         else:
-            signatures.update(attention_xpu_per_query=(Int, [P, W, Int, ctypes.c_uint32, P, P]),
-                              attention_xpu_per_chunk=(Int, [P, W, Int, ctypes.c_uint32, P]),
-                              attention_xpu_post_line=(Int, [P, P, P]))
+            signatures.update(
+                attention_xpu_per_query=(Int, [P, W, Int, ctypes.c_uint32, P, P]),
+                attention_xpu_per_chunk=(Int, [P, W, Int, ctypes.c_uint32, P]),
+                attention_xpu_post_line=(Int, [P, P, P]),
+            )
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
@@ -162,20 +195,23 @@ class AttentionOp:
         self._last_error = core.pdhal_last_error
         self._last_error.restype = ctypes.c_char_p
 
-    def per_query(self, stream: int, writes, kv_signal_data: int | None,
-                  sender_words: int | None = None) -> int:
+    def per_query(
+        self, stream: int, writes, kv_signal_data: int | None, sender_words: int | None = None
+    ) -> int:
         if self.kind == "cuda":
-            return self.lib.attention_cuda_per_query(stream, writes, len(writes),
-                                                     WRITE_DELAY_US, kv_signal_data)
-        return self.lib.attention_xpu_per_query(stream, writes, len(writes), WRITE_DELAY_US,
-                                                kv_signal_data, sender_words)
+            return self.lib.attention_cuda_per_query(
+                stream, writes, len(writes), WRITE_DELAY_US, kv_signal_data
+            )
+        return self.lib.attention_xpu_per_query(
+            stream, writes, len(writes), WRITE_DELAY_US, kv_signal_data, sender_words
+        )
 
     def per_chunk(self, stream: int, writes, sender_words: int | None = None) -> int:
         if self.kind == "cuda":
-            return self.lib.attention_cuda_per_chunk(stream, writes, len(writes),
-                                                     WRITE_DELAY_US)
-        return self.lib.attention_xpu_per_chunk(stream, writes, len(writes), WRITE_DELAY_US,
-                                                sender_words)
+            return self.lib.attention_cuda_per_chunk(stream, writes, len(writes), WRITE_DELAY_US)
+        return self.lib.attention_xpu_per_chunk(
+            stream, writes, len(writes), WRITE_DELAY_US, sender_words
+        )
 
     def last_error(self) -> str:
         """pdhal_last_error() of this thread: ctypes calls run on the calling thread."""
@@ -236,6 +272,7 @@ class DroppedWords:
 
 # ---- the producer: FastDeploy's attention backend and model runner, reduced ------------
 
+
 @dataclass
 class ForwardMeta:
     seq_lens_encoder: object
@@ -261,8 +298,9 @@ class AttentionBackend:
     """The signal handling of FastDeploy's AppendAttentionBackend / XPUAttentionBackend:
     init_attention_metadata once per forward pass, forward_mixed per layer."""
 
-    def __init__(self, worker: PrefillWorker, num_layers: int, *, mtp_draft: bool,
-                 start_layer_index: int):
+    def __init__(
+        self, worker: PrefillWorker, num_layers: int, *, mtp_draft: bool, start_layer_index: int
+    ):
         self.worker = worker
         self.keep_pd_step_flag = mtp_draft  # speculative model_type == "mtp"
         self.num_layers_draft_model = NUM_LAYERS_DRAFT  # int(method in ["mtp"])
@@ -277,21 +315,29 @@ class AttentionBackend:
         metadata.kv_signal_data_list = [None] * self.num_layers
         if self.pd_disaggregation_mode == "per_chunk":
             if not self.keep_pd_step_flag:
-                fd.init_kv_signal_per_query(forward_meta.seq_lens_encoder,
-                                            forward_meta.seq_lens_this_time,
-                                            forward_meta.seq_lens_decoder, self.rank,
-                                            self.num_layers + self.num_layers_draft_model)
+                fd.init_kv_signal_per_query(
+                    forward_meta.seq_lens_encoder,
+                    forward_meta.seq_lens_this_time,
+                    forward_meta.seq_lens_decoder,
+                    self.rank,
+                    self.num_layers + self.num_layers_draft_model,
+                )
         elif self.pd_disaggregation_mode == "per_query":
             metadata.kv_signal_metadata = fd.open_shm_and_get_meta_signal(
-                self.rank, int(self.device_id), self.keep_pd_step_flag)
+                self.rank, int(self.device_id), self.keep_pd_step_flag
+            )
 
     def forward_mixed(self, layer: Layer, forward_meta: ForwardMeta) -> None:
         metadata = self.metadata
         if self.pd_disaggregation_mode == "per_query":
             metadata.kv_signal_data_list[layer.layer_id] = self.worker.flavor.signal(
-                metadata.kv_signal_metadata, layer.layer_id + self.start_layer_index)
-        self.worker.append_attention(forward_meta, layer.layer_id + self.start_layer_index,
-                                     metadata.kv_signal_data_list[layer.layer_id])
+                metadata.kv_signal_metadata, layer.layer_id + self.start_layer_index
+            )
+        self.worker.append_attention(
+            forward_meta,
+            layer.layer_id + self.start_layer_index,
+            metadata.kv_signal_data_list[layer.layer_id],
+        )
         if self.worker.flavor.drops:  # the engine lets the tensor go right after the launch
             metadata.kv_signal_data_list[layer.layer_id] = None
 
@@ -380,9 +426,9 @@ class Dropped:
             assert worker.reader.current() == (forward_meta.step, -1)
         sender = forward_meta.kv_signal_sender
         words = None if sender is None else np.frombuffer(sender.kernel_form, np.int64)
-        rc = worker.op.gate_open_and_drain(self.gate, worker.stream,
-                                           None if words is None else words.ctypes.data,
-                                           DRAIN_TIMEOUT_NS)
+        rc = worker.op.gate_open_and_drain(
+            self.gate, worker.stream, None if words is None else words.ctypes.data, DRAIN_TIMEOUT_NS
+        )
         assert rc == 0, f"the posts of step {forward_meta.step} did not run: {rc}"
         worker.op.lib.gate_free(self.gate)
         if worker.mode == "per_query" and forward_meta.chunks:
@@ -402,12 +448,14 @@ class PrefillWorker:
         self.caches = [[device.sim.malloc(nbytes) for _ in range(LAYERS)] for _ in (0, 1)]
         for kv in (0, 1):
             for layer in range(LAYERS):
-                fd.set_data_ipc(DeviceTensor(self.caches[kv][layer], nbytes,
-                                             RUNTIMES[device.kind][2]),
-                                cache_name(kv, layer, self.rank, self.device_id))
+                fd.set_data_ipc(
+                    DeviceTensor(self.caches[kv][layer], nbytes, RUNTIMES[device.kind][2]),
+                    cache_name(kv, layer, self.rank, self.device_id),
+                )
         self.main = AttentionBackend(self, NUM_LAYERS, mtp_draft=False, start_layer_index=0)
-        self.draft = AttentionBackend(self, NUM_LAYERS_DRAFT, mtp_draft=True,
-                                      start_layer_index=NUM_LAYERS)
+        self.draft = AttentionBackend(
+            self, NUM_LAYERS_DRAFT, mtp_draft=True, start_layer_index=NUM_LAYERS
+        )
         self.reader = None  # per query with a gate: this process's view of the progress
 
     @contextlib.contextmanager
@@ -427,11 +475,14 @@ class PrefillWorker:
         """One forward pass: the main model, then the MTP draft model."""
         schedule = STEPS[step - 1]
         with self.kv_signal_sender_context_manager() as sender:
-            forward_meta = ForwardMeta(self.flavor.seq_lens(schedule["encoder"]),
-                                       self.flavor.seq_lens(schedule["this_time"]),
-                                       self.flavor.seq_lens(schedule["decoder"]),
-                                       kv_signal_sender=sender, chunks=schedule["chunks"],
-                                       step=step)
+            forward_meta = ForwardMeta(
+                self.flavor.seq_lens(schedule["encoder"]),
+                self.flavor.seq_lens(schedule["this_time"]),
+                self.flavor.seq_lens(schedule["decoder"]),
+                kv_signal_sender=sender,
+                chunks=schedule["chunks"],
+                step=step,
+            )
             self.flavor.step_start(self, forward_meta)
             for backend in (self.main, self.draft):
                 backend.init_attention_metadata(forward_meta)
@@ -449,14 +500,23 @@ class PrefillWorker:
         sources, writes = [], []
         for _slot, _cached, chunk, first in forward_meta.chunks:
             for kv in (0, 1):
-                data = b"".join(block_pattern(layer, kv, block)
-                                for block in range(first, first + chunk // BLOCK_TOKENS))
+                data = b"".join(
+                    block_pattern(layer, kv, block)
+                    for block in range(first, first + chunk // BLOCK_TOKENS)
+                )
                 sources.append(ctypes.create_string_buffer(data, len(data)))
-                writes.append(KVWrite(self.caches[kv][layer] + first * BLOCK_BYTES,
-                                      ctypes.addressof(sources[-1]), len(data)))
+                writes.append(
+                    KVWrite(
+                        self.caches[kv][layer] + first * BLOCK_BYTES,
+                        ctypes.addressof(sources[-1]),
+                        len(data),
+                    )
+                )
         writes = (KVWrite * len(writes))(*writes)
-        with self.flavor.words(kv_signal_data) as signal, \
-                self.flavor.words(forward_meta.kv_signal_sender) as sender:
+        with (
+            self.flavor.words(kv_signal_data) as signal,
+            self.flavor.words(forward_meta.kv_signal_sender) as sender,
+        ):
             if self.mode == "per_query":
                 rc = self.op.per_query(self.stream, writes, signal, sender)
             else:
@@ -469,7 +529,9 @@ class PrefillWorker:
 
 # ---- the messager: FastDeploy's CacheMessager (per query) / CacheMessagerV1 (per chunk) -
 
-MESSAGER = COMMON + r'''
+MESSAGER = (
+    COMMON
+    + r'''
 import ctypes, json, sys, time
 import numpy as np
 from pdhal import ops
@@ -562,14 +624,27 @@ else:
     assert int(values()[0]) == -1, "a record came twice, or one too many"
     print(json.dumps({"sent": sent}), flush=True)
 '''
+)
 
 
 def start_messager(worker: PrefillWorker, paddle: bool, wait_flag: int = 1) -> subprocess.Popen:
-    config = {"mode": worker.mode, "rank": worker.rank, "device_id": worker.device_id,
-              "layers": LAYERS, "steps": STEPS, "blocks": BLOCKS, "paddle": paddle,
-              "wait_flag": wait_flag, "block_tokens": BLOCK_TOKENS}
-    messager = subprocess.Popen([sys.executable, "-c", MESSAGER, json.dumps(config)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    config = {
+        "mode": worker.mode,
+        "rank": worker.rank,
+        "device_id": worker.device_id,
+        "layers": LAYERS,
+        "steps": STEPS,
+        "blocks": BLOCKS,
+        "paddle": paddle,
+        "wait_flag": wait_flag,
+        "block_tokens": BLOCK_TOKENS,
+    }
+    messager = subprocess.Popen(
+        [sys.executable, "-c", MESSAGER, json.dumps(config)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert messager.stdout.readline() == "ready\n", "the messager did not start"
     return messager
 
@@ -642,6 +717,7 @@ def test_the_engine_drops_the_kernel_form_right_after_the_launch(device, mode):
 
 # ---- bad kernel forms --------------------------------------------------------------------
 
+
 def _words(values) -> np.ndarray:
     return np.array([v - (1 << 64) if v >= 1 << 63 else v for v in values], np.int64)
 
@@ -662,25 +738,36 @@ def test_bad_kernel_forms_are_refused_with_the_reason_never_a_crash(device):
     sender_ptr = None if sender is None else sender_words.ctypes.data
     channel, step_word = int(good[1]), int(good[3])
     bad = {
-        "garbage": (np.random.default_rng(7).integers(-(1 << 63), (1 << 63) - 1, 4,
-                                                      dtype=np.int64),
-                    "not a layer signal's kernel form"),
+        "garbage": (
+            np.random.default_rng(7).integers(-(1 << 63), (1 << 63) - 1, 4, dtype=np.int64),
+            "not a layer signal's kernel form",
+        ),
         "zeros": (np.zeros(4, np.int64), r"not a layer signal's kernel form \(tag 0\)"),
-        "a sender's words": (_words([_core.KERNEL_SENDER, 1, 0, 0]),
-                             "not a layer signal's kernel form"),
+        "a sender's words": (
+            _words([_core.KERNEL_SENDER, 1, 0, 0]),
+            "not a layer signal's kernel form",
+        ),
         "stale": (stale, r"names channel \d+, which this process does not produce \(closed"),
-        "another generation": (_words([_core.KERNEL_SIGNAL, channel + (1 << 16), _core.QUERY_SLOT,
-                                       step_word]), "which this process does not produce"),
-        "an index past the table": (_words([_core.KERNEL_SIGNAL, channel | 0xFFFF,
-                                            _core.QUERY_SLOT, step_word]),
-                                    "which this process does not produce"),
-        "a negative slot": (_words([_core.KERNEL_SIGNAL, channel, -5, step_word]),
-                            r"corrupt layer signal words \(slot -5"),
-        "a ring slot on a per-query channel": (_words([_core.KERNEL_SIGNAL, channel, 3,
-                                                       step_word]),
-                                               "slot 3 is not a progress slot"),
-        "value 0": (_words([_core.KERNEL_SIGNAL, channel, _core.QUERY_SLOT, 0]),
-                    "corrupt layer signal words"),
+        "another generation": (
+            _words([_core.KERNEL_SIGNAL, channel + (1 << 16), _core.QUERY_SLOT, step_word]),
+            "which this process does not produce",
+        ),
+        "an index past the table": (
+            _words([_core.KERNEL_SIGNAL, channel | 0xFFFF, _core.QUERY_SLOT, step_word]),
+            "which this process does not produce",
+        ),
+        "a negative slot": (
+            _words([_core.KERNEL_SIGNAL, channel, -5, step_word]),
+            r"corrupt layer signal words \(slot -5",
+        ),
+        "a ring slot on a per-query channel": (
+            _words([_core.KERNEL_SIGNAL, channel, 3, step_word]),
+            "slot 3 is not a progress slot",
+        ),
+        "value 0": (
+            _words([_core.KERNEL_SIGNAL, channel, _core.QUERY_SLOT, 0]),
+            "corrupt layer signal words",
+        ),
     }
     events = device.live_events()
     with ops.open_kv_signal_reader(0, 0) as reader:
@@ -700,8 +787,10 @@ def test_bad_kernel_forms_are_refused_with_the_reason_never_a_crash(device):
             for what, (words, reason) in bad.items():
                 rc = op.lib.attention_xpu_post_line(stream, words.ctypes.data, sender_ptr)
                 assert rc == -errno.EINVAL, (what, rc)
-                assert _matches(r"no store to post \(the signal could not be prepared: .*"
-                                + reason, op.last_error()), (what, op.last_error())
+                assert _matches(
+                    r"no store to post \(the signal could not be prepared: .*" + reason,
+                    op.last_error(),
+                ), (what, op.last_error())
         ops.synchronize(stream)
         assert reader.current() == before, "a refused kernel form stored something"
         assert device.live_events() == events, "a refused post left its event"
@@ -712,12 +801,16 @@ def test_bad_kernel_forms_are_refused_with_the_reason_never_a_crash(device):
         ops.destroy_kv_signal_sender(sender)
         layer1 = np.frombuffer(ops.init_signal_layerwise(meta, 1).kernel_form, np.int64)
         for what, words, reason in (
-                ("destroyed", sender_words, r"the words name sender \d+, which is not alive"),
-                ("garbage", _words([1, 2, 3, 4]), "not a sender's kernel form"),
-                ("a signal's words", good, "not a sender's kernel form")):
+            ("destroyed", sender_words, r"the words name sender \d+, which is not alive"),
+            ("garbage", _words([1, 2, 3, 4]), "not a sender's kernel form"),
+            ("a signal's words", good, "not a sender's kernel form"),
+        ):
             rc = op.per_query(stream, (KVWrite * 0)(), layer1.ctypes.data, words.ctypes.data)
-            assert rc == -errno.EINVAL and _matches(reason, op.last_error()), \
-                (what, rc, op.last_error())
+            assert rc == -errno.EINVAL and _matches(reason, op.last_error()), (
+                what,
+                rc,
+                op.last_error(),
+            )
         rc = op.per_query(stream, (KVWrite * 0)(), layer1.ctypes.data, None)
         assert rc == -errno.EINVAL and "not a sender's kernel form" in op.last_error()
         # the header's post line: no live sender is -EBADF, the event left to the caller
@@ -737,7 +830,11 @@ def test_a_per_chunk_layer_outside_a_step_is_refused_with_the_reason(device):
     sender_words = None if sender is None else np.frombuffer(sender.kernel_form, np.int64)
     sender_ptr = None if sender is None else sender_words.ctypes.data
     events = device.live_events()
-    messager = subprocess.Popen([sys.executable, "-c", """if True:
+    messager = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            """if True:
         import array, json
         from pdhal.compat import fastdeploy as fd
         x = array.array("i", [-1] * 1538)
@@ -748,7 +845,11 @@ def test_a_per_chunk_layer_outside_a_step_is_refused_with_the_reason(device):
         fd.get_output_kv_signal(x, 0, 0)
         records.append(list(x[:2]))
         print(json.dumps(records))
-    """], stdout=subprocess.PIPE, text=True)
+    """,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     fd.init_kv_signal_per_query([0, 0], [1, 1], [9, 9], 0, 2)  # decode only
     assert op.per_chunk(stream, (KVWrite * 0)(), sender_ptr) == -errno.EINVAL
     assert "no per-chunk step is current" in op.last_error(), op.last_error()
@@ -758,8 +859,11 @@ def test_a_per_chunk_layer_outside_a_step_is_refused_with_the_reason(device):
     assert op.per_chunk(stream, (KVWrite * 0)(), sender_ptr) == -errno.EINVAL
     assert "has 2 layers, and all were posted already" in op.last_error(), op.last_error()
     ops.synchronize(stream)
-    assert json.loads(messager.communicate(timeout=60)[0]) == [[1, 0, 1, 0, 7],
-                                                                [1, 1, 1, 0, 7], [-1, -1]]
+    assert json.loads(messager.communicate(timeout=60)[0]) == [
+        [1, 0, 1, 0, 7],
+        [1, 1, 1, 0, 7],
+        [-1, -1],
+    ]
     # stale: a step of a channel since closed (the engine restarted it) takes no layer
     fd.init_kv_signal_per_query([5, 0], [5, 1], [0, 9], 0, 4)
     _signals.close_producer_channels()
@@ -780,16 +884,22 @@ def test_compat_tensors_gone_stale_are_refused(device):
     sender = fd.create_kv_signal_sender()
     fd.destroy_kv_signal_sender(sender)
     if device.kind == "xpu":
-        assert op.per_query(stream, (KVWrite * 0)(), kv_signal_data.data_ptr(),
-                            sender.data_ptr()) == -errno.EINVAL
+        assert (
+            op.per_query(stream, (KVWrite * 0)(), kv_signal_data.data_ptr(), sender.data_ptr())
+            == -errno.EINVAL
+        )
         assert "which is not alive" in op.last_error(), op.last_error()
         with pytest.raises(pdhal.InvalidArgumentError, match="names no sender alive"):
             fd.signal_layer_ready(kv_signal_data, stream, sender)
     _signals.close_producer_channels()
     live = fd.create_kv_signal_sender() if device.kind == "xpu" else None
     try:
-        rc = op.per_query(stream, (KVWrite * 0)(), kv_signal_data.data_ptr(),
-                          None if live is None else live.data_ptr())
+        rc = op.per_query(
+            stream,
+            (KVWrite * 0)(),
+            kv_signal_data.data_ptr(),
+            None if live is None else live.data_ptr(),
+        )
         assert rc == -errno.EINVAL and "which this process does not produce" in op.last_error()
         if live is None:  # on XPU pdhal refuses it after recording an event: see above
             with pytest.raises(pdhal.InvalidArgumentError, match="does not produce"):

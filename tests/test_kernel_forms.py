@@ -50,6 +50,7 @@ def _records(reader: _signals.ChunkReader) -> list[tuple[int, int, int]]:
 
 # ---- the current step ------------------------------------------------------------------
 
+
 def test_an_empty_step_on_another_open_channel_keeps_this_channels_current_step():
     """Device 1's channel exists (it had a prefill step); device 0 then starts a step, and
     device 1 has a step without prefill: the op's next layers still go to device 0's step."""
@@ -93,8 +94,9 @@ def test_a_step_that_could_not_start_leaves_the_last_step_current(monkeypatch):
     assert store is None and "step 16 has 2 layers, and all were posted already" in why, why
     with ops.open_kv_chunk_reader(0, 0) as reader:
         got = _records(reader)
-    assert got == [(step, layer, step) for step in range(1, _core.DEFAULT_RING_SLOTS + 1)
-                   for layer in (0, 1)], got
+    assert got == [
+        (step, layer, step) for step in range(1, _core.DEFAULT_RING_SLOTS + 1) for layer in (0, 1)
+    ], got
 
 
 def test_the_read_gets_what_is_left_of_the_timeout_after_attaching(monkeypatch):
@@ -173,6 +175,7 @@ def test_a_forked_child_cannot_post_through_its_parents_kernel_forms():
 
 # ---- a full table --------------------------------------------------------------------------
 
+
 def test_the_1025th_channel_is_refused_and_a_closed_one_makes_room():
     """1024 channels of one process have kernel forms at once; the next is refused
     (SystemResourceError, ENFILE), not written past the table; closing them makes room."""
@@ -227,15 +230,36 @@ def test_the_table_is_never_accessed_past_its_end(tmp_path):
     """tests/c/kernel_table.c under AddressSanitizer: 1024 channels, then one refused."""
     binary = str(tmp_path / "kernel_table")
     root = os.path.dirname(HERE)
-    subprocess.run(["gcc", "-std=gnu11", "-O1", "-g", "-fsanitize=address",
-                    "-fno-omit-frame-pointer", "-Wall", "-Wextra", "-Werror",
-                    f"-I{pdhal.get_include()}", f"-I{os.path.join(root, 'csrc')}", "-o", binary,
-                    os.path.join(HERE, "c", "kernel_table.c"),
-                    *sorted(glob.glob(os.path.join(root, "csrc", "*.c"))), "-lpthread"],
-                   check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-std=gnu11",
+            "-O1",
+            "-g",
+            "-fsanitize=address",
+            "-fno-omit-frame-pointer",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{pdhal.get_include()}",
+            f"-I{os.path.join(root, 'csrc')}",
+            "-o",
+            binary,
+            os.path.join(HERE, "c", "kernel_table.c"),
+            *sorted(glob.glob(os.path.join(root, "csrc", "*.c"))),
+            "-lpthread",
+        ],
+        check=True,
+    )
     folder = tmp_path / "segments"
     folder.mkdir(mode=0o700)
-    proc = subprocess.run([binary, str(folder)], check=False, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, ASAN_OPTIONS="detect_leaks=0"))
+    proc = subprocess.run(
+        [binary, str(folder)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, ASAN_OPTIONS="detect_leaks=0"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not os.listdir(folder)

@@ -32,9 +32,11 @@ PRODUCER = """
 def _start(mode: str, before_ready: str = "", after_ready: str = "time.sleep(60)"):
     import subprocess
 
-    child = python_child(PRODUCER.format(mode=mode, before_ready=before_ready,
-                                         after_ready=after_ready), stdout=subprocess.PIPE,
-                         text=True)
+    child = python_child(
+        PRODUCER.format(mode=mode, before_ready=before_ready, after_ready=after_ready),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout.readline().strip() == "ready"
     return child
 
@@ -99,22 +101,30 @@ def _assert_waiting_reader_sees_death(child):
 
 @pytest.mark.parametrize("ending", ["os._exit(3)", "sys.exit(0)"])
 def test_exit_and_clean_exit_are_seen(ending):
-    _assert_waiting_reader_sees_death(
-        _start("query", after_ready=f"time.sleep(0.3); {ending}"))
+    _assert_waiting_reader_sees_death(_start("query", after_ready=f"time.sleep(0.3); {ending}"))
 
 
 def test_forked_child_does_not_keep_the_producer_alive():
-    _assert_waiting_reader_sees_death(_start("query", before_ready="""
+    _assert_waiting_reader_sees_death(
+        _start(
+            "query",
+            before_ready="""
     if os.fork() == 0:
-        time.sleep(5); os._exit(0)""", after_ready="time.sleep(0.3); os._exit(0)"))
+        time.sleep(5); os._exit(0)""",
+            after_ready="time.sleep(0.3); os._exit(0)",
+        )
+    )
 
 
 def test_stopped_producer_is_alive_and_resumes():
-    child = _start("query", after_ready="""
+    child = _start(
+        "query",
+        after_ready="""
     import signal
     signal.signal(signal.SIGUSR1, lambda *a: ops.signal_layer_ready(
         ops.init_signal_layerwise(meta, 1)))
-    time.sleep(60)""")
+    time.sleep(60)""",
+    )
     reader = ops.open_kv_signal_reader(0, 0, timeout=10)
     child.send_signal(signal.SIGSTOP)
     with pytest.raises(pdhal.SignalTimeoutError):
@@ -203,13 +213,18 @@ def test_a_per_query_producer_sees_whether_its_messager_is_attached():
 
     meta = ops.open_shm_and_get_meta_signal(0, 0)
     assert not meta.reader_alive()
-    messager = python_child("""
+    messager = python_child(
+        """
         import sys
         from pdhal import ops
         reader = ops.open_kv_signal_reader(0, 0, timeout=10)
         print("attached", flush=True)
         sys.stdin.read()
-    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert messager.stdout.readline() == "attached\n"
     local = ops.open_kv_signal_reader(0, 0)  # a second reader shares the reader's lock
     assert meta.reader_alive()

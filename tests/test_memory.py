@@ -152,8 +152,10 @@ def resident_kib(path: str) -> int:
         lines = smaps.read().splitlines()
     starts = [i for i, line in enumerate(lines) if line.endswith(" " + path)]
     assert starts, f"{path} is not mapped"
-    return sum(next(int(line.split()[1]) for line in lines[i + 1:] if line.startswith("Rss:"))
-               for i in starts)
+    return sum(
+        next(int(line.split()[1]) for line in lines[i + 1 :] if line.startswith("Rss:"))
+        for i in starts
+    )
 
 
 def test_shared_buffers_are_mapped_in_whole_before_first_use():
@@ -163,18 +165,23 @@ def test_shared_buffers_are_mapped_in_whole_before_first_use():
     with ops.host_alloc(size) as buf:
         assert resident_kib(buf.path) >= size // 1024
         ops.set_data_ipc(buf.as_numpy(np.uint8, (size,)), "kv")
-        run_child(f"""
+        run_child(
+            f"""
             import numpy as np
             from pdhal import ops
             from test_memory import resident_kib
             ops.share_external_data(np.empty(0, np.uint8), "kv", ({size},))
             assert resident_kib("{buf.path}") >= {size} // 1024
-        """, cwd=os.path.dirname(__file__))
+        """,
+            cwd=os.path.dirname(__file__),
+        )
 
 
 def test_a_view_larger_than_the_buffer_is_refused():
     with ops.host_alloc(4096) as buf:
-        with pytest.raises(pdhal.InvalidArgumentError, match="needs 8192 bytes, the buffer has 4096"):
+        with pytest.raises(
+            pdhal.InvalidArgumentError, match="needs 8192 bytes, the buffer has 4096"
+        ):
             buf.as_numpy("float32", (2048,))
 
 
@@ -204,7 +211,8 @@ def test_a_shared_tensor_bounds_copies_into_it_not_the_buffer_behind_it():
 def test_host_memory_never_freed_leaves_no_file_after_a_normal_exit(namespace):
     """An engine never frees its KV cache: at exit its file goes (a forked child exiting
     first leaves its parent's), while a process that mapped it keeps its mapping."""
-    holder = python_child("""
+    holder = python_child(
+        """
         import os, sys, threading
         import numpy as np
         from pdhal import ops
@@ -219,10 +227,15 @@ def test_host_memory_never_freed_leaves_no_file_after_a_normal_exit(namespace):
         os.wait()
         print("ready", flush=True)
         sys.stdin.read()
-    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline() == "ready\n"
     assert any(".host." in path for path in segments_of(namespace))
-    mapper = python_child("""
+    mapper = python_child(
+        """
         import sys
         import numpy as np
         from pdhal import ops
@@ -231,7 +244,11 @@ def test_host_memory_never_freed_leaves_no_file_after_a_normal_exit(namespace):
         sys.stdin.readline()
         assert (kv == 7).all()
         print("still", flush=True)
-    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert mapper.stdout.readline() == "mapped\n"
     holder.stdin.close()
     assert holder.wait(timeout=30) == 0
@@ -241,12 +258,15 @@ def test_host_memory_never_freed_leaves_no_file_after_a_normal_exit(namespace):
     assert mapper.stdout.readline() == "still\n" and mapper.wait(timeout=30) == 0
 
 
-@pytest.mark.parametrize("make_ids", [
-    lambda ids: np.array(ids, np.int64),  # used in place
-    lambda ids: np.array(ids, ">i8"),  # the other byte order: converted
-    lambda ids: np.repeat(np.array(ids, np.int64), 2)[::2],  # strided: converted
-    lambda ids: np.array(ids, np.int32),
-])
+@pytest.mark.parametrize(
+    "make_ids",
+    [
+        lambda ids: np.array(ids, np.int64),  # used in place
+        lambda ids: np.array(ids, ">i8"),  # the other byte order: converted
+        lambda ids: np.repeat(np.array(ids, np.int64), 2)[::2],  # strided: converted
+        lambda ids: np.array(ids, np.int32),
+    ],
+)
 def test_copy_blocks_takes_block_ids_as_arrays_and_checks_every_one(make_ids):
     src = np.arange(8 * 16, dtype=np.uint8).reshape(8, 16)
     dst = np.zeros_like(src)

@@ -49,12 +49,15 @@ def test_child_on_device_5_of_4567_gets_a_valid_device(monkeypatch):
     monkeypatch.setenv("PDHAL_CPU_DEVICE_COUNT", "8")
     env = pdhal.current_platform().child_env([5])
     assert env["PDHAL_CPU_VISIBLE_DEVICES"] == "5"
-    proc = run_child("""
+    proc = run_child(
+        """
         import pdhal
         p = pdhal.current_platform()
         assert p.device_count() == 1, p.device_count()
         print(p.physical_device_id(0))
-    """, env=env)
+    """,
+        env=env,
+    )
     assert proc.stdout.strip() == "5"
 
 
@@ -79,12 +82,15 @@ def test_child_env_that_keeps_physical_ids_valid(monkeypatch):
     assert platform.device_index(1) == 5
     env = platform.child_env([5], isolate=False)
     assert "PDHAL_CPU_VISIBLE_DEVICES" not in env
-    proc = run_child("""
+    proc = run_child(
+        """
         import pdhal
         p = pdhal.current_platform()
         assert p.visible_devices() is None and p.device_count() == 8
         print(p.physical_device_id(5))
-    """, env=env)
+    """,
+        env=env,
+    )
     assert proc.stdout.strip() == "5"
     with pytest.raises(pdhal.InvalidArgumentError, match="not visible"):
         platform.child_env([2], isolate=False)

@@ -20,16 +20,35 @@ LAYERS = 6
 RING = 16
 CALLS = {"valid": 0, "garbage": 0}
 
-garbage = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
-                    st.text(max_size=8), st.binary(max_size=8),
-                    st.lists(st.integers(-5, 5), max_size=4), st.just(object()))
-OPS_WITH_ARITY = [("open_shm_and_get_meta_signal", 2), ("init_signal_layerwise", 2),
-                  ("init_kv_signal_per_query", 5), ("signal_layer_ready", 1),
-                  ("get_output_kv_signal", 3), ("host_alloc", 1), ("host_free", 1),
-                  ("get_peer_mem_addr", 1), ("set_data_ipc", 2),
-                  ("share_external_data", 3), ("destroy_kv_signal_sender", 1),
-                  ("copy_blocks", 5), ("synchronize", 1), ("host_register", 2),
-                  ("host_unregister", 1), ("unset_data_ipc", 2), ("get_data_ptr_ipc", 2)]
+garbage = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    st.lists(st.integers(-5, 5), max_size=4),
+    st.just(object()),
+)
+OPS_WITH_ARITY = [
+    ("open_shm_and_get_meta_signal", 2),
+    ("init_signal_layerwise", 2),
+    ("init_kv_signal_per_query", 5),
+    ("signal_layer_ready", 1),
+    ("get_output_kv_signal", 3),
+    ("host_alloc", 1),
+    ("host_free", 1),
+    ("get_peer_mem_addr", 1),
+    ("set_data_ipc", 2),
+    ("share_external_data", 3),
+    ("destroy_kv_signal_sender", 1),
+    ("copy_blocks", 5),
+    ("synchronize", 1),
+    ("host_register", 2),
+    ("host_unregister", 1),
+    ("unset_data_ipc", 2),
+    ("get_data_ptr_ipc", 2),
+]
 #: Ops that wait for a name to appear: garbage calls pass them timeout=0.
 WAITING_OPS = {"share_external_data", "get_data_ptr_ipc"}
 
@@ -73,11 +92,11 @@ class Channels(RuleBasedStateMachine):
         return len(self.steps) - self.finished
 
     @precondition(lambda self: self._undelivered_steps() < RING)
-    @rule(encoder=st.lists(st.integers(0, 3000), min_size=1, max_size=8),
-          decoder=st.integers(0, 100))
+    @rule(
+        encoder=st.lists(st.integers(0, 3000), min_size=1, max_size=8), decoder=st.integers(0, 100)
+    )
     def publish_table(self, encoder, decoder):
-        chunk = ops.init_kv_signal_per_query(encoder, encoder, [decoder] * len(encoder), 0,
-                                             LAYERS)
+        chunk = ops.init_kv_signal_per_query(encoder, encoder, [decoder] * len(encoder), 0, LAYERS)
         table = [(slot, decoder, n) for slot, n in enumerate(encoder) if n > 0]
         if table:
             self.steps.append([table, -1, chunk])
@@ -106,7 +125,7 @@ class Channels(RuleBasedStateMachine):
         if expected is None:
             assert list(self.out[:2]) == [-1, -1]
         else:
-            assert list(self.out[:len(expected)]) == expected, (step, layer)
+            assert list(self.out[: len(expected)]) == expected, (step, layer)
             self.delivered += 1
         CALLS["valid"] += 1
 
@@ -160,8 +179,9 @@ class Channels(RuleBasedStateMachine):
     def garbage_wait(self, method, args):
         """A reader's waits with garbage since / timeout / spin_us: a PdhalError, or (garbage
         that happens to be valid) a wait bounded by a short timeout."""
-        since, spin_us, timeout = (args.draw(st.one_of(garbage, st.tuples(garbage, garbage)))
-                                   for _ in range(3))
+        since, spin_us, timeout = (
+            args.draw(st.one_of(garbage, st.tuples(garbage, garbage))) for _ in range(3)
+        )
         if timeout is None or type(timeout) in (int, float) and not timeout < 0.01:
             timeout = 0.01  # valid, but long enough to slow the run down
         if type(spin_us) is int and spin_us > 1000:
@@ -173,8 +193,9 @@ class Channels(RuleBasedStateMachine):
                 with ops.open_kv_signal_reader(0, 0, timeout=0) as reader:
                     reader.wait(since, timeout=timeout, spin_us=spin_us)
             else:  # rank 1 has no producer: valid garbage must not eat the model's records
-                ops.get_output_kv_signal(self.out, 1, method == "next", timeout=timeout,
-                                         spin_us=spin_us)
+                ops.get_output_kv_signal(
+                    self.out, 1, method == "next", timeout=timeout, spin_us=spin_us
+                )
         except pdhal.PdhalError:
             pass
         finally:
@@ -190,8 +211,12 @@ class Channels(RuleBasedStateMachine):
 
 
 TestChannels = Channels.TestCase
-TestChannels.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
-                                 suppress_health_check=[HealthCheck.too_slow])
+TestChannels.settings = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def test_zz_report_how_many_calls_ran():

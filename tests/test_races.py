@@ -20,17 +20,32 @@ ROOT = os.path.dirname(HERE)
 @pytest.fixture(scope="module")
 def race_test(tmp_path_factory) -> str:
     binary = str(tmp_path_factory.mktemp("race") / "race_test")
-    subprocess.run(["gcc", "-std=gnu11", "-O1", "-g", "-Wall", "-Wextra", "-Werror",
-                    "-DPDHAL_TEST_HOOKS", f"-I{pdhal.get_include()}",
-                    f"-I{os.path.join(ROOT, 'csrc')}", "-o", binary,
-                    os.path.join(HERE, "c", "race_test.c"),
-                    *sorted(glob.glob(os.path.join(ROOT, "csrc", "*.c"))), "-lpthread"],
-                   check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-std=gnu11",
+            "-O1",
+            "-g",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-DPDHAL_TEST_HOOKS",
+            f"-I{pdhal.get_include()}",
+            f"-I{os.path.join(ROOT, 'csrc')}",
+            "-o",
+            binary,
+            os.path.join(HERE, "c", "race_test.c"),
+            *sorted(glob.glob(os.path.join(ROOT, "csrc", "*.c"))),
+            "-lpthread",
+        ],
+        check=True,
+    )
     return binary
 
 
-@pytest.mark.parametrize("check", ["lost_wake", "query_payload", "ring_payload", "ring_lapped",
-                                   "step_race"])
+@pytest.mark.parametrize(
+    "check", ["lost_wake", "query_payload", "ring_payload", "ring_lapped", "step_race"]
+)
 def test_race_checks_hold(race_test, check):
     """lost_wake makes the reader register while the writer sits between its two steps:
     with the steps in the wrong order (look for waiters, then bump), the reader sleeps

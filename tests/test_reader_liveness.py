@@ -42,12 +42,24 @@ def _attached_reader() -> subprocess.Popen:
 def test_a_reader_killed_after_others_opened_the_channel_is_reported_dead(monkeypatch):
     reader = _attached_reader()
     try:
-        dry = subprocess.run([sys.executable, "-m", "pdhal", "cleanup", "--dry-run",
-                              "--namespace", os.environ["PDHAL_NAMESPACE"]],
-                             capture_output=True, text=True, check=True)
+        dry = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdhal",
+                "cleanup",
+                "--dry-run",
+                "--namespace",
+                os.environ["PDHAL_NAMESPACE"],
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert "0 dead segment(s) to remove" in dry.stdout, dry.stdout
-        second = subprocess.run([sys.executable, "-c", SECOND_PRODUCER], check=False,
-                                capture_output=True, text=True)
+        second = subprocess.run(
+            [sys.executable, "-c", SECOND_PRODUCER], check=False, capture_output=True, text=True
+        )
         assert second.returncode == 1 and "already has a live producer" in second.stderr
     finally:
         reader.send_signal(signal.SIGKILL)

@@ -22,9 +22,21 @@ def plugin_env(tmp_path_factory):
     broken plugin, each installed by pip as its own distribution."""
     target = tmp_path_factory.mktemp("plugins")
     for name in ("dummy", "broken"):
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                        "--no-build-isolation", "--target", str(target),
-                        os.path.join(PLUGINS, name)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "--target",
+                str(target),
+                os.path.join(PLUGINS, name),
+            ],
+            check=True,
+        )
     env = dict(os.environ)
     # prepended: a run against a scratch copy of pdhal (make mutate) keeps its own on the path
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
@@ -36,8 +48,9 @@ def _info(env, *extra_env) -> tuple[int, dict | str]:
     for item in extra_env:
         key, value = item.split("=", 1)
         env[key] = value
-    proc = subprocess.run([sys.executable, "-m", "pdhal", "info", "--json"], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdhal", "info", "--json"], env=env, capture_output=True, text=True
+    )
     return proc.returncode, json.loads(proc.stdout)
 
 
@@ -61,25 +74,36 @@ def test_broken_plugin_is_reported_and_isolated(plugin_env):
 
 def test_forced_platform_names_distribution_and_cause(plugin_env):
     env = dict(plugin_env, PDHAL_PLATFORM="broken")
-    proc = subprocess.run([sys.executable, "-c", "from pdhal import ops; ops.host_alloc"],
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from pdhal import ops; ops.host_alloc"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0
     assert "BackendLoadError" in proc.stderr
     assert "pdhal-broken-backend 0.0.1" in proc.stderr and "libvendor.so.9" in proc.stderr
 
 
 def test_forced_platform_imports_only_that_plugin(plugin_env):
-    code = ("import sys; from pdhal import ops; ops.host_alloc; "
-            "print('pdhal_dummy_backend' in sys.modules, 'pdhal_broken_backend' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(plugin_env, PDHAL_PLATFORM="cpu"))
+    code = (
+        "import sys; from pdhal import ops; ops.host_alloc; "
+        "print('pdhal_dummy_backend' in sys.modules, 'pdhal_broken_backend' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(plugin_env, PDHAL_PLATFORM="cpu"),
+    )
     assert proc.stdout.split() == ["False", "False"], proc.stderr
 
 
 def test_unknown_platform_lists_what_is_installed(monkeypatch):
     monkeypatch.setenv("PDHAL_PLATFORM", "xpuu")
-    with pytest.raises(pdhal.BackendNotFoundError,
-                       match=r"no backend 'xpuu' \(PDHAL_PLATFORM\); installed: cpu"):
+    with pytest.raises(
+        pdhal.BackendNotFoundError, match=r"no backend 'xpuu' \(PDHAL_PLATFORM\); installed: cpu"
+    ):
         _ = ops.signal_layer_ready
 
 
@@ -97,13 +121,25 @@ def test_unknown_op_is_an_attribute_error_listing_ops():
 
 
 def test_import_is_light():
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import pdhal"],
-                          capture_output=True, text=True, check=True)
-    modules = {line.split("|")[-1].strip() for line in proc.stderr.splitlines()
-               if line.startswith("import time:")}
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import pdhal"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    modules = {
+        line.split("|")[-1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert "pdhal" in modules
-    heavy = {m for m in modules if m.split(".")[0] in ("paddle", "numpy", "torch", "cupy")
-             or ("cuda" in m or "xpu" in m) and not m.startswith("__editable__")}
+    heavy = {
+        m
+        for m in modules
+        if m.split(".")[0] in ("paddle", "numpy", "torch", "cupy")
+        or ("cuda" in m or "xpu" in m)
+        and not m.startswith("__editable__")
+    }
     assert not heavy, heavy
 
 
@@ -126,7 +162,11 @@ def test_a_backend_missing_ops_is_told_exactly_which():
 
 
 def test_every_public_name_resolves_and_the_classes_ops_return_are_exported():
-    proc = subprocess.run([sys.executable, "-c", """
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            """
 import sys, pdhal
 assert "pdhal._core" not in sys.modules  # nothing compiled is loaded by the import
 missing = [name for name in pdhal.__all__ if getattr(pdhal, name, None) is None]
@@ -135,7 +175,12 @@ assert set(pdhal.__all__) <= set(dir(pdhal))
 from pdhal import ops
 assert isinstance(ops.open_shm_and_get_meta_signal(0, 0), pdhal.SignalMeta)
 print("ok")
-"""], capture_output=True, text=True, timeout=60)
+""",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.stdout == "ok\n", proc.stderr
 
 

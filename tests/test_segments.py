@@ -45,12 +45,15 @@ def _corrupt(offset: int, fmt: str, value) -> str:
     return path
 
 
-@pytest.mark.parametrize("offset,fmt,value,code,words", [
-    (0, "<Q", 0x1234, errno.EBADMSG, "not a pdhal segment"),
-    (8, "<I", 99, errno.EPROTONOSUPPORT, "layout version 99"),
-    (16, "<Q", 12345, errno.EMSGSIZE, "header says 12345"),
-    (12, "<I", 2, errno.EPROTOTYPE, "kind 2, expected kind 1"),
-])
+@pytest.mark.parametrize(
+    "offset,fmt,value,code,words",
+    [
+        (0, "<Q", 0x1234, errno.EBADMSG, "not a pdhal segment"),
+        (8, "<I", 99, errno.EPROTONOSUPPORT, "layout version 99"),
+        (16, "<Q", 12345, errno.EMSGSIZE, "header says 12345"),
+        (12, "<I", 2, errno.EPROTOTYPE, "kind 2, expected kind 1"),
+    ],
+)
 def test_bad_header_is_refused_with_its_own_error(offset, fmt, value, code, words):
     _corrupt(offset, fmt, value)
     with pytest.raises(pdhal.SegmentError, match=words) as info:
@@ -145,8 +148,15 @@ def test_second_live_producer_is_refused():
 def test_eight_concurrent_reclaimers_unlink_each_dead_segment_once():
     dead = [_names.channel_path("query", r, 0) for r in range(4)]
     for r in range(4):  # producers that die without unlinking
-        subprocess.run([sys.executable, "-c", f"import os; from pdhal import ops; "
-                        f"ops.open_shm_and_get_meta_signal({r}, 0); os._exit(0)"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import os; from pdhal import ops; "
+                f"ops.open_shm_and_get_meta_signal({r}, 0); os._exit(0)",
+            ],
+            check=True,
+        )
     live = ops.open_shm_and_get_meta_signal(7, 0)
     live_path = _names.channel_path("query", 7, 0)
     code = f"""
@@ -155,8 +165,10 @@ from pdhal import _core
 paths = {dead + [live_path]!r}
 print(json.dumps([_core.reclaim(p) for p in paths]))
 """
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-             for _ in range(8)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(8)
+    ]
     import json
 
     results = [json.loads(p.communicate()[0]) for p in procs]
@@ -224,8 +236,12 @@ def test_a_full_tmpfs_is_a_clear_error_never_a_sigbus():
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"needs user and mount namespaces (unshare -rm): {probe.stderr!r}")
-    proc = subprocess.run(["unshare", "-rm", sys.executable, "-c", FULL_TMPFS],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["unshare", "-rm", sys.executable, "-c", FULL_TMPFS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout == "ok\n", (proc.returncode, proc.stderr)
 
 
@@ -264,8 +280,9 @@ print("ok")
 def test_a_layout_rewritten_after_validation_is_never_trusted():
     """Another process of our uid rewrites ring_slots (0 once gave SIGFPE, 2**31 SIGSEGV, in
     the reader and the producer) and a slot's count: both sides go on from their own copy."""
-    proc = subprocess.run([sys.executable, "-c", HOSTILE_WRITER], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", HOSTILE_WRITER], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout == "ok\n", (proc.returncode, proc.stderr)
 
 
@@ -297,8 +314,9 @@ def test_a_buffer_whose_size_wraps_is_refused():
     """4096 + body_bytes once wrapped to the file's size and passed validation, handing out
     a body that starts past the mapping and is nearly 2**64 bytes long (in a child: that was
     a crash)."""
-    proc = subprocess.run([sys.executable, "-c", WRAPPING_BUFFER], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", WRAPPING_BUFFER], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout == "ok\n", (proc.returncode, proc.stderr)
 
 
@@ -345,8 +363,14 @@ def test_a_file_grown_or_shrunk_behind_a_valid_header_is_refused():
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changing a file's owner needs root")
 def test_a_dead_segment_of_another_uid_is_never_reclaimed():
-    subprocess.run([sys.executable, "-c", "import os; from pdhal import ops; "
-                    "ops.open_shm_and_get_meta_signal(0, 0); os._exit(0)"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os; from pdhal import ops; ops.open_shm_and_get_meta_signal(0, 0); os._exit(0)",
+        ],
+        check=True,
+    )
     path = _names.channel_path("query", 0, 0)
     os.chown(path, 65534, 65534)
     try:

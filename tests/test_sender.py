@@ -62,10 +62,12 @@ def test_a_sender_per_step_leaves_no_thread_behind():
 def test_idle_sender_uses_no_cpu():
     with ops.create_kv_signal_sender():
         tid = max(int(t) for t in os.listdir("/proc/self/task"))
+
         def cpu_ticks():
             with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             return int(fields[11]) + int(fields[12])  # utime + stime
+
         start = cpu_ticks()
         time.sleep(1.0)
         assert cpu_ticks() - start <= 1  # at most one clock tick (10 ms) in a second

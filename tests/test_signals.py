@@ -91,7 +91,8 @@ def test_one_writer_and_four_readers_lose_no_wake(cpus):
     probes = [(b + 1) * steps // bursts for b in range(bursts)]  # steps whose last layer
     affinity = sorted(os.sched_getaffinity(0))
     pin = f"os.sched_setaffinity(0, {set(affinity[:1] if cpus == 'one CPU' else affinity)})"
-    writer = python_child(f"""
+    writer = python_child(
+        f"""
         import os, sys, time
         {pin}
         from pdhal import ops
@@ -113,9 +114,15 @@ def test_one_writer_and_four_readers_lose_no_wake(cpus):
                     ops.signal_layer_ready(signal)
         print(*published, flush=True)
         sys.stdin.read()  # alive until the readers are done
-    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert writer.stdout.readline() == "created\n"
-    readers = [python_child(f"""
+    readers = [
+        python_child(
+            f"""
         import os, time
         {pin}
         from pdhal import ops
@@ -129,7 +136,12 @@ def test_one_writer_and_four_readers_lose_no_wake(cpus):
                 seen.append(time.monotonic_ns())
             since = now
         print(*seen, flush=True)
-    """, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    """,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     for reader in readers:
         assert reader.stdout.readline() == "ready\n"
     writer.stdin.write("go\n")
@@ -145,14 +157,17 @@ def test_one_writer_and_four_readers_lose_no_wake(cpus):
 
 def _expected_table(step: int) -> list[tuple[int, int, int]]:
     batch = 1 + step % 7
-    return [(slot, step + slot, 1 + (step * 3 + slot) % 200) for slot in range(batch)
-            if (step + slot) % 3 != 0 or slot == 0]
+    return [
+        (slot, step + slot, 1 + (step * 3 + slot) % 200)
+        for slot in range(batch)
+        if (step + slot) % 3 != 0 or slot == 0
+    ]
 
 
 PRODUCE_CHUNKS = f"""
     from pdhal import ops
     import sys
-    sys.path.insert(0, {__file__.rsplit('/', 1)[0]!r})
+    sys.path.insert(0, {__file__.rsplit("/", 1)[0]!r})
     from test_signals import _expected_table
     for step in range(1, {STEPS} + 1):
         batch = 1 + step % 7
@@ -175,7 +190,7 @@ def test_per_chunk_100k_records_exactly_once_in_order():
             ops.get_output_kv_signal(out, 0, True)
             count = out[0]
             assert (count, out[1]) == (len(want), layer), (step, layer, list(out[:8]))
-            got = [tuple(out[2 + 3 * i: 5 + 3 * i]) for i in range(count)]
+            got = [tuple(out[2 + 3 * i : 5 + 3 * i]) for i in range(count)]
             assert got == want, (step, layer)
     assert producer.wait(timeout=60) == 0
     with pytest.raises(pdhal.ProducerDiedError):  # nothing left, and nobody to produce it
@@ -241,7 +256,7 @@ def test_bad_waits_are_pdhal_errors_that_say_what_was_expected():
     with ops.open_kv_signal_reader(0, 0) as reader:
         for kwargs, expected in [
             ({"since": (1,)}, "since must be a .step, layer. pair of integers, got .1,."),
-            ({"since": (1, 2 ** 20)}, "-1 <= layer <= 1048574, got .1, 1048576."),
+            ({"since": (1, 2**20)}, "-1 <= layer <= 1048574, got .1, 1048576."),
             ({"since": (-1, 0)}, "0 <= step < 2..44"),
             ({"timeout": float("nan")}, "timeout must be a number of seconds >= 0 or None"),
             ({"timeout": "1"}, "timeout must be a number of seconds >= 0 or None, got '1'"),
@@ -335,6 +350,7 @@ def test_an_empty_step_on_one_channel_keeps_another_channels_current_step():
     """A C op's "next layer of the current per-chunk step" belongs to the last step started;
     a step with no prefill request on another device's channel must not end it."""
     from pdhal._core import lib
+
     ops.init_kv_signal_per_query([3], [3], [0], 0, 2, device_id=0)
     ops.init_kv_signal_per_query([0], [1], [4], 0, 2, device_id=1)  # decode only: nothing
     for _ in range(2):

@@ -30,11 +30,14 @@ def _pending_record() -> None:
     ops.signal_layer_ready(chunk.layer(0))
 
 
-@pytest.mark.parametrize("out, words", [
-    (np.zeros((1538, 2), np.int32)[:, 0], "strided view of shape .1538. with strides .8."),
-    (np.broadcast_to(np.zeros(1, np.int32), (1538,)), "strides .0."),
-    (DLPackOnly(np.zeros((1538, 2), np.int32)[:, 1]), "DLPack strides .2."),
-])
+@pytest.mark.parametrize(
+    "out, words",
+    [
+        (np.zeros((1538, 2), np.int32)[:, 0], "strided view of shape .1538. with strides .8."),
+        (np.broadcast_to(np.zeros(1, np.int32), (1538,)), "strides .0."),
+        (DLPackOnly(np.zeros((1538, 2), np.int32)[:, 1]), "DLPack strides .2."),
+    ],
+)
 def test_a_view_that_is_not_contiguous_is_refused_and_nothing_is_written(out, words):
     _pending_record()
     neighbours = out.array.base if isinstance(out, DLPackOnly) else np.asarray(out).base
@@ -70,12 +73,15 @@ def test_a_dlpack_out_that_is_contiguous_is_written():
     assert list(out[:5]) == [1, 0, 0, 0, 4]
 
 
-@pytest.mark.parametrize("bad, error, words", [
-    (np.zeros(0, np.float32), pdhal.InvalidArgumentError, "empty"),
-    (np.zeros((8, 8), np.float32)[:, 1], pdhal.InvalidArgumentError, "contiguous"),
-    (np.array([None, 1], dtype=object), pdhal.InvalidArgumentError, "Python objects"),
-    (DLPackOnly(np.array([1.0j], np.complex64)[:0]), pdhal.InvalidArgumentError, "empty"),
-])
+@pytest.mark.parametrize(
+    "bad, error, words",
+    [
+        (np.zeros(0, np.float32), pdhal.InvalidArgumentError, "empty"),
+        (np.zeros((8, 8), np.float32)[:, 1], pdhal.InvalidArgumentError, "contiguous"),
+        (np.array([None, 1], dtype=object), pdhal.InvalidArgumentError, "Python objects"),
+        (DLPackOnly(np.array([1.0j], np.complex64)[:0]), pdhal.InvalidArgumentError, "empty"),
+    ],
+)
 def test_peer_address_refuses_memory_it_cannot_name_whole(bad, error, words):
     with pytest.raises(error, match=words):
         ops.get_peer_mem_addr(bad)
@@ -88,7 +94,7 @@ def test_peer_address_of_read_only_memory_is_allowed():
     assert ops.get_peer_mem_addr(arr) == arr.ctypes.data
 
 
-@pytest.mark.parametrize("value", [2**31, -2**31 - 1, 2**40])
+@pytest.mark.parametrize("value", [2**31, -(2**31) - 1, 2**40])
 def test_sequence_lengths_beyond_int32_are_refused(value):
     with pytest.raises(pdhal.InvalidArgumentError, match="does not fit the int32"):
         ops.init_kv_signal_per_query([value], [1], [0], 0, 4)

@@ -30,7 +30,8 @@ def test_producer_threads_each_get_their_own_step_and_no_table_is_lost():
     """Four threads publish per-chunk steps at once: every step number is handed out once,
     and the reader gets every table, each with its own layers."""
     steps_per_thread, layers = 200, 2
-    reader = python_child(f"""
+    reader = python_child(
+        f"""
         import array
         from pdhal import ops
         out = array.array("i", [0] * 1538)
@@ -39,7 +40,10 @@ def test_producer_threads_each_get_their_own_step_and_no_table_is_lost():
             ops.get_output_kv_signal(out, 0, True, timeout=60)
             seen.append((out[1], out[4]))  # (layer, tokens: which thread and step)
         import json; print(json.dumps(seen))
-    """, stdout=-1, text=True)
+    """,
+        stdout=-1,
+        text=True,
+    )
     steps: list[int] = []
     errors: list[BaseException] = []
 
@@ -62,25 +66,27 @@ def test_producer_threads_each_get_their_own_step_and_no_table_is_lost():
     seen = json.loads(reader.communicate(timeout=120)[0])
     assert reader.returncode == 0
     for i in range(0, len(seen), layers):  # each step's layers in order, nothing else between
-        assert [layer for layer, _ in seen[i:i + layers]] == list(range(layers))
-        assert len({tokens for _, tokens in seen[i:i + layers]}) == 1
+        assert [layer for layer, _ in seen[i : i + layers]] == list(range(layers))
+        assert len({tokens for _, tokens in seen[i : i + layers]}) == 1
     tokens = sorted(t for layer, t in seen if layer == 0)
-    assert tokens == sorted(t * 100000 + i + 1 for t in range(4)
-                            for i in range(steps_per_thread))
+    assert tokens == sorted(t * 100000 + i + 1 for t in range(4) for i in range(steps_per_thread))
 
 
 def test_reader_threads_never_get_a_record_twice():
     """Eight threads call get_output_kv_signal on one channel: each record goes to exactly
     one of them; a thread that overlaps another is told so (ChannelBusyError) and retries."""
     steps, layers = 100, 4
-    producer = python_child(f"""
+    producer = python_child(
+        f"""
         from pdhal import ops
         for step in range(1, {steps} + 1):
             chunk = ops.init_kv_signal_per_query([step], [step], [0], 0, {layers})
             for layer in range({layers}):
                 ops.signal_layer_ready(chunk.layer(layer))
         import sys; sys.stdin.read()
-    """, stdin=-1)
+    """,
+        stdin=-1,
+    )
     got: list[tuple[int, int]] = []
     busy = [0]
     lock = threading.Lock()
@@ -167,8 +173,9 @@ def test_a_sender_shared_by_threads_delivers_every_signal_and_closes_once():
             ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), None, sender)
 
     _run([threading.Thread(target=post, args=(t,)) for t in range(4)])
-    closers = [threading.Thread(target=ops.destroy_kv_signal_sender, args=(sender,))
-               for _ in range(4)]
+    closers = [
+        threading.Thread(target=ops.destroy_kv_signal_sender, args=(sender,)) for _ in range(4)
+    ]
     _run(closers)
     with ops.open_kv_signal_reader(0, 0) as reader:
         assert reader.current() == (meta.step, 3999)

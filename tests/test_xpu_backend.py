@@ -21,6 +21,7 @@ from pdhal import _registry, ops
 
 pytestmark = pytest.mark.simulated
 
+
 @pytest.fixture
 def sim(monkeypatch):
     sim = SimRuntime("xpu", "libxpurt.so")
@@ -32,8 +33,9 @@ def sim(monkeypatch):
 
 
 def test_info_names_the_library_and_version(sim):
-    info = subprocess.run([sys.executable, "-m", "pdhal", "info"], capture_output=True,
-                          text=True, check=True).stdout
+    info = subprocess.run(
+        [sys.executable, "-m", "pdhal", "info"], capture_output=True, text=True, check=True
+    ).stdout
     assert "selected: xpu" in info
     assert f"library: {os.environ['PDHAL_XPURT']}" in info and "runtime_version: 4.31" in info
 
@@ -161,11 +163,14 @@ def test_cache_process_on_device_5_of_4567(sim, monkeypatch):
     monkeypatch.setenv("XPU_VISIBLE_DEVICES", "4,5,6,7")
     env = pdhal.current_platform().child_env([5])
     assert env["XPU_VISIBLE_DEVICES"] == "5"
-    proc = run_child("""
+    proc = run_child(
+        """
         import pdhal
         p = pdhal.current_platform()
         print(p.name, p.physical_device_id(0))
-    """, env=env)
+    """,
+        env=env,
+    )
     assert proc.stdout.split() == ["xpu", "5"]
 
 
@@ -197,13 +202,16 @@ def test_runtime_is_found_in_a_paddle_xpu_wheel_without_importing_paddle(tmp_pat
     os.symlink(build("libxpurt.so"), fake / "libs" / "libxpurt.so")
     env = dict(os.environ, PYTHONPATH=str(tmp_path), PDHAL_PLATFORM="xpu")
     env.pop("PDHAL_XPURT", None)
-    proc = run_child("""
+    proc = run_child(
+        """
         import sys, pdhal
         from pdhal import _registry
         info = _registry.selection().candidate.backend.info()
         assert "paddle" not in sys.modules
         print(info["found_by"], info["library"])
-    """, env=env)
+    """,
+        env=env,
+    )
     assert proc.stdout.split() == ["paddle", "wheel", str(fake / "libs" / "libxpurt.so")]
 
 

@@ -46,10 +46,12 @@ def _prompt_lens(text: str) -> list[int]:
         lens = [int(n) for n in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not 1 <= len(lens) <= pdhal.MAX_REQUESTS:
         raise argparse.ArgumentTypeError(
-            f"expected 1 to {pdhal.MAX_REQUESTS} prompts, got {len(lens)}")
+            f"expected 1 to {pdhal.MAX_REQUESTS} prompts, got {len(lens)}"
+        )
     return lens
 
 
@@ -57,50 +59,109 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
     parser.add_argument("--transport", choices=TRANSPORTS, default="shm")
     parser.add_argument("--layers", type=_positive, default=32)
-    parser.add_argument("--prompt-lens", type=_prompt_lens, default=DEFAULT_PROMPTS,
-                        help="comma-separated prompt lengths, one request each")
-    parser.add_argument("--requests", type=_positive,
-                        help="run this many requests, the prompt lengths taken in turn "
-                             "(blocks and batch slots are recycled as requests finish)")
-    parser.add_argument("--cache-blocks", type=_positive, default=64,
-                        help="blocks of 64 tokens in each side's KV cache")
-    parser.add_argument("--max-batch", type=_positive, default=64,
-                        help="per_chunk: batch slots of a step table (requests in flight)")
+    parser.add_argument(
+        "--prompt-lens",
+        type=_prompt_lens,
+        default=DEFAULT_PROMPTS,
+        help="comma-separated prompt lengths, one request each",
+    )
+    parser.add_argument(
+        "--requests",
+        type=_positive,
+        help="run this many requests, the prompt lengths taken in turn "
+        "(blocks and batch slots are recycled as requests finish)",
+    )
+    parser.add_argument(
+        "--cache-blocks",
+        type=_positive,
+        default=64,
+        help="blocks of 64 tokens in each side's KV cache",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=_positive,
+        default=64,
+        help="per_chunk: batch slots of a step table (requests in flight)",
+    )
     parser.add_argument("--batch", type=_positive, default=4, help="per_query: prompts per step")
-    parser.add_argument("--chunk-tokens", type=_positive, default=512,
-                        help="per_chunk: tokens per step (long prompts are split)")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=_positive,
+        default=512,
+        help="per_chunk: tokens per step (long prompts are split)",
+    )
     parser.add_argument("--decode-steps", type=_positive, default=4)
-    parser.add_argument("--signal-at-end", action="store_true",
-                        help="baseline: post every layer signal only after the forward pass")
-    parser.add_argument("--shm-copy", choices=["memmove", "copy_blocks"], default="memmove",
-                        help="shm: a memmove per run of blocks, or one pdhal.ops.copy_blocks "
-                             "per layer")
-    parser.add_argument("--inflight", type=_positive, default=4,
-                        help="Mooncake: layers whose transfers may be in flight at once")
-    parser.add_argument("--transfer-timeout", type=float, default=5.0, metavar="SECONDS",
-                        help="Mooncake: report a transfer not complete after this (plus "
-                             "100 MiB/s for its bytes): the link or the decode side is gone")
-    parser.add_argument("--tp", type=_positive, default=1,
-                        help="tensor-parallel ranks: a worker (its share of the heads) and a "
-                             "messager each, on its own device and channels; one decoder")
-    parser.add_argument("--slow-rank", type=_slow_rank, default={}, metavar="RANK:MS",
-                        help="make rank RANK's link slow: each layer's transfer waits MS ms")
+    parser.add_argument(
+        "--signal-at-end",
+        action="store_true",
+        help="baseline: post every layer signal only after the forward pass",
+    )
+    parser.add_argument(
+        "--shm-copy",
+        choices=["memmove", "copy_blocks"],
+        default="memmove",
+        help="shm: a memmove per run of blocks, or one pdhal.ops.copy_blocks per layer",
+    )
+    parser.add_argument(
+        "--inflight",
+        type=_positive,
+        default=4,
+        help="Mooncake: layers whose transfers may be in flight at once",
+    )
+    parser.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="Mooncake: report a transfer not complete after this (plus "
+        "100 MiB/s for its bytes): the link or the decode side is gone",
+    )
+    parser.add_argument(
+        "--tp",
+        type=_positive,
+        default=1,
+        help="tensor-parallel ranks: a worker (its share of the heads) and a "
+        "messager each, on its own device and channels; one decoder",
+    )
+    parser.add_argument(
+        "--slow-rank",
+        type=_slow_rank,
+        default={},
+        metavar="RANK:MS",
+        help="make rank RANK's link slow: each layer's transfer waits MS ms",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="Mooncake: this host's address")
-    parser.add_argument("--decoder", choices=["local", "remote"], default="local",
-                        help="remote: start no decoder, print the command that starts one on "
-                             "the decode host and wait for it (Mooncake only)")
-    parser.add_argument("--control-host", default="127.0.0.1",
-                        help="address the control listener binds (0.0.0.0 for a remote "
-                             "decoder; it only admits processes holding its random key)")
+    parser.add_argument(
+        "--decoder",
+        choices=["local", "remote"],
+        default="local",
+        help="remote: start no decoder, print the command that starts one on "
+        "the decode host and wait for it (Mooncake only)",
+    )
+    parser.add_argument(
+        "--control-host",
+        default="127.0.0.1",
+        help="address the control listener binds (0.0.0.0 for a remote "
+        "decoder; it only admits processes holding its random key)",
+    )
     parser.add_argument("--protocol", default="tcp", help="Mooncake: tcp, or rdma on a cluster")
-    parser.add_argument("--fault", choices=["kill-messager", "kill-worker", "kill-decoder"],
-                        help="show fault handling: SIGKILL that process mid-step")
-    parser.add_argument("--plot", metavar="FILE.png",
-                        help="draw the timeline of compute, signals and transfers (any format "
-                             "matplotlib writes: .png, .pdf, .svg, ...)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object: {pdhal_version, backend, schema_version, "
-                             "runs: [one summary per mode]}")
+    parser.add_argument(
+        "--fault",
+        choices=["kill-messager", "kill-worker", "kill-decoder"],
+        help="show fault handling: SIGKILL that process mid-step",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw the timeline of compute, signals and transfers (any format "
+        "matplotlib writes: .png, .pdf, .svg, ...)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: {pdhal_version, backend, schema_version, "
+        "runs: [one summary per mode]}",
+    )
 
 
 class _Refused(Exception):
@@ -134,37 +195,53 @@ def _check_plot(path: str) -> None:
     import tempfile
 
     if os.path.isdir(path):
-        raise _Refused(2, f"--plot {path} is a folder: give a file name, such as "
-                          f"{os.path.join(path, 'demo-timeline.png')}")
+        raise _Refused(
+            2,
+            f"--plot {path} is a folder: give a file name, such as "
+            f"{os.path.join(path, 'demo-timeline.png')}",
+        )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         what = "is not a folder" if os.path.exists(folder) else "does not exist"
-        raise _Refused(2, f"--plot {path}: {folder} {what}; create it, or give a path in "
-                          f"an existing folder")
+        raise _Refused(
+            2, f"--plot {path}: {folder} {what}; create it, or give a path in an existing folder"
+        )
     try:  # as the plot will be written (access() would say yes to root on a read-only mount)
         with tempfile.TemporaryFile(dir=folder, prefix=".pdhal-demo-plot-"):
             pass
         if os.path.exists(path) and not os.access(path, os.W_OK):
             raise PermissionError(f"{path} is read-only")
     except OSError as exc:
-        raise _Refused(2, f"--plot {path}: cannot create a file in {folder} "
-                          f"({exc.strerror or exc}); give a path in a folder you can write "
-                          f"to") from None
+        raise _Refused(
+            2,
+            f"--plot {path}: cannot create a file in {folder} "
+            f"({exc.strerror or exc}); give a path in a folder you can write "
+            f"to",
+        ) from None
     try:
         from pdhal_demo.report import plot_formats
 
         formats = plot_formats()
     except ImportError as exc:
-        raise _Refused(1, f"--plot needs matplotlib, which cannot be imported ({exc}): "
-                          f"pip install matplotlib, or leave out --plot") from None
+        raise _Refused(
+            1,
+            f"--plot needs matplotlib, which cannot be imported ({exc}): "
+            f"pip install matplotlib, or leave out --plot",
+        ) from None
     extension = os.path.splitext(path)[1].lstrip(".").lower()
     if extension not in formats:
         common = ["png", "pdf", "svg"]
-        said = (f"matplotlib cannot write '.{extension}' files" if extension else
-                "the file name has no extension to say the format")
-        raise _Refused(2, f"--plot {path}: {said}; end the name in .png, .pdf or .svg "
-                          f"(matplotlib also writes "
-                          f"{', '.join('.' + f for f in formats if f not in common)})")
+        said = (
+            f"matplotlib cannot write '.{extension}' files"
+            if extension
+            else "the file name has no extension to say the format"
+        )
+        raise _Refused(
+            2,
+            f"--plot {path}: {said}; end the name in .png, .pdf or .svg "
+            f"(matplotlib also writes "
+            f"{', '.join('.' + f for f in formats if f not in common)})",
+        )
 
 
 def _check_environment(args) -> None:
@@ -176,12 +253,17 @@ def _check_environment(args) -> None:
     try:
         pdhal.check_environment()  # the PDHAL_* variables every child inherits
     except pdhal.PdhalError as exc:
-        raise _Refused(1, f"{exc}; fix or unset it (`pdhal info` lists every PDHAL_* variable "
-                          f"and what it means)") from None
+        raise _Refused(
+            1,
+            f"{exc}; fix or unset it (`pdhal info` lists every PDHAL_* variable and what it means)",
+        ) from None
     if importlib.util.find_spec("paddle") is None:  # imported by the worker and the decoder
-        raise _Refused(1, "the demo's prefill worker and decode receiver run a Paddle model, "
-                          "and Paddle is not installed: pip install paddlepaddle (or pip "
-                          "install -e demo, which pulls it in)")
+        raise _Refused(
+            1,
+            "the demo's prefill worker and decode receiver run a Paddle model, "
+            "and Paddle is not installed: pip install paddlepaddle (or pip "
+            "install -e demo, which pulls it in)",
+        )
     if args.transport == "mooncake":
         from pdhal_demo.control import DemoError
         from pdhal_demo.transport import require_mooncake
@@ -215,26 +297,45 @@ def main(args) -> int:
     prompt_lens = args.prompt_lens
     if args.requests:
         prompt_lens = [prompt_lens[i % len(prompt_lens)] for i in range(args.requests)]
-    options = pipeline.Options(host=args.host, protocol=args.protocol, fault=args.fault,
-                               progress=not args.json, remote_decoder=args.decoder == "remote",
-                               control_host=args.control_host, shm_copy=args.shm_copy,
-                               inflight=args.inflight,
-                               transfer_timeout_s=args.transfer_timeout,
-                               slow_ms=args.slow_rank)
+    options = pipeline.Options(
+        host=args.host,
+        protocol=args.protocol,
+        fault=args.fault,
+        progress=not args.json,
+        remote_decoder=args.decoder == "remote",
+        control_host=args.control_host,
+        shm_copy=args.shm_copy,
+        inflight=args.inflight,
+        transfer_timeout_s=args.transfer_timeout,
+        slow_ms=args.slow_rank,
+    )
     summaries, runs = [], []
     try:
         for mode in MODES if args.mode == "both" else [args.mode]:
-            plan = make_plan(model, prompt_lens, mode, args.transport, args.cache_blocks,
-                             args.decode_steps, args.batch, args.chunk_tokens,
-                             args.signal_at_end, args.tp, args.max_batch)
+            plan = make_plan(
+                model,
+                prompt_lens,
+                mode,
+                args.transport,
+                args.cache_blocks,
+                args.decode_steps,
+                args.batch,
+                args.chunk_tokens,
+                args.signal_at_end,
+                args.tp,
+                args.max_batch,
+            )
             for length, why in plan.rejected:
-                print(f"pdhal demo: rejected a {length}-token prompt up front: {why}",
-                      file=sys.stderr)
+                print(
+                    f"pdhal demo: rejected a {length}-token prompt up front: {why}", file=sys.stderr
+                )
             if not args.json:
-                print(f"pdhal demo: {mode}, {len(plan.requests)} requests, {model.layers} "
-                      f"layers, {len(plan.steps)} steps, transport {args.transport}"
-                      + (f", {args.tp} tensor-parallel ranks" if args.tp > 1 else ""),
-                      file=sys.stderr)
+                print(
+                    f"pdhal demo: {mode}, {len(plan.requests)} requests, {model.layers} "
+                    f"layers, {len(plan.steps)} steps, transport {args.transport}"
+                    + (f", {args.tp} tensor-parallel ranks" if args.tp > 1 else ""),
+                    file=sys.stderr,
+                )
             summary, timeline = pipeline.run(plan, options)
             summaries.append(summary)
             runs.append((plan, timeline))

@@ -65,17 +65,23 @@ class Hub:
 
     def child_env(self) -> dict[str, str]:
         """What a role process needs in its environment to connect here."""
-        return {ADDRESS_VAR: f"{self._advertise}:{self._listener.address[1]}",
-                KEY_VAR: self._key.hex()}
+        return {
+            ADDRESS_VAR: f"{self._advertise}:{self._listener.address[1]}",
+            KEY_VAR: self._key.hex(),
+        }
 
     def start(self, role: str, env: dict[str, str], pass_fds=()) -> None:
         """Launch `python -m pdhal_demo.child ROLE` with `env` (and the file descriptors
         `pass_fds`) and wait for it to connect. Its stdout and stderr go to its log: the
         parent's stdout carries only what `pdhal demo` prints (one JSON object with --json)."""
         with open(self.log_path(role), "wb") as log:
-            process = subprocess.Popen([sys.executable, "-m", "pdhal_demo.child", role],
-                                       env=env | self.child_env(), stdout=log, stderr=log,
-                                       pass_fds=pass_fds)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "pdhal_demo.child", role],
+                env=env | self.child_env(),
+                stdout=log,
+                stderr=log,
+                pass_fds=pass_fds,
+            )
         self.processes[role] = process
         self.accept(role, 120.0, lambda: process.poll() is None)
 
@@ -90,9 +96,13 @@ class Hub:
         def watchdog() -> None:
             deadline = time.monotonic() + timeout
             while not settled.wait(ACCEPT_POLL_S):
-                why = (f"the {role} exited before it connected" if not alive() else
-                       f"the {role} did not connect within {timeout:.0f} s"
-                       if time.monotonic() > deadline else None)
+                why = (
+                    f"the {role} exited before it connected"
+                    if not alive()
+                    else f"the {role} did not connect within {timeout:.0f} s"
+                    if time.monotonic() > deadline
+                    else None
+                )
                 if why:
                     with Client(self._listener.address, authkey=self._key) as link:
                         link.send(("abort", why))

@@ -46,13 +46,15 @@ def shards(cache: np.ndarray) -> dict[int, np.ndarray]:
     return {rank: cache[rank] for rank in range(cache.shape[0])}
 
 
-def decode(model: TinyDecoder, cache: np.ndarray, slots: list[DecodeSlot],
-           steps: int) -> dict[int, list[int]]:
+def decode(
+    model: TinyDecoder, cache: np.ndarray, slots: list[DecodeSlot], steps: int
+) -> dict[int, list[int]]:
     """Generate `steps` tokens per slot, reading and extending `cache` (`[tp, ...]`)."""
     generated = {s.request: [s.last_token] for s in slots}
     for _ in range(steps):
-        chunks = [Chunk(s.request, s.seq_lens_decoder, [s.last_token], s.block_table, True)
-                  for s in slots]
+        chunks = [
+            Chunk(s.request, s.seq_lens_decoder, [s.last_token], s.block_table, True) for s in slots
+        ]
         tokens = model.forward(chunks, shards(cache))
         for s in slots:
             s.seq_lens_decoder += s.seq_lens_this_time
@@ -104,30 +106,46 @@ class Checker:
         plan, request, layers = self.plan, self.plan.request(request_id), self.plan.model.layers
         reference_first = None
         for c in plan.chunks_of(request_id):
-            reference_first = self.model.forward(plan.chunks([c], self.prompts, "decode"),
-                                                 shards(self.reference)).get(request_id)
-        blocks = request.decode_blocks[:len(request.prefill_blocks)]  # what prefill filled
+            reference_first = self.model.forward(
+                plan.chunks([c], self.prompts, "decode"), shards(self.reference)
+            ).get(request_id)
+        blocks = request.decode_blocks[: len(request.prefill_blocks)]  # what prefill filled
         got = _checksums(self.cache, blocks, request.prompt_len)
         want = _checksums(self.reference, blocks, request.prompt_len)
         # K and V of every prompt token, every layer, every rank's heads
-        self.checked_bytes += 2 * layers * request.prompt_len * (
-            plan.model.block_bytes() // plan.model.block_size)
-        self.bad_blocks += [{"request": request_id, "rank": i // (2 * layers),
-                             "layer": i // 2 % layers, "kv": "KV"[i % 2]}
-                            for i, (g, w) in enumerate(zip(got, want)) if g != w]
-        received = decode(self.model, self.cache, [DecodeSlot.prefilled(request, first_token)],
-                          plan.decode_steps)[request_id]
-        expected = decode(self.model, self.reference,
-                          [DecodeSlot.prefilled(request, reference_first)],
-                          plan.decode_steps)[request_id]
+        self.checked_bytes += (
+            2 * layers * request.prompt_len * (plan.model.block_bytes() // plan.model.block_size)
+        )
+        self.bad_blocks += [
+            {
+                "request": request_id,
+                "rank": i // (2 * layers),
+                "layer": i // 2 % layers,
+                "kv": "KV"[i % 2],
+            }
+            for i, (g, w) in enumerate(zip(got, want))
+            if g != w
+        ]
+        received = decode(
+            self.model, self.cache, [DecodeSlot.prefilled(request, first_token)], plan.decode_steps
+        )[request_id]
+        expected = decode(
+            self.model,
+            self.reference,
+            [DecodeSlot.prefilled(request, reference_first)],
+            plan.decode_steps,
+        )[request_id]
         if received != expected:
-            self.bad_tokens.append({"request": request_id, "got": received,
-                                    "expected": expected})
+            self.bad_tokens.append({"request": request_id, "got": received, "expected": expected})
         self.tokens[request_id] = received
 
     def result(self) -> dict:
-        return {"checked_bytes": self.checked_bytes, "bad_blocks": self.bad_blocks,
-                "bad_tokens": self.bad_tokens, "tokens": self.tokens}
+        return {
+            "checked_bytes": self.checked_bytes,
+            "bad_blocks": self.bad_blocks,
+            "bad_tokens": self.bad_tokens,
+            "tokens": self.tokens,
+        }
 
 
 def verify(plan: Plan, cache: np.ndarray, first_tokens: dict[int, int]) -> dict:
@@ -150,8 +168,9 @@ def run(link, setup: dict) -> None:
     buffer = ops.host_alloc(int(np.prod(shape)) * 4)
     cache = buffer.as_numpy(np.float32, shape)
     host = os.environ.get("PDHAL_DEMO_HOST", setup["host"])  # set when on another host
-    endpoint = DecodeEndpoint(plan.transport, paddle.from_dlpack(cache), setup["cache_name"],
-                              host, setup["protocol"])
+    endpoint = DecodeEndpoint(
+        plan.transport, paddle.from_dlpack(cache), setup["cache_name"], host, setup["protocol"]
+    )
     link.send(("ready", endpoint.describe()))
     checker, recycles = Checker(plan, cache), plan.recycles
     first_tokens = {}

@@ -37,8 +37,9 @@ class Shipper:
     def __init__(self, link, plan: Plan, sender, rank: int = 0, inflight: int = 4):
         self.out, self.plan, self.sender, self.rank = Outbox(link), plan, sender, rank
         self.bs = plan.model.block_size
-        self.sent_blocks = {(r.id, layer): 0 for r in plan.requests
-                            for layer in range(plan.model.layers)}
+        self.sent_blocks = {
+            (r.id, layer): 0 for r in plan.requests for layer in range(plan.model.layers)
+        }
         self.unsubmitted = {r.id for r in plan.requests}  # whose last transfer is not submitted
         self.unfinished = {r.id for r in plan.requests}  # not yet reported fully sent
         self.block_bytes = plan.model.block_bytes(plan.tp)
@@ -49,8 +50,9 @@ class Shipper:
         if hasattr(sender, "wait"):
             self._slots = threading.BoundedSemaphore(inflight)
             self._inflight: queue.Queue = queue.Queue()
-            threading.Thread(target=self._complete, name="pdhal-demo-completion",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._complete, name="pdhal-demo-completion", daemon=True
+            ).start()
 
     def send(self, step: int, index: int, layer: int, ready: list[tuple[int, int]]) -> None:
         """Send layer `layer` of each (request, tokens now in the cache) in `ready`: channel
@@ -84,12 +86,17 @@ class Shipper:
             # runs span requests where both tables are consecutive: fewer, longer copies
             planned = self._runs[key] = (block_runs(src, dst), len(src))
         runs, blocks = planned
-        event = {"rank": self.rank, "step": step, "index": index, "layer": layer,
-                 "start": start, "bytes": 2 * blocks * self.block_bytes}
+        event = {
+            "rank": self.rank,
+            "step": step,
+            "index": index,
+            "layer": layer,
+            "start": start,
+            "bytes": 2 * blocks * self.block_bytes,
+        }
         if hasattr(self, "_inflight"):  # in order behind the layers still in flight
             self._slots.acquire()  # at most `inflight` layers in flight
-            self._inflight.put((event, self.sender.write(layer, runs) if runs else None,
-                                finished))
+            self._inflight.put((event, self.sender.write(layer, runs) if runs else None, finished))
             return
         if runs:
             self.sender.write(layer, runs)
@@ -104,12 +111,16 @@ class Shipper:
         self.out.flush()
         while not self.released.issuperset(request.decode_waits):
             if not self.link.poll(WAIT_TIMEOUT_S):
-                raise DemoError(f"the decode side released none of {request.decode_waits} "
-                                f"within {WAIT_TIMEOUT_S:.0f} s")
+                raise DemoError(
+                    f"the decode side released none of {request.decode_waits} "
+                    f"within {WAIT_TIMEOUT_S:.0f} s"
+                )
             kind, message = self.link.recv()
             if kind == "exit":
-                raise DemoError("the run failed elsewhere while the messager waited for "
-                                "decode blocks to come free")
+                raise DemoError(
+                    "the run failed elsewhere while the messager waited for "
+                    "decode blocks to come free"
+                )
             self.released.add(message["request"])  # ("released", ...)
 
     def _done(self, event: dict, finished: list[int]) -> None:
@@ -182,9 +193,13 @@ def _per_chunk(shipper: Shipper, plan: Plan, rank: int, device: int) -> None:
             first = step if first is None else first
             holder = {plan.request(c.request).slot: c.request for c in plan.steps[step - first]}
             count, layer = int(record[0]), int(record[1])
-            table = record[2:2 + 3 * count].reshape(count, 3)
-            shipper.send(step, step - first, layer, [(holder[int(slot)], int(cached + length))
-                                                     for slot, cached, length in table])
+            table = record[2 : 2 + 3 * count].reshape(count, 3)
+            shipper.send(
+                step,
+                step - first,
+                layer,
+                [(holder[int(slot)], int(cached + length)) for slot, cached, length in table],
+            )
 
 
 def run(link, setup: dict) -> None:
@@ -196,11 +211,17 @@ def run(link, setup: dict) -> None:
     dst_shape = (plan.tp, *plan.model.cache_shape(plan.decode_cache_blocks, plan.tp))
     src = ops.share_external_data(np.empty(0, np.float32), setup["prefill_cache"], src_shape)
     if plan.transport == "shm":
-        sender = ShmSender(src, setup["decode"], dst_shape, setup.get("shm_copy", "memmove"),
-                           rank)
+        sender = ShmSender(src, setup["decode"], dst_shape, setup.get("shm_copy", "memmove"), rank)
     else:
-        sender = MooncakeSender(src, setup["decode"], dst_shape, setup["host"],
-                                setup["protocol"], setup.get("transfer_timeout_s", 5.0), rank)
+        sender = MooncakeSender(
+            src,
+            setup["decode"],
+            dst_shape,
+            setup["host"],
+            setup["protocol"],
+            setup.get("transfer_timeout_s", 5.0),
+            rank,
+        )
     if setup.get("slow_ms"):
         sender = Slowed(sender, setup["slow_ms"] / 1e3)
     if plan.mode == "per_query":

@@ -50,8 +50,9 @@ class ModelConfig:
 
     def check_tp(self, tp: int) -> None:
         if tp < 1 or self.heads % tp or self.ffn % tp:
-            raise ValueError(f"tp must divide the model's {self.heads} heads and {self.ffn} MLP "
-                             f"units, got {tp}")
+            raise ValueError(
+                f"tp must divide the model's {self.heads} heads and {self.ffn} MLP units, got {tp}"
+            )
 
 
 @dataclass(frozen=True)
@@ -94,14 +95,19 @@ class TinyDecoder:
         branch = 1.0 / math.sqrt(2 * config.layers)
 
         def weight(*shape, scale=1.0):
-            return paddle.to_tensor(rng.standard_normal(shape).astype(np.float32)
-                                    * np.float32(scale / math.sqrt(shape[0])))
+            return paddle.to_tensor(
+                rng.standard_normal(shape).astype(np.float32)
+                * np.float32(scale / math.sqrt(shape[0]))
+            )
 
         self.embedding = weight(config.vocab, d)
         self.layers = [
             {name: weight(d, d) for name in ("wq", "wk", "wv")}
-            | {"wo": weight(d, d, scale=branch), "w1": weight(d, f),
-               "w2": weight(f, d, scale=branch)}
+            | {
+                "wo": weight(d, d, scale=branch),
+                "w1": weight(d, f),
+                "w2": weight(f, d, scale=branch),
+            }
             for _ in range(config.layers)
         ]
         self.unembedding = weight(d, config.vocab)
@@ -114,8 +120,14 @@ class TinyDecoder:
         cols = self.config.hidden // self.tp  # this rank's heads' columns
         units = self.config.ffn // self.tp
         c, u = slice(rank * cols, (rank + 1) * cols), slice(rank * units, (rank + 1) * units)
-        return {"wq": w["wq"][:, c], "wk": w["wk"][:, c], "wv": w["wv"][:, c],
-                "wo": w["wo"][c, :], "w1": w["w1"][:, u], "w2": w["w2"][u, :]}
+        return {
+            "wq": w["wq"][:, c],
+            "wk": w["wk"][:, c],
+            "wv": w["wv"][:, c],
+            "wo": w["wo"][c, :],
+            "w1": w["w1"][:, u],
+            "w2": w["w2"][u, :],
+        }
 
     def _positions(self, start: int, count: int):
         d = self.config.hidden
@@ -165,9 +177,13 @@ class TinyDecoder:
             out = [a + b for a, b in zip(out, parts[rank])]
         return out
 
-    def forward(self, chunks: Sequence[Chunk], cache,
-                after_layer: Callable[[int], None] | None = None,
-                reduce: Callable[[dict[int, list]], list] | None = None) -> dict[int, int]:
+    def forward(
+        self,
+        chunks: Sequence[Chunk],
+        cache,
+        after_layer: Callable[[int], None] | None = None,
+        reduce: Callable[[dict[int, list]], list] | None = None,
+    ) -> dict[int, int]:
         """Run one step over `chunks`, writing their K/V into the cache layer by layer.
 
         `cache` is the cache (tp=1) or {rank: that rank's cache} for the ranks computed
@@ -179,13 +195,22 @@ class TinyDecoder:
         paddle = self.paddle
         caches = cache if isinstance(cache, dict) else {self.ranks[0]: cache}
         reduce = reduce or self.reduce_local
-        hidden = [paddle.to_tensor(self.embedding.numpy()[np.asarray(c.tokens)])
-                  + self._positions(c.start, len(c.tokens)) for c in chunks]
+        hidden = [
+            paddle.to_tensor(self.embedding.numpy()[np.asarray(c.tokens)])
+            + self._positions(c.start, len(c.tokens))
+            for c in chunks
+        ]
         for layer, shards in enumerate(self.shards):
             normed = [self._rms(h) for h in hidden]
-            attended = reduce({r: [self._attend(layer, w, x, chunk, caches[r])
-                                   for x, chunk in zip(normed, chunks)]
-                               for r, w in shards.items()})
+            attended = reduce(
+                {
+                    r: [
+                        self._attend(layer, w, x, chunk, caches[r])
+                        for x, chunk in zip(normed, chunks)
+                    ]
+                    for r, w in shards.items()
+                }
+            )
             hidden = [h + a for h, a in zip(hidden, attended)]
             normed = [self._rms(h) for h in hidden]
             mixed = reduce({r: [self._mlp(w, x) for x in normed] for r, w in shards.items()})

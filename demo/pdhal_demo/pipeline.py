@@ -79,11 +79,16 @@ class Progress:
     def line(self, request) -> str:
         layers = self.plan.model.layers
         (ct, cl), (st, sl) = self.computed[request.id], self.sent[request.id]
-        where = (f"on decode at {1e3 * self.arrived[request.id]:6.0f} ms"
-                 if request.id in self.arrived else "")
-        return (f"  request {request.id:3d} {request.prompt_len:5d} tokens | prefilled "
-                f"{ct:5d} tok, layer {cl:2d}/{layers} | sent {st:5d} tok, layer {sl:2d}/{layers}"
-                f" | {where}")
+        where = (
+            f"on decode at {1e3 * self.arrived[request.id]:6.0f} ms"
+            if request.id in self.arrived
+            else ""
+        )
+        return (
+            f"  request {request.id:3d} {request.prompt_len:5d} tokens | prefilled "
+            f"{ct:5d} tok, layer {cl:2d}/{layers} | sent {st:5d} tok, layer {sl:2d}/{layers}"
+            f" | {where}"
+        )
 
     def update(self, force: bool = False) -> None:
         if not self.tty or (not force and time.monotonic() - self._last_draw < 0.1):
@@ -111,8 +116,12 @@ def _child_env(namespace: str, device, isolate: bool = True, devices: int = 1) -
     env = platform.child_env([device], base, isolate=isolate)
     # One math thread per process: the processes share the cores, and identical threading
     # is what makes the decode side's recomputation bit-identical to the worker's.
-    env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PDHAL_NAMESPACE": namespace,
-            "GLOG_minloglevel": env.get("GLOG_minloglevel", "2")}
+    env |= {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PDHAL_NAMESPACE": namespace,
+        "GLOG_minloglevel": env.get("GLOG_minloglevel", "2"),
+    }
     return env
 
 
@@ -150,8 +159,9 @@ class Pipeline:
         try:
             got, payload = link.recv()
         except (EOFError, OSError):
-            raise DemoError(f"the {role} exited ({self._exit_status(role)}) before "
-                            f"{kind!r}") from None
+            raise DemoError(
+                f"the {role} exited ({self._exit_status(role)}) before {kind!r}"
+            ) from None
         if got == "error":
             raise DemoError(f"the {role} failed: {payload['detail']}")
         if got != kind:
@@ -171,10 +181,14 @@ class Pipeline:
     def start(self) -> None:
         platform, tp = pdhal.current_platform(), self.plan.tp
         physical = [platform.physical_device_id(rank) for rank in range(tp)]
-        common = {"plan": self.plan.to_json(), "host": self.options.host,
-                  "protocol": self.options.protocol, "shm_copy": self.options.shm_copy,
-                  "inflight": self.options.inflight,
-                  "transfer_timeout_s": self.options.transfer_timeout_s}
+        common = {
+            "plan": self.plan.to_json(),
+            "host": self.options.host,
+            "protocol": self.options.protocol,
+            "shm_copy": self.options.shm_copy,
+            "inflight": self.options.inflight,
+            "transfer_timeout_s": self.options.transfer_timeout_s,
+        }
         if self.options.remote_decoder:
             self._await_remote_decoder()
         else:
@@ -189,11 +203,20 @@ class Pipeline:
         try:
             for rank in range(tp):
                 role = self.role("worker", rank)
-                self.hub.start(role, _child_env(self.namespace, physical[rank], devices=tp),
-                               pass_fds=list(ends[rank].values()))
-                self.hub.links[role].send(common | {
-                    "rank": rank, "cache_name": f"prefill_cache.{rank}",
-                    "fault": self.options.fault, "tp_fds": ends[rank]})
+                self.hub.start(
+                    role,
+                    _child_env(self.namespace, physical[rank], devices=tp),
+                    pass_fds=list(ends[rank].values()),
+                )
+                self.hub.links[role].send(
+                    common
+                    | {
+                        "rank": rank,
+                        "cache_name": f"prefill_cache.{rank}",
+                        "fault": self.options.fault,
+                        "tp_fds": ends[rank],
+                    }
+                )
                 self.devices[rank] = self._expect(role, "ready")["device"]
         finally:
             for sa, sb in pairs.values():  # the workers hold their ends now
@@ -202,27 +225,40 @@ class Pipeline:
         pids = {}
         for rank in range(tp):
             role = self.role("messager", rank)
-            self.hub.start(role, _child_env(self.namespace, physical[rank], isolate=False,
-                                            devices=tp))
-            self.hub.links[role].send(common | {
-                "rank": rank, "device": self.devices[rank],
-                "prefill_cache": f"prefill_cache.{rank}", "decode": decode,
-                "slow_ms": self.options.slow_ms.get(rank, 0)})
+            self.hub.start(
+                role, _child_env(self.namespace, physical[rank], isolate=False, devices=tp)
+            )
+            self.hub.links[role].send(
+                common
+                | {
+                    "rank": rank,
+                    "device": self.devices[rank],
+                    "prefill_cache": f"prefill_cache.{rank}",
+                    "decode": decode,
+                    "slow_ms": self.options.slow_ms.get(rank, 0),
+                }
+            )
             pids[rank] = self._expect(role, "ready")["pid"]
         self.timeline.start = time.monotonic_ns()
         decoder = self.hub.processes.get("decoder")  # None: it runs on another host
         for rank in range(tp):
             self.hub.links[self.role("worker", rank)].send(
-                ("go", {"messager_pid": pids[rank], "decoder_pid": decoder and decoder.pid}))
+                ("go", {"messager_pid": pids[rank], "decoder_pid": decoder and decoder.pid})
+            )
 
     def _await_remote_decoder(self) -> None:
-        env = self.hub.child_env() | {"PDHAL_NAMESPACE": self.namespace,
-                                      "PDHAL_DEMO_HOST": "<decode-host-ip>"}
+        env = self.hub.child_env() | {
+            "PDHAL_NAMESPACE": self.namespace,
+            "PDHAL_DEMO_HOST": "<decode-host-ip>",
+        }
         command = " ".join(f"{k}={v}" for k, v in env.items())
-        print(f"pdhal demo: waiting {REMOTE_WAIT_S:.0f} s for the decode receiver; on the decode "
-              f"host (pdhal-demo[mooncake] installed) run, with its address for "
-              f"<decode-host-ip>:\n  {command} python -m pdhal_demo.child decoder",
-              file=sys.stderr, flush=True)
+        print(
+            f"pdhal demo: waiting {REMOTE_WAIT_S:.0f} s for the decode receiver; on the decode "
+            f"host (pdhal-demo[mooncake] installed) run, with its address for "
+            f"<decode-host-ip>:\n  {command} python -m pdhal_demo.child decoder",
+            file=sys.stderr,
+            flush=True,
+        )
         self.hub.accept("decoder", REMOTE_WAIT_S)
 
     # -- events ------------------------------------------------------------------------
@@ -246,8 +282,10 @@ class Pipeline:
         elif kind == "first_token":
             token = self.first_token.setdefault(m["request"], m["token"])
             if token != m["token"]:  # every rank holds the whole hidden state: same token
-                raise DemoError(f"rank {m['rank']}'s first token of request {m['request']} is "
-                                f"{m['token']}, another rank's {token}")
+                raise DemoError(
+                    f"rank {m['rank']}'s first token of request {m['request']} is "
+                    f"{m['token']}, another rank's {token}"
+                )
             self._maybe_hand_over(m["request"])
 
     def _on_messager(self, kind: str, m: dict) -> None:
@@ -278,26 +316,37 @@ class Pipeline:
             self.freed.add(request)
             if self.recycles:  # its prefill blocks are free: a worker may wait for that
                 for rank in range(self.plan.tp):
-                    self.hub.links[self.role("worker", rank)].send(("freed",
-                                                                    {"request": request}))
-        if (request in self.first_token and request in self.freed
-                and request not in self.handed_over):
+                    self.hub.links[self.role("worker", rank)].send(("freed", {"request": request}))
+        if (
+            request in self.first_token
+            and request in self.freed
+            and request not in self.handed_over
+        ):
             self.handed_over.add(request)
-            self.hub.links["decoder"].send(("request", {"request": request,
-                                                        "token": self.first_token[request]}))
+            self.hub.links["decoder"].send(
+                ("request", {"request": request, "token": self.first_token[request]})
+            )
 
     def _failed(self, role: str, message: dict) -> None:
         """`role` reported an error: name the process that died under it, if one did."""
-        dead = [other for other, process in self.hub.processes.items()
-                if other != role and process.poll() is not None]
+        dead = [
+            other
+            for other, process in self.hub.processes.items()
+            if other != role and process.poll() is not None
+        ]
         if self.victim not in (None, role) and self.victim not in dead:
             dead.append(self.victim)  # killed on purpose; its exit may not be reaped yet
         if not dead:
             raise DemoError(f"the {role} failed: {message['detail']}")
-        after = ("" if self.killed_at is None else
-                 f" {(time.monotonic_ns() - self.killed_at) / 1e6:.0f} ms after the kill")
-        raise DemoError(f"the {dead[0]} exited ({self._exit_status(dead[0])}); the {role} "
-                        f"reported it{after}: {message['error']}")
+        after = (
+            ""
+            if self.killed_at is None
+            else f" {(time.monotonic_ns() - self.killed_at) / 1e6:.0f} ms after the kill"
+        )
+        raise DemoError(
+            f"the {dead[0]} exited ({self._exit_status(dead[0])}); the {role} "
+            f"reported it{after}: {message['error']}"
+        )
 
     def _died(self, role: str) -> None:
         """A process exited early: give the others a moment to report it, then fail."""
@@ -313,19 +362,28 @@ class Pipeline:
                     del others[who]
                     continue
                 if kind == "error":
-                    after = ("" if self.killed_at is None else
-                             f" {(time.monotonic_ns() - self.killed_at) / 1e6:.0f} ms after the "
-                             f"kill")
-                    raise DemoError(f"the {role} exited ({status}); the {who} reported it"
-                                    f"{after}: {m['error']}")
+                    after = (
+                        ""
+                        if self.killed_at is None
+                        else f" {(time.monotonic_ns() - self.killed_at) / 1e6:.0f} ms after the "
+                        f"kill"
+                    )
+                    raise DemoError(
+                        f"the {role} exited ({status}); the {who} reported it{after}: {m['error']}"
+                    )
         raise DemoError(f"the {role} exited ({status}) and nothing else reported it")
 
     def run(self) -> dict:
         try:
             self.start()
-            handlers = {role: {"worker": self._on_worker, "messager": self._on_messager,
-                               "decoder": self._on_decoder}[role.split(".")[0]]
-                        for role in self.hub.links}
+            handlers = {
+                role: {
+                    "worker": self._on_worker,
+                    "messager": self._on_messager,
+                    "decoder": self._on_decoder,
+                }[role.split(".")[0]]
+                for role in self.hub.links
+            }
             roles = {id(link): role for role, link in self.hub.links.items()}
             open_links = list(self.hub.links.values())
             while self.verification is None:
@@ -354,8 +412,11 @@ class Pipeline:
             self.progress.update(force=True)
         except DemoError as exc:
             tails = {role: self.hub.log_tail(role) for role in self.hub.processes}
-            logs = "".join(f"\n--- {role}'s stderr (last lines) ---\n{tail}"
-                           for role, tail in tails.items() if tail.strip())
+            logs = "".join(
+                f"\n--- {role}'s stderr (last lines) ---\n{tail}"
+                for role, tail in tails.items()
+                if tail.strip()
+            )
             raise DemoError(f"{exc}{logs}") from None
         finally:
             self.hub.stop(grace=10.0)
@@ -367,8 +428,10 @@ class Pipeline:
 def run(plan: Plan, options: Options) -> tuple[dict, Timeline]:
     """Run the demo for `plan`; the summary (see report.summarize) and the timeline."""
     if not plan.requests:
-        raise DemoError("no request fits the cache: " +
-                        "; ".join(f"{n} tokens: {why}" for n, why in plan.rejected))
+        raise DemoError(
+            "no request fits the cache: "
+            + "; ".join(f"{n} tokens: {why}" for n, why in plan.rejected)
+        )
     if plan.transport == "mooncake":
         require_mooncake()
     pipeline = Pipeline(plan, options)

@@ -84,15 +84,23 @@ class Plan:
         """Every request's prompt tokens (deterministic from the model's seed)."""
         return {r.id: prompt_tokens(self.model, r.id, r.prompt_len) for r in self.requests}
 
-    def chunks(self, step: list[ChunkPlan], prompts: dict[int, list[int]],
-               side: str) -> list[Chunk]:
+    def chunks(
+        self, step: list[ChunkPlan], prompts: dict[int, list[int]], side: str
+    ) -> list[Chunk]:
         """The model's input for `step`, placed by the `side` ("prefill"/"decode") tables."""
         out = []
         for c in step:
             request = self.request(c.request)
             table = request.prefill_blocks if side == "prefill" else request.decode_blocks
-            out.append(Chunk(request.id, c.start, prompts[request.id][c.start:c.start + c.length],
-                             table, c.start + c.length == request.prompt_len))
+            out.append(
+                Chunk(
+                    request.id,
+                    c.start,
+                    prompts[request.id][c.start : c.start + c.length],
+                    table,
+                    c.start + c.length == request.prompt_len,
+                )
+            )
         return out
 
     def chunks_of(self, request_id: int) -> list[ChunkPlan]:
@@ -115,11 +123,11 @@ class _Pool:
 
     def available(self, step: int) -> int:
         """Ids free for `step` once the requests done before it let theirs go."""
-        return len(self.free) + sum(len(ids) for _, ids, done in self.held
-                                    if done is not None and done < step)
+        return len(self.free) + sum(
+            len(ids) for _, ids, done in self.held if done is not None and done < step
+        )
 
-    def take(self, request: int, count: int, step: int, top: int = 0
-             ) -> tuple[list[int], set[int]]:
+    def take(self, request: int, count: int, step: int, top: int = 0) -> tuple[list[int], set[int]]:
         """`count` ids from the bottom, then `top` more from the top (`available` must
         allow it), freeing those of requests done before `step`, oldest first, as needed;
         and the requests that held them last."""
@@ -130,10 +138,10 @@ class _Pool:
             for block in holder[1]:
                 bisect.insort(self.free, block)
                 self.last_owner[block] = holder[0]
-        ids = self.free[:count] + (self.free[len(self.free) - top:] if top else [])
+        ids = self.free[:count] + (self.free[len(self.free) - top :] if top else [])
         del self.free[:count]
         if top:
-            del self.free[len(self.free) - top:]
+            del self.free[len(self.free) - top :]
         self.held.append((request, ids, None))
         return ids, {self.last_owner.pop(i) for i in ids if i in self.last_owner}
 
@@ -141,9 +149,19 @@ class _Pool:
         self.held = [(r, ids, step if r == request else done) for r, ids, done in self.held]
 
 
-def make_plan(model: ModelConfig, prompt_lens: list[int], mode: str, transport: str,
-              cache_blocks: int, decode_steps: int, batch: int, chunk_tokens: int,
-              signal_at_end: bool = False, tp: int = 1, max_batch: int = MAX_BATCH) -> Plan:
+def make_plan(
+    model: ModelConfig,
+    prompt_lens: list[int],
+    mode: str,
+    transport: str,
+    cache_blocks: int,
+    decode_steps: int,
+    batch: int,
+    chunk_tokens: int,
+    signal_at_end: bool = False,
+    tp: int = 1,
+    max_batch: int = MAX_BATCH,
+) -> Plan:
     """Allocate blocks and schedule steps; prompts that can never fit are rejected, not run.
 
     per_query: up to `batch` whole prompts per step. per_chunk: each step takes at most
@@ -165,8 +183,13 @@ def make_plan(model: ModelConfig, prompt_lens: list[int], mode: str, transport: 
             # The decode side keeps block 0 unused (the null block engines reserve), so its
             # tables differ from the prefill side's and a transfer that ignored them would
             # fail verification.
-            rejected.append((length, f"needs {need + grow} blocks of {bs} tokens, the whole "
-                                     f"cache has {cache_blocks - 1} (block 0 is reserved)"))
+            rejected.append(
+                (
+                    length,
+                    f"needs {need + grow} blocks of {bs} tokens, the whole "
+                    f"cache has {cache_blocks - 1} (block 0 is reserved)",
+                )
+            )
         else:
             accepted.append((length, need, grow))
     prefill, decode = _Pool(range(cache_blocks)), _Pool(range(1, cache_blocks))
@@ -180,8 +203,11 @@ def make_plan(model: ModelConfig, prompt_lens: list[int], mode: str, transport: 
     def admit(request: int, step: int, waits: set[int]) -> bool:
         """Give `request` its slot and blocks for `step`, freeing earlier ones' if need be."""
         length, need, grow = accepted[request]
-        if (slots.available(step) < 1 or prefill.available(step) < need
-                or decode.available(step) < need + grow):
+        if (
+            slots.available(step) < 1
+            or prefill.available(step) < need
+            or decode.available(step) < need + grow
+        ):
             return False
         slot, _ = slots.take(request, 1, step)
         p_blocks, reused = prefill.take(request, need, step)
@@ -201,8 +227,11 @@ def make_plan(model: ModelConfig, prompt_lens: list[int], mode: str, transport: 
             step.append(ChunkPlan(item[0], item[1], take))
             item[1] += take
             budget -= take
-        while queue and (budget is None and len(step) < batch or budget) \
-                and admit(queue[0], index, waits):
+        while (
+            queue
+            and (budget is None and len(step) < batch or budget)
+            and admit(queue[0], index, waits)
+        ):
             request = queue.pop(0)
             length = accepted[request][0]
             take = length if budget is None else min(budget, length)
@@ -220,7 +249,22 @@ def make_plan(model: ModelConfig, prompt_lens: list[int], mode: str, transport: 
                     pool.finish(c.request, index)
         steps.append(step)
         step_waits.append(sorted(waits))
-    requests = [Request(i, accepted[i][0], tables[i][0], tables[i][1], tables[i][2],
-                        sorted(tables[i][3])) for i in range(len(accepted))]
-    return Plan(model, mode, transport, cache_blocks, cache_blocks, decode_steps, requests,
-                steps, rejected, signal_at_end, tp, step_waits, max_batch)
+    requests = [
+        Request(i, accepted[i][0], tables[i][0], tables[i][1], tables[i][2], sorted(tables[i][3]))
+        for i in range(len(accepted))
+    ]
+    return Plan(
+        model,
+        mode,
+        transport,
+        cache_blocks,
+        cache_blocks,
+        decode_steps,
+        requests,
+        steps,
+        rejected,
+        signal_at_end,
+        tp,
+        step_waits,
+        max_batch,
+    )

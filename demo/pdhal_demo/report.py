@@ -45,8 +45,7 @@ class Timeline:
         for (r, step, layer), end in sorted(self.layer_end.items()):
             if r != rank:
                 continue
-            begin = (self.step_start[r, step] if layer == 0
-                     else self.layer_end[r, step, layer - 1])
+            begin = self.step_start[r, step] if layer == 0 else self.layer_end[r, step, layer - 1]
             out.append((begin, end, layer))
         return out
 
@@ -54,8 +53,10 @@ class Timeline:
         return self.layer_end[x.get("rank", 0), x["step"], x["layer"]]
 
     def _by_start(self, rank: int | None) -> list[dict]:
-        return sorted((x for x in self.transfers if rank is None or x.get("rank", 0) == rank),
-                      key=lambda x: (x["start"], x["end"]))
+        return sorted(
+            (x for x in self.transfers if rank is None or x.get("rank", 0) == rank),
+            key=lambda x: (x["start"], x["end"]),
+        )
 
     def busy(self, rank: int | None = None) -> int:
         """ns in which at least one transfer (of `rank`, or of any) was in flight."""
@@ -93,8 +94,9 @@ class Timeline:
         return max(x["start"] - self._layer_end_of(x) for x in self._by_start(rank))
 
     def exposed_transfer(self, rank: int | None = None) -> int:
-        last_layer = max(end for (r, _, _), end in self.layer_end.items()
-                         if rank is None or r == rank)
+        last_layer = max(
+            end for (r, _, _), end in self.layer_end.items() if rank is None or r == rank
+        )
         return self.measured_end(rank) - last_layer
 
 
@@ -119,14 +121,20 @@ def throughput_windows(timeline: Timeline, windows: int = 10) -> list[dict]:
     ends = sorted((x["end"], x["bytes"]) for x in timeline.transfers)
     out, begin, i = [], timeline.start, 0
     for w in range(windows):
-        chunk = arrivals[len(arrivals) * w // windows:len(arrivals) * (w + 1) // windows]
+        chunk = arrivals[len(arrivals) * w // windows : len(arrivals) * (w + 1) // windows]
         end, moved = chunk[-1], 0
         while i < len(ends) and ends[i][0] <= end:
             moved += ends[i][1]
             i += 1
         seconds = (end - begin) / NS
-        out.append({"requests": len(chunk), "seconds": seconds,
-                    "requests_per_s": len(chunk) / seconds, "gib_s": moved / seconds / 2**30})
+        out.append(
+            {
+                "requests": len(chunk),
+                "seconds": seconds,
+                "requests_per_s": len(chunk) / seconds,
+                "gib_s": moved / seconds / 2**30,
+            }
+        )
         begin = end
     return out
 
@@ -138,16 +146,21 @@ def _ms(ns: float) -> float:
 def _rank(timeline: Timeline, rank: int, device) -> dict:
     busy = timeline.busy(rank)
     moved = sum(x["bytes"] for x in timeline.transfers if x.get("rank", 0) == rank)
-    return {"rank": rank, "device": device, "bytes_moved": moved,
-            "transfer_busy_s": busy / NS,
-            "transfer_throughput_gib_s": moved / (busy / NS) / 2**30 if busy else 0.0,
-            "exposed_transfer_ms": _ms(timeline.exposed_transfer(rank)),
-            "max_start_lag_ms": _ms(timeline.start_lag(rank)),
-            "overlap_efficiency": timeline.overlap_efficiency(rank)}
+    return {
+        "rank": rank,
+        "device": device,
+        "bytes_moved": moved,
+        "transfer_busy_s": busy / NS,
+        "transfer_throughput_gib_s": moved / (busy / NS) / 2**30 if busy else 0.0,
+        "exposed_transfer_ms": _ms(timeline.exposed_transfer(rank)),
+        "max_start_lag_ms": _ms(timeline.start_lag(rank)),
+        "overlap_efficiency": timeline.overlap_efficiency(rank),
+    }
 
 
-def summarize(timeline: Timeline, plan, verification: dict,
-              devices: dict[int, int] | None = None) -> dict:
+def summarize(
+    timeline: Timeline, plan, verification: dict, devices: dict[int, int] | None = None
+) -> dict:
     """One run's figures: an element of the "runs" `pdhal demo --json` prints (to_json).
 
     What ran: mode, transport, layer_signals ("per layer" or "after the forward pass"),
@@ -185,10 +198,15 @@ def summarize(timeline: Timeline, plan, verification: dict,
         "transfer_throughput_gib_s": bytes_moved / (busy / NS) / 2**30 if busy else 0.0,
         "compute_s": sum(end - begin for begin, end, _ in compute) / NS,
         "wall_s": (timeline.measured_end() - timeline.start) / NS,
-        "ttft_ms": {"mean": _ms(statistics.fmean(ttft)), "p50": _ms(statistics.median(ttft)),
-                    "max": _ms(max(ttft))},
-        "ttft_after_prefill_ms": {"mean": _ms(statistics.fmean(after_prefill)),
-                                  "max": _ms(max(after_prefill))},
+        "ttft_ms": {
+            "mean": _ms(statistics.fmean(ttft)),
+            "p50": _ms(statistics.median(ttft)),
+            "max": _ms(max(ttft)),
+        },
+        "ttft_after_prefill_ms": {
+            "mean": _ms(statistics.fmean(after_prefill)),
+            "max": _ms(max(after_prefill)),
+        },
         "overlap_efficiency": timeline.overlap_efficiency(),
         # transfer time not hidden behind compute: last byte landed after the last layer ended
         "exposed_transfer_ms": _ms(timeline.exposed_transfer()),
@@ -204,8 +222,11 @@ def summarize(timeline: Timeline, plan, verification: dict,
 
 
 def format_summary(s: dict) -> str:
-    verdict = ("every byte verified, decode tokens match the reference" if s["ok"] else
-               f"MISMATCH: {len(s['bad_blocks'])} blocks, {len(s['bad_tokens'])} token runs")
+    verdict = (
+        "every byte verified, decode tokens match the reference"
+        if s["ok"]
+        else f"MISMATCH: {len(s['bad_blocks'])} blocks, {len(s['bad_tokens'])} token runs"
+    )
     lines = [
         f"{s['mode']} over {s['transport']} (signals {s['layer_signals']}): {verdict}",
         f"  requests {s['requests']} ({s['prompt_tokens']} prompt tokens), layers {s['layers']},"
@@ -222,22 +243,27 @@ def format_summary(s: dict) -> str:
         f"overlap efficiency {s['overlap_efficiency']:.3f}",
     ]
     if s["throughput_windows"]:
-        lines.append("  requests/s by tenths of the run: " + ", ".join(
-            f"{w['requests_per_s']:.1f}" for w in s["throughput_windows"]))
+        lines.append(
+            "  requests/s by tenths of the run: "
+            + ", ".join(f"{w['requests_per_s']:.1f}" for w in s["throughput_windows"])
+        )
     if s["tp"] > 1:
         for r in s["ranks"]:
-            lines.append(f"  rank {r['rank']} (device {r['device']}): {r['bytes_moved'] / 2**20:.1f} "
-                         f"MiB at {r['transfer_throughput_gib_s']:.2f} GiB/s, exposed transfer "
-                         f"{r['exposed_transfer_ms']:.1f} ms, longest wait before a transfer "
-                         f"{r['max_start_lag_ms']:.1f} ms")
+            lines.append(
+                f"  rank {r['rank']} (device {r['device']}): {r['bytes_moved'] / 2**20:.1f} "
+                f"MiB at {r['transfer_throughput_gib_s']:.2f} GiB/s, exposed transfer "
+                f"{r['exposed_transfer_ms']:.1f} ms, longest wait before a transfer "
+                f"{r['max_start_lag_ms']:.1f} ms"
+            )
     for r in s["rejected"]:
         lines.append(f"  rejected a {r['prompt_len']}-token prompt: {r['why']}")
     for bad in s["bad_blocks"][:5]:
-        lines.append(f"  bad block: request {bad['request']} rank {bad['rank']} layer "
-                     f"{bad['layer']} {bad['kv']}")
+        lines.append(
+            f"  bad block: request {bad['request']} rank {bad['rank']} layer "
+            f"{bad['layer']} {bad['kv']}"
+        )
     for bad in s["bad_tokens"][:5]:
-        lines.append(f"  bad tokens: request {bad['request']}: {bad['got']} != "
-                     f"{bad['expected']}")
+        lines.append(f"  bad tokens: request {bad['request']}: {bad['got']} != {bad['expected']}")
     return "\n".join(lines)
 
 
@@ -256,8 +282,12 @@ def to_json(runs: list[dict]) -> dict:
     """
     import pdhal
 
-    return {"pdhal_version": pdhal.__version__, "backend": pdhal.current_backend(),
-            "schema_version": SCHEMA_VERSION, "runs": runs}
+    return {
+        "pdhal_version": pdhal.__version__,
+        "backend": pdhal.current_backend(),
+        "schema_version": SCHEMA_VERSION,
+        "runs": runs,
+    }
 
 
 #: The formats --plot may end in: matplotlib's own list (FigureCanvasBase), once imported.
@@ -282,7 +312,7 @@ def _ids(ids: list[int]) -> str:
         if j - i >= 2:
             out.append(f"r{ids[i]}–r{ids[j]}")
         else:
-            out += [f"r{n}" for n in ids[i:j + 1]]
+            out += [f"r{n}" for n in ids[i : j + 1]]
         i = j + 1
     return ", ".join(out)
 
@@ -290,8 +320,15 @@ def _ids(ids: list[int]) -> str:
 def _label(ax, span: float, text: str, x: float, y: float, dy: int, colour: str) -> None:
     """Text by the point (x, y); near the right edge it ends there instead of starting."""
     right = x > 0.85 * span
-    ax.annotate(text, (x, y), fontsize=7, xytext=(-3 if right else 3, dy),
-                textcoords="offset points", ha="right" if right else "left", color=colour)
+    ax.annotate(
+        text,
+        (x, y),
+        fontsize=7,
+        xytext=(-3 if right else 3, dy),
+        textcoords="offset points",
+        ha="right" if right else "left",
+        color=colour,
+    )
 
 
 def figure(runs: list[tuple]):
@@ -315,36 +352,52 @@ def figure(runs: list[tuple]):
     fig = Figure(figsize=(13, sum(heights) + 1.6), layout="constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False, height_ratios=heights)[:, 0]
     for ax, (plan, t) in zip(axes, runs):
+
         def ms(ns: int, start: int = t.start) -> float:
             return (ns - start) / 1e6
+
         rank0 = "\n(rank 0)" if plan.tp > 1 else ""
         rows = [f"worker: compute{rank0}", f"layer signal{rank0}"]
-        rows += [f"messager rank {r}:\ntransfer" if plan.tp > 1 else "messager: transfer"
-                 for r in range(plan.tp)]
+        rows += [
+            f"messager rank {r}:\ntransfer" if plan.tp > 1 else "messager: transfer"
+            for r in range(plan.tp)
+        ]
         rows.append("decode: request\nin its cache")
         y = {name: len(rows) - 1 - i for i, name in enumerate(rows)}  # first row on top
         compute = t.compute_intervals()
-        ax.broken_barh([(ms(b), (e - b) / 1e6) for b, e, _ in compute],
-                       (y[rows[0]] - 0.35, 0.7),
-                       facecolors=[cmap(norm(layer)) for *_, layer in compute],
-                       edgecolors="white",  # between layers, unless that is all one would see
-                       linewidth=0.4 if len(compute) <= 300 else 0)
+        ax.broken_barh(
+            [(ms(b), (e - b) / 1e6) for b, e, _ in compute],
+            (y[rows[0]] - 0.35, 0.7),
+            facecolors=[cmap(norm(layer)) for *_, layer in compute],
+            edgecolors="white",  # between layers, unless that is all one would see
+            linewidth=0.4 if len(compute) <= 300 else 0,
+        )
         ticks = [ms(at) for (rank, _, _), at in t.signal.items() if rank == 0]
         ax.vlines(ticks, y[rows[1]] - 0.3, y[rows[1]] + 0.3, colors="black", linewidth=0.7)
         for rank in range(plan.tp):
             row = y[rows[2 + rank]]
             mine = [x for x in t.transfers if x.get("rank", 0) == rank]
             shades = [cmap(norm(x["layer"])) for x in mine]
-            ax.broken_barh([(ms(x["start"]), (x["end"] - x["start"]) / 1e6) for x in mine],
-                           (row - 0.35, 0.7), facecolors=shades, edgecolors=shades,
-                           linewidth=0.8)  # a transfer far shorter than a pixel still shows
+            ax.broken_barh(
+                [(ms(x["start"]), (x["end"] - x["start"]) / 1e6) for x in mine],
+                (row - 0.35, 0.7),
+                facecolors=shades,
+                edgecolors=shades,
+                linewidth=0.8,
+            )  # a transfer far shorter than a pixel still shows
         # Requests on decode; those a few pixels apart share one label.
         row = y[rows[-1]]
         arrivals = sorted((ms(at), r) for r, at in t.inserted.items())
         span = max([ms(x["end"]) for x in t.transfers] + [a for a, _ in arrivals] + [1.0])
 
-        ax.plot([a for a, _ in arrivals], [row] * len(arrivals), linestyle="none",
-                marker="v", color="tab:red", markersize=6)
+        ax.plot(
+            [a for a, _ in arrivals],
+            [row] * len(arrivals),
+            linestyle="none",
+            marker="v",
+            color="tab:red",
+            markersize=6,
+        )
         groups: list[list] = []
         for at, r in arrivals:
             if groups and at - groups[-1][0][0] < span / 60:
@@ -353,30 +406,43 @@ def figure(runs: list[tuple]):
                 groups.append([(at, r)])
         if len(plan.requests) <= MAX_LABELS:
             for group in groups:
-                _label(ax, span, _ids([r for _, r in group]), group[0][0], row, -12,
-                       "tab:red")
+                _label(ax, span, _ids([r for _, r in group]), group[0][0], row, -12, "tab:red")
         # Steps: where each began (rank 0), and the requests it computed.
-        starts = sorted((ms(at), t.step_index[key]) for key, at in t.step_start.items()
-                        if key[0] == 0 and key in t.step_index)
+        starts = sorted(
+            (ms(at), t.step_index[key])
+            for key, at in t.step_start.items()
+            if key[0] == 0 and key in t.step_index
+        )
         for at, _ in starts if len(starts) <= 3 * MAX_LABELS else []:  # else a grey wash
             ax.axvline(at, color="grey", linestyle=":", linewidth=0.8)
         if len(starts) <= MAX_LABELS:
             for at, index in starts:
-                _label(ax, span, f"step {index}: {_ids([c.request for c in plan.steps[index]])}",
-                       at, len(rows) - 0.5, 2, "dimgrey")
+                _label(
+                    ax,
+                    span,
+                    f"step {index}: {_ids([c.request for c in plan.steps[index]])}",
+                    at,
+                    len(rows) - 0.5,
+                    2,
+                    "dimgrey",
+                )
         ax.set_yticks(list(y.values()), list(y))
         ax.set_ylim(-0.6, len(rows) - 0.1)
         ax.set_xlim(-0.01 * span, 1.01 * span)
         ax.set_xlabel("time since the prefill worker started (ms)")
         signals = "after the forward pass" if plan.signal_at_end else "per layer"
-        ax.set_title(f"{plan.mode} over {plan.transport}: {len(plan.requests)} requests, "
-                     f"{plan.model.layers} layers, {len(plan.steps)} "
-                     f"step{'s' if len(plan.steps) > 1 else ''}, signals {signals}"
-                     + (f", {plan.tp} tensor-parallel ranks" if plan.tp > 1 else "")
-                     + f" — overlap efficiency {t.overlap_efficiency():.3f}, last byte "
-                     f"{t.exposed_transfer() / 1e6:.1f} ms after the last layer", fontsize=10)
-    fig.suptitle("pdhal demo: prefill worker → layer signal → cache messager → decode cache",
-                 fontsize=11)
+        ax.set_title(
+            f"{plan.mode} over {plan.transport}: {len(plan.requests)} requests, "
+            f"{plan.model.layers} layers, {len(plan.steps)} "
+            f"step{'s' if len(plan.steps) > 1 else ''}, signals {signals}"
+            + (f", {plan.tp} tensor-parallel ranks" if plan.tp > 1 else "")
+            + f" — overlap efficiency {t.overlap_efficiency():.3f}, last byte "
+            f"{t.exposed_transfer() / 1e6:.1f} ms after the last layer",
+            fontsize=10,
+        )
+    fig.suptitle(
+        "pdhal demo: prefill worker → layer signal → cache messager → decode cache", fontsize=11
+    )
     bar = fig.colorbar(ScalarMappable(norm, cmap), ax=list(axes), pad=0.01, aspect=40)
     bar.set_label("layer (the colour of its compute and transfer bars)")
     bar.set_ticks(sorted({*range(0, layers, max(1, round(layers / 8))), layers - 1}))
@@ -384,10 +450,13 @@ def figure(runs: list[tuple]):
     shades = [cmap(norm(layer)) for layer in (0, layers // 2, layers - 1)]
     handles = [
         tuple(Patch(facecolor=c, edgecolor="white") for c in shades),
-        tuple(Line2D([], [], color=c, marker="|", linestyle="none", markersize=10,
-                     markeredgewidth=2) for c in shades),
-        Line2D([], [], color="black", marker="|", linestyle="none", markersize=10,
-               markeredgewidth=1),
+        tuple(
+            Line2D([], [], color=c, marker="|", linestyle="none", markersize=10, markeredgewidth=2)
+            for c in shades
+        ),
+        Line2D(
+            [], [], color="black", marker="|", linestyle="none", markersize=10, markeredgewidth=1
+        ),
         Line2D([], [], color="tab:red", marker="v", linestyle="none"),
         Line2D([], [], color="grey", linestyle=":"),
     ]
@@ -398,8 +467,15 @@ def figure(runs: list[tuple]):
         "rN: request N is in the decode cache, its first token known",
         "step k: a prefill step starts; rN: the requests it computes",
     ]
-    fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8,
-               frameon=False, handler_map={tuple: HandlerTuple(ndivide=None, pad=0)})
+    fig.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncols=2,
+        fontsize=8,
+        frameon=False,
+        handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
+    )
     return fig
 
 

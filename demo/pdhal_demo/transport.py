@@ -37,11 +37,14 @@ def require_mooncake():
         from mooncake.engine import TransferEngine
     except ImportError as exc:
         if "libibverbs" in str(exc):
-            raise DemoError("Mooncake is installed but cannot load libibverbs.so.1: install "
-                            "Debian's libibverbs1 (apt-get install libibverbs1)") from None
-        raise DemoError("the mooncake transport needs Mooncake's transfer engine: "
-                        "pip install 'pdhal-demo[mooncake]' (mooncake-transfer-engine-non-cuda)"
-                        ) from None
+            raise DemoError(
+                "Mooncake is installed but cannot load libibverbs.so.1: install "
+                "Debian's libibverbs1 (apt-get install libibverbs1)"
+            ) from None
+        raise DemoError(
+            "the mooncake transport needs Mooncake's transfer engine: "
+            "pip install 'pdhal-demo[mooncake]' (mooncake-transfer-engine-non-cuda)"
+        ) from None
     return TransferEngine
 
 
@@ -55,8 +58,9 @@ class MooncakeEngine:
         self.engine = require_mooncake()()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
         if rc != 0:
-            raise DemoError(f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) "
-                            f"failed with {rc}")
+            raise DemoError(
+                f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed with {rc}"
+            )
         self.session = f"{host}:{self.engine.get_rpc_port()}"
 
     def register(self, address: int, nbytes: int) -> None:
@@ -95,8 +99,14 @@ class ShmSender:
     (its C loop coalesces the ids again), the op an engine's own cache copies use.
     """
 
-    def __init__(self, src: np.ndarray, decode: dict, dst_shape: tuple[int, ...],
-                 copy: str = "memmove", rank: int = 0):
+    def __init__(
+        self,
+        src: np.ndarray,
+        decode: dict,
+        dst_shape: tuple[int, ...],
+        copy: str = "memmove",
+        rank: int = 0,
+    ):
         if copy not in SHM_COPIES:
             raise DemoError(f"shm copy must be one of {SHM_COPIES}, got {copy!r}")
         self.src = src
@@ -151,8 +161,16 @@ class MooncakeSender:
 
     POLL_S = (50e-6, 500e-6)  # the first sleep between status checks, and the longest
 
-    def __init__(self, src: np.ndarray, decode: dict, dst_shape: tuple[int, ...], host: str,
-                 protocol: str, timeout_s: float = 5.0, rank: int = 0):
+    def __init__(
+        self,
+        src: np.ndarray,
+        decode: dict,
+        dst_shape: tuple[int, ...],
+        host: str,
+        protocol: str,
+        timeout_s: float = 5.0,
+        rank: int = 0,
+    ):
         self._engine = MooncakeEngine(host, protocol)
         self._submit = self._engine.engine.transfer_submit_write
         self._status = self._engine.engine.transfer_check_status
@@ -170,8 +188,9 @@ class MooncakeSender:
         """Open the connection now (a read into scratch memory), not in the first layer."""
         self._scratch = np.zeros(4096, np.uint8)
         self._engine.register(self._scratch.ctypes.data, self._scratch.nbytes)
-        rc = self._engine.engine.transfer_sync_read(self._target, self._scratch.ctypes.data,
-                                                    self._dst_base, self._scratch.nbytes)
+        rc = self._engine.engine.transfer_sync_read(
+            self._target, self._scratch.ctypes.data, self._dst_base, self._scratch.nbytes
+        )
         if rc != 0:
             raise DemoError(f"Mooncake could not reach the decode side at {self._target} ({rc})")
 
@@ -183,8 +202,10 @@ class MooncakeSender:
             for s, d, n in runs:
                 batch = self._submit(self._target, src + s * block, dst + d * block, n * block)
                 if batch <= 0:
-                    raise DemoError(f"Mooncake could not submit layer {layer}'s write to "
-                                    f"{self._target} ({batch})")
+                    raise DemoError(
+                        f"Mooncake could not submit layer {layer}'s write to "
+                        f"{self._target} ({batch})"
+                    )
                 ids.append(batch)
                 nbytes += n * block
         deadline = time.monotonic_ns() + self._timeout_ns + nbytes * 10  # + 100 MiB/s
@@ -199,9 +220,12 @@ class MooncakeSender:
                     raise DemoError(
                         f"Mooncake's write of layer {pending.layer} ({pending.nbytes} bytes) to "
                         f"{self._target} did not complete in time: the link to the decode "
-                        f"side or the decode side is gone")
+                        f"side or the decode side is gone"
+                    )
                 time.sleep(nap)
                 nap = min(2 * nap, longest)  # fewer wake-ups on a long transfer
             if status != 1:
-                raise DemoError(f"Mooncake's write of layer {pending.layer} to {self._target} "
-                                f"{'timed out' if status == -2 else 'failed'} ({status})")
+                raise DemoError(
+                    f"Mooncake's write of layer {pending.layer} to {self._target} "
+                    f"{'timed out' if status == -2 else 'failed'} ({status})"
+                )

@@ -73,20 +73,25 @@ class TpGroup:
             while any(unsent.values()) or any(n < len(data) for n in filled.values()):
                 events = self._selector.select(self.TIMEOUT_S)
                 if not events:
-                    raise DemoError(f"rank {self.rank}'s peers sent nothing for "
-                                    f"{self.TIMEOUT_S:.0f} s in an all-reduce")
+                    raise DemoError(
+                        f"rank {self.rank}'s peers sent nothing for "
+                        f"{self.TIMEOUT_S:.0f} s in an all-reduce"
+                    )
                 for key, mask in events:
                     peer, sock = key.data, key.fileobj
                     if mask & selectors.EVENT_WRITE and unsent[peer]:
-                        unsent[peer] = unsent[peer][sock.send(unsent[peer]):]
+                        unsent[peer] = unsent[peer][sock.send(unsent[peer]) :]
                     if mask & selectors.EVENT_READ and filled[peer] < len(data):
-                        n = sock.recv_into(memoryview(got[peer])[filled[peer]:])
+                        n = sock.recv_into(memoryview(got[peer])[filled[peer] :])
                         if n == 0:
-                            raise DemoError(f"the worker of rank {peer} is gone (its "
-                                            f"all-reduce connection closed)")
+                            raise DemoError(
+                                f"the worker of rank {peer} is gone (its "
+                                f"all-reduce connection closed)"
+                            )
                         filled[peer] += n
-                    want = ((selectors.EVENT_WRITE if unsent[peer] else 0)
-                            | (selectors.EVENT_READ if filled[peer] < len(data) else 0))
+                    want = (selectors.EVENT_WRITE if unsent[peer] else 0) | (
+                        selectors.EVENT_READ if filled[peer] < len(data) else 0
+                    )
                     if want:
                         self._selector.modify(sock, want, peer)
                     else:
@@ -109,8 +114,11 @@ class TpGroup:
         received = self._exchange(local.tobytes())
         total = None
         for rank in range(self.tp):  # rank order, as the decode side sums
-            part = (local if rank == self.rank else
-                    np.frombuffer(received[rank], np.float32).reshape(local.shape))
+            part = (
+                local
+                if rank == self.rank
+                else np.frombuffer(received[rank], np.float32).reshape(local.shape)
+            )
             part = paddle.to_tensor(part)
             total = part if total is None else total + part
         return list(paddle.split(total, rows)) if len(rows) > 1 else [total]
@@ -180,20 +188,25 @@ def run(link, setup: dict) -> None:
             # the moment the signal lands, and no transfer may seem to start before its
             # layer was done (overlap efficiency <= 1 and exposed transfer >= 0 rest on it).
             end = time.monotonic_ns()
-            event = {"rank": rank, "step": channel_step, "index": index, "layer": layer,
-                     "end": end}
+            event = {"rank": rank, "step": channel_step, "index": index, "layer": layer, "end": end}
             if not plan.signal_at_end:
                 ops.signal_layer_ready(signal_of(layer))
                 event["signal"] = time.monotonic_ns()  # posted (the timeline's ticks)
             out.post("layer", event)
             if fault and index == 0 and layer == layers // 2:
-                _inject(fault, out, {"messager": go["messager_pid"], "worker": os.getpid(),
-                                     "decoder": go.get("decoder_pid")})
+                _inject(
+                    fault,
+                    out,
+                    {
+                        "messager": go["messager_pid"],
+                        "worker": os.getpid(),
+                        "decoder": go.get("decoder_pid"),
+                    },
+                )
             out.due()
             watch.check(f"step {index} layer {layer}")
 
-        out.post("step", {"rank": rank, "step": channel_step, "index": index,
-                          "start": started})
+        out.post("step", {"rank": rank, "step": channel_step, "index": index, "start": started})
         first_tokens = model.forward(chunks, {rank: cache}, after_layer, group.reduce)
         if plan.signal_at_end:
             for layer in range(layers):

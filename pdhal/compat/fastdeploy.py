@@ -29,13 +29,27 @@ from pdhal._signals import SignalMeta
 from pdhal._tensors import memory_ref
 
 __all__ = [
-    "create_kv_signal_sender", "cuda_host_alloc", "cuda_host_free", "cuda_host_register",
-    "cuda_host_unregister", "destroy_kv_signal_sender", "get_all_visible_devices",
-    "get_data_ptr_ipc", "get_output_kv_signal", "get_peer_mem_addr", "init_kv_signal_per_query",
-    "init_signal_layerwise", "ipc_sent_key_value_cache_by_remote_ptr",
-    "ipc_sent_key_value_cache_by_remote_ptr_block_sync", "open_shm_and_get_meta_signal",
-    "set_data_ipc", "share_external_data", "share_external_data_", "signal_layer_ready",
-    "swap_cache_all_layers", "unset_data_ipc",
+    "create_kv_signal_sender",
+    "cuda_host_alloc",
+    "cuda_host_free",
+    "cuda_host_register",
+    "cuda_host_unregister",
+    "destroy_kv_signal_sender",
+    "get_all_visible_devices",
+    "get_data_ptr_ipc",
+    "get_output_kv_signal",
+    "get_peer_mem_addr",
+    "init_kv_signal_per_query",
+    "init_signal_layerwise",
+    "ipc_sent_key_value_cache_by_remote_ptr",
+    "ipc_sent_key_value_cache_by_remote_ptr_block_sync",
+    "open_shm_and_get_meta_signal",
+    "set_data_ipc",
+    "share_external_data",
+    "share_external_data_",
+    "signal_layer_ready",
+    "swap_cache_all_layers",
+    "unset_data_ipc",
 ]
 
 #: swap_cache_all_layers' mode: 0 device -> host (swap out), 1 host -> device (swap in).
@@ -57,7 +71,8 @@ def _flag(value: object, what: str) -> bool:
         return bool(value)
     raise InvalidArgumentError(
         f"{what} must be a bool (or 0/1), got {value!r}: check the argument order (FastDeploy's "
-        f"latest form; device_id, where given, is a keyword argument)")
+        f"latest form; device_id, where given, is a keyword argument)"
+    )
 
 
 def _no_extra(op: str, form: str, extra: tuple) -> None:
@@ -66,17 +81,21 @@ def _no_extra(op: str, form: str, extra: tuple) -> None:
     if extra:
         raise InvalidArgumentError(
             f"{op} takes {form} positionally, got {len(extra)} more ({extra!r}): FastDeploy's "
-            f"latest form; pass device_id as a keyword (device_id=...) instead")
+            f"latest form; pass device_id as a keyword (device_id=...) instead"
+        )
 
 
 # ---- layer signals (attention backends, model runners) ----------------------------------
 
-def open_shm_and_get_meta_signal(rank: int, device_id: int = 0,
-                                 keep_pd_step_flag: bool = False) -> SignalMeta:
+
+def open_shm_and_get_meta_signal(
+    rank: int, device_id: int = 0, keep_pd_step_flag: bool = False
+) -> SignalMeta:
     """Start this forward pass's step on (rank, device_id)'s per-query channel (a draft/MTP
     model keeps the step); pass the result to init_signal_layerwise."""
-    return ops.open_shm_and_get_meta_signal(rank, device_id,
-                                            _flag(keep_pd_step_flag, "keep_pd_step_flag"))
+    return ops.open_shm_and_get_meta_signal(
+        rank, device_id, _flag(keep_pd_step_flag, "keep_pd_step_flag")
+    )
 
 
 def init_signal_layerwise(kv_signal_metadata: SignalMeta, layer_id: int):
@@ -86,32 +105,42 @@ def init_signal_layerwise(kv_signal_metadata: SignalMeta, layer_id: int):
     return _int64_tensor(ops.init_signal_layerwise(kv_signal_metadata, layer_id).kernel_form)
 
 
-def init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_decoder,
-                             rank: int, num_layers: int, *extra, device_id: int = 0) -> None:
+def init_kv_signal_per_query(
+    seq_lens_encoder,
+    seq_lens_this_time,
+    seq_lens_decoder,
+    rank: int,
+    num_layers: int,
+    *extra,
+    device_id: int = 0,
+) -> None:
     """Publish this step's prefill table (per-chunk mode) and make it the process's current
     step: an attention op then posts "the next layer" with pdhal_next_chunk_layer_store().
     FastDeploy's latest order is (..., rank, num_layers); device_id is keyword-only, so the
     (..., rank, device_id, num_layers) order of a branch fails instead of swapping them."""
-    _no_extra("init_kv_signal_per_query", "(seq_lens_encoder, seq_lens_this_time, "
-              "seq_lens_decoder, rank, num_layers)", extra)
-    ops.init_kv_signal_per_query(seq_lens_encoder, seq_lens_this_time, seq_lens_decoder, rank,
-                                 num_layers, device_id)
+    _no_extra(
+        "init_kv_signal_per_query",
+        "(seq_lens_encoder, seq_lens_this_time, seq_lens_decoder, rank, num_layers)",
+        extra,
+    )
+    ops.init_kv_signal_per_query(
+        seq_lens_encoder, seq_lens_this_time, seq_lens_decoder, rank, num_layers, device_id
+    )
 
 
-def get_output_kv_signal(x, rank_id: int, wait_flag, *extra, device_id: int = 0,
-                         timeout: float | None = None) -> None:
+def get_output_kv_signal(
+    x, rank_id: int, wait_flag, *extra, device_id: int = 0, timeout: float | None = None
+) -> None:
     """Fill the int32 CPU tensor `x` ([512 * 3 + 2]) with the next per-chunk record:
     [count, layer, (slot, cached tokens, chunk tokens) * count], or [-1, -1, ...]. The
     (x, rank_id, device_id, wait_flag) order of a branch fails (device_id is keyword-only)."""
     _no_extra("get_output_kv_signal", "(x, rank_id, wait_flag)", extra)
-    ops.get_output_kv_signal(x, rank_id, _flag(wait_flag, "wait_flag"), device_id,
-                             timeout=timeout)
+    ops.get_output_kv_signal(x, rank_id, _flag(wait_flag, "wait_flag"), device_id, timeout=timeout)
 
 
 def signal_layer_ready(kv_signal_data, stream=None, sender=None) -> None:
     """Post a layer signal from Python (what the attention op does from C++)."""
-    ops.signal_layer_ready(kv_signal_data, stream,
-                           None if sender is None else _live_sender(sender))
+    ops.signal_layer_ready(kv_signal_data, stream, None if sender is None else _live_sender(sender))
 
 
 _senders: dict[int, KVSignalSender] = {}  # kernel id -> the sender those words name
@@ -133,14 +162,17 @@ def _live_sender(sender_tensor) -> KVSignalSender:
         return sender_tensor
     words = memory_ref(sender_tensor, "sender")
     if words.nbytes != 32:
-        raise InvalidArgumentError("a sender's tensor holds 4 int64 words (from "
-                                   "create_kv_signal_sender)")
+        raise InvalidArgumentError(
+            "a sender's tensor holds 4 int64 words (from create_kv_signal_sender)"
+        )
     ident = int(sender_tensor.tolist()[1]) if hasattr(sender_tensor, "tolist") else None
     with _senders_lock:
         sender = _senders.get(ident)
     if sender is None:
-        raise InvalidArgumentError("this tensor names no sender alive in this process "
-                                   "(destroyed already, or not from create_kv_signal_sender)")
+        raise InvalidArgumentError(
+            "this tensor names no sender alive in this process "
+            "(destroyed already, or not from create_kv_signal_sender)"
+        )
     return sender
 
 
@@ -171,13 +203,15 @@ def cuda_host_alloc(size: int, flags: int = 0) -> int:
 def cuda_host_free(ptr: int) -> None:
     """Free an address cuda_host_alloc returned (anything else is refused)."""
     if isinstance(ptr, bool) or not isinstance(ptr, int):
-        raise InvalidTypeError(f"ptr must be the int cuda_host_alloc returned, got "
-                               f"{type(ptr).__name__}")
+        raise InvalidTypeError(
+            f"ptr must be the int cuda_host_alloc returned, got {type(ptr).__name__}"
+        )
     with _host_lock:
         buf = _host_buffers.pop(ptr, None)
     if buf is None:
-        raise InvalidArgumentError(f"{ptr:#x} is not an address cuda_host_alloc returned (or it "
-                                   f"was freed already)")
+        raise InvalidArgumentError(
+            f"{ptr:#x} is not an address cuda_host_alloc returned (or it was freed already)"
+        )
     ops.host_free(buf)
 
 
@@ -198,20 +232,29 @@ def get_peer_mem_addr(ptr) -> int:
 
 # ---- KV caches shared between processes ----------------------------------------------------
 
+
 def set_data_ipc(tensor, shm_name: str) -> None:
     """Share a KV-cache tensor with the cache processes on this host under `shm_name`."""
     ops.set_data_ipc(tensor, shm_name)
 
 
-def share_external_data(input, shm_name: str, shape, use_ipc: bool = True, *,  # noqa: A002
-                        timeout: float | None = 60.0):
+def share_external_data(
+    input,
+    shm_name: str,
+    shape,
+    use_ipc: bool = True,
+    *,  # noqa: A002
+    timeout: float | None = 60.0,
+):
     """A tensor of `input`'s dtype and `shape` over the cache shared as `shm_name`:
     FastDeploy's GPU form (3 arguments) and XPU form (use_ipc, 4th). pdhal always maps by
     IPC, so use_ipc=False (XPU's same-process pointer) is refused rather than ignored.
     Waits up to `timeout` s for the name to be shared (FastDeploy's op fails at once)."""
     if not _flag(use_ipc, "use_ipc"):
-        raise InvalidArgumentError("use_ipc=False (a raw pointer valid in one process only) is "
-                                   "not supported: pdhal shares caches between processes")
+        raise InvalidArgumentError(
+            "use_ipc=False (a raw pointer valid in one process only) is "
+            "not supported: pdhal shares caches between processes"
+        )
     shared = ops.share_external_data(input, shm_name, list(shape), timeout)
     if _is_paddle(input) and not _is_paddle(shared):
         import paddle
@@ -222,13 +265,15 @@ def share_external_data(input, shm_name: str, shape, use_ipc: bool = True, *,  #
                 f"{shm_name!r} is mapped as {device} memory, which this Paddle cannot wrap as a "
                 f"tensor (DLPack reaches CUDA memory only, and only in a Paddle built with "
                 f"CUDA): pass a non-Paddle `input` (a numpy array or dtype name) for the mapping "
-                f"itself, or use get_data_ptr_ipc's address")
+                f"itself, or use get_data_ptr_ipc's address"
+            )
         return paddle.from_dlpack(shared)  # a device tensor over the mapping (DLPack)
     return shared
 
 
-def share_external_data_(cache, cache_name: str, cache_shape, use_ipc: bool = True, *,
-                         timeout: float | None = 60.0):
+def share_external_data_(
+    cache, cache_name: str, cache_shape, use_ipc: bool = True, *, timeout: float | None = 60.0
+):
     """cache_manager.ops' helper of the same name."""
     return share_external_data(cache, cache_name, cache_shape, use_ipc, timeout=timeout)
 
@@ -240,12 +285,14 @@ def get_data_ptr_ipc(tmp_input, shm_name: str, *, timeout: float | None = 60.0):
     return _int64_tensor([ops.get_data_ptr_ipc(tmp_input, shm_name, timeout)])
 
 
-def unset_data_ipc(tmp_input, shm_name: str, close_ipc: bool = True,
-                   unlink_shm: bool = True) -> None:
+def unset_data_ipc(
+    tmp_input, shm_name: str, close_ipc: bool = True, unlink_shm: bool = True
+) -> None:
     """Stop sharing `shm_name`: close this process's mapping of it (close_ipc) and remove
     the record (unlink_shm, the publisher's own)."""
-    ops.unset_data_ipc(tmp_input, shm_name, _flag(close_ipc, "close_ipc"),
-                       _flag(unlink_shm, "unlink_shm"))
+    ops.unset_data_ipc(
+        tmp_input, shm_name, _flag(close_ipc, "close_ipc"), _flag(unlink_shm, "unlink_shm")
+    )
 
 
 def _is_paddle(obj) -> bool:
@@ -253,6 +300,7 @@ def _is_paddle(obj) -> bool:
 
 
 # ---- block transfers ---------------------------------------------------------------------
+
 
 def _block_bytes(cache, what: str) -> int:
     """Bytes of one block of a [blocks, ...] cache tensor: its bytes over its blocks (from
@@ -262,8 +310,9 @@ def _block_bytes(cache, what: str) -> int:
         raise InvalidArgumentError(f"{what} must be a [blocks, ...] cache, got shape {shape}")
     nbytes = memory_ref(cache, what).nbytes
     if nbytes is None or nbytes % shape[0]:
-        raise InvalidArgumentError(f"{what} of shape {shape} holds {nbytes} bytes, not whole "
-                                   f"blocks")
+        raise InvalidArgumentError(
+            f"{what} of shape {shape} holds {nbytes} bytes, not whole blocks"
+        )
     return nbytes // shape[0]
 
 
@@ -273,16 +322,25 @@ def _address(pointer, what: str) -> int:
         values = pointer.tolist()
         pointer = values[0] if isinstance(values, list) and len(values) == 1 else values
     if isinstance(pointer, bool) or not isinstance(pointer, int):
-        raise InvalidArgumentError(f"{what} must be an address (int, or an int64 tensor of one), "
-                                   f"got {pointer!r}")
+        raise InvalidArgumentError(
+            f"{what} must be an address (int, or an int64 tensor of one), got {pointer!r}"
+        )
     return pointer
 
 
-def ipc_sent_key_value_cache_by_remote_ptr(local_key_tensor, local_value_tensor,
-                                           local_block_ids, remote_block_ids, remote_key_tensor,
-                                           remote_value_tensor, block_num: int,
-                                           local_device_id: int, remote_device_id: int,
-                                           cuda_stream_raw: int, is_scale: bool = False) -> None:
+def ipc_sent_key_value_cache_by_remote_ptr(
+    local_key_tensor,
+    local_value_tensor,
+    local_block_ids,
+    remote_block_ids,
+    remote_key_tensor,
+    remote_value_tensor,
+    block_num: int,
+    local_device_id: int,
+    remote_device_id: int,
+    cuda_stream_raw: int,
+    is_scale: bool = False,
+) -> None:
     """Copy one layer's blocks local_block_ids[:block_num] of the local K and V caches into
     blocks remote_block_ids[:block_num] of another process's caches on this host (their
     addresses from get_data_ptr_ipc), ordered on the stream; runs of consecutive ids are one
@@ -292,16 +350,28 @@ def ipc_sent_key_value_cache_by_remote_ptr(local_key_tensor, local_value_tensor,
     local_ids = _blocks.block_ids(local_block_ids, "local_block_ids")
     remote_ids = _blocks.block_ids(remote_block_ids, "remote_block_ids")
     if block_num > min(len(local_ids), len(remote_ids)):
-        raise InvalidArgumentError(f"block_num {block_num} exceeds the block ids given "
-                                   f"({len(local_ids)} local, {len(remote_ids)} remote)")
+        raise InvalidArgumentError(
+            f"block_num {block_num} exceeds the block ids given "
+            f"({len(local_ids)} local, {len(remote_ids)} remote)"
+        )
     if list(local_value_tensor.shape) != list(local_key_tensor.shape):
-        raise InvalidArgumentError(f"the local K and V caches differ in shape: "
-                                   f"{list(local_key_tensor.shape)} and "
-                                   f"{list(local_value_tensor.shape)}")
-    copies = [(_address(remote_key_tensor, "remote key cache pointer"), local_key_tensor,
-               _block_bytes(local_key_tensor, "local key cache")),
-              (_address(remote_value_tensor, "remote value cache pointer"), local_value_tensor,
-               _block_bytes(local_value_tensor, "local value cache"))]
+        raise InvalidArgumentError(
+            f"the local K and V caches differ in shape: "
+            f"{list(local_key_tensor.shape)} and "
+            f"{list(local_value_tensor.shape)}"
+        )
+    copies = [
+        (
+            _address(remote_key_tensor, "remote key cache pointer"),
+            local_key_tensor,
+            _block_bytes(local_key_tensor, "local key cache"),
+        ),
+        (
+            _address(remote_value_tensor, "remote value cache pointer"),
+            local_value_tensor,
+            _block_bytes(local_value_tensor, "local value cache"),
+        ),
+    ]
     local_ids, remote_ids = local_ids[:block_num], remote_ids[:block_num]
     for remote, local, block_bytes in copies:  # K's copies are not made if V's would fail
         _blocks.check(remote, remote_ids, local, local_ids, block_bytes)
@@ -309,36 +379,49 @@ def ipc_sent_key_value_cache_by_remote_ptr(local_key_tensor, local_value_tensor,
         ops.copy_blocks(remote, remote_ids, local, local_ids, block_bytes, cuda_stream_raw)
 
 
-def ipc_sent_key_value_cache_by_remote_ptr_block_sync(local_key_tensor, local_value_tensor,
-                                                      cuda_stream_raw: int) -> None:
+def ipc_sent_key_value_cache_by_remote_ptr_block_sync(
+    local_key_tensor, local_value_tensor, cuda_stream_raw: int
+) -> None:
     """Wait until the transfers queued on the stream are done."""
     ops.synchronize(cuda_stream_raw)
 
 
-def swap_cache_all_layers(cache_gpu_tensors, cache_cpu_ptrs, max_block_num_cpu: int,
-                          swap_block_ids_gpu, swap_block_ids_cpu, rank: int, mode: int) -> None:
+def swap_cache_all_layers(
+    cache_gpu_tensors,
+    cache_cpu_ptrs,
+    max_block_num_cpu: int,
+    swap_block_ids_gpu,
+    swap_block_ids_cpu,
+    rank: int,
+    mode: int,
+) -> None:
     """Move blocks between each layer's device cache and its pinned host buffer
     (cache_cpu_ptrs[i], max_block_num_cpu blocks): mode 0 device -> host, 1 host -> device;
     then wait for the copies. `rank` is FastDeploy's device id, checked only as an int."""
     validate_index(rank, "rank (device id)")
     if mode not in (SWAP_TO_HOST, SWAP_TO_DEVICE) or isinstance(mode, bool):
-        raise InvalidArgumentError(f"mode must be 0 (device to host) or 1 (host to device), "
-                                   f"got {mode!r}")
+        raise InvalidArgumentError(
+            f"mode must be 0 (device to host) or 1 (host to device), got {mode!r}"
+        )
     caches, hosts = list(cache_gpu_tensors), list(cache_cpu_ptrs)
     if len(caches) != len(hosts):
-        raise InvalidArgumentError(f"{len(caches)} device caches but {len(hosts)} host "
-                                   f"pointers: one host buffer per layer")
+        raise InvalidArgumentError(
+            f"{len(caches)} device caches but {len(hosts)} host pointers: one host buffer per layer"
+        )
     max_blocks = validate_index(max_block_num_cpu, "max_block_num_cpu", 1 << 40)
     gpu_ids = _blocks.block_ids(swap_block_ids_gpu, "swap_block_ids_gpu")
     cpu_ids = _blocks.block_ids(swap_block_ids_cpu, "swap_block_ids_cpu")
     if len(gpu_ids) != len(cpu_ids):
-        raise InvalidArgumentError(f"swap_block_ids_gpu and swap_block_ids_cpu must pair up, "
-                                   f"got {len(gpu_ids)} and {len(cpu_ids)} ids")
+        raise InvalidArgumentError(
+            f"swap_block_ids_gpu and swap_block_ids_cpu must pair up, "
+            f"got {len(gpu_ids)} and {len(cpu_ids)} ids"
+        )
     copies = []
     for layer, (cache, host) in enumerate(zip(caches, hosts)):
         block_bytes = _block_bytes(cache, f"device cache of layer {layer}")
-        host = _host_span(_address(host, f"host pointer of layer {layer}"),
-                          max_blocks * block_bytes)
+        host = _host_span(
+            _address(host, f"host pointer of layer {layer}"), max_blocks * block_bytes
+        )
         if mode == SWAP_TO_HOST:
             copies.append((host, cpu_ids, cache, gpu_ids, block_bytes))
         else:
@@ -355,8 +438,10 @@ def _host_span(address: int, nbytes: int):
     extent = _extents.find(address)
     if extent is None or address + nbytes > extent.start + extent.nbytes:
         have = "" if extent is None else f" (it holds {extent.start + extent.nbytes - address})"
-        raise InvalidArgumentError(f"host pointer {address:#x} does not hold {nbytes} bytes of "
-                                   f"memory from cuda_host_alloc{have}")
+        raise InvalidArgumentError(
+            f"host pointer {address:#x} does not hold {nbytes} bytes of "
+            f"memory from cuda_host_alloc{have}"
+        )
     return _HostSpan(address, nbytes)
 
 
@@ -378,6 +463,7 @@ class _HostSpan:
 
 # ---- device visibility ---------------------------------------------------------------------
 
+
 def get_all_visible_devices() -> str:
     """The shell prefix FastDeploy puts before a cache process's command so its physical
     --device_id is valid there: every device visible (the platform's visibility variable
@@ -385,4 +471,3 @@ def get_all_visible_devices() -> str:
     from pdhal import current_platform
 
     return f"env -u {current_platform().device_control_env_var}"
-

@@ -11,8 +11,12 @@ SUITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite")
 
 def pytest_addoption(parser):
     group = parser.getgroup("pdhal")
-    group.addoption("--pdhal-backend", metavar="NAME", default=None,
-                    help="run pdhal's backend conformance suite against backend NAME")
+    group.addoption(
+        "--pdhal-backend",
+        metavar="NAME",
+        default=None,
+        help="run pdhal's backend conformance suite against backend NAME",
+    )
 
 
 def pytest_configure(config):
@@ -34,7 +38,8 @@ def _require_usable(name: str) -> None:
     except PdhalError as e:
         message = str(e).replace("(PDHAL_PLATFORM)", "(--pdhal-backend)")
         raise pytest.UsageError(
-            f"pdhal conformance kit: --pdhal-backend {name}: {message}") from None
+            f"pdhal conformance kit: --pdhal-backend {name}: {message}"
+        ) from None
 
 
 @pytest.fixture(scope="session")

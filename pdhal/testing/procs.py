@@ -23,8 +23,11 @@ def child(code: str, hold: bool = False, **kwargs) -> subprocess.Popen:
     if hold:
         code = textwrap.dedent(code) + "\nimport sys\nsys.stdin.read()\n"
         kwargs["stdin"] = subprocess.PIPE
-    return subprocess.Popen([sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code)],
-                            env=dict(os.environ), **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code)],
+        env=dict(os.environ),
+        **kwargs,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> None:

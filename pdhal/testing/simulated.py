@@ -57,11 +57,18 @@ class SimulatedRuntimeSupport(TestSupport):
         try:
             kernel = getattr(self.lib, self.kernel)
         except AttributeError:
-            raise UnsupportedError(f"{self.library_path} has no test kernel {self.kernel}: the "
-                                   f"kit's ordering checks need a simulated runtime or a "
-                                   f"backend TestSupport of its own") from None
-        rc = kernel(self.ffi.cast("void *", stream or 0), self.ffi.cast("void *", address), data,
-                    len(data), delay_us)
+            raise UnsupportedError(
+                f"{self.library_path} has no test kernel {self.kernel}: the "
+                f"kit's ordering checks need a simulated runtime or a "
+                f"backend TestSupport of its own"
+            ) from None
+        rc = kernel(
+            self.ffi.cast("void *", stream or 0),
+            self.ffi.cast("void *", address),
+            data,
+            len(data),
+            delay_us,
+        )
         assert rc == 0, f"{self.kernel} failed with {rc}"
 
     def release(self) -> None:

@@ -16,6 +16,7 @@ comment at the top of fuzz_segment.c):
 
 Usage: python3 tests/fuzz/make_seeds.py [OUTDIR]   (default: tests/fuzz/corpus next to it)
 """
+
 import os
 import struct
 import sys
@@ -33,17 +34,43 @@ LAYER_BITS = 20
 FIX_MAGIC, FIX_SIZE, FIX_LAYOUT = 0x02, 0x04, 0x08
 CREATE_OVER, ODD_ENTRY = 0x40, 0x80  # ODD_ENTRY | 0x00: a symlink at the path
 # Ops of the hostile mode, in the order of `enum op` in fuzz_segment.c.
-(OP_WRITE_HEADER, OP_WRITE_FIELD, OP_WRITE_PROGRESS, OP_WRITE_COUNT, OP_WRITE_LAYERS,
- OP_WRITE_TABLE, OP_WRITE_RAW, OP_NEXT, OP_ACK, OP_BEGIN_STEP, OP_PUBLISH, OP_STORE, OP_WAIT,
- OP_PROBE, OP_RESTART_READER) = range(15)
+(
+    OP_WRITE_HEADER,
+    OP_WRITE_FIELD,
+    OP_WRITE_PROGRESS,
+    OP_WRITE_COUNT,
+    OP_WRITE_LAYERS,
+    OP_WRITE_TABLE,
+    OP_WRITE_RAW,
+    OP_NEXT,
+    OP_ACK,
+    OP_BEGIN_STEP,
+    OP_PUBLISH,
+    OP_STORE,
+    OP_WAIT,
+    OP_PROBE,
+    OP_RESTART_READER,
+) = range(15)
 # Header fields OP_WRITE_FIELD picks from, in the harness's order.
 F_PROGRESS, F_SEQ, F_WAITERS, F_LATEST, F_CONSUMED, F_READER_SEQ, F_READER_WAITERS, F_PID = range(8)
 
 
 def header(kind, size, ring_slots=0, body_bytes=0, progress=0, latest_step=0, consumed=0):
     h = bytearray(HEADER)
-    struct.pack_into("<QIIQiIIIQ", h, 0, MAGIC, VERSION, kind, size, 1, 0,
-                     ring_slots, MAX_REQUESTS if kind == KIND_CHUNK else 0, body_bytes)
+    struct.pack_into(
+        "<QIIQiIIIQ",
+        h,
+        0,
+        MAGIC,
+        VERSION,
+        kind,
+        size,
+        1,
+        0,
+        ring_slots,
+        MAX_REQUESTS if kind == KIND_CHUNK else 0,
+        body_bytes,
+    )
     struct.pack_into("<Q", h, 64, progress)
     struct.pack_into("<Q", h, 80, latest_step)
     struct.pack_into("<Q", h, 128, consumed)
@@ -52,8 +79,14 @@ def header(kind, size, ring_slots=0, body_bytes=0, progress=0, latest_step=0, co
 
 def ring_slot(step=0, ready_layers=0, table=(), num_layers=1):
     s = bytearray(SLOT)
-    struct.pack_into("<QII", s, 0, (step << LAYER_BITS) | ready_layers if step else 0,
-                     len(table) // 3, num_layers)
+    struct.pack_into(
+        "<QII",
+        s,
+        0,
+        (step << LAYER_BITS) | ready_layers if step else 0,
+        len(table) // 3,
+        num_layers,
+    )
     struct.pack_into(f"<{len(table)}i", s, 16, *table)
     return bytes(s)
 
@@ -85,23 +118,106 @@ def seeds():
     # Hostile: 2 slots, two steps published (2 layers each), one record read.
     yield "hostile-plain", bytes([0x01, 0, 0x12 | 0x04])
     # A slot's count past PDHAL_MAX_REQUESTS, then a read.
-    yield "hostile-count", bytes([0x01, 1, 0x11, OP_WRITE_COUNT, 1]) + struct.pack("<I", 0xFFFFFFFF) + bytes([OP_NEXT, 0])
+    yield (
+        "hostile-count",
+        bytes([0x01, 1, 0x11, OP_WRITE_COUNT, 1])
+        + struct.pack("<I", 0xFFFFFFFF)
+        + bytes([OP_NEXT, 0]),
+    )
     # latest_step at its maximum, then a new step; consumed far ahead.
-    yield "hostile-latest", bytes([0x01, 2, 0x01, OP_WRITE_FIELD, F_LATEST, 1, OP_BEGIN_STEP, 1, 3, 1, 0, 2, 0, 3, 0,
-                                   OP_WRITE_FIELD, F_CONSUMED, 2]) + struct.pack("<Q", 1 << 40) + bytes([OP_NEXT, 0, OP_ACK])
+    yield (
+        "hostile-latest",
+        bytes(
+            [
+                0x01,
+                2,
+                0x01,
+                OP_WRITE_FIELD,
+                F_LATEST,
+                1,
+                OP_BEGIN_STEP,
+                1,
+                3,
+                1,
+                0,
+                2,
+                0,
+                3,
+                0,
+                OP_WRITE_FIELD,
+                F_CONSUMED,
+                2,
+            ]
+        )
+        + struct.pack("<Q", 1 << 40)
+        + bytes([OP_NEXT, 0, OP_ACK]),
+    )
     # A slot's progress a step ahead of the reader (lapped), num_layers huge, a small buffer.
-    yield "hostile-lapped", bytes([0x01, 3, 0x01, OP_WRITE_PROGRESS, 1, 2]) + struct.pack("<Q", (9 << LAYER_BITS) | 1) + bytes([
-        OP_WRITE_LAYERS, 1]) + struct.pack("<I", 0xFFFFFFFF) + bytes([OP_NEXT, 0x81, OP_NEXT, 0, OP_PUBLISH, 0xFF, 1, OP_STORE, 5, 0, 1,
-                                                                      OP_WAIT, 1, 1, OP_PROBE])
-
+    yield (
+        "hostile-lapped",
+        bytes([0x01, 3, 0x01, OP_WRITE_PROGRESS, 1, 2])
+        + struct.pack("<Q", (9 << LAYER_BITS) | 1)
+        + bytes([OP_WRITE_LAYERS, 1])
+        + struct.pack("<I", 0xFFFFFFFF)
+        + bytes(
+            [
+                OP_NEXT,
+                0x81,
+                OP_NEXT,
+                0,
+                OP_PUBLISH,
+                0xFF,
+                1,
+                OP_STORE,
+                5,
+                0,
+                1,
+                OP_WAIT,
+                1,
+                1,
+                OP_PROBE,
+            ]
+        ),
+    )
 
     # The reader restarts with consumed set far back, while a step is begun without it.
-    yield "hostile-restart", bytes([0x01, 0, 0x13, OP_NEXT, 0, OP_WRITE_FIELD, F_CONSUMED, 2]) + struct.pack("<Q", 0) + bytes([
-        OP_RESTART_READER, 1, 2, 2, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, OP_NEXT, 0, OP_NEXT, 0])
+    yield (
+        "hostile-restart",
+        bytes([0x01, 0, 0x13, OP_NEXT, 0, OP_WRITE_FIELD, F_CONSUMED, 2])
+        + struct.pack("<Q", 0)
+        + bytes(
+            [
+                OP_RESTART_READER,
+                1,
+                2,
+                2,
+                5,
+                0,
+                6,
+                0,
+                7,
+                0,
+                8,
+                0,
+                9,
+                0,
+                10,
+                0,
+                OP_NEXT,
+                0,
+                OP_NEXT,
+                0,
+            ]
+        ),
+    )
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+    out = (
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+    )
     os.makedirs(out, exist_ok=True)
     total = 0
     for name, data in seeds():

@@ -60,10 +60,16 @@ def snapshot() -> str:
     """The repository's files (tracked and new, not ignored) plus its built C core (the
     extension and the standalone libpdhal.so) and simulated runtimes, copied once: later
     edits to the checkout do not leak into the run."""
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    built = glob.glob(os.path.join(ROOT, "pdhal", "*.so")) + \
-        glob.glob(os.path.join(ROOT, "tests", "sim", "build", "*.so"))
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    built = glob.glob(os.path.join(ROOT, "pdhal", "*.so")) + glob.glob(
+        os.path.join(ROOT, "tests", "sim", "build", "*.so")
+    )
     dest = tempfile.mkdtemp(prefix="pdhal-mutate-base-")
     for rel in files + [os.path.relpath(p, ROOT) for p in built]:
         src = os.path.join(ROOT, rel)
@@ -95,14 +101,17 @@ def build_c_core(copy: str) -> str | None:
     for old in glob.glob(os.path.join(copy, "pdhal", "*.so")):
         os.remove(old)
     # cffi compiles in tmpdir with the build script's relative source paths: the copy's root.
-    code = ("import sys, subprocess; sys.path.insert(0, 'csrc'); import build_ffi as b; "
-            "b.ffibuilder.compile(tmpdir='.'); "
-            "subprocess.run(['gcc', '-shared', '-fPIC', *b.compile_args(), '-Ipdhal/include', "
-            "*['csrc/' + s for s in b.SOURCES], '-o', 'pdhal/libpdhal.so', "
-            "*b.link_args(b.CDEF, python_module=False), '-lpthread'], check=True)")
+    code = (
+        "import sys, subprocess; sys.path.insert(0, 'csrc'); import build_ffi as b; "
+        "b.ffibuilder.compile(tmpdir='.'); "
+        "subprocess.run(['gcc', '-shared', '-fPIC', *b.compile_args(), '-Ipdhal/include', "
+        "*['csrc/' + s for s in b.SOURCES], '-o', 'pdhal/libpdhal.so', "
+        "*b.link_args(b.CDEF, python_module=False), '-lpthread'], check=True)"
+    )
     proc = subprocess.run([PYTHON, "-c", code], cwd=copy, capture_output=True, text=True)
-    built = [glob.glob(os.path.join(copy, "pdhal", name)) for name in ("_pdhal_c*.so",
-                                                                      "libpdhal.so")]
+    built = [
+        glob.glob(os.path.join(copy, "pdhal", name)) for name in ("_pdhal_c*.so", "libpdhal.so")
+    ]
     if proc.returncode != 0 or not all(built):
         return proc.stdout + proc.stderr
     return None
@@ -111,9 +120,21 @@ def build_c_core(copy: str) -> str | None:
 def object_code(source_root: str, rel: str) -> bytes:
     """The .text of one C file of csrc/, compiled as the extension compiles it."""
     out = tempfile.mktemp(suffix=".o")
-    subprocess.run(["gcc", "-std=gnu11", "-O2", "-fPIC", "-c", f"-I{source_root}/pdhal/include",
-                    f"-I{source_root}/csrc", "-o", out, os.path.join(source_root, rel)],
-                   check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-std=gnu11",
+            "-O2",
+            "-fPIC",
+            "-c",
+            f"-I{source_root}/pdhal/include",
+            f"-I{source_root}/csrc",
+            "-o",
+            out,
+            os.path.join(source_root, rel),
+        ],
+        check=True,
+    )
     text = out + ".text"
     subprocess.run(["objcopy", "-O", "binary", "--only-section=.text", out, text], check=True)
     with open(text, "rb") as f:
@@ -129,19 +150,35 @@ KIT_RUNTIMES = {"xpu": ("PDHAL_XPURT", "libxpurt.so"), "cuda": ("PDHAL_CUDART", 
 
 def env_for(copy: str, test: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([copy, os.path.join(copy, "backends", "cuda"),
-                                         os.path.join(copy, "backends", "xpu")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [copy, os.path.join(copy, "backends", "cuda"), os.path.join(copy, "backends", "xpu")]
+    )
     if test.startswith("kit:") and test[4:] in KIT_RUNTIMES:
         var, lib = KIT_RUNTIMES[test[4:]]
-        env[var] = subprocess.run([PYTHON, "tests/sim/build.py", lib], cwd=copy, env=env,
-                                  capture_output=True, text=True, check=True).stdout.strip()
+        env[var] = subprocess.run(
+            [PYTHON, "tests/sim/build.py", lib],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     return env
 
 
 def command(test: str) -> list[str]:
     if test.startswith("kit:"):
-        return [PYTHON, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                "--pdhal-backend", test[4:]]
+        return [
+            PYTHON,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "--pdhal-backend",
+            test[4:],
+        ]
     if test.startswith("make:"):
         return ["make", "-s", test[5:]]
     return [PYTHON, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test]
@@ -151,9 +188,15 @@ def run_tests(copy: str, tests: list[str]) -> str | None:
     """None when every test passed; else which one failed (or timed out)."""
     for test in tests:
         # A session of its own, so a timeout takes the tests' child processes down too.
-        proc = subprocess.Popen(command(test), cwd=copy, env=env_for(copy, test),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command(test),
+            cwd=copy,
+            env=env_for(copy, test),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=TEST_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -162,8 +205,9 @@ def run_tests(copy: str, tests: list[str]) -> str | None:
             return f"{test}: timed out"
         proc = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         if proc.returncode != 0:
-            with open(os.path.join(tempfile.gettempdir(), "pdhal-mutate-last-failure.log"),
-                      "w") as log:
+            with open(
+                os.path.join(tempfile.gettempdir(), "pdhal-mutate-last-failure.log"), "w"
+            ) as log:
                 log.write(f"$ {' '.join(command(test))}\n{proc.stdout}{proc.stderr}")
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
             return f"{test}: exit {proc.returncode}: " + " | ".join(tail)
@@ -176,8 +220,9 @@ def run_one(base: str, m: dict) -> tuple[str, str]:
     try:
         apply(copy, m)
         if "equivalent" in m:
-            if m["file"].endswith(".c") and \
-                    object_code(copy, m["file"]) != object_code(base, m["file"]):
+            if m["file"].endswith(".c") and object_code(copy, m["file"]) != object_code(
+                base, m["file"]
+            ):
                 return "error", "claimed equivalent, but its object code differs"
             return "equivalent", m["equivalent"]
         if m["file"].startswith("csrc/"):
@@ -211,10 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast", action="store_true", help="the CI subset (fast = true)")
     parser.add_argument("--only", action="append", metavar="ID", help="run just this mutant")
     parser.add_argument("--check", action="store_true", help="check the find texts and stop")
-    parser.add_argument("--no-baseline", action="store_true",
-                        help="skip running the named tests unmutated first")
-    parser.add_argument("--min-score", type=float, default=0.9,
-                        help="fail below this share of non-equivalent mutants killed (0.9)")
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip running the named tests unmutated first"
+    )
+    parser.add_argument(
+        "--min-score",
+        type=float,
+        default=0.9,
+        help="fail below this share of non-equivalent mutants killed (0.9)",
+    )
     parser.add_argument("--mutants", default=os.path.join(HERE, "mutants.toml"))
     args = parser.parse_args(argv)
     mutants = load(args.mutants)
@@ -245,8 +295,9 @@ def run_all(base: str, mutants: list[dict]) -> dict[str, list[tuple[dict, str, s
         start = time.monotonic()
         outcome, detail = run_one(base, m)
         results[outcome].append((m, outcome, detail))
-        print(f"{outcome:>10}  {m['id']:<34} {time.monotonic() - start:5.0f} s  {detail}",
-              flush=True)
+        print(
+            f"{outcome:>10}  {m['id']:<34} {time.monotonic() - start:5.0f} s  {detail}", flush=True
+        )
     return results
 
 
@@ -262,8 +313,10 @@ def report(results: dict[str, list[tuple[dict, str, str]]], args) -> int:
         print(f"  {module:<40} {killed:3d} / {total:3d}")
     killed = len(results["killed"])
     score = killed / len(counted) if counted else 1.0
-    print(f"\nkilled {killed} of {len(counted)} ({100 * score:.0f}%); "
-          f"equivalent {len(results['equivalent'])}; stillborn {len(results['stillborn'])}")
+    print(
+        f"\nkilled {killed} of {len(counted)} ({100 * score:.0f}%); "
+        f"equivalent {len(results['equivalent'])}; stillborn {len(results['stillborn'])}"
+    )
     for m, _, detail in results["equivalent"]:
         print(f"  equivalent: {m['id']}: {detail}")
     for m, _, _ in results["survived"]:

@@ -31,10 +31,26 @@ def build(name: str) -> str:
     if not os.path.exists(out) or os.path.getmtime(out) < max(map(os.path.getmtime, inputs)):
         os.makedirs(folder, exist_ok=True)
         tmp = f"{out}.{os.getpid()}.tmp"
-        subprocess.run(["gcc", "-std=gnu11", "-O1", "-g", "-Wall", "-Wextra",
-                        "-Wno-unused-parameter", "-shared", "-fPIC", *flags, "-o", tmp,
-                        *[os.path.join(HERE, s) for s in sources], "-lpthread", "-lrt"],
-                       check=True)
+        subprocess.run(
+            [
+                "gcc",
+                "-std=gnu11",
+                "-O1",
+                "-g",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+                "-shared",
+                "-fPIC",
+                *flags,
+                "-o",
+                tmp,
+                *[os.path.join(HERE, s) for s in sources],
+                "-lpthread",
+                "-lrt",
+            ],
+            check=True,
+        )
         os.replace(tmp, out)
     return out
 

@@ -23,11 +23,16 @@ if not os.environ.get("PDHAL_VLLM_TESTS"):
 else:
     import importlib.util
 
-    missing = [name for name in ("vllm", "pdhal_vllm", "mooncake")
-               if importlib.util.find_spec(name) is None]
+    missing = [
+        name
+        for name in ("vllm", "pdhal_vllm", "mooncake")
+        if importlib.util.find_spec(name) is None
+    ]
     if missing:
-        raise pytest.UsageError(f"PDHAL_VLLM_TESTS is set but {', '.join(missing)} cannot be "
-                                f"imported: run `make test-vllm` (it installs them)")
+        raise pytest.UsageError(
+            f"PDHAL_VLLM_TESTS is set but {', '.join(missing)} cannot be "
+            f"imported: run `make test-vllm` (it installs them)"
+        )
 
 PY = sys.executable
 LAYERS = 4
@@ -36,17 +41,22 @@ MAX_TOKENS = 8
 
 
 def prompts(lens=PROMPT_LENS, seed: int = 0) -> list[dict]:
-    return [{"tid": f"r{seed}-{i}", "tokens": [(7 * i + 3 * j + seed) % 990 + 2 for j in range(n)]}
-            for i, n in enumerate(lens)]
+    return [
+        {"tid": f"r{seed}-{i}", "tokens": [(7 * i + 3 * j + seed) % 990 + 2 for j in range(n)]}
+        for i, n in enumerate(lens)
+    ]
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     """The tiny Llama, built once per run (or reused from PDHAL_VLLM_CACHE)."""
     root = os.environ.get("PDHAL_VLLM_CACHE") or str(tmp_path_factory.mktemp("models"))
-    out = subprocess.run([PY, "-c", f"from pdhal_vllm import tiny; "
-                                    f"print(tiny.cached({root!r}, layers={LAYERS}))"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [PY, "-c", f"from pdhal_vllm import tiny; print(tiny.cached({root!r}, layers={LAYERS}))"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().splitlines()[-1]
 
@@ -56,8 +66,12 @@ class Cluster:
 
     def __init__(self, root, model: str, key: str):
         self.root, self.model = root, model
-        self.env = dict(os.environ, PDHAL_VLLM_KEY=key, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                        VLLM_CPU_KVCACHE_SPACE="1")
+        self.env = dict(
+            os.environ,
+            PDHAL_VLLM_KEY=key,
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_KVCACHE_SPACE="1",
+        )
         self.procs: dict[str, subprocess.Popen] = {}
         self.messager_address = None
 
@@ -67,9 +81,23 @@ class Cluster:
     def start_messager(self, *extra: str, env: dict | None = None) -> str:
         log = open(self.path("messager.log"), "w")
         proc = subprocess.Popen(
-            [PY, "-u", "-m", "pdhal_vllm.messager", "--listen", "127.0.0.1:0",
-             "--trace", self.path("trace.messager.jsonl"), "--trace-blocks", *extra],
-            env=dict(self.env, **(env or {})), stdout=subprocess.PIPE, stderr=log, text=True)
+            [
+                PY,
+                "-u",
+                "-m",
+                "pdhal_vllm.messager",
+                "--listen",
+                "127.0.0.1:0",
+                "--trace",
+                self.path("trace.messager.jsonl"),
+                "--trace-blocks",
+                *extra,
+            ],
+            env=dict(self.env, **(env or {})),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
         self.procs["messager"] = proc
         line = proc.stdout.readline()
         assert "listening on" in line, f"messager did not start: {line!r} {self.log('messager')}"
@@ -78,12 +106,31 @@ class Cluster:
 
     def start(self, role: str, prompt_file: str, *extra: str) -> subprocess.Popen:
         log = open(self.path(f"{role}.log"), "w")
-        args = [PY, "-m", "pdhal_vllm.instance", role, "--model", self.model,
-                "--prompts", prompt_file, "--out", self.path(f"{role}.json"),
-                "--max-tokens", str(MAX_TOKENS), "--timeout", "150", *extra]
+        args = [
+            PY,
+            "-m",
+            "pdhal_vllm.instance",
+            role,
+            "--model",
+            self.model,
+            "--prompts",
+            prompt_file,
+            "--out",
+            self.path(f"{role}.json"),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--timeout",
+            "150",
+            *extra,
+        ]
         if role != "plain":
-            args += ["--messager", self.messager_address, "--trace", self.path("trace"),
-                     "--trace-blocks"]
+            args += [
+                "--messager",
+                self.messager_address,
+                "--trace",
+                self.path("trace"),
+                "--trace-blocks",
+            ]
         proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.procs[role] = proc
         return proc
@@ -104,8 +151,9 @@ class Cluster:
         while not os.path.exists(self.path(name)):
             for role, proc in self.procs.items():
                 if proc.poll() is not None and role != "messager":
-                    pytest.fail(f"the {role} exited ({proc.returncode}) before {name}:\n"
-                                f"{self.log(role)}")
+                    pytest.fail(
+                        f"the {role} exited ({proc.returncode}) before {name}:\n{self.log(role)}"
+                    )
             assert time.monotonic() < deadline, f"{name} never appeared"
             time.sleep(0.05)
 

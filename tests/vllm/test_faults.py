@@ -19,8 +19,9 @@ def test_messager_dies_mid_transfer(cluster, plain_tokens, policy):
     items = prompts()
     path = write_prompts(cluster, items)
     cluster.start_messager(env={"PDHAL_VLLM_MESSAGER_FAULT": "exit-after-layers:2"})
-    cluster.start("decode", path, "--policy", policy, "--submitted-file",
-                  cluster.path("decode.submitted"))
+    cluster.start(
+        "decode", path, "--policy", policy, "--submitted-file", cluster.path("decode.submitted")
+    )
     cluster.start("prefill", path, "--wait-file", cluster.path("decode.submitted"))
     decode = cluster.wait("decode")
     prefill = cluster.wait("prefill")  # finishes: its held blocks are released

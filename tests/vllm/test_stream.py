@@ -14,9 +14,17 @@ def run_pd(cluster, items, transport: str = "shm", *extra: str) -> tuple[dict, d
     path = write_prompts(cluster, items)
     cluster.start_messager()
     go = "decode.ready" if "sync" in extra else "decode.submitted"
-    cluster.start("decode", path, "--transport", transport, "--submitted-file",
-                  cluster.path("decode.submitted"), "--ready-file", cluster.path("decode.ready"),
-                  *extra)
+    cluster.start(
+        "decode",
+        path,
+        "--transport",
+        transport,
+        "--submitted-file",
+        cluster.path("decode.submitted"),
+        "--ready-file",
+        cluster.path("decode.ready"),
+        *extra,
+    )
     cluster.start("prefill", path, "--wait-file", cluster.path(go))
     decode = cluster.wait("decode")
     prefill = cluster.wait("prefill")
@@ -47,8 +55,11 @@ def check_stream(cluster, items, sync: bool = False) -> None:
     for read in reads:
         step = step_of[read["tid"]]
         # the read follows a wake-up that covered this layer, which followed its post
-        covering = [s for s in seen if (s["step"], s["layer"]) >= (step, read["layer"])
-                    and s["t"] <= read["t"]]
+        covering = [
+            s
+            for s in seen
+            if (s["step"], s["layer"]) >= (step, read["layer"]) and s["t"] <= read["t"]
+        ]
         assert covering, f"layer {read['layer']} of {read['tid']} was read before its signal"
         assert posted[step, read["layer"]] <= covering[0]["t"]
     for item in items:  # the layers of a transfer land in order, each once
@@ -56,8 +67,12 @@ def check_stream(cluster, items, sync: bool = False) -> None:
         assert landed == list(range(LAYERS)), (item["tid"], landed)
     written, read_, held = block_crcs(prefill), block_crcs(messager), block_crcs(decode)
     # sync: the decode side computes the last prompt token itself, so it loads one less
-    blocks = {(item["tid"], layer, i) for item in items for layer in range(LAYERS)
-              for i in range(-(-(len(item["tokens"]) - sync) // 32))}
+    blocks = {
+        (item["tid"], layer, i)
+        for item in items
+        for layer in range(LAYERS)
+        for i in range(-(-(len(item["tokens"]) - sync) // 32))
+    }
     assert set(read_) == blocks and set(written) >= blocks
     assert read_ == {k: written[k] for k in blocks}
     assert {k: held[k] for k in blocks} == read_
@@ -73,8 +88,13 @@ def test_decode_equals_plain_run(cluster, plain_tokens, transport):
         assert len(result["tokens"]) == MAX_TOKENS
     assert all(len(r["tokens"]) == 1 for r in prefill["results"])
     check_stream(cluster, items)
-    errors = [e for e in cluster.trace("messager") if e["kind"] == "error"
-              and "closed its connection" not in e["error"] and "died" not in e["error"]]
+    errors = [
+        e
+        for e in cluster.trace("messager")
+        if e["kind"] == "error"
+        and "closed its connection" not in e["error"]
+        and "died" not in e["error"]
+    ]
     assert not errors
 
 

@@ -82,8 +82,12 @@ def _config(vllm_config: VllmConfig) -> dict:
 
 
 class PdhalConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._extra = _config(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
@@ -111,8 +115,9 @@ class PdhalConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any
+    ) -> None:
         self.worker.save_layer(self._get_connector_metadata(), layer_name, kv_layer)
 
     def wait_for_save(self):
@@ -130,19 +135,22 @@ class PdhalConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self.scheduler.matched(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int):
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ):
         self.scheduler.allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build(scheduler_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finished(request, block_ids)
 
     def update_connector_output(self, connector_output) -> None:
@@ -153,6 +161,7 @@ class PdhalConnector(KVConnectorBase_V1):
 
 
 # ---- scheduler side -----------------------------------------------------------------------
+
 
 class _Scheduler:
     """Bookkeeping: what each step stores, what to load, which blocks to hold."""
@@ -166,12 +175,17 @@ class _Scheduler:
 
     def matched(self, request: Request, num_computed: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
-        if not self.o.is_consumer or not params.get("do_remote_prefill") or \
-                request.request_id in self.asked:
+        if (
+            not self.o.is_consumer
+            or not params.get("do_remote_prefill")
+            or request.request_id in self.asked
+        ):
             return 0, False  # also after a failed load (asked): then vLLM recomputes
         if TRANSFER_ID not in params:
-            raise ConnectorError(f"request {request.request_id} asks for remote prefill "
-                                 f"without kv_transfer_params[{TRANSFER_ID!r}]")
+            raise ConnectorError(
+                f"request {request.request_id} asks for remote prefill "
+                f"without kv_transfer_params[{TRANSFER_ID!r}]"
+            )
         count = len(request.prompt_token_ids or ()) - num_computed - (1 if self.o._sync else 0)
         if count <= 0:
             return 0, False
@@ -185,16 +199,25 @@ class _Scheduler:
         total = prompt - (1 if self.o._sync else 0)
         messager = params.get(MESSAGER) or self.o._extra.get("messager")
         if not messager:
-            raise ConnectorError(f"request {request.request_id}: no messager to load from (set "
-                                 f"kv_transfer_params[{MESSAGER!r}] or the connector's "
-                                 f"`messager`)")
+            raise ConnectorError(
+                f"request {request.request_id}: no messager to load from (set "
+                f"kv_transfer_params[{MESSAGER!r}] or the connector's "
+                f"`messager`)"
+            )
         self.asked.add(request.request_id)
         if not self.o._sync:  # a sync load ends within the step that scheduled it
             self.loading.add(request.request_id)
-        self.new_loads.append({
-            "req": request.request_id, "tid": params[TRANSFER_ID], "messager": messager,
-            "blocks": list(blocks.get_block_ids()[0]), "first_token": total - num_external,
-            "num_tokens": total, "sync": self.o._sync})
+        self.new_loads.append(
+            {
+                "req": request.request_id,
+                "tid": params[TRANSFER_ID],
+                "messager": messager,
+                "blocks": list(blocks.get_block_ids()[0]),
+                "first_token": total - num_external,
+                "num_tokens": total,
+                "sync": self.o._sync,
+            }
+        )
 
     def build(self, out: SchedulerOutput) -> PdhalConnectorMetadata:
         meta = PdhalConnectorMetadata(loads=self.new_loads)
@@ -202,18 +225,30 @@ class _Scheduler:
         if not self.o.is_producer:
             return meta
         for new in out.scheduled_new_reqs:
-            params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") \
-                if new.sampling_params is not None else None
+            params = (
+                (new.sampling_params.extra_args or {}).get("kv_transfer_params")
+                if new.sampling_params is not None
+                else None
+            )
             if not params or not params.get("do_remote_decode"):
                 continue
             if TRANSFER_ID not in params:
-                raise ConnectorError(f"request {new.req_id} asks for remote decode without "
-                                     f"kv_transfer_params[{TRANSFER_ID!r}]")
+                raise ConnectorError(
+                    f"request {new.req_id} asks for remote decode without "
+                    f"kv_transfer_params[{TRANSFER_ID!r}]"
+                )
             state = self.stores[new.req_id] = {
-                "tid": params[TRANSFER_ID], "blocks": list(new.block_ids[0]),
-                "prompt_len": len(new.prompt_token_ids or ())}
-            self._store(meta, new.req_id, state, new.num_computed_tokens,
-                        out.num_scheduled_tokens[new.req_id])
+                "tid": params[TRANSFER_ID],
+                "blocks": list(new.block_ids[0]),
+                "prompt_len": len(new.prompt_token_ids or ()),
+            }
+            self._store(
+                meta,
+                new.req_id,
+                state,
+                new.num_computed_tokens,
+                out.num_scheduled_tokens[new.req_id],
+            )
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.stores.get(req_id)
@@ -224,17 +259,25 @@ class _Scheduler:
                     state["blocks"] = list(cached.new_block_ids[i][0])
                 else:
                     state["blocks"] += cached.new_block_ids[i][0]
-            self._store(meta, req_id, state, cached.num_computed_tokens[i],
-                        out.num_scheduled_tokens[req_id])
+            self._store(
+                meta, req_id, state, cached.num_computed_tokens[i], out.num_scheduled_tokens[req_id]
+            )
         return meta
 
     @staticmethod
     def _store(meta, req_id: str, state: dict, computed: int, scheduled: int) -> None:
         end = min(computed + scheduled, state["prompt_len"])
         if end > computed:  # only prompt tokens go to the decode side
-            meta.stores.append({"req": req_id, "tid": state["tid"], "blocks": state["blocks"],
-                                "start": computed, "end": end,
-                                "prompt_len": state["prompt_len"]})
+            meta.stores.append(
+                {
+                    "req": req_id,
+                    "tid": state["tid"],
+                    "blocks": state["blocks"],
+                    "start": computed,
+                    "end": end,
+                    "prompt_len": state["prompt_len"],
+                }
+            )
 
     def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         state = self.stores.pop(request.request_id, None)
@@ -253,6 +296,7 @@ class _Scheduler:
 
 
 # ---- worker side --------------------------------------------------------------------------
+
 
 @dataclass
 class _Load:
@@ -289,13 +333,20 @@ class _MessagerLink:
     def __init__(self, worker: _Worker, address: str):
         self.address = address
         self.worker = worker
-        self.conn = connect(address, worker.key, {
-            "role": "decode", "pid": os.getpid(), "endpoint": worker.endpoint.describe(),
-            "layers": worker.layout, "block_size": worker.block_size})
+        self.conn = connect(
+            address,
+            worker.key,
+            {
+                "role": "decode",
+                "pid": os.getpid(),
+                "endpoint": worker.endpoint.describe(),
+                "layers": worker.layout,
+                "block_size": worker.block_size,
+            },
+        )
         kind, payload = _answer(self.conn, address)
         if kind != "ready":
-            raise ConnectorError(f"the messager at {address} refused this decode worker: "
-                                 f"{payload}")
+            raise ConnectorError(f"the messager at {address} refused this decode worker: {payload}")
         self.lock = threading.Lock()
         self.alive = True
         threading.Thread(target=self._read, name="pdhal-vllm-link", daemon=True).start()
@@ -314,8 +365,9 @@ class _MessagerLink:
         self.alive = False
         if self.worker.closing:
             return
-        self.worker.on_link_lost(self, f"the messager at {self.address} is gone (its "
-                                        f"connection closed)")
+        self.worker.on_link_lost(
+            self, f"the messager at {self.address} is gone (its connection closed)"
+        )
 
 
 class _Worker:
@@ -325,6 +377,7 @@ class _Worker:
         self.block_size = owner._block_size
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
             self.rank = get_tensor_model_parallel_rank()
         except Exception:  # noqa: BLE001 - not initialised: a single-rank engine
             self.rank = 0
@@ -368,8 +421,13 @@ class _Worker:
             real = torch.zeros
 
             def zeros(*size, dtype=None, device=None, **kwargs):
-                if len(size) == 1 and isinstance(size[0], int) and dtype is torch.int8 and \
-                        not kwargs and torch.device(device or "cpu").type == "cpu":
+                if (
+                    len(size) == 1
+                    and isinstance(size[0], int)
+                    and dtype is torch.int8
+                    and not kwargs
+                    and torch.device(device or "cpu").type == "cpu"
+                ):
                     # fresh shared memory, zero-filled; vLLM never frees its KV cache, and
                     # pdhal removes the file of a buffer never freed at exit
                     buf = ops.host_alloc(size[0])
@@ -393,7 +451,8 @@ class _Worker:
             raise ConnectorError(
                 f"the pdhal connector needs vLLM's KV cache in one pdhal host buffer, got "
                 f"{len(self.buffers)} (this vLLM allocates its KV cache differently: only "
-                f"vLLM's CPU build is supported)")
+                f"vLLM's CPU build is supported)"
+            )
         buf, whole = self.buffers[0]
         base = buf.address
         names = sorted(kv_caches, key=lambda n: extract_layer_index(n))
@@ -401,44 +460,67 @@ class _Worker:
             t = kv_caches[name]
             block = t[0]
             if not block.is_contiguous():
-                raise ConnectorError(f"layer {name}: a block is not contiguous (shape "
-                                     f"{tuple(t.shape)}, strides {t.stride()})")
+                raise ConnectorError(
+                    f"layer {name}: a block is not contiguous (shape "
+                    f"{tuple(t.shape)}, strides {t.stride()})"
+                )
             size = t.element_size()
             self.layer_index[name] = index
             self.layout.append([t.data_ptr() - base, t.stride(0) * size, block.numel() * size])
         self.num_layers = len(names)
-        logger.info("pdhal connector: %d layers, KV cache %s (%d bytes) in pdhal memory, "
-                    "block %d bytes", self.num_layers, tuple(kv_caches[names[0]].shape),
-                    buf.nbytes, self.layout[0][2])
+        logger.info(
+            "pdhal connector: %d layers, KV cache %s (%d bytes) in pdhal memory, block %d bytes",
+            self.num_layers,
+            tuple(kv_caches[names[0]].shape),
+            buf.nbytes,
+            self.layout[0][2],
+        )
         self.cache_name = f"pdhal-vllm.{os.getpid()}.{self.rank}"
         if self.o.is_producer:
             ops.set_data_ipc(whole, self.cache_name)
             # the channel exists, with an opening step, before the messager attaches
             ops.open_shm_and_get_meta_signal(self.rank, 0)
             address = self._messager_address()
-            self.messager = connect(address, self.key, {
-                "role": "prefill", "pid": os.getpid(), "rank": self.rank,
-                "cache": self.cache_name, "nbytes": buf.nbytes, "layers": self.layout,
-                "block_size": self.block_size})
+            self.messager = connect(
+                address,
+                self.key,
+                {
+                    "role": "prefill",
+                    "pid": os.getpid(),
+                    "rank": self.rank,
+                    "cache": self.cache_name,
+                    "nbytes": buf.nbytes,
+                    "layers": self.layout,
+                    "block_size": self.block_size,
+                },
+            )
             kind, payload = _answer(self.messager, address)
             if kind != "ready":
-                raise ConnectorError(f"the messager at {address} refused this prefill worker: "
-                                     f"{payload}")
+                raise ConnectorError(
+                    f"the messager at {address} refused this prefill worker: {payload}"
+                )
             self.messager_alive = True
             self.send_lock = threading.Lock()
-            threading.Thread(target=self._read_messager, name="pdhal-vllm-messager",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._read_messager, name="pdhal-vllm-messager", daemon=True
+            ).start()
         if self.o.is_consumer:
             self.endpoint = DecodeEndpoint(
-                self.extra["transport"], whole, buf.nbytes, self.cache_name,
+                self.extra["transport"],
+                whole,
+                buf.nbytes,
+                self.cache_name,
                 self.extra.get("mooncake_host", "127.0.0.1"),
-                self.extra.get("mooncake_protocol", "tcp"))
+                self.extra.get("mooncake_protocol", "tcp"),
+            )
 
     def _messager_address(self) -> str:
         address = self.extra.get("messager")
         if not address:
-            raise ConnectorError("a prefill instance needs kv_connector_extra_config "
-                                 "['messager'] = 'HOST:PORT' of its cache messager")
+            raise ConnectorError(
+                "a prefill instance needs kv_connector_extra_config "
+                "['messager'] = 'HOST:PORT' of its cache messager"
+            )
         host, _, port = address.rpartition(":")
         return f"{host}:{int(port) + self.rank}"  # one messager per rank, ports in a row
 
@@ -459,13 +541,17 @@ class _Worker:
     def _open_step(self, meta: PdhalConnectorMetadata) -> None:
         """The first layer of a step that stores KV: a new pdhal step, its table first."""
         if not self.messager_alive:
-            logger.error("pdhal connector: the cache messager is gone; %d request(s) of this "
-                         "step will not reach the decode side", len(meta.stores))
+            logger.error(
+                "pdhal connector: the cache messager is gone; %d request(s) of this "
+                "step will not reach the decode side",
+                len(meta.stores),
+            )
         self.meta = ops.open_shm_and_get_meta_signal(self.rank, 0)
         for store in meta.stores:
             self.req_of[store["tid"]] = store["req"]
-        table = [{k: s[k] for k in ("tid", "blocks", "start", "end", "prompt_len")}
-                 for s in meta.stores]
+        table = [
+            {k: s[k] for k in ("tid", "blocks", "start", "end", "prompt_len")} for s in meta.stores
+        ]
         try:
             with self.send_lock:
                 self.messager.send(("table", self.meta.step, table))
@@ -481,8 +567,9 @@ class _Worker:
         for store in meta.stores:
             for i in range(store["start"] // bs, -(-store["end"] // bs)):
                 data = kv_layer[store["blocks"][i]].contiguous().view(torch.uint8).numpy()
-                self.trace("block", tid=store["tid"], layer=index, i=i,
-                           crc=zlib.crc32(data.tobytes()))
+                self.trace(
+                    "block", tid=store["tid"], layer=index, i=i, crc=zlib.crc32(data.tobytes())
+                )
 
     def end_step(self) -> None:
         self.meta = None
@@ -497,15 +584,16 @@ class _Worker:
                 with self.cv:
                     self.sent[message[1]] = None if message[0] == "sent" else message[2]
                 if message[0] == "failed":
-                    logger.error("pdhal connector: transfer %s failed: %s", message[1],
-                                 message[2])
+                    logger.error("pdhal connector: transfer %s failed: %s", message[1], message[2])
                 self.trace(message[0], tid=message[1])
         self.messager_alive = False
         if self.closing:
             return
-        logger.error("pdhal connector: the cache messager of rank %d is gone: the requests it "
-                     "had not written are released, their decode side reports them failed",
-                     self.rank)
+        logger.error(
+            "pdhal connector: the cache messager of rank %d is gone: the requests it "
+            "had not written are released, their decode side reports them failed",
+            self.rank,
+        )
         self.trace("error", error="messager gone")
         with self.cv:
             for tid in self.req_of:
@@ -519,8 +607,14 @@ class _Worker:
             return
         timeout = float(self.extra["load_timeout_s"])
         for spec in meta.loads:
-            load = _Load(spec["req"], spec["tid"], spec["sync"], self.num_layers,
-                         spec["blocks"], time.monotonic() + timeout)
+            load = _Load(
+                spec["req"],
+                spec["tid"],
+                spec["sync"],
+                self.num_layers,
+                spec["blocks"],
+                time.monotonic() + timeout,
+            )
             with self.cv:
                 self.loads[load.req] = load
             if load.sync:
@@ -529,8 +623,9 @@ class _Worker:
                 link = self.links.get(spec["messager"])
                 if link is None or not link.alive:
                     link = self.links[spec["messager"]] = _MessagerLink(self, spec["messager"])
-                link.send("want", {k: spec[k] for k in ("tid", "blocks", "first_token",
-                                                        "num_tokens")})
+                link.send(
+                    "want", {k: spec[k] for k in ("tid", "blocks", "first_token", "num_tokens")}
+                )
                 self.trace("want", tid=load.tid, req=load.req)
             except (ConnectorError, OSError) as exc:
                 self._fail(load, str(exc))
@@ -538,8 +633,11 @@ class _Worker:
     def on_message(self, link: _MessagerLink, message: tuple) -> None:
         kind = message[0]
         with self.cv:
-            load = next((x for x in self.loads.values() if x.tid == message[1]), None) \
-                if kind in ("landed", "failed") else None
+            load = (
+                next((x for x in self.loads.values() if x.tid == message[1]), None)
+                if kind in ("landed", "failed")
+                else None
+            )
             if load is None:
                 return
             if kind == "landed":
@@ -559,7 +657,7 @@ class _Worker:
         for layer, (off, stride, nbytes) in enumerate(self.layout):
             for i, block in enumerate(load.blocks):
                 start = off + block * stride
-                view = whole.as_numpy(np.uint8, (whole.nbytes,))[start:start + nbytes]
+                view = whole.as_numpy(np.uint8, (whole.nbytes,))[start : start + nbytes]
                 self.trace("block", tid=load.tid, layer=layer, i=i, crc=zlib.crc32(view))
 
     def on_link_lost(self, link: _MessagerLink, why: str) -> None:
@@ -599,10 +697,10 @@ class _Worker:
         with self.cv:
             for req, load in list(self.loads.items()):
                 if not load.done and now > load.deadline:
-                    load.error = (f"its KV did not fully arrive within "
-                                  f"{self.extra['load_timeout_s']} s")
-                    logger.error("pdhal connector: loading request %s failed: %s", req,
-                                 load.error)
+                    load.error = (
+                        f"its KV did not fully arrive within {self.extra['load_timeout_s']} s"
+                    )
+                    logger.error("pdhal connector: loading request %s failed: %s", req, load.error)
                     self.trace("load_failed", tid=load.tid, error=load.error)
                 if load.done:
                     del self.loads[req]

@@ -27,10 +27,16 @@ def kv_transfer_config(args) -> dict | None:
         return None
     role = "kv_producer" if args.role == "prefill" else "kv_consumer"
     if args.connector == "example":
-        return {"kv_connector": "ExampleConnector", "kv_role": role,
-                "kv_connector_extra_config": {"shared_storage_path": args.storage}}
-    extra = {"transport": args.transport, "load_mode": args.load_mode,
-             "load_timeout_s": args.load_timeout}
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": args.storage},
+        }
+    extra = {
+        "transport": args.transport,
+        "load_mode": args.load_mode,
+        "load_timeout_s": args.load_timeout,
+    }
     if args.messager:
         extra["messager"] = args.messager
     if args.trace:
@@ -38,9 +44,13 @@ def kv_transfer_config(args) -> dict | None:
         extra["trace_blocks"] = args.trace_blocks
     if args.mooncake_host:
         extra["mooncake_host"] = args.mooncake_host
-    return {"kv_connector": "PdhalConnector", "kv_role": role,
-            "kv_connector_module_path": "pdhal_vllm.connector",
-            "kv_load_failure_policy": args.policy, "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "PdhalConnector",
+        "kv_role": role,
+        "kv_connector_module_path": "pdhal_vllm.connector",
+        "kv_load_failure_policy": args.policy,
+        "kv_connector_extra_config": extra,
+    }
 
 
 def params(args, prompt: dict):
@@ -57,8 +67,7 @@ def params(args, prompt: dict):
                 transfer["pdhal_messager"] = args.messager
         extra = {"kv_transfer_params": transfer}
     max_tokens = 1 if args.role == "prefill" else args.max_tokens
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                          extra_args=extra)
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
 
 
 def _wait_for(path: str, timeout: float, poll: float = 0.01) -> None:
@@ -95,16 +104,22 @@ def run(args) -> dict:
         prompts = json.load(f)
     config = kv_transfer_config(args)
     t0 = time.monotonic()
-    llm = LLM(model=args.model, enforce_eager=True, block_size=args.block_size,
-              max_model_len=args.max_model_len, dtype="bfloat16", seed=0,
-              enable_prefix_caching=False, kv_transfer_config=config)
+    llm = LLM(
+        model=args.model,
+        enforce_eager=True,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        dtype="bfloat16",
+        seed=0,
+        enable_prefix_caching=False,
+        kv_transfer_config=config,
+    )
     init_s = time.monotonic() - t0
     engine = llm.llm_engine
     _touch(args.ready_file)
     if args.wait_file:
         _wait_for(args.wait_file, args.wait_timeout, args.poll)
-    results = {p["tid"]: {"tid": p["tid"], "tokens": [], "finish_reason": None}
-               for p in prompts}
+    results = {p["tid"]: {"tid": p["tid"], "tokens": [], "finish_reason": None} for p in prompts}
     for p in prompts:
         results[p["tid"]]["submitted_ns"] = time.monotonic_ns()
         engine.add_request(p["tid"], TokensPrompt(prompt_token_ids=p["tokens"]), params(args, p))
@@ -137,13 +152,20 @@ def run(args) -> dict:
         time.sleep(0.001)
         if time.monotonic() > deadline:
             sys.exit("the prefill instance's transfers did not end in time")
-    return {"role": args.role, "init_s": init_s, "steps": steps,
-            "results": [results[p["tid"]] for p in prompts]}
+    return {
+        "role": args.role,
+        "init_s": init_s,
+        "steps": steps,
+        "results": [results[p["tid"]] for p in prompts],
+    }
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdhal_vllm.instance", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m pdhal_vllm.instance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("role", choices=("plain", "prefill", "decode"))
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True)
@@ -155,21 +177,26 @@ def main(argv=None) -> int:
     parser.add_argument("--load-mode", choices=("async", "sync"), default="async")
     parser.add_argument("--load-timeout", type=float, default=60.0)
     parser.add_argument("--policy", choices=("recompute", "fail"), default="fail")
-    parser.add_argument("--storage", default="/tmp/pdhal-vllm-example",
-                        help="the example connector's folder")
+    parser.add_argument(
+        "--storage", default="/tmp/pdhal-vllm-example", help="the example connector's folder"
+    )
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--trace", default=None, help="JSON-lines events to PREFIX.ROLE.jsonl")
-    parser.add_argument("--trace-blocks", action="store_true",
-                        help="with --trace: crc32 of every block (tests; costly)")
+    parser.add_argument(
+        "--trace-blocks",
+        action="store_true",
+        help="with --trace: crc32 of every block (tests; costly)",
+    )
     parser.add_argument("--ready-file", help="touched once the engine is up")
     parser.add_argument("--wait-file", help="submit the prompts once this file exists")
     parser.add_argument("--wait-timeout", type=float, default=120.0)
     parser.add_argument("--submitted-file", help="touched after the first engine step")
     parser.add_argument("--finished-file", help="touched once every prompt finished")
-    parser.add_argument("--poll", type=float, default=0.01,
-                        help="seconds between checks for --wait-file")
+    parser.add_argument(
+        "--poll", type=float, default=0.01, help="seconds between checks for --wait-file"
+    )
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -82,8 +82,17 @@ class Transfer:
 
 
 class Messager:
-    def __init__(self, listen: str, rank: int, key: bytes, host: str, protocol: str,
-                 claim_timeout: float, trace: str | None, trace_blocks: bool = False):
+    def __init__(
+        self,
+        listen: str,
+        rank: int,
+        key: bytes,
+        host: str,
+        protocol: str,
+        claim_timeout: float,
+        trace: str | None,
+        trace_blocks: bool = False,
+    ):
         self.rank = rank
         self.host, self.protocol = host, protocol
         self.claim_timeout = claim_timeout
@@ -102,8 +111,9 @@ class Messager:
         self.mooncake: MooncakeEngine | None = None
         self.layers_written = 0
         fault = os.environ.get(FAULT_VAR, "")
-        self.exit_after = int(fault.split(":")[1]) if fault.startswith("exit-after-layers:") \
-            else None
+        self.exit_after = (
+            int(fault.split(":")[1]) if fault.startswith("exit-after-layers:") else None
+        )
         bind = parse_address(listen)
         self.listener = Listener(bind, authkey=key)
         self.address = f"{bind[0]}:{self.listener.address[1]}"
@@ -195,8 +205,11 @@ class Messager:
         elif kind == "want":
             self._want(event[1], event[2])
         elif kind == "gone":
-            self._gone(event[1], f"the {event[1].role} worker (pid {event[1].hello.get('pid')}) "
-                                 f"closed its connection")
+            self._gone(
+                event[1],
+                f"the {event[1].role} worker (pid {event[1].hello.get('pid')}) "
+                f"closed its connection",
+            )
         elif kind == "prefill_died":
             self._gone(event[1], f"the prefill worker died: {event[2]}")
         self._expire()
@@ -214,8 +227,9 @@ class Messager:
             except (PdhalError, KeyError) as exc:
                 peer.send("error", f"the messager cannot map the prefill cache: {exc}")
                 peer.alive = False
-                raise ConnectorError(f"cannot map the prefill cache of pid "
-                                     f"{hello.get('pid')}: {exc}") from None
+                raise ConnectorError(
+                    f"cannot map the prefill cache of pid {hello.get('pid')}: {exc}"
+                ) from None
             self.prefill = peer
             self.src = src
             self.src_base = self.src.ctypes.data
@@ -227,8 +241,9 @@ class Messager:
                 self.mooncake.register(self.src_base, hello["nbytes"])
             for transfer in self.transfers.values():
                 transfer.fit(len(self.layout))
-            threading.Thread(target=self._watch, args=(peer,), name="pdhal-vllm-reader",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._watch, args=(peer,), name="pdhal-vllm-reader", daemon=True
+            ).start()
             peer.send("ready", {"address": self.address})
             return
         try:  # a decode worker: open the transport into its cache now, once
@@ -297,17 +312,27 @@ class Messager:
     def _pump(self, transfer: Transfer) -> None:
         """Write every layer's newly ready blocks of `transfer`, if its decode side asked."""
         want, decode = transfer.want, transfer.decode
-        if want is None or not transfer.src_blocks or transfer.tid not in self.transfers \
-                or not self.layout:
+        if (
+            want is None
+            or not transfer.src_blocks
+            or transfer.tid not in self.transfers
+            or not self.layout
+        ):
             return
         transfer.fit(len(self.layout))
         bs = self.block_size
         dlayout = decode.hello["layers"]
-        if decode.hello["block_size"] != bs or len(dlayout) != len(self.layout) or any(
-                d[2] != p[2] for d, p in zip(dlayout, self.layout)):
-            self._fail(transfer, f"the decode cache does not match the prefill cache (block "
-                                 f"size {decode.hello['block_size']} vs {bs}, layers "
-                                 f"{len(dlayout)} vs {len(self.layout)}, or block bytes)")
+        if (
+            decode.hello["block_size"] != bs
+            or len(dlayout) != len(self.layout)
+            or any(d[2] != p[2] for d, p in zip(dlayout, self.layout))
+        ):
+            self._fail(
+                transfer,
+                f"the decode cache does not match the prefill cache (block "
+                f"size {decode.hello['block_size']} vs {bs}, layers "
+                f"{len(dlayout)} vs {len(self.layout)}, or block bytes)",
+            )
             return
         need = want["num_tokens"]
         first = want["first_token"] // bs
@@ -318,27 +343,46 @@ class Messager:
             start = max(transfer.sent[layer], first)
             if end > start:
                 if end > len(want["blocks"]) or end > len(transfer.src_blocks):
-                    self._fail(transfer, f"transfer {transfer.tid} needs {end} blocks, the "
-                                         f"decode side gave {len(want['blocks'])}, the prefill "
-                                         f"{len(transfer.src_blocks)}")
+                    self._fail(
+                        transfer,
+                        f"transfer {transfer.tid} needs {end} blocks, the "
+                        f"decode side gave {len(want['blocks'])}, the prefill "
+                        f"{len(transfer.src_blocks)}",
+                    )
                     return
                 p_off, p_stride, nbytes = self.layout[layer]
                 d_off, d_stride, _ = dlayout[layer]
-                runs = coalesce([(p_off + transfer.src_blocks[i] * p_stride,
-                                  d_off + want["blocks"][i] * d_stride, nbytes)
-                                 for i in range(start, end)])
+                runs = coalesce(
+                    [
+                        (
+                            p_off + transfer.src_blocks[i] * p_stride,
+                            d_off + want["blocks"][i] * d_stride,
+                            nbytes,
+                        )
+                        for i in range(start, end)
+                    ]
+                )
                 self.trace("read", tid=transfer.tid, layer=layer, first=start, end=end)
                 if self.trace_blocks:
                     for i in range(start, end):
                         src = self.src_base + p_off + transfer.src_blocks[i] * p_stride
-                        self.trace("block", tid=transfer.tid, layer=layer, i=i,
-                                   crc=zlib.crc32(self.src[src - self.src_base:
-                                                           src - self.src_base + nbytes]))
+                        self.trace(
+                            "block",
+                            tid=transfer.tid,
+                            layer=layer,
+                            i=i,
+                            crc=zlib.crc32(
+                                self.src[src - self.src_base : src - self.src_base + nbytes]
+                            ),
+                        )
                 try:
                     decode.writer.write(self.src_base, runs)
                 except (ConnectorError, OSError) as exc:
-                    self._fail(transfer, f"writing layer {layer} to the decode worker (pid "
-                                         f"{decode.hello.get('pid')}) failed: {exc}")
+                    self._fail(
+                        transfer,
+                        f"writing layer {layer} to the decode worker (pid "
+                        f"{decode.hello.get('pid')}) failed: {exc}",
+                    )
                     return
                 transfer.sent[layer] = end if whole else tokens // bs
                 self.layers_written += 1
@@ -384,9 +428,13 @@ class Messager:
         now = time.monotonic()
         for transfer in list(self.transfers.values()):
             if now - transfer.created > self.claim_timeout and (
-                    transfer.want is None or transfer.prompt_len == 0):
-                self._fail(transfer, f"not completed within {self.claim_timeout:.0f} s (no "
-                                     f"decode asked for it, or no prefill produced it)")
+                transfer.want is None or transfer.prompt_len == 0
+            ):
+                self._fail(
+                    transfer,
+                    f"not completed within {self.claim_timeout:.0f} s (no "
+                    f"decode asked for it, or no prefill produced it)",
+                )
 
     def _report(self, message: str) -> None:
         self.trace("error", error=message)
@@ -394,26 +442,47 @@ class Messager:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdhal_vllm.messager", description=__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--listen", default="127.0.0.1:0",
-                        help="HOST:PORT for the workers' control connections (port 0: any, "
-                             "printed at start)")
+    parser = argparse.ArgumentParser(
+        prog="python -m pdhal_vllm.messager",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        help="HOST:PORT for the workers' control connections (port 0: any, printed at start)",
+    )
     parser.add_argument("--rank", type=int, default=0, help="the prefill rank this messager serves")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="the address Mooncake advertises for this host")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="the address Mooncake advertises for this host"
+    )
     parser.add_argument("--protocol", default="tcp", help="Mooncake's protocol (tcp, rdma)")
-    parser.add_argument("--claim-timeout", type=float, default=120.0,
-                        help="seconds a transfer may wait for its other side")
+    parser.add_argument(
+        "--claim-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a transfer may wait for its other side",
+    )
     parser.add_argument("--trace", default=None, help="append JSON-lines events to this file")
-    parser.add_argument("--trace-blocks", action="store_true",
-                        help="with --trace: crc32 of every block read (tests; costly)")
+    parser.add_argument(
+        "--trace-blocks",
+        action="store_true",
+        help="with --trace: crc32 of every block read (tests; costly)",
+    )
     parser.add_argument("--auth-key", default=None, help="hex key (default: $PDHAL_VLLM_KEY)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: pdhal cleans up
     try:
-        messager = Messager(args.listen, args.rank, auth_key(args.auth_key), args.host,
-                            args.protocol, args.claim_timeout, args.trace, args.trace_blocks)
+        messager = Messager(
+            args.listen,
+            args.rank,
+            auth_key(args.auth_key),
+            args.host,
+            args.protocol,
+            args.claim_timeout,
+            args.trace,
+            args.trace_blocks,
+        )
     except (ConnectorError, OSError) as exc:
         print(f"pdhal-vllm messager: {exc}", file=sys.stderr)
         return 1

@@ -30,12 +30,17 @@ VOCAB = 1000
 
 def spec(layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 4) -> dict:
     """The model's shape; its hash names the folder, so a change rebuilds it."""
-    return {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
-            "vocab": VOCAB, "version": 1}
+    return {
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "vocab": VOCAB,
+        "version": 1,
+    }
 
 
-def build(path: str, layers: int = 2, hidden: int = 128, heads: int = 4,
-          kv_heads: int = 4) -> str:
+def build(path: str, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 4) -> str:
     """Write the model into `path` (created) unless it is there already; returns `path`."""
     shape = spec(layers, hidden, heads, kv_heads)
     stamp = os.path.join(path, "pdhal-tiny.json")
@@ -65,9 +70,12 @@ def _tokenizer(path: str) -> None:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_TEXTS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
@@ -77,20 +85,32 @@ def _model(path: str, layers: int, hidden: int, heads: int, kv_heads: int) -> No
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=2048,
-                         bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-                         # wide weights: peaked logits, so greedy choices are not near-ties
-                         initializer_range=0.2, dtype="bfloat16")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        # wide weights: peaked logits, so greedy choices are not near-ties
+        initializer_range=0.2,
+        dtype="bfloat16",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pdhal_vllm.tiny", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m pdhal_vllm.tiny",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("path")
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)

@@ -25,10 +25,14 @@ def require_mooncake():
         from mooncake.engine import TransferEngine
     except ImportError as exc:
         if "libibverbs" in str(exc):
-            raise ConnectorError("Mooncake is installed but cannot load libibverbs.so.1: "
-                                 "install Debian's libibverbs1") from None
-        raise ConnectorError("the mooncake transport needs Mooncake's transfer engine: "
-                             "pip install 'pdhal-vllm[mooncake]'") from None
+            raise ConnectorError(
+                "Mooncake is installed but cannot load libibverbs.so.1: "
+                "install Debian's libibverbs1"
+            ) from None
+        raise ConnectorError(
+            "the mooncake transport needs Mooncake's transfer engine: "
+            "pip install 'pdhal-vllm[mooncake]'"
+        ) from None
     return TransferEngine
 
 
@@ -40,22 +44,31 @@ class MooncakeEngine:
         self.engine = require_mooncake()()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
         if rc != 0:
-            raise ConnectorError(f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) "
-                                 f"failed ({rc})")
+            raise ConnectorError(
+                f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed ({rc})"
+            )
         self.session = f"{host}:{self.engine.get_rpc_port()}"
 
     def register(self, address: int, nbytes: int) -> None:
         rc = self.engine.register_memory(address, nbytes)
         if rc != 0:
-            raise ConnectorError(f"Mooncake could not register {nbytes} bytes at "
-                                 f"{address:#x} ({rc})")
+            raise ConnectorError(
+                f"Mooncake could not register {nbytes} bytes at {address:#x} ({rc})"
+            )
 
 
 class DecodeEndpoint:
     """The decode worker's end: its whole KV buffer, reachable by the messager."""
 
-    def __init__(self, transport: str, tensor, nbytes: int, name: str, host: str = "127.0.0.1",
-                 protocol: str = "tcp"):
+    def __init__(
+        self,
+        transport: str,
+        tensor,
+        nbytes: int,
+        name: str,
+        host: str = "127.0.0.1",
+        protocol: str = "tcp",
+    ):
         if transport not in TRANSPORTS:
             raise ConnectorError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self._describe = {"transport": transport, "nbytes": nbytes}
@@ -76,8 +89,7 @@ class ShmWriter:
     """memmove into the decode cache mapped from pdhal shared memory (one host)."""
 
     def __init__(self, describe: dict, timeout: float = 10.0):
-        self.dst = ops.share_external_data("uint8", describe["name"], [describe["nbytes"]],
-                                           timeout)
+        self.dst = ops.share_external_data("uint8", describe["name"], [describe["nbytes"]], timeout)
         self._dst_base = self.dst.ctypes.data
         self.nbytes = describe["nbytes"]
 
@@ -109,29 +121,35 @@ class MooncakeWriter:
         self._timeout_ns = int(timeout_s * 1e9)
         scratch = self._scratch = np.zeros(4096, np.uint8)
         engine.register(scratch.ctypes.data, scratch.nbytes)
-        rc = self._engine.transfer_sync_read(self._target, scratch.ctypes.data, self._dst_base,
-                                             scratch.nbytes)
+        rc = self._engine.transfer_sync_read(
+            self._target, scratch.ctypes.data, self._dst_base, scratch.nbytes
+        )
         if rc != 0:  # connect now, not in the first layer
-            raise ConnectorError(f"Mooncake could not reach the decode cache at {self._target} "
-                                 f"({rc})")
+            raise ConnectorError(
+                f"Mooncake could not reach the decode cache at {self._target} ({rc})"
+            )
 
     def write(self, src_base: int, runs: list[Run]) -> None:
         ids, nbytes = [], 0
         for s, d, n in runs:
-            batch = self._engine.transfer_submit_write(self._target, src_base + s,
-                                                       self._dst_base + d, n)
+            batch = self._engine.transfer_submit_write(
+                self._target, src_base + s, self._dst_base + d, n
+            )
             if batch <= 0:
-                raise ConnectorError(f"Mooncake could not submit a write to {self._target} "
-                                     f"({batch})")
+                raise ConnectorError(
+                    f"Mooncake could not submit a write to {self._target} ({batch})"
+                )
             ids.append(batch)
             nbytes += n
         deadline = time.monotonic_ns() + self._timeout_ns + nbytes * 10
         for batch in ids:
             while (status := self._engine.transfer_check_status(batch)) == 0:
                 if time.monotonic_ns() > deadline:
-                    raise ConnectorError(f"a Mooncake write of {nbytes} bytes to {self._target} "
-                                         f"did not complete in time: the decode instance or "
-                                         f"the link is gone")
+                    raise ConnectorError(
+                        f"a Mooncake write of {nbytes} bytes to {self._target} "
+                        f"did not complete in time: the decode instance or "
+                        f"the link is gone"
+                    )
                 time.sleep(self.POLL_S)
             if status != 1:
                 raise ConnectorError(f"a Mooncake write to {self._target} failed ({status})")

@@ -25,9 +25,11 @@ def auth_key(explicit: str | None = None) -> bytes:
     """The deployment's key: `explicit` or PDHAL_VLLM_KEY, as hex."""
     raw = explicit or os.environ.get(KEY_VAR)
     if not raw:
-        raise ConnectorError(f"no key for the messager's control connections: set {KEY_VAR} "
-                             f"(the same hex string on the prefill host, the decode host and "
-                             f"for the messager), e.g. `export {KEY_VAR}=$(openssl rand -hex 16)`")
+        raise ConnectorError(
+            f"no key for the messager's control connections: set {KEY_VAR} "
+            f"(the same hex string on the prefill host, the decode host and "
+            f"for the messager), e.g. `export {KEY_VAR}=$(openssl rand -hex 16)`"
+        )
     try:
         return bytes.fromhex(raw)
     except ValueError:
@@ -51,9 +53,10 @@ def connect(address: str, key: bytes, hello: dict, timeout: float = 30.0) -> Con
             break
         except (ConnectionRefusedError, FileNotFoundError) as exc:
             if time.monotonic() > deadline:
-                raise ConnectorError(f"no messager answers at {address} after {timeout:.0f} s "
-                                     f"({exc}): start `python -m pdhal_vllm.messager` there"
-                                     ) from None
+                raise ConnectorError(
+                    f"no messager answers at {address} after {timeout:.0f} s "
+                    f"({exc}): start `python -m pdhal_vllm.messager` there"
+                ) from None
             time.sleep(0.1)
     conn.send(("hello", hello))
     return conn

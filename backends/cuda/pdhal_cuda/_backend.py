@@ -63,7 +63,10 @@ class CudaBackend(RuntimeBackend):
     priority = 100
     runtime_class = CudaRuntime
     host_alloc_symbol, host_free_symbol = "cudaHostAlloc", "cudaFreeHost"
-    event_create_symbol, event_create_args = "cudaEventCreateWithFlags", (CUDA_EVENT_DISABLE_TIMING,)
+    event_create_symbol, event_create_args = (
+        "cudaEventCreateWithFlags",
+        (CUDA_EVENT_DISABLE_TIMING,),
+    )
     event_record_symbol, event_wait_symbol = "cudaEventRecord", "cudaEventSynchronize"
     event_query_symbol = "cudaEventQuery"
     event_destroy_symbol = "cudaEventDestroy"
@@ -82,22 +85,30 @@ class CudaBackend(RuntimeBackend):
         if rc == CUDA_ERROR_INSUFFICIENT_DRIVER:
             return 0, self.runtime.driver_problem()
         if rc != 0:
-            return 0, (f"no usable GPU: cudaGetDeviceCount returned "
-                       f"{self.runtime.error_text(rc)} ({self.runtime.path})")
+            return 0, (
+                f"no usable GPU: cudaGetDeviceCount returned "
+                f"{self.runtime.error_text(rc)} ({self.runtime.path})"
+            )
         return count, ""
 
     def platform(self) -> Platform:
         return CudaPlatform(self.runtime)
 
     def ops(self) -> dict:
-        return {"signal_layer_ready": self.signal_layer_ready,
-                "create_kv_signal_sender": self.create_kv_signal_sender,
-                "host_alloc": self.host_alloc, "host_free": self.host_free,
-                "host_register": self.host_register, "host_unregister": self.host_unregister,
-                "get_peer_mem_addr": self.get_peer_mem_addr, "set_data_ipc": self.set_data_ipc,
-                "share_external_data": self.share_external_data,
-                "unset_data_ipc": self.unset_data_ipc, "copy_blocks": self.copy_blocks,
-                "synchronize": self.synchronize}
+        return {
+            "signal_layer_ready": self.signal_layer_ready,
+            "create_kv_signal_sender": self.create_kv_signal_sender,
+            "host_alloc": self.host_alloc,
+            "host_free": self.host_free,
+            "host_register": self.host_register,
+            "host_unregister": self.host_unregister,
+            "get_peer_mem_addr": self.get_peer_mem_addr,
+            "set_data_ipc": self.set_data_ipc,
+            "share_external_data": self.share_external_data,
+            "unset_data_ipc": self.unset_data_ipc,
+            "copy_blocks": self.copy_blocks,
+            "synchronize": self.synchronize,
+        }
 
     def test_support(self):
         from pdhal_cuda.testing import CudaTestSupport
@@ -129,8 +140,11 @@ class CudaBackend(RuntimeBackend):
         rt = self.runtime
         handle = rt.pointer(self.stream_handle(stream))
         store = signal.new_store()
-        rc = rt.lib.cudaLaunchHostFunc(handle, rt.ffi.cast("cudaHostFn_t", STORE_CALLBACK_ADDRESS),
-                                       rt.pointer(store_address(store)))
+        rc = rt.lib.cudaLaunchHostFunc(
+            handle,
+            rt.ffi.cast("cudaHostFn_t", STORE_CALLBACK_ADDRESS),
+            rt.pointer(store_address(store)),
+        )
         if rc != 0:
             free_store(store)
             rt.check(rc, "cudaLaunchHostFunc")
@@ -140,8 +154,9 @@ class CudaBackend(RuntimeBackend):
     def _memory_type(self, address: int) -> str:
         rt = self.runtime
         attrs = rt.ffi.new("struct cudaPointerAttributes *")
-        rt.check(rt.lib.cudaPointerGetAttributes(attrs, rt.pointer(address)),
-                 "cudaPointerGetAttributes")
+        rt.check(
+            rt.lib.cudaPointerGetAttributes(attrs, rt.pointer(address)), "cudaPointerGetAttributes"
+        )
         return MEMORY_TYPES.get(attrs.type, f"type {attrs.type}")
 
     def get_peer_mem_addr(self, ptr_or_tensor) -> int:
@@ -152,7 +167,8 @@ class CudaBackend(RuntimeBackend):
         if kind not in ("device", "host", "managed"):
             raise InvalidArgumentError(
                 f"memory at {ref.address:#x} is {kind} for CUDA: a NIC can register device "
-                f"memory or cudaHostAlloc/registered host memory only")
+                f"memory or cudaHostAlloc/registered host memory only"
+            )
         return ref.address
 
     def set_data_ipc(self, tensor, name: str) -> None:
@@ -164,14 +180,20 @@ class CudaBackend(RuntimeBackend):
         rt = self.runtime
         kind = self._memory_type(ref.address)
         if kind != "device":
-            raise InvalidArgumentError(f"set_data_ipc needs CUDA device memory; "
-                                       f"{ref.address:#x} is {kind}")
+            raise InvalidArgumentError(
+                f"set_data_ipc needs CUDA device memory; {ref.address:#x} is {kind}"
+            )
         base, _ = rt.address_range(ref.address)
         handle = rt.ffi.new("cudaIpcMemHandle_t *")
-        rt.check(rt.lib.cudaIpcGetMemHandle(handle, rt.pointer(ref.address)),
-                 "cudaIpcGetMemHandle")
-        publish_shared(name, {"handle": bytes(rt.ffi.buffer(handle)).hex(),
-                              "nbytes": ref.nbytes, "offset": ref.address - base})
+        rt.check(rt.lib.cudaIpcGetMemHandle(handle, rt.pointer(ref.address)), "cudaIpcGetMemHandle")
+        publish_shared(
+            name,
+            {
+                "handle": bytes(rt.ffi.buffer(handle)).hex(),
+                "nbytes": ref.nbytes,
+                "offset": ref.address - base,
+            },
+        )
 
     def share_external_data(self, like, name: str, shape, timeout: float | None = 60.0):
         """Map the CUDA memory shared as `name` (at its offset); a SharedDeviceBuffer of
@@ -183,15 +205,17 @@ class CudaBackend(RuntimeBackend):
             handle = rt.ffi.new("cudaIpcMemHandle_t *")
             rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
             ptr = rt.ffi.new("void **")
-            rt.check(rt.lib.cudaIpcOpenMemHandle(ptr, handle[0],
-                                                 CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-                     "cudaIpcOpenMemHandle")
+            rt.check(
+                rt.lib.cudaIpcOpenMemHandle(ptr, handle[0], CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                "cudaIpcOpenMemHandle",
+            )
             base = self._opened[record["handle"]] = rt.address(ptr[0])
         self._imports[name] = (record["handle"], base + record["offset"])
         return self.mapped(base + record["offset"], shape, dtype, need, name)
 
-    def unset_data_ipc(self, tensor, name: str, close_ipc: bool = True,
-                       unlink_shm: bool = True) -> None:
+    def unset_data_ipc(
+        self, tensor, name: str, close_ipc: bool = True, unlink_shm: bool = True
+    ) -> None:
         """Stop sharing `name`: with close_ipc, unmap this process's import of it
         (cudaIpcCloseMemHandle: views of it are invalid afterwards); with unlink_shm, remove
         the record (this process's own; another live publisher's is refused)."""
@@ -201,8 +225,10 @@ class CudaBackend(RuntimeBackend):
             forget_mapping(address)
             if all(h != handle for h, _ in self._imports.values()):  # its last import
                 rt = self.runtime
-                rt.check(rt.lib.cudaIpcCloseMemHandle(rt.pointer(self._opened.pop(handle))),
-                         "cudaIpcCloseMemHandle")
+                rt.check(
+                    rt.lib.cudaIpcCloseMemHandle(rt.pointer(self._opened.pop(handle))),
+                    "cudaIpcCloseMemHandle",
+                )
 
     def current_device(self) -> int:
         device = self.runtime.ffi.new("int *")

@@ -101,15 +101,19 @@ class CudaRuntime(RuntimeLibrary):
         try:
             ctypes.CDLL("libcuda.so.1")
         except OSError:
-            return ("no NVIDIA driver here (libcuda.so.1 is not installed), so the CUDA runtime "
-                    "sees no GPU")
+            return (
+                "no NVIDIA driver here (libcuda.so.1 is not installed), so the CUDA runtime "
+                "sees no GPU"
+            )
         driver, runtime = self.ffi.new("int *"), self.ffi.new("int *")
         self.lib.cudaDriverGetVersion(driver)
         self.lib.cudaRuntimeGetVersion(runtime)
-        return (f"the NVIDIA driver supports CUDA {driver[0] // 1000}.{driver[0] % 1000 // 10}, "
-                f"older than this runtime's {runtime[0] // 1000}.{runtime[0] % 1000 // 10} "
-                f"({self.path}): update the driver, or set PDHAL_CUDART to a libcudart the "
-                f"driver supports")
+        return (
+            f"the NVIDIA driver supports CUDA {driver[0] // 1000}.{driver[0] % 1000 // 10}, "
+            f"older than this runtime's {runtime[0] // 1000}.{runtime[0] % 1000 // 10} "
+            f"({self.path}): update the driver, or set PDHAL_CUDART to a libcudart the "
+            f"driver supports"
+        )
 
     def device_count(self) -> tuple[int, int]:
         """(count, error code): error 35 means no (or too old a) driver."""

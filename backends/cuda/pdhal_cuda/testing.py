@@ -5,5 +5,9 @@ from pdhal.testing.simulated import SimulatedRuntimeSupport
 
 class CudaTestSupport(SimulatedRuntimeSupport):
     device = "gpu:0"
-    malloc, free, stream_create, kernel = ("cudaMalloc", "cudaFree", "cudaStreamCreate",
-                                           "sim_cuda_launch_write")
+    malloc, free, stream_create, kernel = (
+        "cudaMalloc",
+        "cudaFree",
+        "cudaStreamCreate",
+        "sim_cuda_launch_write",
+    )

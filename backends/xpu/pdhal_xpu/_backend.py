@@ -46,7 +46,8 @@ class XpuPlatform(Platform):
             "ipc": "xpu_ipc_memhandle" if rt.has("xpu_ipc_get_memhandle") else False,
             "pinned_host_memory": True,
             "peer_address": "cudaPointerGetAttributes.hostPointer"
-            if rt.has("cudaPointerGetAttributes") else False,
+            if rt.has("cudaPointerGetAttributes")
+            else False,
         }
 
 
@@ -82,14 +83,20 @@ class XpuBackend(RuntimeBackend):
         return XpuPlatform(self.runtime)
 
     def ops(self) -> dict:
-        return {"signal_layer_ready": self.signal_layer_ready,
-                "create_kv_signal_sender": self.create_kv_signal_sender,
-                "host_alloc": self.host_alloc, "host_free": self.host_free,
-                "host_register": self.host_register, "host_unregister": self.host_unregister,
-                "get_peer_mem_addr": self.get_peer_mem_addr, "set_data_ipc": self.set_data_ipc,
-                "share_external_data": self.share_external_data,
-                "unset_data_ipc": self.unset_data_ipc, "copy_blocks": self.copy_blocks,
-                "synchronize": self.synchronize}
+        return {
+            "signal_layer_ready": self.signal_layer_ready,
+            "create_kv_signal_sender": self.create_kv_signal_sender,
+            "host_alloc": self.host_alloc,
+            "host_free": self.host_free,
+            "host_register": self.host_register,
+            "host_unregister": self.host_unregister,
+            "get_peer_mem_addr": self.get_peer_mem_addr,
+            "set_data_ipc": self.set_data_ipc,
+            "share_external_data": self.share_external_data,
+            "unset_data_ipc": self.unset_data_ipc,
+            "copy_blocks": self.copy_blocks,
+            "synchronize": self.synchronize,
+        }
 
     def test_support(self):
         from pdhal_xpu.testing import XpuTestSupport
@@ -128,7 +135,8 @@ class XpuBackend(RuntimeBackend):
         if attrs.hostPointer == rt.ffi.NULL:
             raise InvalidArgumentError(
                 f"memory at {ref.address:#x} has no peer address: the XPU runtime does not "
-                f"know it as device memory, so a NIC cannot register it")
+                f"know it as device memory, so a NIC cannot register it"
+            )
         return rt.address(attrs.hostPointer)
 
     def set_data_ipc(self, tensor, name: str) -> None:
@@ -140,8 +148,7 @@ class XpuBackend(RuntimeBackend):
         get_handle = rt.optional("xpu_ipc_get_memhandle")
         handle = rt.ffi.new("XPUIpcMemHandle *")
         rt.check(get_handle(handle, rt.pointer(ref.address)), "xpu_ipc_get_memhandle")
-        publish_shared(name, {"handle": bytes(rt.ffi.buffer(handle)).hex(),
-                              "nbytes": ref.nbytes})
+        publish_shared(name, {"handle": bytes(rt.ffi.buffer(handle)).hex(), "nbytes": ref.nbytes})
 
     def share_external_data(self, like, name: str, shape, timeout: float | None = 60.0):
         """Map the XPU memory shared as `name`; a SharedDeviceBuffer of `like`'s dtype."""
@@ -158,8 +165,9 @@ class XpuBackend(RuntimeBackend):
         self._imports[name] = (record["handle"], address)
         return self.mapped(address, shape, dtype, need, name)
 
-    def unset_data_ipc(self, tensor, name: str, close_ipc: bool = True,
-                       unlink_shm: bool = True) -> None:
+    def unset_data_ipc(
+        self, tensor, name: str, close_ipc: bool = True, unlink_shm: bool = True
+    ) -> None:
         """Stop sharing `name`: with close_ipc, unmap this process's import of it (where the
         runtime can: xpu_ipc_close_memhandle); with unlink_shm, remove the record (this
         process's own; another live publisher's is refused)."""
@@ -171,8 +179,10 @@ class XpuBackend(RuntimeBackend):
             if all(h != handle for h, _ in self._imports.values()):  # its last import
                 del self._opened[handle]
                 if rt.has("xpu_ipc_close_memhandle"):
-                    rt.check(rt.lib.xpu_ipc_close_memhandle(rt.pointer(address)),
-                             "xpu_ipc_close_memhandle")
+                    rt.check(
+                        rt.lib.xpu_ipc_close_memhandle(rt.pointer(address)),
+                        "xpu_ipc_close_memhandle",
+                    )
 
     def current_device(self) -> int:
         device = self.runtime.ffi.new("int *")
@@ -184,9 +194,13 @@ class XpuBackend(RuntimeBackend):
     def copy_kind(self, dst_device: str, src_device: str) -> int:
         """XPUMemcpyKind from where each side lives (host memory: "cpu")."""
         on_device = (dst_device.startswith("xpu"), src_device.startswith("xpu"))
-        kinds = {(True, True): XPU_DEVICE_TO_DEVICE, (True, False): XPU_HOST_TO_DEVICE,
-                 (False, True): XPU_DEVICE_TO_HOST}
+        kinds = {
+            (True, True): XPU_DEVICE_TO_DEVICE,
+            (True, False): XPU_HOST_TO_DEVICE,
+            (False, True): XPU_DEVICE_TO_HOST,
+        }
         if on_device not in kinds:
-            raise InvalidArgumentError("the xpu backend copies to or from XPU memory; both "
-                                       "sides are host memory here")
+            raise InvalidArgumentError(
+                "the xpu backend copies to or from XPU memory; both sides are host memory here"
+            )
         return kinds[on_device]

@@ -21,12 +21,14 @@ STEPS, LAYERS, BLOCK = 20, 8, 64
 
 # ---- platform facts ------------------------------------------------------------------
 
+
 def test_the_backend_is_selected_and_implements_every_op(backend, pdhal_backend_name):
     assert pdhal.current_backend() == pdhal_backend_name
     table = backend.ops()
     assert sorted(table) == sorted(BACKEND_OPS), (
         f"ops() must name exactly BACKEND_OPS: missing {sorted(set(BACKEND_OPS) - set(table))}, "
-        f"unknown {sorted(set(table) - set(BACKEND_OPS))}")
+        f"unknown {sorted(set(table) - set(BACKEND_OPS))}"
+    )
     # pdhal.ops holds the backend's own callables: nothing dispatches on the per-layer path
     for name in BACKEND_OPS:
         assert getattr(ops, name) == table[name], f"pdhal.ops.{name} is not the backend's own"
@@ -44,14 +46,18 @@ def test_platform_facts(pdhal_backend_name):
 
 # ---- signals -------------------------------------------------------------------------
 
+
 def test_per_query_signals_cross_processes_in_order(support):
-    producer = child(f"""
+    producer = child(
+        f"""
         stream = support.stream()
         for step in range({STEPS}):
             meta = ops.open_shm_and_get_meta_signal(0, 0)
             for layer in range({LAYERS}):
                 ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream)
-    """, hold=True)
+    """,
+        hold=True,
+    )
     with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
         since = (0, -1)
         while since != (STEPS, LAYERS - 1):
@@ -63,20 +69,24 @@ def test_per_query_signals_cross_processes_in_order(support):
 
 
 def test_per_chunk_records_cross_processes_exactly_once_in_order(support):
-    producer = child(f"""
+    producer = child(
+        f"""
         stream = support.stream()
         for step in range(1, {STEPS} + 1):
             chunk = ops.init_kv_signal_per_query([step, 0, 7], [step, 0, 7], [3, 0, step],
                                                  0, {LAYERS})
             for layer in range({LAYERS}):
                 ops.signal_layer_ready(chunk.layer(layer), stream)
-    """, hold=True)
+    """,
+        hold=True,
+    )
     out = array.array("i", [0] * pdhal.RECORD_WORDS)
     for step in range(1, STEPS + 1):
         for layer in range(LAYERS):
             ops.get_output_kv_signal(out, 0, True, timeout=30)
             assert list(out[:8]) == [2, layer, 0, 3, step, 2, step, 7], (
-                f"record {list(out[:8])} where step {step} layer {layer} was expected")
+                f"record {list(out[:8])} where step {step} layer {layer} was expected"
+            )
     finish(producer)
 
 
@@ -112,8 +122,7 @@ def test_a_layer_is_signalled_only_after_the_work_before_it(support, through):
     stream = support.stream()
     sender = ops.create_kv_signal_sender() if through == "sender" else None
     for layer in range(LAYERS):
-        support.delayed_write(stream, kv.address + layer * BLOCK, bytes([layer + 1]) * BLOCK,
-                              20000)
+        support.delayed_write(stream, kv.address + layer * BLOCK, bytes([layer + 1]) * BLOCK, 20000)
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream, sender)
     if support.asynchronous:
         with ops.open_kv_signal_reader(0, 0) as reader:
@@ -133,11 +142,13 @@ def test_destroying_a_sender_delivers_everything_pending(support):
             ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream, sender)
     with ops.open_kv_signal_reader(0, 0) as reader:
         assert reader.current() == (1, 499), (
-            f"destroy returned with signals undelivered: progress {reader.current()}")
+            f"destroy returned with signals undelivered: progress {reader.current()}"
+        )
     assert sender.closed, "a sender is closed after its with-block"
 
 
 # ---- memory --------------------------------------------------------------------------
+
 
 def test_shared_buffer_is_the_same_bytes_in_another_process(support):
     kv = support.alloc(4 * BLOCK)
@@ -192,6 +203,7 @@ def test_a_signal_in_kernel_form_posts_like_the_signal(support):
 
 # ---- block copies ----------------------------------------------------------------------
 
+
 def _filled(support, blocks: int, stream):
     """Device memory of `blocks` blocks, block i filled with byte i + 1 by work on `stream`."""
     kv = support.alloc(blocks * BLOCK)
@@ -203,8 +215,9 @@ def _filled(support, blocks: int, stream):
 def _blocks_of(support, address: int, blocks: int) -> list[int]:
     """The first byte of each block (each block is uniform in these tests)."""
     data = support.read(address, blocks * BLOCK)
-    assert all(data[i * BLOCK:(i + 1) * BLOCK] == bytes([data[i * BLOCK]]) * BLOCK
-               for i in range(blocks)), "a block was written partly"
+    assert all(
+        data[i * BLOCK : (i + 1) * BLOCK] == bytes([data[i * BLOCK]]) * BLOCK for i in range(blocks)
+    ), "a block was written partly"
     return [data[i * BLOCK] for i in range(blocks)]
 
 
@@ -236,12 +249,15 @@ def test_block_copies_between_host_and_device(support):
         ops.host_free(host)
 
 
-@pytest.mark.parametrize("dst_ids, src_ids, words", [
-    ([0, 4], [0, 1], "destination block id 4"),
-    ([0, 1], [0, -1], "source block id -1"),
-    ([0, 1], [0], "must pair up"),
-    ([0, "1"], [0, 1], "integer block ids"),
-])
+@pytest.mark.parametrize(
+    "dst_ids, src_ids, words",
+    [
+        ([0, 4], [0, 1], "destination block id 4"),
+        ([0, 1], [0, -1], "source block id -1"),
+        ([0, 1], [0], "must pair up"),
+        ([0, "1"], [0, 1], "integer block ids"),
+    ],
+)
 def test_bad_block_ids_are_refused_and_nothing_is_copied(support, dst_ids, src_ids, words):
     stream = support.stream()
     src = _filled(support, 4, stream)
@@ -255,7 +271,8 @@ def test_bad_block_ids_are_refused_and_nothing_is_copied(support, dst_ids, src_i
 def test_blocks_land_in_another_process_s_shared_cache(support):
     """A same-host transfer: the receiver publishes its cache, the sender maps it by name
     (get_data_ptr_ipc) and copies named blocks into it; nothing else changes."""
-    receiver = child(f"""
+    receiver = child(
+        f"""
         import sys
         kv = support.alloc({8 * BLOCK})
         ops.set_data_ipc(kv, "kit_remote")
@@ -263,7 +280,11 @@ def test_blocks_land_in_another_process_s_shared_cache(support):
         sys.stdin.readline()  # the sender is done
         got = [support.read(kv.address + i * {BLOCK}, {BLOCK}) for i in range(8)]
         assert got == [bytes([b]) * {BLOCK} for b in (0, 0, 3, 4, 0, 0, 0, 2)], got
-    """, stdin=-1, stdout=-1, text=True)
+    """,
+        stdin=-1,
+        stdout=-1,
+        text=True,
+    )
     assert receiver.stdout.readline() == "published\n"
     stream = support.stream()
     src = _filled(support, 4, stream)
@@ -337,8 +358,9 @@ BAD_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("op,args", BAD_CALLS, ids=[f"{op}-{i}" for i, (op, _) in
-                                                     enumerate(BAD_CALLS)])
+@pytest.mark.parametrize(
+    "op,args", BAD_CALLS, ids=[f"{op}-{i}" for i, (op, _) in enumerate(BAD_CALLS)]
+)
 def test_bad_input_is_a_pdhal_error_that_says_what_was_expected(op, args):
     with pytest.raises(pdhal.PdhalError) as info:
         getattr(ops, op)(*args)
