@@ -8,6 +8,7 @@ import threading
 from pdhal import _extents
 from pdhal._core import ffi
 from pdhal._errors import ClosedHandleError, InvalidArgumentError
+from pdhal._tensors import MemoryRef
 
 
 class HostBuffer:
@@ -22,6 +23,7 @@ class HostBuffer:
         self.nbytes = nbytes
         #: True when the pages are locked in RAM (DMA-able without a bounce copy).
         self.pinned = pinned
+        self._ref = MemoryRef(address, nbytes, "cpu")
         _extents.register(address, nbytes, "cpu", f"host_alloc({nbytes})")
 
     @property
@@ -51,6 +53,13 @@ class HostBuffer:
 
     def element_size(self) -> int:
         return 1
+
+    def _pdhal_memory_ref(self) -> MemoryRef:
+        """memory_ref's fast path for pdhal's own buffers: built once, not re-derived from
+        data_ptr/numel on every op (copy_blocks' fixed cost)."""
+        if self._address is None:
+            raise ClosedHandleError("host buffer was freed")
+        return self._ref
 
     def memoryview(self) -> memoryview:
         return memoryview(ffi.buffer(ffi.cast("char *", self.address), self.nbytes))

@@ -232,7 +232,10 @@ def memory_ref(obj: object, what: str = "memory", *, writable: bool = False) -> 
         if not 0 < obj < 1 << 64:
             raise InvalidArgumentError(f"{what} address must be in (0, 2**64), got {obj:#x}")
         return MemoryRef(obj, None, "unknown")
-    if is_paddle_tensor(obj):
+    own = getattr(obj, "_pdhal_memory_ref", None)  # pdhal's own buffers describe themselves
+    if own is not None:
+        ref = own()
+    elif is_paddle_tensor(obj):
         ref = _paddle_ref(obj, what)
     else:
         try:

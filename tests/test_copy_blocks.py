@@ -130,3 +130,27 @@ print("ok")
 def test_raw_addresses_are_bounded_by_the_ranges_pdhal_knows_now():
     """In a process of its own, so the ranges pdhal knows are exactly these two buffers."""
     assert run_child(KNOWN_RANGES).stdout == "ok\n"
+
+
+@pytest.mark.parametrize("side", ["dst", "src"])
+def test_a_freed_host_buffer_is_refused_on_either_side(side):
+    """pdhal's own buffers describe themselves to every op (no data_ptr round trip); once
+    freed, that description is refused, never a copy into or out of freed memory."""
+    kept, freed = ops.host_alloc(4 * BLOCK), ops.host_alloc(4 * BLOCK)
+    ops.host_free(freed)
+    dst, src = (freed, kept) if side == "dst" else (kept, freed)
+    with pytest.raises(pdhal.ClosedHandleError, match="host buffer was freed"):
+        ops.copy_blocks(dst, [0], src, [1], BLOCK)
+    ops.host_free(kept)
+
+
+def test_a_host_buffer_is_copied_as_the_memory_it_owns():
+    """The buffer's own description: its address, its size (a block past it is refused)."""
+    with ops.host_alloc(4 * BLOCK) as dst, ops.host_alloc(4 * BLOCK) as src:
+        src.memoryview()[:] = bytes(range(4 * BLOCK))
+        assert ops.copy_blocks(dst, [3, 0], src, [1, 2], BLOCK) == 2
+        view = dst.memoryview()
+        assert view[3 * BLOCK : 4 * BLOCK] == bytes(range(BLOCK, 2 * BLOCK))
+        assert view[0:BLOCK] == bytes(range(2 * BLOCK, 3 * BLOCK))
+        with pytest.raises(pdhal.InvalidArgumentError, match="block id 4"):
+            ops.copy_blocks(dst, [4], src, [0], BLOCK)
