@@ -122,6 +122,20 @@ def test_a_c_messager_waits_on_per_query_progress(messager_library):
     assert seen == sorted(set(seen)) and seen[-1] == (meta.step, layers - 1), seen
 
 
+def test_a_c_messager_started_before_its_producer_waits_for_the_channel(messager_library):
+    """pdhal_segment_open gives -EINTR each 200 ms wait slice while the channel is missing;
+    a messager that calls again with the same deadline attaches once the producer starts."""
+    layers = 2
+    messager = _start_messager(messager_library, "per_chunk", layers, 0)
+    time.sleep(0.5)  # the messager's open outlasts at least one wait slice
+    chunk = ops.init_kv_signal_per_query([0, 8], [0, 8], [0, 0], 0, layers)
+    for layer in range(layers):
+        ops.signal_layer_ready(chunk.layer(layer))
+    n, *records = json.loads(messager.communicate(timeout=60)[0])
+    assert n == layers, f"messager_per_chunk: {os.strerror(-n) if n < 0 else n}"
+    assert records == [[1, layer, 1, 0, 8] for layer in range(layers)]
+
+
 def test_a_c_messager_reads_every_per_chunk_record_once_in_order(messager_library):
     steps, layers = 40, 6  # more steps than the ring holds: the producer waits for C
     messager = _start_messager(messager_library, "per_chunk", steps * layers, 0)

@@ -13,7 +13,10 @@ int messager_per_query(const char *path, uint64_t since, uint64_t last, uint64_t
 {
     pdhal_segment *seg;
     int64_t deadline = pdhal_now_ns() + DEADLINE_NS;
-    int rc = pdhal_segment_open(path, PDHAL_KIND_QUERY, deadline, 0, &seg);
+    int rc;
+    do /* -EINTR: a wait slice ended before the producer created the channel: call again */
+        rc = pdhal_segment_open(path, PDHAL_KIND_QUERY, deadline, 0, &seg);
+    while (rc == -EINTR);
     if (rc)
         return rc;
     uint64_t now = 0;
@@ -36,7 +39,10 @@ int messager_per_chunk(const char *path, int count, int32_t *out)
 {
     pdhal_segment *seg;
     int64_t deadline = pdhal_now_ns() + DEADLINE_NS;
-    int rc = pdhal_segment_open(path, PDHAL_KIND_CHUNK, deadline, 1, &seg);
+    int rc;
+    do /* -EINTR: a wait slice ended before the producer created the channel: call again */
+        rc = pdhal_segment_open(path, PDHAL_KIND_CHUNK, deadline, 1, &seg);
+    while (rc == -EINTR);
     if (rc)
         return rc;
     int n = 0;
