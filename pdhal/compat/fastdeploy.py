@@ -26,7 +26,7 @@ from pdhal._hostmem import HostBuffer
 from pdhal._names import validate_index
 from pdhal._sender import KVSignalSender
 from pdhal._signals import SignalMeta
-from pdhal._tensors import memory_ref
+from pdhal._tensors import MemoryRef, memory_ref
 
 __all__ = [
     "create_kv_signal_sender",
@@ -446,19 +446,14 @@ def _host_span(address: int, nbytes: int):
 
 
 class _HostSpan:
-    """A range of pinned host memory named like a tensor's (for copy_blocks)."""
+    """A range of pinned host memory, described to copy_blocks as pdhal's own buffers
+    describe themselves."""
 
     def __init__(self, address: int, nbytes: int):
-        self.address, self.nbytes = address, nbytes
+        self._ref = MemoryRef(address, nbytes, "cpu")
 
-    def data_ptr(self) -> int:
-        return self.address
-
-    def numel(self) -> int:
-        return self.nbytes
-
-    def element_size(self) -> int:
-        return 1
+    def _pdhal_memory_ref(self) -> MemoryRef:
+        return self._ref
 
 
 # ---- device visibility ---------------------------------------------------------------------
