@@ -55,3 +55,29 @@ def run_child(
     )
     assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc
+
+
+def install_distributions(target, *sources) -> dict[str, str]:
+    """pip-install each source folder as its own distribution into the folder `target` (no
+    dependencies, no build isolation); returns this environment with `target` first on
+    PYTHONPATH (prepended: a run against a scratch copy of pdhal, make mutate, keeps its own
+    pdhal on the path)."""
+    for source in sources:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "--target",
+                str(target),
+                str(source),
+            ],
+            check=True,
+        )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
+    return env

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import install_distributions
 
 from pdhal import _cli
 
@@ -63,24 +64,8 @@ def command_env(tmp_path_factory):
         "raise ImportError('libkaput.so.1 is missing')\n"
     )
     target = tmp_path_factory.mktemp("commands")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(source),
-        ],
-        check=True,
-    )
-    env = dict(os.environ, IMPORT_LOG=str(target / "imported.log"))
-    # prepended: a run against a scratch copy of pdhal (make mutate) keeps its own on the path
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
+    env = install_distributions(target, source)
+    env["IMPORT_LOG"] = str(target / "imported.log")
     return env
 
 

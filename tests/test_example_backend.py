@@ -5,10 +5,11 @@ pass against it."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
+
+from conftest import install_distributions
 
 
 def test_a_new_backend_from_the_template_installs_and_passes_the_kit(tmp_path):
@@ -17,26 +18,7 @@ def test_a_new_backend_from_the_template_installs_and_passes_the_kit(tmp_path):
         check=True,
         capture_output=True,
     )
-    target = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(tmp_path / "src" / "pdhal-example"),
-        ],
-        check=True,
-    )
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")])),
-    )
+    env = install_distributions(tmp_path / "site", tmp_path / "src" / "pdhal-example")
     env.pop("PDHAL_NAMESPACE", None)
     info = subprocess.run(
         [sys.executable, "-m", "pdhal", "info"], env=env, capture_output=True, text=True, check=True

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import install_distributions
 
 import pdhal
 from pdhal import _registry, ops
@@ -21,26 +22,8 @@ def plugin_env(tmp_path_factory):
     """A temporary environment (a --target folder on PYTHONPATH) holding the dummy and the
     broken plugin, each installed by pip as its own distribution."""
     target = tmp_path_factory.mktemp("plugins")
-    for name in ("dummy", "broken"):
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--no-build-isolation",
-                "--target",
-                str(target),
-                os.path.join(PLUGINS, name),
-            ],
-            check=True,
-        )
-    env = dict(os.environ)
-    # prepended: a run against a scratch copy of pdhal (make mutate) keeps its own on the path
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
-    return env
+    plugins = [os.path.join(PLUGINS, name) for name in ("dummy", "broken")]
+    return install_distributions(target, *plugins)
 
 
 def _info(env, *extra_env) -> tuple[int, dict | str]:
