@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -81,3 +82,20 @@ def install_distributions(target, *sources) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
     return env
+
+
+def thread_count() -> int:
+    """This process's threads, as the kernel lists them."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def thread_count_settled(expected: int, timeout: float = 2.0) -> int:
+    """The thread count once it reaches `expected`, or after `timeout`.
+
+    pthread_join returns when the kernel clears the thread's tid, a moment before
+    the task leaves /proc/self/task; under ASan or load that moment is long enough to see.
+    """
+    deadline = time.monotonic() + timeout
+    while (count := thread_count()) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return count

@@ -6,25 +6,10 @@ import os
 import time
 
 import pytest
+from conftest import thread_count, thread_count_settled
 
 import pdhal
 from pdhal import ops
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def _threads_settle(expected: int, timeout: float = 2.0) -> int:
-    """The thread count once it reaches `expected`, or after `timeout`.
-
-    pthread_join returns when the kernel clears the thread's tid, a moment before
-    the task leaves /proc/self/task; under ASan that moment is long enough to see.
-    """
-    deadline = time.monotonic() + timeout
-    while (count := _threads()) != expected and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return count
 
 
 def test_signals_through_one_sender_arrive_in_order():
@@ -49,12 +34,12 @@ def test_destroy_delivers_everything_pending():
 
 
 def test_a_sender_per_step_leaves_no_thread_behind():
-    before = _threads()
+    before = thread_count()
     for _ in range(1000):
         meta = ops.open_shm_and_get_meta_signal(0, 0)
         with ops.create_kv_signal_sender() as sender:
             ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0), sender=sender)
-    assert _threads_settle(before) == before
+    assert thread_count_settled(before) == before
     with ops.open_kv_signal_reader(0, 0) as reader:
         assert reader.current() == (1000, 0)
 

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import python_child, run_child
+from conftest import python_child, run_child, thread_count, thread_count_settled
 from sim.build import build
 from sim.harness import DeviceTensor, SimRuntime
 
@@ -75,19 +75,15 @@ def test_destroy_delivers_1000_queued_signals(sim):
     assert sim.lib.sim_live_events() == 0
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
 def test_a_sender_per_step_leaves_no_thread_or_event(sim):
     stream = sim.stream()
-    threads, events = _threads(), sim.lib.sim_live_events()
+    threads, events = thread_count(), sim.lib.sim_live_events()
     for _ in range(1000):
         meta = ops.open_shm_and_get_meta_signal(0, 0)
         with ops.create_kv_signal_sender() as sender:
             for layer in range(3):
                 ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), stream, sender)
-    assert (_threads(), sim.lib.sim_live_events()) == (threads, events)
+    assert (thread_count_settled(threads), sim.lib.sim_live_events()) == (threads, events)
     with ops.open_kv_signal_reader(0, 0) as reader:
         assert reader.current() == (1000, 2)
 
