@@ -6,6 +6,10 @@ sizes of a real KV block (64 tokens x 8 heads x 128 dims x 2 bytes = 128 KiB) an
 (4 KiB); each call copies BENCH_BLOCKS blocks:
   - scattered: every block its own run (random ids on both sides), memcpy once per block;
   - runs of 8, and one long run: consecutive ids on both sides, memcpy once per run.
+The last rows copy the same ids in each of BENCH_LAYERS layers per call (copy_blocks given
+lists of layers, as swap_cache_all_layers and a K + V send use it), against the same memcpy
+loop run once per layer: at 4 KiB a single layer's copy (256 KiB) takes about as long as a
+Python call that checks its arguments, which one call for all layers pays once.
 Rounds interleave pdhal and memcpy (alternating which goes first); each prints the median of
 BENCH_ROUNDS rounds and the ratio memcpy time / pdhal time (1.0: as fast as memcpy; the
 issue's target is >= 0.9). "C loop" is pdhal's C core alone (pdhal_copy_blocks through cffi,
@@ -30,7 +34,9 @@ BLOCKS = int(os.environ.get("BENCH_BLOCKS", "64"))  # blocks per call
 CACHE_BYTES = int(os.environ.get("BENCH_CACHE_MIB", "64")) << 20  # per side, beyond the LLC
 TARGET_S = float(os.environ.get("BENCH_SAMPLE_S", "0.02"))  # per timing sample
 
-BLOCK_SIZES = [("128 KiB (64 tok x 8 heads x 128 x bf16)", 64 * 8 * 128 * 2), ("4 KiB", 4096)]
+LAYERS = int(os.environ.get("BENCH_LAYERS", "32"))  # layers per call in the last rows
+KV_BLOCK = ("128 KiB (64 tok x 8 heads x 128 x bf16)", 64 * 8 * 128 * 2)
+CONFIGS = [(*KV_BLOCK, 1), ("4 KiB", 4096, 1), ("4 KiB", 4096, LAYERS)]  # (block, bytes, layers)
 LAYOUTS = [("scattered (1-block runs)", 1), ("runs of 8", 8), (f"one run of {BLOCKS}", BLOCKS)]
 
 
@@ -74,44 +80,64 @@ def calibrate(fn) -> int:
 def bench_copies(ops, core) -> list[dict]:
     rng = random.Random(7)
     results = []
-    for size_name, block_bytes in BLOCK_SIZES:
-        cache_blocks = CACHE_BYTES // block_bytes
-        dst, src = ops.host_alloc(CACHE_BYTES), ops.host_alloc(CACHE_BYTES)
-        ctypes.memset(dst.address, 0, CACHE_BYTES)  # fault every page in before timing
-        ctypes.memset(src.address, 1, CACHE_BYTES)
-        da, sa = dst.address, src.address
+    for size_name, block_bytes, layers in CONFIGS:
+        layer_bytes = CACHE_BYTES // layers  # every row copies from CACHE_BYTES per side
+        cache_blocks = layer_bytes // block_bytes
+        dst = [ops.host_alloc(layer_bytes) for _ in range(layers)]
+        src = [ops.host_alloc(layer_bytes) for _ in range(layers)]
+        for d, s in zip(dst, src):  # fault every page in before timing
+            ctypes.memset(d.address, 0, layer_bytes)
+            ctypes.memset(s.address, 1, layer_bytes)
+        bases = [(d.address, s.address) for d, s in zip(dst, src)]
+        da, sa = [d.address for d in dst], [s.address for s in src]
+        # one layer: the op as most call it, on the memory itself; several: lists of layers
+        dst_arg, src_arg = (dst[0], src[0]) if layers == 1 else (dst, src)
+        da_arg, sa_arg = (da[0], sa[0]) if layers == 1 else (da, sa)
         for layout_name, run in LAYOUTS:
             samples = {"pdhal": [], "memcpy": [], "C loop": []}
             copies = reps = None
             for round_ in range(ROUNDS):
                 dst_ids, src_ids = make_ids(rng, cache_blocks, run)
                 plan = [
-                    (da + d * block_bytes, sa + s * block_bytes, n * block_bytes)
+                    (d * block_bytes, s * block_bytes, n * block_bytes)
                     for d, s, n in runs_of(dst_ids, src_ids)
                 ]
                 memmove = ctypes.memmove
 
                 def pdhal_copy():
-                    return ops.copy_blocks(dst, dst_ids, src, src_ids, block_bytes)
+                    return ops.copy_blocks(dst_arg, dst_ids, src_arg, src_ids, block_bytes)
 
                 if run == 1:  # the plain copy an engine writes: one memcpy per block
 
                     def plain_copy():
-                        for d, s in zip(dst_ids, src_ids):
-                            memmove(da + d * block_bytes, sa + s * block_bytes, block_bytes)
+                        for d_base, s_base in bases:
+                            for d, s in zip(dst_ids, src_ids):
+                                memmove(
+                                    d_base + d * block_bytes, s_base + s * block_bytes, block_bytes
+                                )
                 else:  # ... or one per run, its runs found beforehand (not timed)
 
                     def plain_copy():
-                        for to, frm, n in plan:
-                            memmove(to, frm, n)
+                        for d_base, s_base in bases:
+                            for to, frm, n in plan:
+                                memmove(d_base + to, s_base + frm, n)
 
                 def c_loop():
                     return core.copy_blocks(
-                        0, 0, 0, da, cache_blocks, sa, cache_blocks, block_bytes, dst_ids, src_ids
+                        0,
+                        0,
+                        0,
+                        da_arg,
+                        cache_blocks,
+                        sa_arg,
+                        cache_blocks,
+                        block_bytes,
+                        dst_ids,
+                        src_ids,
                     )
 
                 copies = pdhal_copy()
-                assert copies == len(plan), (copies, len(plan))
+                assert copies == len(plan) * layers, (copies, len(plan), layers)
                 fns = [("pdhal", pdhal_copy), ("memcpy", plain_copy), ("C loop", c_loop)]
                 if round_ % 2:
                     fns.reverse()
@@ -120,24 +146,26 @@ def bench_copies(ops, core) -> list[dict]:
                     fn()  # same cache state for each: the ids' blocks were just touched
                     samples[name].append(per_call(fn, reps))
             med = {k: statistics.median(v) for k, v in samples.items()}
+            moved = BLOCKS * block_bytes * layers
             results.append(
                 {
                     "block": size_name,
                     "block_bytes": block_bytes,
+                    "layers": layers,
                     "layout": layout_name,
-                    "blocks_per_call": BLOCKS,
+                    "blocks_per_call": BLOCKS * layers,
                     "copies_per_call": copies,
                     "pdhal_us": med["pdhal"] * 1e6,
                     "memcpy_us": med["memcpy"] * 1e6,
                     "c_loop_us": med["C loop"] * 1e6,
-                    "pdhal_gbps": BLOCKS * block_bytes / med["pdhal"] / 1e9,
-                    "memcpy_gbps": BLOCKS * block_bytes / med["memcpy"] / 1e9,
+                    "pdhal_gbps": moved / med["pdhal"] / 1e9,
+                    "memcpy_gbps": moved / med["memcpy"] / 1e9,
                     "ratio": med["memcpy"] / med["pdhal"],
                     "c_loop_ratio": med["memcpy"] / med["C loop"],
                 }
             )
-        ops.host_free(dst)
-        ops.host_free(src)
+        for buffer in dst + src:
+            ops.host_free(buffer)
     return results
 
 
@@ -210,14 +238,14 @@ def main() -> None:
         f"{CACHE_BYTES >> 20} MiB caches, median of {ROUNDS} interleaved rounds"
     )
     print(
-        f"{'block':<40} {'layout':<26} {'copies':>6} {'pdhal us':>9} {'memcpy us':>9} "
-        f"{'C loop us':>9} {'ratio':>6} {'C loop':>6}"
+        f"{'block':<40} {'layers':>6} {'layout':<26} {'copies':>6} {'pdhal us':>9} "
+        f"{'memcpy us':>9} {'C loop us':>9} {'ratio':>6} {'C loop':>6}"
     )
     for r in results:
         print(
-            f"{r['block']:<40} {r['layout']:<26} {r['copies_per_call']:>6} {r['pdhal_us']:>9.1f} "
-            f"{r['memcpy_us']:>9.1f} {r['c_loop_us']:>9.1f} {r['ratio']:>5.2f}x "
-            f"{r['c_loop_ratio']:>5.2f}x"
+            f"{r['block']:<40} {r['layers']:>6} {r['layout']:<26} {r['copies_per_call']:>6} "
+            f"{r['pdhal_us']:>9.1f} {r['memcpy_us']:>9.1f} {r['c_loop_us']:>9.1f} "
+            f"{r['ratio']:>5.2f}x {r['c_loop_ratio']:>5.2f}x"
         )
     print("ratio = memcpy time / pdhal time (target >= 0.9x); C loop = the C core alone")
     print()

@@ -30,10 +30,16 @@ def resolve(obj: object, what: str, writable: bool = False) -> MemoryRef:
     return MemoryRef(ref.address, extent.start + extent.nbytes - ref.address, extent.device)
 
 
+_INT64_ARRAY = _core.ffi.typeof("int64_t[]")
+
+
 def block_ids_array(obj: object, what: str):
     """Block ids as an int64_t[] for the C loop, with no Python per id in the common cases:
-    a list or tuple converts in C, a contiguous 1-D int64 array (numpy) is used in place.
-    Anything else, or ids cffi refuses, takes block_ids (which says which entry is wrong)."""
+    a list or tuple converts in C, a contiguous 1-D int64 array (numpy) is used in place, an
+    int64_t[] this function returned (or a slice of it) is itself. Anything else, or ids
+    cffi refuses, takes block_ids (which says which entry is wrong)."""
+    if isinstance(obj, _core.ffi.CData) and _core.ffi.typeof(obj) is _INT64_ARRAY:
+        return obj
     if isinstance(obj, (list, tuple)):
         try:
             return _core.ffi.new("int64_t[]", obj)
@@ -81,8 +87,8 @@ def _plan(dst, dst_block_ids, src, src_block_ids, block_bytes: int):
     block_bytes = validate_index(block_bytes, "block_bytes", 1 << 46)
     if block_bytes == 0:
         raise InvalidArgumentError("block_bytes must be at least 1")
-    dst_ids = block_ids(dst_block_ids, "dst_block_ids")
-    src_ids = block_ids(src_block_ids, "src_block_ids")
+    dst_ids = list(block_ids_array(dst_block_ids, "dst_block_ids"))
+    src_ids = list(block_ids_array(src_block_ids, "src_block_ids"))
     if len(dst_ids) != len(src_ids):
         raise InvalidArgumentError(
             f"dst_block_ids and src_block_ids must pair up, got "
@@ -118,8 +124,10 @@ def copy_blocks(
 ) -> int:
     """Copy block src_block_ids[i] of `src` to block dst_block_ids[i] of `dst` through the
     runtime's copy (its C address; 0: memmove now). kind_of(dst device, src device) gives
-    the runtime's copy kind. Returns the number of copies made (runs of consecutive ids).
-    The C loop checks every id against its side's extent before the first byte moves."""
+    the runtime's copy kind. `dst` and `src` may be equal-length lists of memory (layers):
+    the same ids are copied in each pair, converted and checked once. Returns the number of
+    copies made (runs of consecutive ids, in all layers). The C loop checks every id
+    against its side's extent before the first byte moves."""
     block_bytes = validate_index(block_bytes, "block_bytes", 1 << 46)
     if block_bytes == 0:
         raise InvalidArgumentError("block_bytes must be at least 1")
@@ -130,17 +138,43 @@ def copy_blocks(
             f"dst_block_ids and src_block_ids must pair up, got "
             f"{len(dst_ids)} and {len(src_ids)} ids"
         )
-    d = resolve(dst, "dst", writable=True)
-    s = resolve(src, "src")
+    if isinstance(dst, (list, tuple)) or isinstance(src, (list, tuple)):
+        dst, dst_blocks, src, src_blocks, kind = _layers(kind_of, dst, src, block_bytes)
+    else:
+        d = resolve(dst, "dst", writable=True)
+        s = resolve(src, "src")
+        dst, dst_blocks = d.address, d.nbytes // block_bytes
+        src, src_blocks = s.address, s.nbytes // block_bytes
+        kind = kind_of(d.device, s.device)
     return _core.copy_blocks(
-        copy_fn,
-        kind_of(d.device, s.device),
-        stream,
-        d.address,
-        d.nbytes // block_bytes,
-        s.address,
-        s.nbytes // block_bytes,
-        block_bytes,
-        dst_ids,
-        src_ids,
+        copy_fn, kind, stream, dst, dst_blocks, src, src_blocks, block_bytes, dst_ids, src_ids
+    )
+
+
+def _layers(kind_of: Callable[[str, str], int], dst, src, block_bytes: int):
+    """(dst addresses, blocks of the smallest, src addresses, blocks of the smallest, copy
+    kind) of equal-length lists of memory, one pair per layer, all pairs of one kind."""
+    if not isinstance(dst, (list, tuple)) or not isinstance(src, (list, tuple)):
+        raise InvalidArgumentError(
+            "dst and src must both be memory, or both lists of memory (one per layer), "
+            f"got {type(dst).__name__} and {type(src).__name__}"
+        )
+    if len(dst) != len(src):
+        raise InvalidArgumentError(
+            f"dst and src must pair up layer by layer, got {len(dst)} and {len(src)} layers"
+        )
+    dsts = [resolve(m, f"dst[{i}]", writable=True) for i, m in enumerate(dst)]
+    srcs = [resolve(m, f"src[{i}]") for i, m in enumerate(src)]
+    kinds = {kind_of(d.device, s.device) for d, s in zip(dsts, srcs)}
+    if len(kinds) > 1:
+        raise InvalidArgumentError(
+            "the layers of one block copy must all copy between the same kinds of memory, "
+            "got " + ", ".join(sorted({f"{s.device} -> {d.device}" for d, s in zip(dsts, srcs)}))
+        )
+    return (
+        [d.address for d in dsts],
+        min((d.nbytes for d in dsts), default=0) // block_bytes,
+        [s.address for s in srcs],
+        min((s.nbytes for s in srcs), default=0) // block_bytes,
+        kinds.pop() if kinds else 0,
     )

@@ -324,20 +324,38 @@ def copy_blocks(
     copy_fn,
     kind: int,
     stream: int,
-    dst: int,
+    dst,
     dst_blocks: int,
-    src: int,
+    src,
     src_blocks: int,
     block_bytes: int,
     dst_ids,
     src_ids,
 ) -> int:
-    """pdhal_copy_blocks: copy_fn a C function address (0: memmove now); the ids int64_t[]
-    cdata of equal length; returns the copies made."""
+    """pdhal_copy_blocks: copy_fn a C function address (0: memmove now); dst and src an
+    address each, or equal-length lists of addresses (layers, the same ids copied in each:
+    pdhal_copy_blocks_layers); the ids int64_t[] cdata of equal length; returns the copies
+    made."""
     count = len(dst_ids)
     fn = ffi.NULL if not copy_fn else ffi.cast("pdhal_copy_fn", copy_fn)
-    return check(
-        lib.pdhal_copy_blocks(
+    if isinstance(dst, list):
+        dsts, srcs = ffi.new("uintptr_t[]", dst), ffi.new("uintptr_t[]", src)
+        rc = lib.pdhal_copy_blocks_layers(
+            fn,
+            kind,
+            ffi.cast("void *", stream),
+            ffi.cast("void *const *", dsts),
+            dst_blocks,
+            ffi.cast("const void *const *", srcs),
+            src_blocks,
+            len(dst),
+            block_bytes,
+            dst_ids,
+            src_ids,
+            count,
+        )
+    else:
+        rc = lib.pdhal_copy_blocks(
             fn,
             kind,
             ffi.cast("void *", stream),
@@ -349,11 +367,8 @@ def copy_blocks(
             dst_ids,
             src_ids,
             count,
-        ),
-        "copying %d blocks",
-        count,
-        overrides={errno.EIO: DeviceError},
-    )
+        )
+    return check(rc, "copying %d blocks", count, overrides={errno.EIO: DeviceError})
 
 
 def store_address(store) -> int:

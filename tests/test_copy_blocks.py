@@ -49,6 +49,24 @@ def test_an_extent_whose_size_wraps_is_refused_by_the_c_loop():
     assert not dst.any()
 
 
+def test_the_c_loop_refuses_a_layer_without_memory_and_too_many_blocks_in_all():
+    """pdhal_copy_blocks_layers names the layer whose buffer is missing, and caps the copies
+    of all layers together (its return is an int), before anything moves."""
+    src, dst = _caches(4)
+    ids = _core.ffi.new("int64_t[]", [0, 1])
+    with pytest.raises(pdhal.InvalidArgumentError, match="layer 1 of a block copy has no source"):
+        _core.copy_blocks(
+            0, 0, 0, [dst.ctypes.data] * 2, 4, [src.ctypes.data, 0], 4, BLOCK, ids, ids
+        )
+    many = _core.ffi.new("int64_t[]", 1 << 20)  # 2**20 ids in each of 2**11 + 1 layers
+    layers = (1 << 11) + 1
+    with pytest.raises(pdhal.InvalidArgumentError, match="at most 2147483647 blocks in all"):
+        _core.copy_blocks(
+            0, 0, 0, [dst.ctypes.data] * layers, 4, [src.ctypes.data] * layers, 4, BLOCK, many, many
+        )
+    assert not dst.any()
+
+
 @pytest.fixture
 def xpu(monkeypatch):
     sim = SimRuntime("xpu", "libxpurt.so")

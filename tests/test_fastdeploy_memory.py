@@ -437,7 +437,8 @@ def test_one_layer_s_blocks_land_in_another_process_s_caches(dev, copies, tmp_pa
             local_k, local_v, ids([5]), ids([3]), remote_k, remote_v, 1, 0, 3, stream, False
         )
         fd.ipc_sent_key_value_cache_by_remote_ptr_block_sync(local_k, local_v, stream)
-        assert copies == [2, 2, 1, 1], f"copies per K/V call: {copies} (2..4 -> 5..7 is one)"
+        # One copy_blocks per send, K and V its two layers: 2..4 -> 5..7 is one run of each.
+        assert copies == [4, 2], f"copies per send (K and V): {copies}"
         receiver.stdin.write("sent\n")
         receiver.stdin.flush()
         finish(receiver)
@@ -467,7 +468,8 @@ def test_swap_all_layers_out_and_back_in(dev, copies):
     ptrs = [base + i * cpu_blocks * bb for i in range(layers)]  # one buffer, per-layer offsets
     gpu_ids, cpu_ids = [1, 2, 3, 6], [4, 5, 0, 2]
     fd.swap_cache_all_layers(caches, ptrs, cpu_blocks, gpu_ids, cpu_ids, 0, 0)  # SWAP2CPU
-    assert copies == [3, 3, 3], copies  # per layer: 1, 2 -> 4, 5 one run; 3 -> 0; 6 -> 2
+    # One copy_blocks for all layers, 3 runs in each: 1, 2 -> 4, 5; 3 -> 0; 6 -> 2.
+    assert copies == [3 * layers], copies
     del copies[:]
     host = blocks_of(ctypes.string_at(base, n), bb)
     for layer in range(layers):
@@ -477,12 +479,39 @@ def test_swap_all_layers_out_and_back_in(dev, copies):
     for cache in caches:  # the device blocks are reused meanwhile
         dev.write(cache.address, bytes(cache.nbytes))
     fd.swap_cache_all_layers(caches, ptrs, cpu_blocks, [7, 0, 5, 4], cpu_ids, 0, 1)  # SWAP2GPU
-    assert copies == [4, 4, 4], copies
+    assert copies == [4 * layers], copies
     for layer, cache in enumerate(caches):
         old = blocks_of(before[layer], bb)
         want = [bytes(bb)] * blocks
         want[7], want[0], want[5], want[4] = old[1], old[2], old[3], old[6]
         assert blocks_of(dev.read(cache), bb) == want, f"layer {layer}: not a round trip"
+    fd.cuda_host_free(base)
+
+
+def test_swap_of_layers_with_different_block_sizes_checks_all_before_copying(dev, copies):
+    """FastDeploy's op takes each layer's block size from its own shape. Layers of two sizes
+    are two copies; a device id inside the small layers but past the large layer's cache
+    leaves every layer unwritten."""
+    small, large = dev.cache(8, "uint8", seed=50), dev.cache(4, seed=51)
+    sb, lb = small.block_bytes, large.block_bytes
+    assert lb == 2 * sb
+    n = 2 * sb + 2 * lb + 2 * sb  # two host blocks per layer
+    base = fd.cuda_host_alloc(n)
+    ctypes.memset(base, 0, n)
+    caches, hosts = [small, large, small], [base, base + 2 * sb, base + 2 * sb + 2 * lb]
+    with pytest.raises(pdhal.InvalidArgumentError, match="source block id 5"):
+        fd.swap_cache_all_layers(caches, hosts, 2, [5], [1], 0, 0)
+    ops.synchronize()
+    assert ctypes.string_at(base, n) == bytes(n), "a refused swap wrote host memory"
+    assert copies == []
+    fd.swap_cache_all_layers(caches, hosts, 2, [2], [1], 0, 0)
+    assert sorted(copies) == [1, 2], copies  # the two small layers in one copy, the large alone
+    host, small_before, large_before = ctypes.string_at(base, n), dev.read(small), dev.read(large)
+    for layer, (at, size, cache) in enumerate(
+        [(base, sb, small_before), (base + 2 * sb, lb, large_before), (hosts[2], sb, small_before)]
+    ):
+        got = host[at - base : at - base + 2 * size]
+        assert got == bytes(size) + cache[2 * size : 3 * size], f"layer {layer}"
     fd.cuda_host_free(base)
 
 

@@ -347,8 +347,8 @@ def ipc_sent_key_value_cache_by_remote_ptr(
     copy. The remote extent is what pdhal mapped, so no id can reach past it."""
     block_num = validate_index(block_num, "block_num", 1 << 31)
     _flag(is_scale, "is_scale")  # the scales' block size follows from their tensor's shape
-    local_ids = _blocks.block_ids(local_block_ids, "local_block_ids")
-    remote_ids = _blocks.block_ids(remote_block_ids, "remote_block_ids")
+    local_ids = _blocks.block_ids_array(local_block_ids, "local_block_ids")
+    remote_ids = _blocks.block_ids_array(remote_block_ids, "remote_block_ids")
     if block_num > min(len(local_ids), len(remote_ids)):
         raise InvalidArgumentError(
             f"block_num {block_num} exceeds the block ids given "
@@ -360,23 +360,20 @@ def ipc_sent_key_value_cache_by_remote_ptr(
             f"{list(local_key_tensor.shape)} and "
             f"{list(local_value_tensor.shape)}"
         )
-    copies = [
-        (
-            _address(remote_key_tensor, "remote key cache pointer"),
-            local_key_tensor,
-            _block_bytes(local_key_tensor, "local key cache"),
-        ),
-        (
-            _address(remote_value_tensor, "remote value cache pointer"),
-            local_value_tensor,
-            _block_bytes(local_value_tensor, "local value cache"),
-        ),
+    remote = [
+        _address(remote_key_tensor, "remote key cache pointer"),
+        _address(remote_value_tensor, "remote value cache pointer"),
     ]
-    local_ids, remote_ids = local_ids[:block_num], remote_ids[:block_num]
-    for remote, local, block_bytes in copies:  # K's copies are not made if V's would fail
-        _blocks.check(remote, remote_ids, local, local_ids, block_bytes)
-    for remote, local, block_bytes in copies:
-        ops.copy_blocks(remote, remote_ids, local, local_ids, block_bytes, cuda_stream_raw)
+    # K and V as two layers of one copy: every id is checked for both before either is
+    # written, and the ids are converted once.
+    ops.copy_blocks(
+        remote,
+        remote_ids[0:block_num],
+        [local_key_tensor, local_value_tensor],
+        local_ids[0:block_num],
+        _block_bytes(local_key_tensor, "local key cache"),
+        cuda_stream_raw,
+    )
 
 
 def ipc_sent_key_value_cache_by_remote_ptr_block_sync(
@@ -409,25 +406,34 @@ def swap_cache_all_layers(
             f"{len(caches)} device caches but {len(hosts)} host pointers: one host buffer per layer"
         )
     max_blocks = validate_index(max_block_num_cpu, "max_block_num_cpu", 1 << 40)
-    gpu_ids = _blocks.block_ids(swap_block_ids_gpu, "swap_block_ids_gpu")
-    cpu_ids = _blocks.block_ids(swap_block_ids_cpu, "swap_block_ids_cpu")
+    gpu_ids = _blocks.block_ids_array(swap_block_ids_gpu, "swap_block_ids_gpu")
+    cpu_ids = _blocks.block_ids_array(swap_block_ids_cpu, "swap_block_ids_cpu")
     if len(gpu_ids) != len(cpu_ids):
         raise InvalidArgumentError(
             f"swap_block_ids_gpu and swap_block_ids_cpu must pair up, "
             f"got {len(gpu_ids)} and {len(cpu_ids)} ids"
         )
-    copies = []
+    layers: dict[int, tuple[list, list]] = {}  # block bytes -> (device caches, host spans)
     for layer, (cache, host) in enumerate(zip(caches, hosts)):
         block_bytes = _block_bytes(cache, f"device cache of layer {layer}")
         host = _host_span(
             _address(host, f"host pointer of layer {layer}"), max_blocks * block_bytes
         )
-        if mode == SWAP_TO_HOST:
-            copies.append((host, cpu_ids, cache, gpu_ids, block_bytes))
-        else:
-            copies.append((cache, gpu_ids, host, cpu_ids, block_bytes))
-    for copy in copies:  # every layer checked before the first is copied
-        _blocks.check(*copy)
+        on_device, on_host = layers.setdefault(block_bytes, ([], []))
+        on_device.append(cache)
+        on_host.append(host)
+    # One copy per block size (every layer, as a rule), its ids converted once; layers of
+    # several sizes are all checked before the first is copied.
+    copies = [
+        (on_host, cpu_ids, on_device, gpu_ids, block_bytes)
+        if mode == SWAP_TO_HOST
+        else (on_device, gpu_ids, on_host, cpu_ids, block_bytes)
+        for block_bytes, (on_device, on_host) in layers.items()
+    ]
+    if len(copies) > 1:
+        for dsts, dst_ids, srcs, src_ids, block_bytes in copies:
+            for dst, src in zip(dsts, srcs):
+                _blocks.check(dst, dst_ids, src, src_ids, block_bytes)
     for copy in copies:
         ops.copy_blocks(*copy)
     ops.synchronize()

@@ -238,6 +238,14 @@ typedef int (*pdhal_copy_fn)(void *dst, const void *src, uint64_t bytes, int kin
 int pdhal_copy_blocks(pdhal_copy_fn copy, int kind, void *stream, void *dst, uint64_t dst_blocks,
                       const void *src, uint64_t src_blocks, uint64_t block_bytes,
                       const int64_t *dst_ids, const int64_t *src_ids, uint64_t count);
+/* pdhal_copy_blocks for the same ids in each of `layers` pairs of caches: dst[l] receives
+ * from src[l], layer after layer, every cache of dst_blocks (src_blocks) blocks. The ids are
+ * checked once, before anything is copied in any layer, so a bad id leaves every layer
+ * unwritten. Returns the copies made in all layers (count * layers at most INT_MAX). */
+int pdhal_copy_blocks_layers(pdhal_copy_fn copy, int kind, void *stream, void *const *dst,
+                             uint64_t dst_blocks, const void *const *src, uint64_t src_blocks,
+                             uint64_t layers, uint64_t block_bytes, const int64_t *dst_ids,
+                             const int64_t *src_ids, uint64_t count);
 /* PDHAL_CDEF_END */
 
 #ifdef __cplusplus

@@ -268,6 +268,40 @@ def test_bad_block_ids_are_refused_and_nothing_is_copied(support, dst_ids, src_i
     assert _blocks_of(support, dst.address, 4) == [0, 0, 0, 0], "a refused copy wrote blocks"
 
 
+def test_a_copy_of_several_layers_moves_the_same_blocks_in_each(support):
+    """copy_blocks with lists of memory: layer l of dst receives from layer l of src, the
+    same ids in each, in stream order."""
+    stream = support.stream()
+    srcs = [support.alloc(4 * BLOCK) for _ in range(3)]
+    for layer, src in enumerate(srcs):  # block i of layer l holds 10 * l + i + 1
+        for i in range(4):
+            fill = bytes([10 * layer + i + 1]) * BLOCK
+            support.delayed_write(stream, src.address + i * BLOCK, fill, 0)
+    dsts = [support.alloc(4 * BLOCK) for _ in range(3)]
+    copies = ops.copy_blocks(dsts, [2, 3, 0], srcs, [0, 1, 3], BLOCK, stream)
+    ops.synchronize(stream)
+    assert copies == 6, f"{copies} copies: two runs in each of three layers"
+    for layer, dst in enumerate(dsts):
+        got = _blocks_of(support, dst.address, 4)
+        base = 10 * layer
+        assert got == [base + 4, 0, base + 1, base + 2], f"layer {layer}: {got}"
+
+
+def test_an_id_past_one_layer_of_several_is_refused_in_every_layer(support):
+    """The ids are checked against the smallest layer before the first byte of any layer
+    moves: a bad id for the last layer leaves the first ones unwritten too."""
+    stream = support.stream()
+    srcs = [_filled(support, 4, stream) for _ in range(2)]
+    dsts = [support.alloc(4 * BLOCK), support.alloc(2 * BLOCK)]
+    with pytest.raises(pdhal.InvalidArgumentError, match="destination block id 3"):
+        ops.copy_blocks(dsts, [0, 3], srcs, [0, 1], BLOCK, stream)
+    with pytest.raises(pdhal.InvalidArgumentError, match="pair up layer by layer"):
+        ops.copy_blocks(dsts, [0], srcs[:1], [0], BLOCK, stream)
+    ops.synchronize(stream)
+    assert _blocks_of(support, dsts[0].address, 4) == [0, 0, 0, 0], "layer 0 was written"
+    assert _blocks_of(support, dsts[1].address, 2) == [0, 0], "layer 1 was written"
+
+
 def test_blocks_land_in_another_process_s_shared_cache(support):
     """A same-host transfer: the receiver publishes its cache, the sender maps it by name
     (get_data_ptr_ipc) and copies named blocks into it; nothing else changes."""
