@@ -270,7 +270,8 @@ def host_unregister(ptr_or_tensor) -> None:
 
 def copy_blocks(dst, dst_block_ids, src, src_block_ids, block_bytes: int, stream=None) -> int:
     """Copy block src_block_ids[i] of `src` into block dst_block_ids[i] of `dst` (memmove,
-    done on return), runs of consecutive ids as one copy. Returns the copies made."""
+    done on return), runs of consecutive ids as one copy; `dst` and `src` may be lists of
+    layers, the same ids copied in each. Returns the copies made."""
     return _blocks.copy_blocks(
         0, _host_only, 0, dst, dst_block_ids, src, src_block_ids, block_bytes
     )

@@ -194,8 +194,8 @@ class RuntimeBackend(Backend):
     ) -> int:
         """Copy block src_block_ids[i] of `src` into block dst_block_ids[i] of `dst`,
         ordered on `stream` after the work queued there (runs of consecutive ids as one
-        copy; every id checked first). Returns the copies issued; synchronize(stream) waits
-        for them."""
+        copy; every id checked first); `dst` and `src` may be lists of layers, the same ids
+        copied in each. Returns the copies issued; synchronize(stream) waits for them."""
         rt = self.runtime
         return _blocks.copy_blocks(
             rt.address(getattr(rt.lib, self.copy_symbol)),
