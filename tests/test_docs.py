@@ -45,3 +45,41 @@ def _as_params(examples: list[tuple[int, str]]) -> list:
 @pytest.mark.parametrize("line, code", _as_params(API_EXAMPLES))
 def test_api_examples_run_as_written(line, code):
     run_child(code, env=dict(os.environ, PDHAL_PLATFORM="cpu"))
+
+
+#: Every name fastdeploy/cache_manager/ops.py exports, in its 2025 versions (their __all__).
+FASTDEPLOY_CACHE_MANAGER_OPS = [
+    "cuda_host_alloc",
+    "cuda_host_free",
+    "get_all_visible_devices",
+    "get_data_ptr_ipc",
+    "get_output_kv_signal",
+    "get_peer_mem_addr",
+    "ipc_sent_key_value_cache_by_remote_ptr",
+    "ipc_sent_key_value_cache_by_remote_ptr_block_sync",
+    "memory_allocated",
+    "set_data_ipc",
+    "set_device",
+    "share_external_data_",
+    "swap_cache_all_layers",
+    "swap_cache_layout",
+    "swap_cache_per_layer",
+    "swap_cache_per_layer_async",
+    "unset_data_ipc",
+]
+
+
+def test_the_fastdeploy_guide_s_import_line_replaces_cache_manager_ops():
+    """docs/engines/fastdeploy.md says one import line replaces cache_manager/ops.py: it runs,
+    and binds a function for every name that file exports."""
+    (code,) = [
+        code
+        for _, code in _examples(os.path.join("engines", "fastdeploy.md"))
+        if "swap_cache_all_layers" in code and "from pdhal.compat.fastdeploy import" in code
+    ]
+    check = (
+        f"\nnames = {FASTDEPLOY_CACHE_MANAGER_OPS!r}"
+        "\nmissing = [n for n in names if not callable(globals().get(n))]"
+        "\nassert not missing, missing\n"
+    )
+    run_child(code + check, env=dict(os.environ, PDHAL_PLATFORM="cpu"))

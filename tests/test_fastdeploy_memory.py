@@ -800,3 +800,110 @@ def test_a_branch_s_argument_order_is_a_pdhal_error_and_publishes_nothing():
     assert ops.init_kv_signal_per_query([4], [4], [0], 0, 2).step == 1
     fd.get_output_kv_signal(out, 0, 0)
     assert out[:2].tolist() == [-1, -1], "a record no layer signalled"
+
+
+# ---- set_device, memory_allocated ----------------------------------------------------------
+
+
+@pytest.mark.paddle
+def test_set_device_and_memory_allocated_reach_the_platform_s_paddle_device(dev, monkeypatch):
+    """FastDeploy's cache processes call set_device(device_id) and log memory_allocated().
+    This Paddle is built for the CPU: on the simulated runtimes the test records what pdhal
+    asks Paddle for (the device "gpu:3" / "xpu:3", the platform's memory module)."""
+    import paddle
+
+    if dev.name == "cpu":
+        fd.set_device(3)
+        assert paddle.get_device() == "cpu"
+        with pytest.raises(pdhal.UnsupportedError, match="no device of the cpu platform"):
+            fd.memory_allocated()
+        return
+    asked = []
+    monkeypatch.setattr(paddle, "set_device", asked.append)
+    module = {"cuda": paddle.device.cuda, "xpu": paddle.device.xpu}[dev.name]
+    monkeypatch.setattr(module, "memory_allocated", lambda device=None: asked.append(device) or 7)
+    fd.set_device(3)
+    assert fd.memory_allocated() == 7
+    assert fd.memory_allocated(2) == 7
+    assert asked == [{"cuda": "gpu", "xpu": "xpu"}[dev.name] + ":3", None, 2]
+    with pytest.raises(pdhal.InvalidArgumentError, match="device must be"):
+        fd.set_device("gpu:3")
+
+
+# ---- swap_cache_per_layer(_async), swap_cache_layout ----------------------------------------
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["sync", "async"])
+def test_swap_one_layer_out_and_back_in(dev, copies, wait):
+    """FastDeploy's per-layer swaps (its v1 transfer manager loads layer by layer): the same
+    copies as swap_cache_all_layers for one cache; the async form waits for nothing, and
+    synchronize() waits for it."""
+    swap = fd.swap_cache_per_layer if wait else fd.swap_cache_per_layer_async
+    cache = dev.cache(6, seed=60)
+    bb, before = cache.block_bytes, dev.read(cache)
+    host = fd.cuda_host_alloc(4 * bb)
+    ctypes.memset(host, 0, 4 * bb)
+    swap(cache, host, 4, [4, 5, 0], [1, 2, 3], 0, 0)
+    if not wait:
+        ops.synchronize()
+    old = blocks_of(before, bb)
+    assert blocks_of(ctypes.string_at(host, 4 * bb), bb) == [bytes(bb), old[4], old[5], old[0]]
+    dev.write(cache.address, bytes(cache.nbytes))
+    swap(cache, host, 4, [1, 2], [3, 1], 0, 1)
+    if not wait:
+        ops.synchronize()
+    got = blocks_of(dev.read(cache), bb)
+    assert got == [bytes(bb), old[0], old[4]] + [bytes(bb)] * 3
+    assert copies == [2, 2], copies  # 4, 5 -> 1, 2 one run; then two single blocks
+    with pytest.raises(pdhal.InvalidArgumentError, match="block id 4"):
+        swap(cache, host, 4, [0], [4], 0, 1)
+    fd.cuda_host_free(host)
+
+
+def test_swap_cache_layout_moves_blocks_to_and_from_a_block_major_host_buffer(dev, copies):
+    """The storage path's host layout is [block, layer, ...]: block c of layer l lies at
+    (c * layers + l) * block bytes. One copy call for all layers; consecutive cpu ids are
+    not consecutive in any layer's view, so they stay separate copies."""
+    layers, blocks, host_blocks = 3, 4, 3
+    caches = [dev.cache(blocks, seed=70 + i) for i in range(layers)]
+    bb = caches[0].block_bytes
+    before = [blocks_of(dev.read(c), bb) for c in caches]
+    n = host_blocks * layers * bb
+    base = fd.cuda_host_alloc(n)
+    ctypes.memset(base, 0, n)
+    shape = caches[0].shape
+    fd.swap_cache_layout(caches, base, shape, [3, 1], [0, 1], 0, 0)
+    host = blocks_of(ctypes.string_at(base, n), bb)
+    for layer in range(layers):
+        assert host[0 * layers + layer] == before[layer][3], f"layer {layer}, cpu block 0"
+        assert host[1 * layers + layer] == before[layer][1], f"layer {layer}, cpu block 1"
+        assert host[2 * layers + layer] == bytes(bb), f"layer {layer}, cpu block 2"
+    assert copies == [2 * layers], copies
+    for cache in caches:
+        dev.write(cache.address, bytes(cache.nbytes))
+    fd.swap_cache_layout(caches, base, shape, [0, 2], [1, 0], 0, 1)
+    for layer, cache in enumerate(caches):
+        want = [before[layer][1], bytes(bb), before[layer][3], bytes(bb)]
+        assert blocks_of(dev.read(cache), bb) == want, f"layer {layer}"
+    snapshot = ctypes.string_at(base, n), [dev.read(c) for c in caches]
+    bad = [
+        (dict(cpu=[3]), "cpu block id 3 .* holds 3 blocks of 3 layers"),
+        (dict(gpu=[4]), "source block id 4"),
+        (dict(shape=[blocks, 1, 2]), "not blocks of \\[1, 2\\]"),
+        (dict(base=0x1000), "holds 0 blocks"),
+        (dict(mode=2), "mode must be 0"),
+    ]
+    for change, words in bad:
+        with pytest.raises(pdhal.InvalidArgumentError, match=words):
+            fd.swap_cache_layout(
+                caches,
+                change.get("base", base),
+                change.get("shape", shape),
+                change.get("gpu", [0]),
+                change.get("cpu", [0]),
+                0,
+                change.get("mode", 0),
+            )
+    ops.synchronize()
+    assert (ctypes.string_at(base, n), [dev.read(c) for c in caches]) == snapshot
+    fd.cuda_host_free(base)

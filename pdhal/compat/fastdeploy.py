@@ -18,15 +18,16 @@ xpu, or a plugin); Paddle is imported only by the functions that return Paddle t
 
 from __future__ import annotations
 
+import importlib
 import threading
 
-from pdhal import _blocks, _extents, ops
+from pdhal import _blocks, _extents, current_platform, ops
 from pdhal._errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
 from pdhal._hostmem import HostBuffer
 from pdhal._names import validate_index
 from pdhal._sender import KVSignalSender
 from pdhal._signals import SignalMeta
-from pdhal._tensors import MemoryRef, memory_ref
+from pdhal._tensors import MemoryRef, int_list, memory_ref
 
 __all__ = [
     "create_kv_signal_sender",
@@ -43,12 +44,17 @@ __all__ = [
     "init_signal_layerwise",
     "ipc_sent_key_value_cache_by_remote_ptr",
     "ipc_sent_key_value_cache_by_remote_ptr_block_sync",
+    "memory_allocated",
     "open_shm_and_get_meta_signal",
     "set_data_ipc",
+    "set_device",
     "share_external_data",
     "share_external_data_",
     "signal_layer_ready",
     "swap_cache_all_layers",
+    "swap_cache_layout",
+    "swap_cache_per_layer",
+    "swap_cache_per_layer_async",
     "unset_data_ipc",
 ]
 
@@ -395,19 +401,76 @@ def swap_cache_all_layers(
     """Move blocks between each layer's device cache and its pinned host buffer
     (cache_cpu_ptrs[i], max_block_num_cpu blocks): mode 0 device -> host, 1 host -> device;
     then wait for the copies. `rank` is FastDeploy's device id, checked only as an int."""
-    validate_index(rank, "rank (device id)")
-    if mode not in (SWAP_TO_HOST, SWAP_TO_DEVICE) or isinstance(mode, bool):
-        raise InvalidArgumentError(
-            f"mode must be 0 (device to host) or 1 (host to device), got {mode!r}"
-        )
     caches, hosts = list(cache_gpu_tensors), list(cache_cpu_ptrs)
     if len(caches) != len(hosts):
         raise InvalidArgumentError(
             f"{len(caches)} device caches but {len(hosts)} host pointers: one host buffer per layer"
         )
+    _swap(caches, hosts, max_block_num_cpu, swap_block_ids_gpu, swap_block_ids_cpu, rank, mode)
+    ops.synchronize()
+
+
+def swap_cache_per_layer(
+    cache_gpu,
+    cache_cpu_ptr,
+    max_block_num_cpu: int,
+    swap_block_ids_gpu,
+    swap_block_ids_cpu,
+    rank: int,
+    mode: int,
+) -> None:
+    """swap_cache_all_layers for one layer: its device cache and its host pointer."""
+    _swap(
+        [cache_gpu],
+        [cache_cpu_ptr],
+        max_block_num_cpu,
+        swap_block_ids_gpu,
+        swap_block_ids_cpu,
+        rank,
+        mode,
+    )
+    ops.synchronize()
+
+
+def swap_cache_per_layer_async(
+    cache_gpu,
+    cache_cpu_ptr,
+    max_block_num_cpu: int,
+    swap_block_ids_gpu,
+    swap_block_ids_cpu,
+    rank: int,
+    mode: int,
+) -> None:
+    """swap_cache_per_layer without the wait: the copies are queued on the default stream
+    (FastDeploy's op queues them on the tensor's); synchronize() waits for them."""
+    _swap(
+        [cache_gpu],
+        [cache_cpu_ptr],
+        max_block_num_cpu,
+        swap_block_ids_gpu,
+        swap_block_ids_cpu,
+        rank,
+        mode,
+    )
+
+
+def _swap_direction(rank: int, mode: int) -> bool:
+    """True for device -> host (mode 0), False for host -> device (1); rank checked as an
+    int (FastDeploy's device id)."""
+    validate_index(rank, "rank (device id)")
+    if mode not in (SWAP_TO_HOST, SWAP_TO_DEVICE) or isinstance(mode, bool):
+        raise InvalidArgumentError(
+            f"mode must be 0 (device to host) or 1 (host to device), got {mode!r}"
+        )
+    return mode == SWAP_TO_HOST
+
+
+def _swap(caches: list, hosts: list, max_block_num_cpu, gpu_block_ids, cpu_block_ids, rank, mode):
+    """Queue the copies of a swap between device caches and per-layer host buffers."""
+    to_host = _swap_direction(rank, mode)
     max_blocks = validate_index(max_block_num_cpu, "max_block_num_cpu", 1 << 40)
-    gpu_ids = _blocks.block_ids_array(swap_block_ids_gpu, "swap_block_ids_gpu")
-    cpu_ids = _blocks.block_ids_array(swap_block_ids_cpu, "swap_block_ids_cpu")
+    gpu_ids = _blocks.block_ids_array(gpu_block_ids, "swap_block_ids_gpu")
+    cpu_ids = _blocks.block_ids_array(cpu_block_ids, "swap_block_ids_cpu")
     if len(gpu_ids) != len(cpu_ids):
         raise InvalidArgumentError(
             f"swap_block_ids_gpu and swap_block_ids_cpu must pair up, "
@@ -426,7 +489,7 @@ def swap_cache_all_layers(
     # several sizes are all checked before the first is copied.
     copies = [
         (on_host, cpu_ids, on_device, gpu_ids, block_bytes)
-        if mode == SWAP_TO_HOST
+        if to_host
         else (on_device, gpu_ids, on_host, cpu_ids, block_bytes)
         for block_bytes, (on_device, on_host) in layers.items()
     ]
@@ -436,6 +499,62 @@ def swap_cache_all_layers(
                 _blocks.check(dst, dst_ids, src, src_ids, block_bytes)
     for copy in copies:
         ops.copy_blocks(*copy)
+
+
+def swap_cache_layout(
+    cache_gpu_tensors,
+    cache_cpu_ptrs,
+    cache_shape,
+    gpu_block_ids,
+    cpu_block_ids,
+    rank: int,
+    mode: int,
+) -> None:
+    """Move blocks between each layer's device cache and one pinned host buffer laid out
+    [block, layer, ...] (the storage path's layout: block c of layer l at cache_cpu_ptrs +
+    (c * layers + l) * block bytes, cache_shape[1:] the shape of a block): mode 0 device ->
+    host, 1 host -> device; then wait. The host buffer's blocks are as many as fit in the
+    memory pdhal handed out at cache_cpu_ptrs."""
+    to_host = _swap_direction(rank, mode)
+    caches = list(cache_gpu_tensors)
+    if not caches:
+        raise InvalidArgumentError("cache_gpu_tensors is empty: give one device cache per layer")
+    block_shape = int_list(cache_shape, "cache_shape")[1:]
+    for layer, cache in enumerate(caches):
+        if list(cache.shape)[1:] != block_shape:
+            raise InvalidArgumentError(
+                f"the device cache of layer {layer} has shape {list(cache.shape)}, "
+                f"not blocks of {block_shape} as cache_shape says"
+            )
+    block_bytes = _block_bytes(caches[0], "device cache of layer 0")
+    base = _address(cache_cpu_ptrs, "cache_cpu_ptrs")
+    row = len(caches) * block_bytes  # one block of every layer
+    extent = _extents.find(base)
+    host_blocks = 0 if extent is None else (extent.start + extent.nbytes - base) // row
+    gpu_ids = _blocks.block_ids_array(gpu_block_ids, "gpu_block_ids")
+    cpu_ids = list(_blocks.block_ids_array(cpu_block_ids, "cpu_block_ids"))
+    if len(gpu_ids) != len(cpu_ids):
+        raise InvalidArgumentError(
+            f"gpu_block_ids and cpu_block_ids must pair up, got {len(gpu_ids)} and "
+            f"{len(cpu_ids)} ids"
+        )
+    for entry, block in enumerate(cpu_ids):
+        if not 0 <= block < host_blocks:
+            raise InvalidArgumentError(
+                f"cpu block id {block} (entry {entry}) is outside the host buffer at "
+                f"{base:#x}, which holds {host_blocks} blocks of {len(caches)} layers "
+                f"in memory from cuda_host_alloc"
+            )
+    # Layer l's blocks, seen from base + l * block_bytes, are every len(caches)-th block.
+    hosts = [
+        _HostSpan(base + layer * block_bytes, host_blocks * row - layer * block_bytes)
+        for layer in range(len(caches))
+    ]
+    host_ids = [block * len(caches) for block in cpu_ids]
+    if to_host:
+        ops.copy_blocks(hosts, host_ids, caches, gpu_ids, block_bytes)
+    else:
+        ops.copy_blocks(caches, gpu_ids, hosts, host_ids, block_bytes)
     ops.synchronize()
 
 
@@ -462,13 +581,33 @@ class _HostSpan:
         return self._ref
 
 
-# ---- device visibility ---------------------------------------------------------------------
+# ---- devices -------------------------------------------------------------------------------
+
+
+def set_device(device: int) -> None:
+    """paddle.set_device for this platform's device `device` ("gpu:3" on cuda, "xpu:3" on
+    xpu); Paddle's CPU on a platform Paddle has no device type for."""
+    import paddle
+
+    validate_index(device, "device")
+    kind = current_platform().paddle_device_type
+    paddle.set_device(f"{kind}:{device}" if kind else "cpu")
+
+
+def memory_allocated(device=None) -> int:
+    """Bytes Paddle's allocator holds on `device` (default: the current one), from the
+    platform's Paddle module (paddle.device.cuda, paddle.device.xpu)."""
+    platform = current_platform()
+    if not platform.paddle_device_module:
+        raise UnsupportedError(
+            f"memory_allocated reports an accelerator's memory, and Paddle has no device "
+            f"of the {platform.name} platform"
+        )
+    return importlib.import_module(platform.paddle_device_module).memory_allocated(device)
 
 
 def get_all_visible_devices() -> str:
     """The shell prefix FastDeploy puts before a cache process's command so its physical
     --device_id is valid there: every device visible (the platform's visibility variable
     unset), whatever this process inherited. No device count is assumed."""
-    from pdhal import current_platform
-
     return f"env -u {current_platform().device_control_env_var}"

@@ -34,6 +34,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     #: Integers, GPU-<uuid> or MIG-<uuid> entries.
     device_control_env_var = "CUDA_VISIBLE_DEVICES"
+    paddle_device_type, paddle_device_module = "gpu", "paddle.device.cuda"
 
     def __init__(self, runtime: CudaRuntime):
         self.runtime = runtime

@@ -30,6 +30,7 @@ class XpuPlatform(Platform):
     name = "xpu"
     #: Kunlunxin's visibility variable (ids or nothing else).
     device_control_env_var = "XPU_VISIBLE_DEVICES"
+    paddle_device_type, paddle_device_module = "xpu", "paddle.device.xpu"
 
     def __init__(self, runtime: XpuRuntime):
         self.runtime = runtime
