@@ -62,6 +62,16 @@ def block_ids_array(obj: object, what: str):
     return _core.ffi.new("int64_t[]", block_ids(obj, what))
 
 
+def first_ids(ids, count: int):
+    """The first `count` ids of an int64_t[] from block_ids_array, as an array of its own
+    (a cffi slice points into `ids` without keeping it alive)."""
+    if count == len(ids):
+        return ids
+    first = _core.ffi.new("int64_t[]", count)
+    _core.ffi.memmove(first, ids, count * _core.ffi.sizeof("int64_t"))
+    return first
+
+
 def block_ids(obj: object, what: str) -> list[int]:
     """Block ids as engines pass them: a list, tuple, or 1-D integer tensor or array."""
     if hasattr(obj, "tolist") and not isinstance(obj, (list, tuple)):

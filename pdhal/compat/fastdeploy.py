@@ -370,16 +370,13 @@ def ipc_sent_key_value_cache_by_remote_ptr(
         _address(remote_key_tensor, "remote key cache pointer"),
         _address(remote_value_tensor, "remote value cache pointer"),
     ]
+    local = [local_key_tensor, local_value_tensor]
+    block_bytes = _block_bytes(local_key_tensor, "local key cache")
+    local_ids = _blocks.first_ids(local_ids, block_num)
+    remote_ids = _blocks.first_ids(remote_ids, block_num)
     # K and V as two layers of one copy: every id is checked for both before either is
     # written, and the ids are converted once.
-    ops.copy_blocks(
-        remote,
-        remote_ids[0:block_num],
-        [local_key_tensor, local_value_tensor],
-        local_ids[0:block_num],
-        _block_bytes(local_key_tensor, "local key cache"),
-        cuda_stream_raw,
-    )
+    ops.copy_blocks(remote, remote_ids, local, local_ids, block_bytes, cuda_stream_raw)
 
 
 def ipc_sent_key_value_cache_by_remote_ptr_block_sync(
