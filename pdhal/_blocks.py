@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdhal import _core, _extents
-from pdhal._errors import InvalidArgumentError, InvalidTypeError
+from pdhal._errors import InvalidArgumentError, InvalidTypeError, PdhalError
 from pdhal._names import validate_index
 from pdhal._tensors import MemoryRef, memory_ref
 
@@ -173,13 +173,14 @@ def _layers(kind_of: Callable[[str, str], int], dst, src, block_bytes: int):
         raise InvalidArgumentError(
             f"dst and src must pair up layer by layer, got {len(dst)} and {len(src)} layers"
         )
-    dsts = [resolve(m, f"dst[{i}]", writable=True) for i, m in enumerate(dst)]
-    srcs = [resolve(m, f"src[{i}]") for i, m in enumerate(src)]
-    kinds = {kind_of(d.device, s.device) for d, s in zip(dsts, srcs)}
+    dsts = _resolve_layers(dst, "dst", writable=True)
+    srcs = _resolve_layers(src, "src")
+    directions = {(d.device, s.device) for d, s in zip(dsts, srcs)}
+    kinds = {kind_of(*direction) for direction in directions}
     if len(kinds) > 1:
         raise InvalidArgumentError(
             "the layers of one block copy must all copy between the same kinds of memory, "
-            "got " + ", ".join(sorted({f"{s.device} -> {d.device}" for d, s in zip(dsts, srcs)}))
+            "got " + ", ".join(sorted(f"{s} -> {d}" for d, s in directions))
         )
     return (
         [d.address for d in dsts],
@@ -188,3 +189,16 @@ def _layers(kind_of: Callable[[str, str], int], dst, src, block_bytes: int):
         min((s.nbytes for s in srcs), default=0) // block_bytes,
         kinds.pop() if kinds else 0,
     )
+
+
+def _resolve_layers(layers, side: str, writable: bool = False) -> list[MemoryRef]:
+    """resolve() of every layer; an error names the layer (its name is built only then: a
+    call's layers are many, and formatting a name for each costs more than resolving it)."""
+    refs = []
+    for memory in layers:
+        try:
+            refs.append(resolve(memory, side, writable=writable))
+        except PdhalError:
+            resolve(memory, f"{side}[{len(refs)}]", writable=writable)
+            raise
+    return refs

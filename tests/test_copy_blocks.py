@@ -172,3 +172,30 @@ def test_a_host_buffer_is_copied_as_the_memory_it_owns():
         assert view[0:BLOCK] == bytes(range(2 * BLOCK, 3 * BLOCK))
         with pytest.raises(pdhal.InvalidArgumentError, match="block id 4"):
             ops.copy_blocks(dst, [4], src, [0], BLOCK)
+
+
+def test_a_bad_layer_is_named_and_nothing_is_copied():
+    src, dst = _caches(4)
+    other_dst = np.zeros_like(dst)
+    strided = np.zeros(8 * BLOCK, np.uint8)[::2]
+    with pytest.raises(pdhal.InvalidArgumentError, match=r"src\[1\] must be contiguous"):
+        ops.copy_blocks([dst, other_dst], [0], [src, strided], [1], BLOCK)
+    with pytest.raises(pdhal.InvalidArgumentError, match="both lists of memory"):
+        ops.copy_blocks([dst], [0], src, [1], BLOCK)
+    assert not dst.any() and not other_dst.any()
+
+
+@pytest.mark.simulated
+def test_layers_that_copy_between_different_kinds_of_memory_are_refused(xpu):
+    """One call issues one runtime copy kind: a device -> device layer and a host -> device
+    layer cannot share it."""
+    stream = xpu.stream()
+    on_device = [xpu.device.alloc(4 * BLOCK) for _ in range(3)]
+    host = ops.host_alloc(4 * BLOCK)
+    try:
+        with pytest.raises(
+            pdhal.InvalidArgumentError, match="same kinds of memory, got cpu -> xpu"
+        ):
+            ops.copy_blocks(on_device[:2], [0], [on_device[2], host], [1], BLOCK, stream)
+    finally:
+        ops.host_free(host)
