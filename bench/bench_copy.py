@@ -10,10 +10,13 @@ The last rows copy the same ids in each of BENCH_LAYERS layers per call (copy_bl
 lists of layers, as swap_cache_all_layers and a K + V send use it), against the same memcpy
 loop run once per layer: at 4 KiB a single layer's copy (256 KiB) takes about as long as a
 Python call that checks its arguments, which one call for all layers pays once.
-Rounds interleave pdhal and memcpy (alternating which goes first); each prints the median of
-BENCH_ROUNDS rounds and the ratio memcpy time / pdhal time (1.0: as fast as memcpy; the
-issue's target is >= 0.9). "C loop" is pdhal's C core alone (pdhal_copy_blocks through cffi,
-addresses and extents known): what the copy costs without pdhal's Python checks.
+Each round takes the calls in turn (pdhal, memcpy, C loop, one of each, again and again;
+which goes first alternates); each row prints the median of BENCH_ROUNDS rounds, and the
+median over rounds of each round's ratio memcpy time / pdhal time (1.0: as fast as memcpy;
+the issue's target is >= 0.9): this machine's memory speed drifts by more than pdhal's
+overhead weighs, so both are measured within the same milliseconds. "C loop" is pdhal's C core
+alone (pdhal_copy_blocks through cffi, addresses and extents known): what the copy costs
+without pdhal's Python checks.
 
 Then a profile of the Python overhead at 64-byte blocks (copying is free there): the fixed
 cost per call and the cost per block id, split into its parts. `--json` prints one object.
@@ -67,6 +70,22 @@ def per_call(fn, reps: int) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - start) / reps
+
+
+def interleaved(fns, reps: int) -> dict[str, float]:
+    """Seconds per call of each (name, fn), the calls taken in turn (one of each, `reps`
+    times) so that the machine's drift weighs on all alike; each copies the same blocks, so
+    each finds the cache as the one before left it."""
+    for _, fn in fns:
+        fn()
+    spent = dict.fromkeys((name for name, _ in fns), 0.0)
+    clock = time.perf_counter
+    for _ in range(reps):
+        for name, fn in fns:
+            start = clock()
+            fn()
+            spent[name] += clock() - start
+    return {name: total / reps for name, total in spent.items()}
 
 
 def calibrate(fn) -> int:
@@ -142,10 +161,13 @@ def bench_copies(ops, core) -> list[dict]:
                 if round_ % 2:
                     fns.reverse()
                 reps = reps or calibrate(plain_copy)
-                for name, fn in fns:
-                    fn()  # same cache state for each: the ids' blocks were just touched
-                    samples[name].append(per_call(fn, reps))
+                for samples_of, spent in interleaved(fns, reps).items():
+                    samples[samples_of].append(spent)
             med = {k: statistics.median(v) for k, v in samples.items()}
+
+            def ratio(name):  # per round, then the median: drift between rounds cancels
+                return statistics.median(m / t for m, t in zip(samples["memcpy"], samples[name]))
+
             moved = BLOCKS * block_bytes * layers
             results.append(
                 {
@@ -160,8 +182,8 @@ def bench_copies(ops, core) -> list[dict]:
                     "c_loop_us": med["C loop"] * 1e6,
                     "pdhal_gbps": moved / med["pdhal"] / 1e9,
                     "memcpy_gbps": moved / med["memcpy"] / 1e9,
-                    "ratio": med["memcpy"] / med["pdhal"],
-                    "c_loop_ratio": med["memcpy"] / med["C loop"],
+                    "ratio": ratio("pdhal"),
+                    "c_loop_ratio": ratio("C loop"),
                 }
             )
         for buffer in dst + src:
