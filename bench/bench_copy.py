@@ -16,7 +16,9 @@ median over rounds of each round's ratio memcpy time / pdhal time (1.0: as fast 
 the issue's target is >= 0.9): this machine's memory speed drifts by more than pdhal's
 overhead weighs, so both are measured within the same milliseconds. "C loop" is pdhal's C core
 alone (pdhal_copy_blocks through cffi, addresses and extents known): what the copy costs
-without pdhal's Python checks.
+without pdhal's Python checks. "from C" (bench/c_copy.c) calls pdhal_copy_blocks_layers and
+memmove of the same runs from C, on the same ids, as an engine's C++ op would: the op with
+no Python at all.
 
 Then a profile of the Python overhead at 64-byte blocks (copying is free there): the fixed
 cost per call and the cost per block id, split into its parts. `--json` prints one object.
@@ -29,9 +31,11 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "15"))
 BLOCKS = int(os.environ.get("BENCH_BLOCKS", "64"))  # blocks per call
 CACHE_BYTES = int(os.environ.get("BENCH_CACHE_MIB", "64")) << 20  # per side, beyond the LLC
@@ -96,7 +100,48 @@ def calibrate(fn) -> int:
     return reps
 
 
-def bench_copies(ops, core) -> list[dict]:
+def build_c_copy() -> ctypes.CDLL:
+    """bench/c_copy.c against pdhal's C library, built as an engine builds its C++ op."""
+    import pdhal
+
+    library = os.path.join(HERE, "build", "libc_copy.so")
+    os.makedirs(os.path.dirname(library), exist_ok=True)
+    source = os.path.join(HERE, "c_copy.c")
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror"]
+        + [f"-I{pdhal.get_include()}", "-o", library, source, pdhal.get_library()],
+        check=True,
+    )
+    c_copy = ctypes.CDLL(library)
+    pointers = ctypes.POINTER(ctypes.c_void_p)
+    ids = ctypes.POINTER(ctypes.c_int64)
+    u64 = ctypes.c_uint64
+    c_copy.bench_c_copy.argtypes = [pointers, pointers, u64, u64, u64, ids, ids, u64]
+    c_copy.bench_c_copy.argtypes += [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+    return c_copy
+
+
+def from_c(c_copy, da, sa, cache_blocks, block_bytes, dst_ids, src_ids, reps) -> float:
+    """memmove time / pdhal_copy_blocks_layers time, both called from C on these ids."""
+    layers = len(da)
+    out = (ctypes.c_double * 2)()
+    copies = c_copy.bench_c_copy(
+        (ctypes.c_void_p * layers)(*da),
+        (ctypes.c_void_p * layers)(*sa),
+        layers,
+        cache_blocks,
+        block_bytes,
+        (ctypes.c_int64 * len(dst_ids))(*dst_ids),
+        (ctypes.c_int64 * len(src_ids))(*src_ids),
+        len(dst_ids),
+        reps,
+        out,
+    )
+    assert copies > 0, copies
+    return out[1] / out[0]
+
+
+def bench_copies(ops, core, c_copy) -> list[dict]:
     rng = random.Random(7)
     results = []
     for size_name, block_bytes, layers in CONFIGS:
@@ -114,6 +159,7 @@ def bench_copies(ops, core) -> list[dict]:
         da_arg, sa_arg = (da[0], sa[0]) if layers == 1 else (da, sa)
         for layout_name, run in LAYOUTS:
             samples = {"pdhal": [], "memcpy": [], "C loop": []}
+            c_ratios = []
             copies = reps = None
             for round_ in range(ROUNDS):
                 dst_ids, src_ids = make_ids(rng, cache_blocks, run)
@@ -163,6 +209,9 @@ def bench_copies(ops, core) -> list[dict]:
                 reps = reps or calibrate(plain_copy)
                 for samples_of, spent in interleaved(fns, reps).items():
                     samples[samples_of].append(spent)
+                c_ratios.append(
+                    from_c(c_copy, da, sa, cache_blocks, block_bytes, dst_ids, src_ids, reps)
+                )
             med = {k: statistics.median(v) for k, v in samples.items()}
 
             def ratio(name):  # per round, then the median: drift between rounds cancels
@@ -184,6 +233,7 @@ def bench_copies(ops, core) -> list[dict]:
                     "memcpy_gbps": moved / med["memcpy"] / 1e9,
                     "ratio": ratio("pdhal"),
                     "c_loop_ratio": ratio("C loop"),
+                    "from_c_ratio": statistics.median(c_ratios),
                 }
             )
         for buffer in dst + src:
@@ -250,7 +300,7 @@ def main() -> None:
     os.environ.setdefault("PDHAL_NAMESPACE", f"benchcopy{os.getpid()}")
     os.environ["PDHAL_PLATFORM"] = "cpu"
     _registry.reset()
-    results = bench_copies(ops, _core)
+    results = bench_copies(ops, _core, build_c_copy())
     prof = profile(ops, _core)
     if "--json" in sys.argv:
         print(json.dumps({"copies": results, "overhead": prof}, indent=2))
@@ -261,15 +311,16 @@ def main() -> None:
     )
     print(
         f"{'block':<40} {'layers':>6} {'layout':<26} {'copies':>6} {'pdhal us':>9} "
-        f"{'memcpy us':>9} {'C loop us':>9} {'ratio':>6} {'C loop':>6}"
+        f"{'memcpy us':>9} {'C loop us':>9} {'ratio':>6} {'C loop':>6} {'from C':>6}"
     )
     for r in results:
         print(
             f"{r['block']:<40} {r['layers']:>6} {r['layout']:<26} {r['copies_per_call']:>6} "
             f"{r['pdhal_us']:>9.1f} {r['memcpy_us']:>9.1f} {r['c_loop_us']:>9.1f} "
-            f"{r['ratio']:>5.2f}x {r['c_loop_ratio']:>5.2f}x"
+            f"{r['ratio']:>5.2f}x {r['c_loop_ratio']:>5.2f}x {r['from_c_ratio']:>5.2f}x"
         )
-    print("ratio = memcpy time / pdhal time (target >= 0.9x); C loop = the C core alone")
+    print("ratio = memcpy time / pdhal time (target >= 0.9x); C loop = the C core through cffi;")
+    print("from C = pdhal_copy_blocks_layers vs memmove of the same runs, both called from C")
     print()
     print("Python overhead of ops.copy_blocks at 64-byte blocks (copying ~free), fit a + b * ids:")
     for name, p in prof.items():
