@@ -438,8 +438,9 @@ def swap_cache_per_layer_async(
     rank: int,
     mode: int,
 ) -> None:
-    """swap_cache_per_layer without the wait: the copies are queued on the default stream
-    (FastDeploy's op queues them on the tensor's); synchronize() waits for them."""
+    """swap_cache_per_layer without the wait: the copies are queued on Paddle's current
+    stream (where FastDeploy's op queues them: the tensor's), else the runtime's default
+    stream; synchronize() waits for them."""
     _swap(
         [cache_gpu],
         [cache_cpu_ptr],
