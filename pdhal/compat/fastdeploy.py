@@ -417,9 +417,9 @@ def swap_cache_per_layer(
     mode: int,
 ) -> None:
     """swap_cache_all_layers for one layer: its device cache and its host pointer."""
-    _swap(
-        [cache_gpu],
-        [cache_cpu_ptr],
+    swap_cache_per_layer_async(
+        cache_gpu,
+        cache_cpu_ptr,
         max_block_num_cpu,
         swap_block_ids_gpu,
         swap_block_ids_cpu,
