@@ -27,7 +27,9 @@ def resolve(obj: object, what: str, writable: bool = False) -> MemoryRef:
             f"it extends is unknown: pass a tensor, or memory from host_alloc, "
             f"cuda_host_alloc, get_data_ptr_ipc or host_register"
         )
-    return MemoryRef(ref.address, extent.start + extent.nbytes - ref.address, extent.device)
+    return MemoryRef(
+        ref.address, extent.start + extent.nbytes - ref.address, extent.device, extent=extent
+    )
 
 
 _INT64_ARRAY = _core.ffi.typeof("int64_t[]")
@@ -131,13 +133,18 @@ def copy_blocks(
     src,
     src_block_ids,
     block_bytes: int,
+    fence: Callable[[int], None] | None = None,
 ) -> int:
     """Copy block src_block_ids[i] of `src` to block dst_block_ids[i] of `dst` through the
     runtime's copy (its C address; 0: memmove now). kind_of(dst device, src device) gives
     the runtime's copy kind. `dst` and `src` may be equal-length lists of memory (layers):
     the same ids are copied in each pair, converted and checked once. Returns the number of
     copies made (runs of consecutive ids, in all layers). The C loop checks every id
-    against its side's extent before the first byte moves."""
+    against its side's extent before the first byte moves.
+
+    pdhal's own memory on either side is held for the copy (a free meanwhile waits); with
+    a runtime copy, `fence(stream)` (required then) marks where the queued copies end, and
+    a free of that memory waits for them to run too."""
     block_bytes = validate_index(block_bytes, "block_bytes", 1 << 46)
     if block_bytes == 0:
         raise InvalidArgumentError("block_bytes must be at least 1")
@@ -149,21 +156,35 @@ def copy_blocks(
             f"{len(dst_ids)} and {len(src_ids)} ids"
         )
     if isinstance(dst, (list, tuple)) or isinstance(src, (list, tuple)):
-        dst, dst_blocks, src, src_blocks, kind = _layers(kind_of, dst, src, block_bytes)
+        dst, dst_blocks, src, src_blocks, kind, refs = _layers(kind_of, dst, src, block_bytes)
     else:
         d = resolve(dst, "dst", writable=True)
         s = resolve(src, "src")
         dst, dst_blocks = d.address, d.nbytes // block_bytes
         src, src_blocks = s.address, s.nbytes // block_bytes
         kind = kind_of(d.device, s.device)
-    return _core.copy_blocks(
-        copy_fn, kind, stream, dst, dst_blocks, src, src_blocks, block_bytes, dst_ids, src_ids
-    )
+        refs = (d, s)
+    held = _extents.hold([ref.extent for ref in refs])
+    queued_on = stream if copy_fn and held else None
+    try:
+        return _core.copy_blocks(
+            copy_fn, kind, stream, dst, dst_blocks, src, src_blocks, block_bytes, dst_ids, src_ids
+        )
+    finally:
+        # a runtime copy queues its runs (a failed one may have queued some before its
+        # error): their fence goes on the stream before the hold ends, so a free that
+        # comes next waits for them to run
+        try:
+            if queued_on is not None:
+                fence(queued_on)
+        finally:
+            _extents.release(held, queued_on)
 
 
 def _layers(kind_of: Callable[[str, str], int], dst, src, block_bytes: int):
     """(dst addresses, blocks of the smallest, src addresses, blocks of the smallest, copy
-    kind) of equal-length lists of memory, one pair per layer, all pairs of one kind."""
+    kind, every MemoryRef) of equal-length lists of memory, one pair per layer, all pairs
+    of one kind."""
     if not isinstance(dst, (list, tuple)) or not isinstance(src, (list, tuple)):
         raise InvalidArgumentError(
             "dst and src must both be memory, or both lists of memory (one per layer), "
@@ -188,6 +209,7 @@ def _layers(kind_of: Callable[[str, str], int], dst, src, block_bytes: int):
         [s.address for s in srcs],
         min((s.nbytes for s in srcs), default=0) // block_bytes,
         kinds.pop() if kinds else 0,
+        dsts + srcs,
     )
 
 

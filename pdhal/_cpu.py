@@ -81,8 +81,8 @@ class CpuHostBuffer(HostBuffer):
         with _live_lock:
             _live_buffers[address] = self
 
-    def _release(self) -> None:
-        address = self._address
+    def _release(self, queued_on: set[int]) -> None:
+        address = self._address  # the cpu backend's copies are done on return: none queued
         with _live_lock:
             _live_buffers.pop(address, None)
         _published.unpublish_where(lambda record: record.get("path") == self.path)
@@ -264,8 +264,8 @@ def host_unregister(ptr_or_tensor) -> None:
         size = _registered.pop(address, None)
     if size is None:
         raise InvalidArgumentError(f"{address:#x} was not registered with host_register")
+    _extents.retire(address)  # copies are done on return here: none can be queued
     _libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(size))
-    _extents.forget(address)
 
 
 def copy_blocks(dst, dst_block_ids, src, src_block_ids, block_bytes: int, stream=None) -> int:

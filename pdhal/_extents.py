@@ -1,42 +1,62 @@
-"""How far memory pdhal handed out extends, by address: a raw int address (as engines pass
-cuda_host_alloc's or get_data_ptr_ipc's results) is bounded by what pdhal knows of it, never
-taken on trust."""
+"""Memory pdhal handed out or mapped, by address, and the ops using it right now.
+
+Two jobs. A raw int address (as engines pass cuda_host_alloc's or get_data_ptr_ipc's results)
+is bounded by what pdhal knows of it, never taken on trust. And memory is never released under
+an op that uses it: an op holds the extents it reads or writes (`hold`) until it lets go
+(`release`); a free, close or unset first retires the extent (`retire`), which refuses new
+holds at once and waits for the ops holding it. Work an op queued on a device stream counts
+as use until it ran: the op lets go naming the stream, and whoever frees waits for that
+stream's fence (RuntimeBackend.wait_queued) before the memory goes.
+"""
 
 from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import dataclass
+
+from pdhal._errors import ClosedHandleError
 
 
-@dataclass(frozen=True)
 class Extent:
     """One range of memory pdhal knows: [start, start + nbytes) on `device`."""
 
-    start: int
-    nbytes: int
-    device: str  # "cpu", "gpu:0", "xpu:1", ...
-    what: str  # where it came from, for messages ("host_alloc", "shared buffer 'kv'")
+    __slots__ = ("start", "nbytes", "device", "what", "holders", "retired", "streams")
+
+    def __init__(self, start: int, nbytes: int, device: str, what: str):
+        self.start = start
+        self.nbytes = nbytes
+        self.device = device  # "cpu", "gpu:0", "xpu:1", ...
+        self.what = what  # where it came from, for messages ("host_alloc", "shared buffer 'kv'")
+        self.holders = 0  # ops using it now
+        self.retired = False  # freed (or being freed): no op may start on it
+        self.streams: set[int] = set()  # device streams that had work queued on it
+
+    def __repr__(self) -> str:
+        return f"Extent({self.what}, {self.start:#x}, nbytes={self.nbytes}, {self.device})"
 
 
 _starts: list[int] = []
 _extents: dict[int, Extent] = {}
+_replaced: dict[int, list[Extent]] = {}  # start -> earlier extents there, still named by objects
 _lock = threading.Lock()
+_let_go = threading.Condition(_lock)  # notified when a retired extent's last holder lets go
 
 
-def register(start: int, nbytes: int, device: str, what: str) -> None:
-    """Remember [start, start + nbytes); a later range at the same start replaces it."""
+def register(start: int, nbytes: int, device: str, what: str) -> Extent:
+    """Remember [start, start + nbytes); a later range at the same start replaces it for
+    find(), and retiring that start retires both (one mapping named by two objects). The
+    same range registered again is the extent it already is."""
+    extent = Extent(start, nbytes, device, what)
     with _lock:
-        if start not in _extents:
+        old = _extents.get(start)
+        if old is not None and (old.nbytes, old.device) == (nbytes, device):
+            return old
+        if old is None:
             bisect.insort(_starts, start)
-        _extents[start] = Extent(start, nbytes, device, what)
-
-
-def forget(start: int) -> None:
-    """Forget the range starting at `start` (freed, unregistered, unmapped)."""
-    with _lock:
-        if _extents.pop(start, None) is not None:
-            del _starts[bisect.bisect_left(_starts, start)]
+        else:
+            _replaced.setdefault(start, []).append(old)
+        _extents[start] = extent
+    return extent
 
 
 def find(address: int) -> Extent | None:
@@ -47,3 +67,67 @@ def find(address: int) -> Extent | None:
             return None
         extent = _extents[_starts[i]]
     return extent if address < extent.start + extent.nbytes else None
+
+
+def retire(extent: Extent | int) -> set[int]:
+    """Take `extent` (or every range registered at that start address) out of use before
+    its memory goes: new holds are refused from now on, and this returns once no op holds
+    it. Returns the streams that had work queued on it, for the caller to wait for (see the
+    module's docstring). Idempotent."""
+    with _lock:
+        if isinstance(extent, int):
+            current = _extents.get(extent)
+            retiring = _replaced.pop(extent, []) + ([current] if current else [])
+        else:
+            retiring = [extent]
+        for one in retiring:
+            one.retired = True
+            if _extents.get(one.start) is one:
+                del _extents[one.start]
+                del _starts[bisect.bisect_left(_starts, one.start)]
+                for earlier in _replaced.pop(one.start, []):
+                    earlier.retired = True
+                    retiring.append(earlier)
+        while any(one.holders for one in retiring):
+            _let_go.wait()
+        return {stream for one in retiring for stream in one.streams}
+
+
+def streams_in_use() -> set[int]:
+    """The streams that copies queued on memory still in use (not retired) went to."""
+    with _lock:
+        live = list(_extents.values()) + [e for shadowed in _replaced.values() for e in shadowed]
+        return {stream for extent in live for stream in extent.streams}
+
+
+def hold(extents) -> list[Extent]:
+    """Mark each of `extents` (None entries skipped) in use by the calling op; the held ones,
+    for release(). ClosedHandleError, holding none, if one is retired."""
+    held = [extent for extent in extents if extent is not None]
+    with _lock:
+        for extent in held:
+            if extent.retired:
+                for other in held:
+                    if other is extent:
+                        break
+                    other.holders -= 1
+                _let_go.notify_all()
+                raise ClosedHandleError(f"{extent.what} at {extent.start:#x} was freed")
+            extent.holders += 1
+    return held
+
+
+def release(held: list[Extent], stream: int | None = None) -> None:
+    """The op that held `held` lets go; `stream`: it left work queued on that stream (whose
+    fence it recorded already)."""
+    if not held:
+        return
+    retiring = False
+    with _lock:
+        for extent in held:
+            if stream is not None:
+                extent.streams.add(stream)
+            extent.holders -= 1
+            retiring = retiring or extent.retired
+        if retiring:
+            _let_go.notify_all()

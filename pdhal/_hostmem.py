@@ -14,7 +14,9 @@ from pdhal._tensors import MemoryRef
 class HostBuffer:
     """Host memory from `host_alloc`; release it with `host_free` (or `close()`).
 
-    Views (memoryview(), as_numpy()) must not outlive the buffer.
+    An op given the buffer (or an address inside it) holds it while it runs, queued device
+    work included: a free meanwhile waits for the op. Views (memoryview(), as_numpy()) are
+    the caller's and must not outlive the buffer.
     """
 
     def __init__(self, address: int, nbytes: int, pinned: bool):
@@ -23,8 +25,8 @@ class HostBuffer:
         self.nbytes = nbytes
         #: True when the pages are locked in RAM (DMA-able without a bounce copy).
         self.pinned = pinned
-        self._ref = MemoryRef(address, nbytes, "cpu")
-        _extents.register(address, nbytes, "cpu", f"host_alloc({nbytes})")
+        self._extent = _extents.register(address, nbytes, "cpu", f"host_alloc({nbytes})")
+        self._ref = MemoryRef(address, nbytes, "cpu", extent=self._extent)
 
     @property
     def address(self) -> int:
@@ -77,15 +79,18 @@ class HostBuffer:
             )
         return np.frombuffer(self.memoryview(), dtype=dtype, count=math.prod(shape)).reshape(shape)
 
-    def _release(self) -> None:
+    def _release(self, queued_on: set[int]) -> None:
+        """Return the memory to its allocator, once the work queued on the streams
+        `queued_on` (ops that used the buffer) has run."""
         raise NotImplementedError
 
     def close(self) -> None:
-        """Free the memory. Idempotent, also from several threads at once."""
+        """Free the memory. An op using it meanwhile (from another thread) finishes first;
+        one that starts later is refused (ClosedHandleError). Idempotent, also from several
+        threads at once."""
         with self._close_lock:
             if self._address is not None:
-                self._release()
-                _extents.forget(self._address)
+                self._release(_extents.retire(self._extent))
                 self._address = None
 
     def __enter__(self) -> HostBuffer:

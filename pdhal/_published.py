@@ -13,12 +13,18 @@ import json
 import math
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdhal import _core, _extents, _names
-from pdhal._errors import InvalidArgumentError, InvalidTypeError, SegmentError, UnsupportedError
+from pdhal._errors import (
+    ClosedHandleError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    SegmentError,
+    UnsupportedError,
+)
 from pdhal._names import validate_name
-from pdhal._tensors import memory_ref
+from pdhal._tensors import MemoryRef, memory_ref
 
 _published: dict[tuple[int, str], _core.Segment] = {}
 _lock = threading.Lock()
@@ -100,13 +106,20 @@ def unpublish_all() -> None:
 class SharedDeviceBuffer:
     """Device memory mapped from another process (the address is valid in this one). It
     names its memory like a tensor does (data_ptr, numel, element_size, device), so every
-    op that takes a tensor takes it."""
+    op that takes a tensor takes it; an op holds the mapping while it uses it (an
+    unset_data_ipc meanwhile waits), and one after the unmap is refused."""
 
     address: int
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
     device: str = "gpu"  # "gpu:0", "xpu:1", ... (the importing process's view)
+    extent: _extents.Extent | None = field(default=None, compare=False, repr=False)
+
+    def _pdhal_memory_ref(self) -> MemoryRef:
+        if self.extent is not None and self.extent.retired:
+            raise ClosedHandleError(f"{self.extent.what} was unmapped (unset_data_ipc)")
+        return MemoryRef(self.address, self.nbytes, self.device, self.dtype, extent=self.extent)
 
     def data_ptr(self) -> int:
         return self.address
@@ -137,9 +150,9 @@ def mapped(
     address: int, shape: tuple, dtype: str, nbytes: int, device: str, name: str
 ) -> SharedDeviceBuffer:
     """A SharedDeviceBuffer over what share_external_data mapped, its extent known to pdhal
-    (so raw addresses inside it can be bounds-checked) for the process's life."""
-    _extents.register(address, nbytes, device, f"shared buffer {name!r}")
-    return SharedDeviceBuffer(address, shape, dtype, nbytes, device)
+    (so raw addresses inside it are bounds-checked, and ops hold it) until it is unmapped."""
+    extent = _extents.register(address, nbytes, device, f"shared buffer {name!r}")
+    return SharedDeviceBuffer(address, shape, dtype, nbytes, device, extent)
 
 
 def data_ptr_op(share_external_data):

@@ -11,6 +11,7 @@ sender itself.
 
 from __future__ import annotations
 
+import threading
 from typing import ClassVar
 
 from pdhal import _blocks, _extents, _published
@@ -25,16 +26,18 @@ from pdhal._tensors import memory_ref
 
 
 class RuntimeHostBuffer(HostBuffer):
-    """Pinned host memory from a runtime's allocator, returned to that same runtime."""
+    """Pinned host memory from a runtime's allocator, returned to that same runtime once
+    the copies queued on it have run."""
 
-    def __init__(self, runtime: RuntimeLibrary, free_symbol: str, address: int, nbytes: int):
+    def __init__(self, backend: RuntimeBackend, address: int, nbytes: int):
         super().__init__(address, nbytes, pinned=True)
-        self._runtime = runtime
-        self._free_symbol = free_symbol
+        self._runtime = backend.runtime
+        self._backend = backend
 
-    def _release(self) -> None:
-        rt = self._runtime
-        rt.check(getattr(rt.lib, self._free_symbol)(rt.pointer(self._address)), self._free_symbol)
+    def _release(self, queued_on: set[int]) -> None:
+        self._backend.wait_queued(queued_on)
+        rt, free = self._runtime, self._backend.host_free_symbol
+        rt.check(getattr(rt.lib, free)(rt.pointer(self._address)), free)
 
 
 class RuntimeBackend(Backend):
@@ -73,6 +76,10 @@ class RuntimeBackend(Backend):
     def __init__(self):
         #: The bound runtime, None until availability() found one.
         self.runtime: RuntimeLibrary | None = None
+        #: stream handle -> the event recorded after the last copy there that used pdhal's
+        #: memory: what a free of that memory waits for (the stream itself may be gone).
+        self._fences: dict[int, object] = {}
+        self._fences_lock = threading.Lock()
 
     # ---- binding -------------------------------------------------------------------
 
@@ -145,7 +152,7 @@ class RuntimeBackend(Backend):
             getattr(rt.lib, self.host_alloc_symbol)(ptr, nbytes, 0),
             f"{self.host_alloc_symbol}({nbytes})",
         )
-        return RuntimeHostBuffer(rt, self.host_free_symbol, rt.address(ptr[0]), nbytes)
+        return RuntimeHostBuffer(self, rt.address(ptr[0]), nbytes)
 
     def host_free(self, buf: HostBuffer) -> None:
         """Free memory from host_alloc, through the runtime that allocated it."""
@@ -176,12 +183,12 @@ class RuntimeBackend(Backend):
         extent = _extents.find(address)
         if extent is None or extent.start != address or extent.what != "host_register":
             raise InvalidArgumentError(f"{address:#x} was not registered with host_register")
+        self.wait_queued(_extents.retire(extent))  # no copy may run on memory the NIC let go
         rt = self.runtime
         rt.check(
             rt.optional(self.host_unregister_symbol)(rt.pointer(address)),
             self.host_unregister_symbol,
         )
-        _extents.forget(address)
 
     # ---- block copies --------------------------------------------------------------
 
@@ -206,7 +213,44 @@ class RuntimeBackend(Backend):
             src,
             src_block_ids,
             block_bytes,
+            self.fence,
         )
+
+    def fence(self, stream: int) -> None:
+        """Record `stream`'s fence behind the work queued there so far (copies that used
+        pdhal's memory). If the runtime refuses the event, wait for the stream instead: a
+        free must never outrun a queued copy."""
+        rt = self.runtime
+        with self._fences_lock:
+            event = self._fences.get(stream)
+            if event is None:
+                out = rt.ffi.new("void **")
+                if getattr(rt.lib, self.event_create_symbol)(out, *self.event_create_args) == 0:
+                    event = self._fences[stream] = out[0]
+            if (
+                event is not None
+                and getattr(rt.lib, self.event_record_symbol)(event, rt.pointer(stream)) == 0
+            ):
+                return
+        self.synchronize(stream)
+
+    def wait_queued(self, streams: set[int]) -> None:
+        """Wait until the copies queued on `streams` (their fences) have run: what a free,
+        an unregister or an unmap of memory those copies used waits for. A fence no live
+        memory needs any more is destroyed."""
+        rt = self.runtime
+        for stream in streams:
+            with self._fences_lock:
+                event = self._fences.get(stream)
+                if event is not None:
+                    rt.check(getattr(rt.lib, self.event_wait_symbol)(event), self.event_wait_symbol)
+        if streams:
+            needed = _extents.streams_in_use()
+            with self._fences_lock:
+                for stream in streams - needed:
+                    event = self._fences.pop(stream, None)
+                    if event is not None:
+                        getattr(rt.lib, self.event_destroy_symbol)(event)
 
     def synchronize(self, stream=None) -> None:
         """Wait until the work queued on `stream` so far has finished."""
@@ -224,6 +268,11 @@ class RuntimeBackend(Backend):
     def current_device(self) -> int:
         """The device this thread uses now (override: the runtime's get-device call)."""
         return 0
+
+    def unmapping(self, address: int) -> None:
+        """Before an IPC mapping at `address` is closed: wait for the ops using it (queued
+        copies included) and refuse new ones."""
+        self.wait_queued(_extents.retire(address))
 
     def mapped(self, address: int, shape: tuple, dtype: str, nbytes: int, name: str):
         """The SharedDeviceBuffer share_external_data returns over `address`, on the

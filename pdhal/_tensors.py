@@ -13,7 +13,7 @@ an InvalidArgumentError that names the argument, what it got and what it needs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdhal._core import ffi
 from pdhal._dlpack import DLTensor, capsule_pointer
@@ -37,6 +37,9 @@ class MemoryRef:
     #: Element type ("int32", "float16", "bfloat16", ...); None when the object has none.
     dtype: str | None = None
     readonly: bool = False
+    #: The pdhal memory this lies in (a host buffer, a mapping, a registered range), which an
+    #: op holds while it uses the memory; None for memory pdhal does not own (tensors).
+    extent: object = field(default=None, compare=False, repr=False)
 
 
 def is_paddle_tensor(obj: object) -> bool:

@@ -12,7 +12,7 @@ stream, the peer address, IPC). docs/writing-a-backend.md walks through one.
 
 from pdhal._backend import BACKEND_OPS, Availability, Backend
 from pdhal._core import STORE_CALLBACK_ADDRESS, free_store, store_address
-from pdhal._extents import forget as forget_mapping
+from pdhal._extents import retire as forget_mapping
 from pdhal._hookspecs import hookimpl
 from pdhal._hostmem import HostBuffer
 from pdhal._names import validate_index, validate_name

@@ -224,3 +224,92 @@ def test_closing_a_reader_while_another_thread_waits_on_it_is_safe():
     assert result == [(1, 0)]
     with pytest.raises(pdhal.ClosedHandleError):
         reader.current()
+
+
+def test_closing_a_chunk_reader_while_another_thread_reads_it_is_safe():
+    """The read in progress ends on the mapping (with its record, or none); the reader's
+    later calls are refused, and a new reader gets the undelivered records."""
+    chunk = ops.init_kv_signal_per_query([8], [8], [0], 0, 2)
+    reader = ops.open_kv_chunk_reader(0, 0)
+    got: list[object] = []
+
+    def read() -> None:
+        out = array.array("i", [0] * 1538)
+        try:
+            got.append(reader.next(out, timeout=5))
+        except BaseException as e:  # noqa: BLE001 - checked below
+            got.append(e)
+
+    waiter = threading.Thread(target=read)
+    waiter.start()
+    time.sleep(0.05)  # (not needed for correctness) most runs find the reader asleep
+    reader.close()
+    ops.signal_layer_ready(chunk.layer(0))
+    waiter.join(timeout=10)
+    assert got in ([chunk.step], [None]), got
+    with pytest.raises(pdhal.ClosedHandleError):
+        reader.next(array.array("i", [0] * 1538), wait=False)
+
+
+def test_kernel_form_posts_racing_a_channel_close_land_or_are_refused():
+    """A worker thread posts a layer's kernel-form words in a loop while another thread
+    closes the producer's channels: each post stores its signal or is refused with a pdhal
+    error; none writes through a closed channel."""
+    from pdhal import _signals
+
+    for _ in range(50):
+        meta = ops.open_shm_and_get_meta_signal(0, 0)
+        words = ops.init_signal_layerwise(meta, 0).kernel_form
+        outcome: list[BaseException] = []
+        posted = threading.Event()
+
+        def post(words=words, outcome=outcome, posted=posted) -> None:
+            try:
+                while True:
+                    ops.signal_layer_ready(words)
+                    posted.set()
+            except pdhal.PdhalError as e:
+                outcome.append(e)
+            finally:
+                posted.set()
+
+        thread = threading.Thread(target=post)
+        thread.start()
+        posted.wait(10)
+        _signals.close_producer_channels()
+        thread.join(timeout=10)
+        assert not thread.is_alive() and len(outcome) == 1, outcome
+        assert "does not produce" in str(outcome[0]), outcome[0]
+
+
+def test_posts_racing_a_sender_close_are_delivered_or_refused():
+    """Threads post through one sender while another closes it: every post that returned
+    was delivered (the close delivers what is pending), the rest got ClosedHandleError."""
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    sender = ops.create_kv_signal_sender()
+    delivered: list[int] = []
+    refused: list[BaseException] = []
+    start = threading.Barrier(5)
+
+    def post(thread: int) -> None:
+        start.wait()
+        for layer in range(thread, 4000, 4):
+            try:
+                ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer), None, sender)
+            except pdhal.ClosedHandleError as e:
+                refused.append(e)
+                return
+            delivered.append(layer)
+
+    threads = [threading.Thread(target=post, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    start.wait()
+    sender.close()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a poster hung"
+    with ops.open_kv_signal_reader(0, 0) as reader:
+        step, layer = reader.current()
+    assert step == meta.step
+    assert layer == (max(delivered) if delivered else -1)

@@ -11,7 +11,6 @@ from pdhal.plugin import (
     STORE_CALLBACK_ADDRESS,
     Platform,
     RuntimeBackend,
-    forget_mapping,
     free_store,
     memory_ref,
     publish_shared,
@@ -223,7 +222,7 @@ class CudaBackend(RuntimeBackend):
         unset_shared(name, unlink_shm)  # first: a refusal leaves the mapping as it was
         if close_ipc and name in self._imports:
             handle, address = self._imports.pop(name)
-            forget_mapping(address)
+            self.unmapping(address)
             if all(h != handle for h, _ in self._imports.values()):  # its last import
                 rt = self.runtime
                 rt.check(

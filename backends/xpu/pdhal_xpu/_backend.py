@@ -11,7 +11,6 @@ from pdhal.plugin import (
     Platform,
     ProcessSender,
     RuntimeBackend,
-    forget_mapping,
     memory_ref,
     publish_shared,
     request_shared,
@@ -175,7 +174,7 @@ class XpuBackend(RuntimeBackend):
         unset_shared(name, unlink_shm)  # first: a refusal leaves the mapping as it was
         if close_ipc and name in self._imports:
             handle, address = self._imports.pop(name)
-            forget_mapping(address)
+            self.unmapping(address)
             rt = self.runtime
             if all(h != handle for h, _ in self._imports.values()):  # its last import
                 del self._opened[handle]
