@@ -515,7 +515,8 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, uin
     int rc = check_path(path);
     if (rc)
         return rc;
-    if (flags & ~(uint32_t)(PDHAL_OPEN_EXCLUSIVE_READER | PDHAL_OPEN_LIVE_PRODUCER))
+    if (flags & ~(uint32_t)(PDHAL_OPEN_EXCLUSIVE_READER | PDHAL_OPEN_LIVE_PRODUCER |
+                            PDHAL_OPEN_UNINTERRUPTED))
         return pdhal_fail(EINVAL, "unknown open flags %#x", flags);
     int64_t entered = pdhal_now_ns();
     pdhal_segment *seg = NULL;
@@ -534,7 +535,8 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, uin
             return pdhal_fail(ENOENT, "%s does not exist (its producer has not started, or has "
                                       "closed it)", path);
         }
-        if (now - entered > PDHAL_WAIT_SLICE_NS) /* let the caller run signal handlers */
+        if (!(flags & PDHAL_OPEN_UNINTERRUPTED) && now - entered > PDHAL_WAIT_SLICE_NS)
+            /* let the caller run signal handlers */
             return pdhal_fail(EINTR, "interrupted (a wait slice ended)");
         sleep_briefly();
     }

@@ -5,6 +5,7 @@ Python producer's signals from another process (a process that never imports pdh
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import subprocess
@@ -123,8 +124,8 @@ def test_a_c_messager_waits_on_per_query_progress(messager_library):
 
 
 def test_a_c_messager_started_before_its_producer_waits_for_the_channel(messager_library):
-    """pdhal_segment_open gives -EINTR each 200 ms wait slice while the channel is missing;
-    a messager that calls again with the same deadline attaches once the producer starts."""
+    """The messager opens with PDHAL_OPEN_UNINTERRUPTED, so the core waits through its
+    200 ms slices for the late producer's channel (without it, -EINTR after one slice)."""
     layers = 2
     messager = _start_messager(messager_library, "per_chunk", layers, 0)
     time.sleep(0.5)  # the messager's open outlasts at least one wait slice
@@ -134,6 +135,27 @@ def test_a_c_messager_started_before_its_producer_waits_for_the_channel(messager
     n, *records = json.loads(messager.communicate(timeout=60)[0])
     assert n == layers, f"messager_per_chunk: {os.strerror(-n) if n < 0 else n}"
     assert records == [[1, layer, 1, 0, 8] for layer in range(layers)]
+
+
+@pytest.mark.parametrize("uninterrupted", [False, True])
+def test_an_open_of_a_missing_segment_ends_each_slice_unless_told_to_wait_through(
+    uninterrupted,
+):
+    """Without the flag: -EINTR after one 200 ms slice, well before the deadline. With
+    PDHAL_OPEN_UNINTERRUPTED: the core waits until the deadline, then -ENOENT."""
+    from pdhal import _names
+    from pdhal._core import ffi, lib
+
+    path = _names.channel_path("query", 0, 0).encode()
+    flags = lib.PDHAL_OPEN_UNINTERRUPTED if uninterrupted else 0
+    out = ffi.new("pdhal_segment **")
+    deadline = lib.pdhal_now_ns() + (700_000_000 if uninterrupted else 60_000_000_000)
+    rc = lib.pdhal_segment_open(path, lib.PDHAL_KIND_QUERY, deadline, flags, out)
+    if uninterrupted:
+        assert rc == -errno.ENOENT and lib.pdhal_now_ns() >= deadline
+    else:
+        assert rc == -errno.EINTR and lib.pdhal_now_ns() < deadline
+    assert out[0] == ffi.NULL
 
 
 def test_a_c_messager_reads_every_per_chunk_record_once_in_order(messager_library):

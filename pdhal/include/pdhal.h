@@ -43,6 +43,7 @@ extern "C" {
 /* Flags of pdhal_segment_open. */
 #define PDHAL_OPEN_EXCLUSIVE_READER 1
 #define PDHAL_OPEN_LIVE_PRODUCER 2
+#define PDHAL_OPEN_UNINTERRUPTED 4
 
 typedef struct pdhal_segment pdhal_segment;
 typedef struct pdhal_store pdhal_store;
@@ -74,7 +75,11 @@ int64_t pdhal_now_ns(void);
 int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, uint32_t ring_slots,
                          pdhal_segment **out);
 /* Open an existing segment, waiting until `deadline_ns` for it to exist and be initialised
- * (-ENOENT or -ETIMEDOUT after it; -EINTR each 200 ms slice, as the waits below).
+ * (-ENOENT or -ETIMEDOUT after it). Without PDHAL_OPEN_UNINTERRUPTED it returns -EINTR each
+ * 200 ms slice, as the waits below, so Python can run signal handlers: call it again with the
+ * same deadline, or the open fails whenever the producer starts more than a slice late (under
+ * load, not in a quick test). PDHAL_OPEN_UNINTERRUPTED (for C callers with no handlers to
+ * run) waits through the slices itself until the deadline.
  * Validates owner, mode, magic, version, kind, size and layout, then copies the layout into
  * the handle: later changes to the shared header are never trusted. Flags:
  * PDHAL_OPEN_EXCLUSIVE_READER takes the per-chunk single-reader lock (-EBUSY if another

@@ -14,9 +14,8 @@ int messager_per_query(const char *path, uint64_t since, uint64_t last, uint64_t
     pdhal_segment *seg;
     int64_t deadline = pdhal_now_ns() + DEADLINE_NS;
     int rc;
-    do /* -EINTR: a wait slice ended before the producer created the channel: call again */
-        rc = pdhal_segment_open(path, PDHAL_KIND_QUERY, deadline, 0, &seg);
-    while (rc == -EINTR);
+    /* the core waits through its 200 ms slices for a producer that starts late */
+    rc = pdhal_segment_open(path, PDHAL_KIND_QUERY, deadline, PDHAL_OPEN_UNINTERRUPTED, &seg);
     if (rc)
         return rc;
     uint64_t now = 0;
@@ -40,9 +39,8 @@ int messager_per_chunk(const char *path, int count, int32_t *out)
     pdhal_segment *seg;
     int64_t deadline = pdhal_now_ns() + DEADLINE_NS;
     int rc;
-    do /* -EINTR: a wait slice ended before the producer created the channel: call again */
-        rc = pdhal_segment_open(path, PDHAL_KIND_CHUNK, deadline, 1, &seg);
-    while (rc == -EINTR);
+    rc = pdhal_segment_open(path, PDHAL_KIND_CHUNK, deadline,
+                            PDHAL_OPEN_EXCLUSIVE_READER | PDHAL_OPEN_UNINTERRUPTED, &seg);
     if (rc)
         return rc;
     int n = 0;
