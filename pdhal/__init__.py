@@ -4,9 +4,9 @@ Engine code uses `from pdhal import ops` (see pdhal.ops); platform facts come fr
 `pdhal.current_platform()`. Importing pdhal loads no accelerator runtime and no paddle.
 """
 
-__version__ = "0.1.0"
-
-from pdhal._backend import Availability, Backend
+from pdhal._backends.contract import Availability, Backend
+from pdhal._backends.hookspecs import hookimpl
+from pdhal._backends.platform import Platform
 from pdhal._errors import (
     BackendLoadError,
     BackendNotFoundError,
@@ -25,20 +25,19 @@ from pdhal._errors import (
     SystemResourceError,
     UnsupportedError,
 )
-from pdhal._hookspecs import hookimpl
-from pdhal._platform import Platform
+from pdhal._version import __version__ as __version__
 
 
 def current_platform() -> Platform:
     """The Platform of the selected backend (selection happens once, on first use)."""
-    from pdhal import _registry
+    from pdhal._backends import registry as _registry
 
     return _registry.selection().platform
 
 
 def current_backend() -> str:
     """Name of the selected backend."""
-    from pdhal import _registry
+    from pdhal._backends import registry as _registry
 
     return _registry.selection().candidate.name
 
@@ -73,7 +72,7 @@ def get_library(standalone: bool = False) -> str:
 def channel_path(mode: str, rank: int, device_id: int = 0) -> str:
     """Path of the progress channel of (PDHAL_NAMESPACE, rank, device_id), mode "per_query"
     or "per_chunk": what C code passes to pdhal_segment_open."""
-    from pdhal import _names
+    from pdhal._protocol import names as _names
 
     kinds = {"per_query": "query", "per_chunk": "chunk"}
     if mode not in kinds:
@@ -84,7 +83,7 @@ def channel_path(mode: str, rank: int, device_id: int = 0) -> str:
 def namespace() -> str:
     """The effective namespace (PDHAL_NAMESPACE, default "default", validated) that keeps
     deployments on one host apart: every segment name of this process carries it."""
-    from pdhal import _names
+    from pdhal._protocol import names as _names
 
     return _names.namespace()
 
@@ -92,7 +91,7 @@ def namespace() -> str:
 def check_environment() -> None:
     """Check every PDHAL_* variable set here before anything starts: an
     InvalidArgumentError naming each bad one and what is wrong, or nothing."""
-    from pdhal import _environment
+    from pdhal._backends import environment as _environment
 
     found = _environment.problems()
     if found:
@@ -102,7 +101,7 @@ def check_environment() -> None:
 def cleanup(namespace: str | None = None) -> tuple[list[str], list[str]]:
     """Remove this user's segments in `namespace` (default: every namespace) whose producer
     is dead, as `pdhal cleanup` does; returns (removed, left) paths."""
-    from pdhal import _cleanup
+    from pdhal._protocol import cleanup as _cleanup
 
     return _cleanup.cleanup(namespace)
 
@@ -113,16 +112,16 @@ def cleanup(namespace: str | None = None) -> tuple[list[str], list[str]]:
 #: MAX_REQUESTS: the most prefill requests one per-chunk step may publish.
 #: The classes ops return (importable from here for annotations and isinstance checks).
 _LAZY = {
-    "RECORD_WORDS": "pdhal._core",
-    "MAX_REQUESTS": "pdhal._core",
-    "SignalMeta": "pdhal._signals",
-    "LayerSignal": "pdhal._signals",
-    "ChunkSignal": "pdhal._signals",
-    "ProgressReader": "pdhal._signals",
-    "ChunkReader": "pdhal._signals",
-    "KVSignalSender": "pdhal._sender",
-    "HostBuffer": "pdhal._hostmem",
-    "SharedDeviceBuffer": "pdhal._published",
+    "RECORD_WORDS": "pdhal._protocol.core",
+    "MAX_REQUESTS": "pdhal._protocol.core",
+    "SignalMeta": "pdhal._protocol.signals",
+    "LayerSignal": "pdhal._protocol.signals",
+    "ChunkSignal": "pdhal._protocol.signals",
+    "ProgressReader": "pdhal._protocol.signals",
+    "ChunkReader": "pdhal._protocol.signals",
+    "KVSignalSender": "pdhal._protocol.sender",
+    "HostBuffer": "pdhal._memory.hostmem",
+    "SharedDeviceBuffer": "pdhal._memory.published",
 }
 
 

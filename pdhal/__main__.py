@@ -1,5 +1,5 @@
 import sys
 
-from pdhal._cli import main
+from pdhal._tools.cli import main
 
 sys.exit(main())

@@ -10,28 +10,28 @@ allocator, events) as class attributes and write only what differs (how a signal
 stream, the peer address, IPC). docs/writing-a-backend.md walks through one.
 """
 
-from pdhal._backend import BACKEND_OPS, Availability, Backend
-from pdhal._core import STORE_CALLBACK_ADDRESS, free_store, store_address
-from pdhal._extents import retire as forget_mapping
-from pdhal._hookspecs import hookimpl
-from pdhal._hostmem import HostBuffer
-from pdhal._names import validate_index, validate_name
-from pdhal._platform import Platform
-from pdhal._published import SharedDeviceBuffer
-from pdhal._published import publish as publish_shared
-from pdhal._published import request as request_shared
-from pdhal._published import unset as unset_shared
-from pdhal._runtime_backend import RuntimeBackend, RuntimeHostBuffer
-from pdhal._runtime_library import RuntimeLibrary
-from pdhal._sender import KVSignalSender, ProcessSender, require_signal
-from pdhal._signals import LayerSignal
-from pdhal._tensors import MemoryRef, is_paddle_tensor, memory_ref
+from pdhal._backends.contract import BACKEND_OPS, Availability, Backend
+from pdhal._backends.hookspecs import hookimpl
+from pdhal._backends.platform import Platform
+from pdhal._backends.runtime import RuntimeBackend, RuntimeHostBuffer
+from pdhal._backends.runtime_library import RuntimeLibrary
+from pdhal._inputs.tensors import MemoryRef, is_paddle_tensor, memory_ref
+from pdhal._memory.extents import retire as forget_mapping
+from pdhal._memory.hostmem import HostBuffer
+from pdhal._memory.published import SharedDeviceBuffer
+from pdhal._memory.published import publish as publish_shared
+from pdhal._memory.published import request as request_shared
+from pdhal._memory.published import unset as unset_shared
+from pdhal._protocol.core import STORE_CALLBACK_ADDRESS, free_store, store_address
+from pdhal._protocol.names import validate_index, validate_name
+from pdhal._protocol.sender import KVSignalSender, ProcessSender, require_signal
+from pdhal._protocol.signals import LayerSignal
 
 
 def reference_ops() -> dict:
     """The cpu backend's ops (host memory in shared memory, signals stored at once): a
     starting point a new backend replaces op by op."""
-    from pdhal import _cpu
+    from pdhal._backends.cpu import backend as _cpu
 
     return _cpu.CpuBackend().ops()
 

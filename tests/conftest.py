@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from pdhal import _registry
+from pdhal._backends import registry as _registry
 from pdhal.testing.reset import release_process_state, remove_leftovers, segments_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))

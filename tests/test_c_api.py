@@ -16,7 +16,7 @@ import pytest
 
 import pdhal
 from pdhal import ops
-from pdhal._core import pack_progress, unpack_progress
+from pdhal._protocol.core import pack_progress, unpack_progress
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -143,8 +143,8 @@ def test_an_open_of_a_missing_segment_ends_each_slice_unless_told_to_wait_throug
 ):
     """Without the flag: -EINTR after one 200 ms slice, well before the deadline. With
     PDHAL_OPEN_UNINTERRUPTED: the core waits until the deadline, then -ENOENT."""
-    from pdhal import _names
-    from pdhal._core import ffi, lib
+    from pdhal._protocol import names as _names
+    from pdhal._protocol.core import ffi, lib
 
     path = _names.channel_path("query", 0, 0).encode()
     flags = lib.PDHAL_OPEN_UNINTERRUPTED if uninterrupted else 0
@@ -173,7 +173,7 @@ def test_a_c_messager_reads_every_per_chunk_record_once_in_order(messager_librar
 
 
 def test_the_library_exports_the_header_s_functions_and_no_internals():
-    from pdhal._core import lib as cffi_lib  # its cdef is the header's API region
+    from pdhal._protocol.core import lib as cffi_lib  # its cdef is the header's API region
 
     functions = [name for name in dir(cffi_lib) if callable(getattr(cffi_lib, name))]
     library = ctypes.CDLL(pdhal.get_library())
@@ -198,7 +198,7 @@ fake = types.ModuleType("pdhal._pdhal_c")
 fake.ffi, fake.lib = real.ffi, StaleLib()
 sys.modules["pdhal._pdhal_c"] = fake
 try:
-    import pdhal._core
+    import pdhal._protocol.core
 except ImportError as e:
     print(e)
 else:
@@ -273,7 +273,7 @@ def test_a_messager_program_without_python_reads_both_channels(standalone_messag
 
 
 def test_the_standalone_library_exports_the_same_functions():
-    from pdhal._core import lib as cffi_lib
+    from pdhal._protocol.core import lib as cffi_lib
 
     functions = sorted(name for name in dir(cffi_lib) if callable(getattr(cffi_lib, name)))
     standalone = ctypes.CDLL(pdhal.get_library(standalone=True))

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from conftest import install_distributions
 
-from pdhal import _cli
+from pdhal._tools import cli as _cli
 
 HELLO = '''
     """Greets: a command from a distribution of its own.

@@ -11,7 +11,8 @@ import sys
 import pytest
 from conftest import run_child
 
-from pdhal import _names, ops
+from pdhal import ops
+from pdhal._protocol import names as _names
 
 DIE_HOLDING = (
     "import os; from pdhal import ops; ops.open_shm_and_get_meta_signal(5, 0); os._exit(0)"

@@ -11,7 +11,9 @@ from conftest import run_child
 from sim.harness import SimRuntime
 
 import pdhal
-from pdhal import _core, _registry, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
+from pdhal._protocol import core as _core
 
 BLOCK = 16
 

@@ -16,7 +16,9 @@ import pytest
 from conftest import python_child, segments_of
 
 import pdhal
-from pdhal import _core, _names, ops
+from pdhal import ops
+from pdhal._protocol import core as _core
+from pdhal._protocol import names as _names
 
 LAYERS = 4
 ROUNDS = int(os.environ.get("PDHAL_CRASH_ROUNDS", "50"))
@@ -99,7 +101,7 @@ def test_random_kills_are_reported_within_a_second_and_restarts_take_over():
             _kill_producer_round(rng)  # the next round's producer reclaims the segment
         else:
             _kill_reader_round(rng)  # and this process stays the producer
-            from pdhal import _signals
+            from pdhal._protocol import signals as _signals
 
             _signals.close_producer_channels()  # hand the channel to the next round
     print(f"crash rounds: {counts}")

@@ -16,7 +16,8 @@ from conftest import python_child, run_child
 from sim.harness import DeviceTensor, SimRuntime
 
 import pdhal
-from pdhal import _registry, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
 
 pytestmark = pytest.mark.simulated
 
@@ -215,7 +216,7 @@ def test_real_libcudart_loads_and_reports_no_device_cleanly(monkeypatch):
     assert "BackendUnavailableError" in forced.stderr
     assert "NVIDIA driver" in forced.stderr
     auto = run_child("""
-        from pdhal import _info
+        from pdhal._tools import info as _info
         info = _info.report()
         cuda = {b["name"]: b for b in info["backends"]}["cuda"]
         print(info["selected"], cuda["status"], cuda["runtime"]["library"])

@@ -493,7 +493,7 @@ class Recorded(subprocess.Popen):
                 log.write(args[-1] + "\\n")
         super().__init__(args, *rest, **kwargs)
 subprocess.Popen = Recorded
-from pdhal._cli import main
+from pdhal._tools.cli import main
 sys.exit(main(argv))
 """
 

@@ -20,7 +20,9 @@ from conftest import run_child, segments_of
 from sim.harness import DeviceTensor, SimRuntime
 
 import pdhal
-from pdhal import _registry, _signals, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
+from pdhal._protocol import signals as _signals
 
 pytestmark = pytest.mark.simulated
 

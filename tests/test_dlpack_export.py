@@ -13,8 +13,10 @@ import pytest
 from sim.harness import DeviceTensor, SimRuntime
 
 import pdhal
-from pdhal import _dlpack, _registry, ops
-from pdhal._published import SharedDeviceBuffer
+from pdhal import ops
+from pdhal._backends import registry as _registry
+from pdhal._inputs import dlpack as _dlpack
+from pdhal._memory.published import SharedDeviceBuffer
 
 
 def _dl_tensor(capsule) -> _dlpack.DLTensor:

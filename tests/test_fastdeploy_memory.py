@@ -22,7 +22,8 @@ import pytest
 from sim.harness import SimRuntime
 
 import pdhal
-from pdhal import _registry, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
 from pdhal.compat import fastdeploy as fd
 from pdhal.testing.procs import child, finish
 

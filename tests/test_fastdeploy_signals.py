@@ -42,7 +42,10 @@ import pytest
 from sim.harness import DeviceTensor, SimRuntime
 
 import pdhal
-from pdhal import _core, _registry, _signals, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
+from pdhal._protocol import core as _core
+from pdhal._protocol import signals as _signals
 from pdhal.compat import fastdeploy as fd
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -19,8 +19,10 @@ import pytest
 from conftest import python_child, run_child
 
 import pdhal
-from pdhal import _core, _signals, ops
-from pdhal._core import ffi, lib
+from pdhal import ops
+from pdhal._protocol import core as _core
+from pdhal._protocol import signals as _signals
+from pdhal._protocol.core import ffi, lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -131,7 +133,7 @@ def test_the_read_gets_what_is_left_of_the_timeout_after_attaching(monkeypatch):
 FORKED = """
 import array, os
 from pdhal import ops
-from pdhal._core import ffi, lib
+from pdhal._protocol.core import ffi, lib
 
 meta = ops.open_shm_and_get_meta_signal(0, 0)
 words = ffi.new("int64_t[]", list(ops.init_signal_layerwise(meta, 0).kernel_form))

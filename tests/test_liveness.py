@@ -11,7 +11,9 @@ import pytest
 from conftest import python_child
 
 import pdhal
-from pdhal import _core, _names, ops
+from pdhal import ops
+from pdhal._protocol import core as _core
+from pdhal._protocol import names as _names
 
 PRODUCER = """
     import os, sys, time

@@ -15,7 +15,8 @@ from conftest import run_child
 from sim.harness import DeviceTensor, SimRuntime
 
 import pdhal
-from pdhal import _registry, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
 
 SIMULATED = {"cuda": ("PDHAL_CUDART", "libcudart_sim.so"), "xpu": ("PDHAL_XPURT", "libxpurt.so")}
 BACKENDS = ["cpu", *(pytest.param(b, marks=pytest.mark.simulated) for b in SIMULATED)]
@@ -37,7 +38,8 @@ def _select(backend: str, monkeypatch) -> SimRuntime | None:
 # first copy, and checks what the thread saw. FORM names the form the memory takes.
 RACE = """
 import threading, pdhal
-from pdhal import _registry, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
 from pdhal.compat import fastdeploy as fd
 
 device = _registry.selection().candidate.backend.test_support()  # dst: device memory
@@ -212,7 +214,7 @@ def test_a_retiring_extent_refuses_new_holds_and_waits_for_the_old_ones():
     """The contract itself, step by step: an op holds; a free (retire) waits for it and
     refuses every hold that comes meanwhile; the free returns once the op let go, with the
     streams the op queued work on."""
-    from pdhal import _extents
+    from pdhal._memory import extents as _extents
 
     extent = _extents.register(0x10000, 4096, "cpu", "test memory")
     held = _extents.hold([extent, None])

@@ -6,7 +6,7 @@ import pytest
 from conftest import run_child
 
 import pdhal
-from pdhal._platform import parse_visible_devices
+from pdhal._backends.platform import parse_visible_devices
 
 
 def test_parse_visible_devices():

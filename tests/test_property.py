@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import pdhal
-from pdhal import _signals, ops
+from pdhal import ops
+from pdhal._protocol import signals as _signals
 
 LAYERS = 6
 RING = 16

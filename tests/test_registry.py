@@ -12,7 +12,8 @@ import pytest
 from conftest import install_distributions
 
 import pdhal
-from pdhal import _registry, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
 
 PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins")
 
@@ -127,7 +128,7 @@ def test_import_is_light():
 
 
 def test_a_backend_missing_ops_is_told_exactly_which():
-    from pdhal._backend import check_ops
+    from pdhal._backends.contract import check_ops
     from pdhal.plugin import reference_ops
 
     table = reference_ops()
@@ -151,7 +152,7 @@ def test_every_public_name_resolves_and_the_classes_ops_return_are_exported():
             "-c",
             """
 import sys, pdhal
-assert "pdhal._core" not in sys.modules  # nothing compiled is loaded by the import
+assert "pdhal._protocol.core" not in sys.modules  # nothing compiled is loaded by the import
 missing = [name for name in pdhal.__all__ if getattr(pdhal, name, None) is None]
 assert not missing, missing
 assert set(pdhal.__all__) <= set(dir(pdhal))

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 import pdhal
-from pdhal import _names, ops
+from pdhal import ops
+from pdhal._protocol import names as _names
 
 
 def _mode(path: str) -> int:
@@ -161,7 +162,7 @@ def test_eight_concurrent_reclaimers_unlink_each_dead_segment_once():
     live_path = _names.channel_path("query", 7, 0)
     code = f"""
 import json
-from pdhal import _core
+from pdhal._protocol import core as _core
 paths = {dead + [live_path]!r}
 print(json.dumps([_core.reclaim(p) for p in paths]))
 """
@@ -247,7 +248,8 @@ def test_a_full_tmpfs_is_a_clear_error_never_a_sigbus():
 
 HOSTILE_WRITER = """
 import array, os, struct
-from pdhal import _names, ops
+from pdhal import ops
+from pdhal._protocol import names as _names
 chunk = ops.init_kv_signal_per_query([3], [3], [0], 0, 2)
 reader = ops.open_kv_chunk_reader(0, 0)
 path = _names.channel_path("chunk", 0, 0)
@@ -290,7 +292,9 @@ WRAPPING_BUFFER = """
 import errno, os, struct
 import numpy as np
 import pdhal
-from pdhal import _core, _names, ops
+from pdhal import ops
+from pdhal._protocol import core as _core
+from pdhal._protocol import names as _names
 path = _names.buffer_path("evil")
 size = 2048
 header = struct.pack("<QIIQiIIIQ", 0x4745534C41484450, _core.SEGMENT_VERSION, 3, size,
@@ -333,7 +337,7 @@ def test_a_folder_anyone_may_write_needs_the_sticky_bit(tmp_path, monkeypatch):
     folder.chmod(0o1777)
     meta = ops.open_shm_and_get_meta_signal(0, 0)
     assert meta.step == 1
-    from pdhal import _signals
+    from pdhal._protocol import signals as _signals
 
     _signals.close_producer_channels()
     assert os.listdir(folder) == []
@@ -394,7 +398,7 @@ def test_a_path_of_256_bytes_is_refused_not_truncated(tmp_path, monkeypatch):
 
 
 def test_a_store_for_a_slot_outside_the_ring_is_refused():
-    from pdhal import _core
+    from pdhal._protocol import core as _core
 
     chunk = ops.init_kv_signal_per_query([3], [3], [0], 0, 2)
     with pytest.raises(pdhal.InvalidArgumentError, match="slot 99 is not a progress slot"):
@@ -408,7 +412,7 @@ def test_a_store_for_a_slot_outside_the_ring_is_refused():
 
 
 def test_only_the_reader_handle_reads_the_ring():
-    from pdhal import _core
+    from pdhal._protocol import core as _core
 
     ops.init_kv_signal_per_query([3], [3], [0], 0, 1)
     path = _names.channel_path("chunk", 0, 0)

@@ -17,8 +17,10 @@ from conftest import python_child
 from sim.harness import SimRuntime
 
 import pdhal
-from pdhal import _core, _registry, ops
-from pdhal._core import ffi
+from pdhal import ops
+from pdhal._backends import registry as _registry
+from pdhal._protocol import core as _core
+from pdhal._protocol.core import ffi
 
 #: What the reader process prints: the first progress it sees past "no layer" of step 1.
 READER = """

@@ -315,7 +315,9 @@ def test_spinning_readers_get_every_record_once_in_order():
 
 
 def test_ops_are_the_backends_own_functions():
-    from pdhal import _cpu, _registry, _signals
+    from pdhal._backends import registry as _registry
+    from pdhal._backends.cpu import backend as _cpu
+    from pdhal._protocol import signals as _signals
 
     assert ops.signal_layer_ready is _cpu.signal_layer_ready
     assert ops.host_free is _registry.selection().candidate.backend.ops()["host_free"]
@@ -349,7 +351,7 @@ def test_each_device_of_a_rank_has_its_own_channel():
 def test_an_empty_step_on_one_channel_keeps_another_channels_current_step():
     """A C op's "next layer of the current per-chunk step" belongs to the last step started;
     a step with no prefill request on another device's channel must not end it."""
-    from pdhal._core import lib
+    from pdhal._protocol.core import lib
 
     ops.init_kv_signal_per_query([3], [3], [0], 0, 2, device_id=0)
     ops.init_kv_signal_per_query([0], [1], [4], 0, 2, device_id=1)  # decode only: nothing
@@ -362,4 +364,4 @@ def test_an_empty_step_on_one_channel_keeps_another_channels_current_step():
         seen.append((out[1], out[4]))
     assert seen == [(0, 3), (1, 3)]
     ops.init_kv_signal_per_query([0], [1], [4], 0, 2, device_id=0)  # its own empty step ends it
-    assert lib.pdhal_next_chunk_layer_store() == pdhal._core.ffi.NULL
+    assert lib.pdhal_next_chunk_layer_store() == pdhal._protocol.core.ffi.NULL

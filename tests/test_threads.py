@@ -125,7 +125,7 @@ def test_racing_first_calls_attach_one_reader(monkeypatch):
     """The first get_output_kv_signal of several threads at once: one reader is attached,
     none of them fails for the others' attaching. Attaching is slowed on purpose, so every
     thread arrives while the first is still attaching."""
-    from pdhal import _signals
+    from pdhal._protocol import signals as _signals
 
     class SlowToAttach(_signals.ChunkReader):
         def __init__(self, *args, **kwargs):
@@ -192,7 +192,7 @@ def test_host_free_from_threads_frees_once(backend, monkeypatch):
 
         monkeypatch.setenv("PDHAL_XPURT", SimRuntime("xpu", "libxpurt.so").path)
         monkeypatch.setenv("PDHAL_PLATFORM", "xpu")
-        from pdhal import _registry
+        from pdhal._backends import registry as _registry
 
         _registry.reset()
     errors: list[BaseException] = []
@@ -255,7 +255,7 @@ def test_kernel_form_posts_racing_a_channel_close_land_or_are_refused():
     """A worker thread posts a layer's kernel-form words in a loop while another thread
     closes the producer's channels: each post stores its signal or is refused with a pdhal
     error; none writes through a closed channel."""
-    from pdhal import _signals
+    from pdhal._protocol import signals as _signals
 
     for _ in range(50):
         meta = ops.open_shm_and_get_meta_signal(0, 0)

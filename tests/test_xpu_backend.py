@@ -17,7 +17,8 @@ from sim.build import build
 from sim.harness import DeviceTensor, SimRuntime
 
 import pdhal
-from pdhal import _registry, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
 
 pytestmark = pytest.mark.simulated
 
@@ -111,7 +112,7 @@ def test_idle_sender_thread_uses_no_cpu(sim):
 
 
 def test_a_cpu_sender_is_refused(sim):
-    from pdhal._sender import KVSignalSender
+    from pdhal._protocol.sender import KVSignalSender
 
     meta = ops.open_shm_and_get_meta_signal(0, 0)
     with KVSignalSender() as foreign, pytest.raises(pdhal.InvalidArgumentError, match="xpu"):
@@ -202,7 +203,7 @@ def test_runtime_is_found_in_a_paddle_xpu_wheel_without_importing_paddle(tmp_pat
     proc = run_child(
         """
         import sys, pdhal
-        from pdhal import _registry
+        from pdhal._backends import registry as _registry
         info = _registry.selection().candidate.backend.info()
         assert "paddle" not in sys.modules
         print(info["found_by"], info["library"])

@@ -21,13 +21,15 @@ from __future__ import annotations
 import importlib
 import threading
 
-from pdhal import _blocks, _extents, current_platform, ops
+from pdhal import current_platform, ops
 from pdhal._errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
-from pdhal._hostmem import HostBuffer
-from pdhal._names import validate_index
-from pdhal._sender import KVSignalSender
-from pdhal._signals import SignalMeta
-from pdhal._tensors import MemoryRef, int_list, memory_ref
+from pdhal._inputs.tensors import MemoryRef, int_list, memory_ref
+from pdhal._memory import blocks as _blocks
+from pdhal._memory import extents as _extents
+from pdhal._memory.hostmem import HostBuffer
+from pdhal._protocol.names import validate_index
+from pdhal._protocol.sender import KVSignalSender
+from pdhal._protocol.signals import SignalMeta
 
 __all__ = [
     "create_kv_signal_sender",

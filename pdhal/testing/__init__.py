@@ -6,6 +6,6 @@ device primitives (allocate, a stream, "work that writes memory after a delay", 
 that let the kit check ordering and sharing without knowing the device.
 """
 
-from pdhal.testing.support import DeviceTensor, TestSupport
+from pdhal._backends.test_support import DeviceTensor, TestSupport
 
 __all__ = ["DeviceTensor", "TestSupport"]

@@ -30,7 +30,8 @@ def pytest_configure(config):
 def _require_usable(name: str) -> None:
     """Stop the run once, with one line, when the backend cannot be selected: every test
     would fail the same way."""
-    from pdhal import PdhalError, _registry
+    from pdhal import PdhalError
+    from pdhal._backends import registry as _registry
 
     _registry.reset()
     try:

@@ -8,7 +8,8 @@ import sys
 import textwrap
 
 CHILD_PRELUDE = """
-from pdhal import _registry, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
 support = _registry.selection().candidate.backend.test_support()
 """
 

@@ -10,7 +10,9 @@ def release_process_state(forget_backend: bool = True) -> None:
     """Close every channel, reader and published record this process holds, and (unless
     told not to: the conformance kit selects once per session) forget the backend
     selection, so the next test starts as a fresh process would."""
-    from pdhal import _published, _registry, _signals
+    from pdhal._backends import registry as _registry
+    from pdhal._memory import published as _published
+    from pdhal._protocol import signals as _signals
 
     _signals.close_producer_channels()
     _published.unpublish_all()
@@ -25,7 +27,7 @@ def release_process_state(forget_backend: bool = True) -> None:
 
 def segments_of(namespace: str) -> list[str]:
     """This user's segment files of `namespace` in the segment folder (PDHAL_SHM_DIR)."""
-    from pdhal import _names
+    from pdhal._protocol import names as _names
 
     prefix = f"pdhal.{os.geteuid()}.{namespace}."
     return sorted(n for n in os.listdir(_names.shm_dir()) if n.startswith(prefix))
@@ -34,7 +36,7 @@ def segments_of(namespace: str) -> list[str]:
 def remove_leftovers(namespace: str) -> list[str]:
     """Unlink what `namespace` left in the segment folder and return the names, so a test
     can fail on them without the next test tripping over them too."""
-    from pdhal import _names
+    from pdhal._protocol import names as _names
 
     left = segments_of(namespace)
     for name in left:

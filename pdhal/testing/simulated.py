@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from cffi import FFI
 
+from pdhal._backends.test_support import DeviceTensor, TestSupport
 from pdhal._errors import UnsupportedError
-from pdhal.testing.support import DeviceTensor, TestSupport
 
 
 class SimulatedRuntimeSupport(TestSupport):

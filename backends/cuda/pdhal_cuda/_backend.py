@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import sys
 
-from pdhal import InvalidArgumentError, InvalidTypeError
+from pdhal import InvalidArgumentError
 from pdhal.plugin import (
     STORE_CALLBACK_ADDRESS,
     Platform,
     RuntimeBackend,
     free_store,
     memory_ref,
-    publish_shared,
-    request_shared,
-    require_signal,
     store_address,
-    unset_shared,
 )
 from pdhal_cuda._runtime import (
     CUDA_ERROR_INSUFFICIENT_DRIVER,
@@ -74,11 +70,9 @@ class CudaBackend(RuntimeBackend):
     copy_symbol, stream_sync_symbol = "cudaMemcpyAsync", "cudaStreamSynchronize"
     stream_attributes = ("cuda_stream",)
     device_word, device_kind = "GPU", "gpu"
-
-    def __init__(self):
-        super().__init__()
-        self._opened: dict[str, int] = {}  # IPC handle -> mapped base: CUDA opens one once
-        self._imports: dict[str, tuple[str, int]] = {}  # name -> (IPC handle, address)
+    ipc_handle_type = "cudaIpcMemHandle_t"
+    ipc_get_symbol, ipc_open_symbol = "cudaIpcGetMemHandle", "cudaIpcOpenMemHandle"
+    ipc_open_flags, ipc_close_symbol = CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, "cudaIpcCloseMemHandle"
 
     def device_count_now(self) -> tuple[int, str]:
         count, rc = self.runtime.device_count()
@@ -94,22 +88,6 @@ class CudaBackend(RuntimeBackend):
     def platform(self) -> Platform:
         return CudaPlatform(self.runtime)
 
-    def ops(self) -> dict:
-        return {
-            "signal_layer_ready": self.signal_layer_ready,
-            "create_kv_signal_sender": self.create_kv_signal_sender,
-            "host_alloc": self.host_alloc,
-            "host_free": self.host_free,
-            "host_register": self.host_register,
-            "host_unregister": self.host_unregister,
-            "get_peer_mem_addr": self.get_peer_mem_addr,
-            "set_data_ipc": self.set_data_ipc,
-            "share_external_data": self.share_external_data,
-            "unset_data_ipc": self.unset_data_ipc,
-            "copy_blocks": self.copy_blocks,
-            "synchronize": self.synchronize,
-        }
-
     def test_support(self):
         from pdhal_cuda.testing import CudaTestSupport
 
@@ -124,19 +102,10 @@ class CudaBackend(RuntimeBackend):
             return None
         return paddle.device.current_stream()
 
-    def signal_layer_ready(self, signal, stream=None, sender=None) -> None:
-        """Make the layer count as ready once the work queued on `stream` so far has finished.
-
-        Without a sender: cudaLaunchHostFunc runs pdhal's C store on the stream, with no
-        Python and no GIL; the store owns its own copy of what to write, so the engine may
-        free its per-step buffers at once. With a sender: an event recorded on the stream,
-        waited for on the sender's thread."""
-        signal = require_signal(signal)
-        if signal.segment is None:
-            return
-        if sender is not None:
-            self.post_behind_event(signal, stream, self.require_sender(sender))
-            return
+    def signal_without_sender(self, signal, stream) -> None:
+        """cudaLaunchHostFunc runs pdhal's C store on the stream, with no Python and no GIL;
+        the store owns its own copy of what to write, so the engine may free its per-step
+        buffers at once."""
         rt = self.runtime
         handle = rt.pointer(self.stream_handle(stream))
         store = signal.new_store()
@@ -171,64 +140,15 @@ class CudaBackend(RuntimeBackend):
             )
         return ref.address
 
-    def set_data_ipc(self, tensor, name: str) -> None:
-        """Share CUDA device memory under `name` through a CUDA IPC handle (plus the
-        tensor's offset inside its allocation, since a handle names the whole allocation)."""
-        ref = memory_ref(tensor, "tensor")
-        if ref.nbytes is None:
-            raise InvalidTypeError("set_data_ipc needs a tensor or array, not a raw address")
-        rt = self.runtime
+    def ipc_base(self, ref) -> int:
+        """A CUDA IPC handle names the whole device allocation: its base (the tensor's
+        offset inside it travels in the record). Only device memory can be shared."""
         kind = self._memory_type(ref.address)
         if kind != "device":
             raise InvalidArgumentError(
                 f"set_data_ipc needs CUDA device memory; {ref.address:#x} is {kind}"
             )
-        base, _ = rt.address_range(ref.address)
-        handle = rt.ffi.new("cudaIpcMemHandle_t *")
-        rt.check(rt.lib.cudaIpcGetMemHandle(handle, rt.pointer(ref.address)), "cudaIpcGetMemHandle")
-        publish_shared(
-            name,
-            {
-                "handle": bytes(rt.ffi.buffer(handle)).hex(),
-                "nbytes": ref.nbytes,
-                "offset": ref.address - base,
-            },
-        )
-
-    def share_external_data(self, like, name: str, shape, timeout: float | None = 60.0):
-        """Map the CUDA memory shared as `name` (at its offset); a SharedDeviceBuffer of
-        `like`'s dtype and `shape`."""
-        record, shape, dtype, need = request_shared(like, name, shape, timeout)
-        rt = self.runtime
-        base = self._opened.get(record["handle"])
-        if base is None:
-            handle = rt.ffi.new("cudaIpcMemHandle_t *")
-            rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
-            ptr = rt.ffi.new("void **")
-            rt.check(
-                rt.lib.cudaIpcOpenMemHandle(ptr, handle[0], CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-                "cudaIpcOpenMemHandle",
-            )
-            base = self._opened[record["handle"]] = rt.address(ptr[0])
-        self._imports[name] = (record["handle"], base + record["offset"])
-        return self.mapped(base + record["offset"], shape, dtype, need, name)
-
-    def unset_data_ipc(
-        self, tensor, name: str, close_ipc: bool = True, unlink_shm: bool = True
-    ) -> None:
-        """Stop sharing `name`: with close_ipc, unmap this process's import of it
-        (cudaIpcCloseMemHandle: views of it are invalid afterwards); with unlink_shm, remove
-        the record (this process's own; another live publisher's is refused)."""
-        unset_shared(name, unlink_shm)  # first: a refusal leaves the mapping as it was
-        if close_ipc and name in self._imports:
-            handle, address = self._imports.pop(name)
-            self.unmapping(address)
-            if all(h != handle for h, _ in self._imports.values()):  # its last import
-                rt = self.runtime
-                rt.check(
-                    rt.lib.cudaIpcCloseMemHandle(rt.pointer(self._opened.pop(handle))),
-                    "cudaIpcCloseMemHandle",
-                )
+        return self.runtime.address_range(ref.address)[0]
 
     def current_device(self) -> int:
         device = self.runtime.ffi.new("int *")

@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import sys
 
-from pdhal import InvalidArgumentError, InvalidTypeError
+from pdhal import InvalidArgumentError
 from pdhal.plugin import (
     Platform,
     ProcessSender,
     RuntimeBackend,
     memory_ref,
-    publish_shared,
-    request_shared,
-    require_signal,
-    unset_shared,
 )
 from pdhal_xpu._runtime import (
     XPU_DEVICE_TO_DEVICE,
@@ -64,14 +60,16 @@ class XpuBackend(RuntimeBackend):
     copy_symbol, stream_sync_symbol = "xpu_memcpy_async", "xpu_wait"
     stream_attributes = ("xpu_stream", "raw_stream")
     device_word, device_kind = "XPU device", "xpu"
+    # an XPU IPC handle names the pointer itself; closing needs a runtime that has the call
+    ipc_handle_type = "XPUIpcMemHandle"
+    ipc_get_symbol, ipc_open_symbol = "xpu_ipc_get_memhandle", "xpu_ipc_open_memhandle"
+    ipc_close_symbol = "xpu_ipc_close_memhandle"
 
     def __init__(self):
         super().__init__()
         #: The sender a signal goes through when the engine passes none (XPU has no host
         #: functions): one per process, created on first use, flushed at exit.
         self.default_sender = ProcessSender(self.create_kv_signal_sender)
-        self._opened: dict[str, int] = {}  # IPC handle -> mapped address: opened once
-        self._imports: dict[str, tuple[str, int]] = {}  # name -> (IPC handle, address)
 
     def device_count_now(self) -> tuple[int, str]:
         try:
@@ -81,22 +79,6 @@ class XpuBackend(RuntimeBackend):
 
     def platform(self) -> Platform:
         return XpuPlatform(self.runtime)
-
-    def ops(self) -> dict:
-        return {
-            "signal_layer_ready": self.signal_layer_ready,
-            "create_kv_signal_sender": self.create_kv_signal_sender,
-            "host_alloc": self.host_alloc,
-            "host_free": self.host_free,
-            "host_register": self.host_register,
-            "host_unregister": self.host_unregister,
-            "get_peer_mem_addr": self.get_peer_mem_addr,
-            "set_data_ipc": self.set_data_ipc,
-            "share_external_data": self.share_external_data,
-            "unset_data_ipc": self.unset_data_ipc,
-            "copy_blocks": self.copy_blocks,
-            "synchronize": self.synchronize,
-        }
 
     def test_support(self):
         from pdhal_xpu.testing import XpuTestSupport
@@ -113,14 +95,10 @@ class XpuBackend(RuntimeBackend):
         current = paddle.device.current_stream()
         return getattr(current, "stream_base", current)
 
-    def signal_layer_ready(self, signal, stream=None, sender=None) -> None:
-        """Record an event on `stream` after the layer's work; the sender thread stores the
-        signal once the event fires (the process's default sender if none is given)."""
-        signal = require_signal(signal)
-        if signal.segment is None:
-            return
-        sender = self.default_sender.get() if sender is None else self.require_sender(sender)
-        self.post_behind_event(signal, stream, sender)
+    def signal_without_sender(self, signal, stream) -> None:
+        """XPU has no host functions: the process's default sender stores the signal once
+        an event recorded on `stream` fires."""
+        self.post_behind_event(signal, stream, self.default_sender.get())
 
     # ---- memory --------------------------------------------------------------------
 
@@ -138,51 +116,6 @@ class XpuBackend(RuntimeBackend):
                 f"know it as device memory, so a NIC cannot register it"
             )
         return rt.address(attrs.hostPointer)
-
-    def set_data_ipc(self, tensor, name: str) -> None:
-        """Share XPU device memory under `name` through an XPU IPC handle."""
-        ref = memory_ref(tensor, "tensor")
-        if ref.nbytes is None:
-            raise InvalidTypeError("set_data_ipc needs a tensor or array, not a raw address")
-        rt = self.runtime
-        get_handle = rt.optional("xpu_ipc_get_memhandle")
-        handle = rt.ffi.new("XPUIpcMemHandle *")
-        rt.check(get_handle(handle, rt.pointer(ref.address)), "xpu_ipc_get_memhandle")
-        publish_shared(name, {"handle": bytes(rt.ffi.buffer(handle)).hex(), "nbytes": ref.nbytes})
-
-    def share_external_data(self, like, name: str, shape, timeout: float | None = 60.0):
-        """Map the XPU memory shared as `name`; a SharedDeviceBuffer of `like`'s dtype."""
-        record, shape, dtype, need = request_shared(like, name, shape, timeout)
-        rt = self.runtime
-        address = self._opened.get(record["handle"])
-        if address is None:
-            open_handle = rt.optional("xpu_ipc_open_memhandle")
-            handle = rt.ffi.new("XPUIpcMemHandle *")
-            rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
-            ptr = rt.ffi.new("void **")
-            rt.check(open_handle(ptr, handle[0], 0), "xpu_ipc_open_memhandle")
-            address = self._opened[record["handle"]] = rt.address(ptr[0])
-        self._imports[name] = (record["handle"], address)
-        return self.mapped(address, shape, dtype, need, name)
-
-    def unset_data_ipc(
-        self, tensor, name: str, close_ipc: bool = True, unlink_shm: bool = True
-    ) -> None:
-        """Stop sharing `name`: with close_ipc, unmap this process's import of it (where the
-        runtime can: xpu_ipc_close_memhandle); with unlink_shm, remove the record (this
-        process's own; another live publisher's is refused)."""
-        unset_shared(name, unlink_shm)  # first: a refusal leaves the mapping as it was
-        if close_ipc and name in self._imports:
-            handle, address = self._imports.pop(name)
-            self.unmapping(address)
-            rt = self.runtime
-            if all(h != handle for h, _ in self._imports.values()):  # its last import
-                del self._opened[handle]
-                if rt.has("xpu_ipc_close_memhandle"):
-                    rt.check(
-                        rt.lib.xpu_ipc_close_memhandle(rt.pointer(address)),
-                        "xpu_ipc_close_memhandle",
-                    )
 
     def current_device(self) -> int:
         device = self.runtime.ffi.new("int *")

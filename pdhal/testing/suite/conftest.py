@@ -7,7 +7,8 @@ import uuid
 
 import pytest
 
-from pdhal import _registry, ops
+from pdhal import ops
+from pdhal._backends import registry as _registry
 from pdhal.testing.reset import release_process_state, remove_leftovers
 
 

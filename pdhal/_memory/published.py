@@ -15,7 +15,6 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from pdhal import _core, _extents, _names
 from pdhal._errors import (
     ClosedHandleError,
     InvalidArgumentError,
@@ -23,8 +22,11 @@ from pdhal._errors import (
     SegmentError,
     UnsupportedError,
 )
-from pdhal._names import validate_name
-from pdhal._tensors import MemoryRef, memory_ref
+from pdhal._inputs.tensors import MemoryRef, memory_ref
+from pdhal._memory import extents as _extents
+from pdhal._protocol import core as _core
+from pdhal._protocol import names as _names
+from pdhal._protocol.names import validate_name
 
 _published: dict[tuple[int, str], _core.Segment] = {}
 _lock = threading.Lock()
@@ -133,12 +135,12 @@ class SharedDeviceBuffer:
     def __dlpack__(self, stream=None):
         """A DLPack capsule over the mapping (shape and dtype as requested): e.g.
         paddle.from_dlpack(buffer) gives a tensor over the other process's memory."""
-        from pdhal import _dlpack
+        from pdhal._inputs import dlpack as _dlpack
 
         return _dlpack.export(self, self.address, self.shape, self.dtype, self.device)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        from pdhal import _dlpack
+        from pdhal._inputs import dlpack as _dlpack
 
         kind, _, index = self.device.partition(":")
         if kind not in _dlpack.DEVICE_TYPES:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdhal import _core, _extents
 from pdhal._errors import InvalidArgumentError, InvalidTypeError, PdhalError
-from pdhal._names import validate_index
-from pdhal._tensors import MemoryRef, memory_ref
+from pdhal._inputs.tensors import MemoryRef, memory_ref
+from pdhal._memory import extents as _extents
+from pdhal._protocol import core as _core
+from pdhal._protocol.names import validate_index
 
 
 def resolve(obj: object, what: str, writable: bool = False) -> MemoryRef:

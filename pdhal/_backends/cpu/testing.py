@@ -1,22 +1,22 @@
-"""TestSupport of the cpu backend: memory from host_alloc; CPU work is done on return."""
+"""TestSupport of the cpu backend: memory from its host_alloc; CPU work is done on return."""
 
 from __future__ import annotations
 
 import ctypes
 import time
 
-from pdhal import ops
-from pdhal.testing.support import DeviceTensor, TestSupport
+from pdhal._backends.test_support import DeviceTensor, TestSupport
 
 
 class CpuTestSupport(TestSupport):
     device = "cpu"
 
-    def __init__(self):
+    def __init__(self, host_alloc, host_free):
+        self._host_alloc, self._host_free = host_alloc, host_free  # the backend's own ops
         self._buffers = []
 
     def alloc(self, nbytes: int) -> DeviceTensor:
-        buf = ops.host_alloc(nbytes)
+        buf = self._host_alloc(nbytes)
         self._buffers.append(buf)
         return DeviceTensor(buf.address, nbytes, self.device)
 
@@ -29,4 +29,4 @@ class CpuTestSupport(TestSupport):
 
     def release(self) -> None:
         while self._buffers:
-            ops.host_free(self._buffers.pop())
+            self._host_free(self._buffers.pop())

@@ -8,9 +8,9 @@ import os
 import threading
 from collections.abc import Callable
 
-from pdhal import _core
 from pdhal._errors import DeviceError, InvalidTypeError
-from pdhal._signals import KernelSignal, LayerSignal, kernel_signal
+from pdhal._protocol import core as _core
+from pdhal._protocol.signals import KernelSignal, LayerSignal, kernel_signal
 
 
 def require_signal(signal: object) -> LayerSignal | KernelSignal:

@@ -16,14 +16,18 @@ import itertools
 import os
 import threading
 
-from pdhal import _blocks, _core, _extents, _names, _published
-from pdhal._backend import Availability, Backend
+from pdhal._backends.contract import Availability, Backend
+from pdhal._backends.hookspecs import hookimpl
+from pdhal._backends.platform import Platform
 from pdhal._errors import DeviceError, InvalidArgumentError, InvalidTypeError, UnsupportedError
-from pdhal._hookspecs import hookimpl
-from pdhal._hostmem import HostBuffer
-from pdhal._platform import Platform
-from pdhal._sender import KVSignalSender, require_signal
-from pdhal._tensors import is_paddle_tensor, memory_ref
+from pdhal._inputs.tensors import is_paddle_tensor, memory_ref
+from pdhal._memory import blocks as _blocks
+from pdhal._memory import extents as _extents
+from pdhal._memory import published as _published
+from pdhal._memory.hostmem import HostBuffer
+from pdhal._protocol import core as _core
+from pdhal._protocol import names as _names
+from pdhal._protocol.sender import KVSignalSender, require_signal
 
 
 class CpuPlatform(Platform):
@@ -344,9 +348,9 @@ class CpuBackend(Backend):
         return {"runtime": "none (host memory and threads)"}
 
     def test_support(self):
-        from pdhal.testing.cpu import CpuTestSupport
+        from pdhal._backends.cpu.testing import CpuTestSupport
 
-        return CpuTestSupport()
+        return CpuTestSupport(host_alloc, host_free)
 
 
 @hookimpl

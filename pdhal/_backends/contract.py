@@ -6,26 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from pdhal._backends.optable import BACKEND_OPS
+from pdhal._backends.platform import Platform
 from pdhal._errors import BackendLoadError
-from pdhal._platform import Platform
-
-#: The ops a backend implements: the device-specific part of pdhal.ops. Everything else in
-#: pdhal.ops (channels, readers, tables, destroying a sender) is pdhal's own, the same on
-#: every device.
-BACKEND_OPS = (
-    "signal_layer_ready",
-    "create_kv_signal_sender",
-    "host_alloc",
-    "host_free",
-    "host_register",
-    "host_unregister",
-    "get_peer_mem_addr",
-    "set_data_ipc",
-    "share_external_data",
-    "unset_data_ipc",
-    "copy_blocks",
-    "synchronize",
-)
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,13 @@
 of its runtime's functions, so that a backend is mostly calls into its runtime.
 
 A backend over a vendor runtime (CUDA, XPU, ...) subclasses it, names the runtime's symbols
-as class attributes, and writes the few ops that really differ (how a layer signal follows
-the stream, the peer address, the IPC handle). It gets: the runtime bound in availability()
-and held on the instance, stream handles parsed, pinned host memory freed by the runtime
-that allocated it, layer signals posted behind a device event to a sender thread, and the
-sender itself.
+as class attributes, and writes only what really differs: how a layer signal follows the
+stream when no sender is given, the peer address, the device count, which memory an IPC
+handle names, the copy kind. It gets every op of the op table: the runtime bound in
+availability() and held on the instance, stream handles parsed, pinned host memory freed by
+the runtime that allocated it (after the copies queued on it), layer signals posted behind a
+device event to a sender thread, the sender itself, and IPC sharing with each handle opened
+once per process and closed with its last import.
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ from __future__ import annotations
 import threading
 from typing import ClassVar
 
-from pdhal import _blocks, _extents, _published
-from pdhal._backend import Availability, Backend
+from pdhal._backends.contract import Availability, Backend
+from pdhal._backends.optable import BACKEND_OPS
+from pdhal._backends.runtime_library import RuntimeLibrary
 from pdhal._errors import InvalidArgumentError, InvalidTypeError
-from pdhal._hostmem import HostBuffer
-from pdhal._names import validate_index
-from pdhal._runtime_library import RuntimeLibrary
-from pdhal._sender import KVSignalSender
-from pdhal._signals import KernelSignal, LayerSignal
-from pdhal._tensors import memory_ref
+from pdhal._inputs.tensors import MemoryRef, memory_ref
+from pdhal._memory import blocks as _blocks
+from pdhal._memory import extents as _extents
+from pdhal._memory import published as _published
+from pdhal._memory.hostmem import HostBuffer
+from pdhal._protocol.names import validate_index
+from pdhal._protocol.sender import KVSignalSender, require_signal
+from pdhal._protocol.signals import KernelSignal, LayerSignal
 
 
 class RuntimeHostBuffer(HostBuffer):
@@ -42,8 +47,9 @@ class RuntimeHostBuffer(HostBuffer):
 
 class RuntimeBackend(Backend):
     """A Backend over a RuntimeLibrary. Subclasses set the class attributes below and
-    implement device_count_now(), platform() and ops(); the methods below are ready-made
-    ops (host_alloc, host_free, create_kv_signal_sender) and helpers for the others."""
+    implement device_count_now(), platform(), signal_without_sender(), get_peer_mem_addr()
+    and copy_kind() (and ipc_base() where a handle names more than the tensor); every other
+    op of the op table is ready-made here."""
 
     #: The RuntimeLibrary subclass to bind; its find_library() says where from.
     runtime_class: ClassVar[type[RuntimeLibrary]]
@@ -72,6 +78,14 @@ class RuntimeBackend(Backend):
     stream_attributes: ClassVar[tuple[str, ...]] = ()
     #: Words for the device in messages ("GPU", "XPU device").
     device_word: ClassVar[str] = "device"
+    #: IPC: the handle's C type, get(handle *, void *ptr), open(void **ptr, handle, flags)
+    #: with ipc_open_flags, and close(void *ptr) (optional: a runtime without it keeps its
+    #: mappings).
+    ipc_handle_type: ClassVar[str] = ""
+    ipc_get_symbol: ClassVar[str] = ""
+    ipc_open_symbol: ClassVar[str] = ""
+    ipc_open_flags: ClassVar[int] = 0
+    ipc_close_symbol: ClassVar[str] = ""
 
     def __init__(self):
         #: The bound runtime, None until availability() found one.
@@ -80,6 +94,8 @@ class RuntimeBackend(Backend):
         #: memory: what a free of that memory waits for (the stream itself may be gone).
         self._fences: dict[int, object] = {}
         self._fences_lock = threading.Lock()
+        self._opened: dict[str, int] = {}  # IPC handle -> mapped base: opened once
+        self._imports: dict[str, tuple[str, int]] = {}  # name -> (IPC handle, address)
 
     # ---- binding -------------------------------------------------------------------
 
@@ -112,6 +128,10 @@ class RuntimeBackend(Backend):
 
     def info(self) -> dict[str, object]:
         return {} if self.runtime is None else self.runtime.describe()
+
+    def ops(self) -> dict:
+        """Every backend op of the op table, as this backend's methods of the same name."""
+        return {name: getattr(self, name) for name in BACKEND_OPS}
 
     # ---- streams -------------------------------------------------------------------
 
@@ -269,6 +289,60 @@ class RuntimeBackend(Backend):
         """The device this thread uses now (override: the runtime's get-device call)."""
         return 0
 
+    def ipc_base(self, ref: MemoryRef) -> int:
+        """The start of the memory an IPC handle of `ref` names (its whole allocation, on
+        runtimes like CUDA's); refuses memory the runtime cannot share. Default: `ref`."""
+        return ref.address
+
+    def set_data_ipc(self, tensor, name: str) -> None:
+        """Share device memory under `name`: this runtime's IPC handle, plus the tensor's
+        offset inside what the handle names."""
+        ref = memory_ref(tensor, "tensor")
+        if ref.nbytes is None:
+            raise InvalidTypeError("set_data_ipc needs a tensor or array, not a raw address")
+        base = self.ipc_base(ref)
+        rt = self.runtime
+        handle = rt.ffi.new(f"{self.ipc_handle_type} *")
+        get_handle = rt.optional(self.ipc_get_symbol)
+        rt.check(get_handle(handle, rt.pointer(ref.address)), self.ipc_get_symbol)
+        record = {"handle": bytes(rt.ffi.buffer(handle)).hex(), "nbytes": ref.nbytes}
+        _published.publish(name, {**record, "offset": ref.address - base})
+
+    def share_external_data(self, like, name: str, shape, timeout: float | None = 60.0):
+        """Map the device memory shared as `name` (each handle opened once per process);
+        a SharedDeviceBuffer of `like`'s dtype and `shape`, on this thread's device."""
+        record, shape, dtype, need = _published.request(like, name, shape, timeout)
+        rt = self.runtime
+        base = self._opened.get(record["handle"])
+        if base is None:
+            handle = rt.ffi.new(f"{self.ipc_handle_type} *")
+            rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
+            ptr = rt.ffi.new("void **")
+            open_handle = rt.optional(self.ipc_open_symbol)
+            rt.check(open_handle(ptr, handle[0], self.ipc_open_flags), self.ipc_open_symbol)
+            base = self._opened[record["handle"]] = rt.address(ptr[0])
+        address = base + record.get("offset", 0)
+        self._imports[name] = (record["handle"], address)
+        return self.mapped(address, shape, dtype, need, name)
+
+    def unset_data_ipc(
+        self, tensor, name: str, close_ipc: bool = True, unlink_shm: bool = True
+    ) -> None:
+        """Stop sharing `name`: with close_ipc, unmap this process's import of it (once the
+        ops using it are done; the handle closes with its last import, where the runtime
+        can); with unlink_shm, remove the record (this process's own; another live
+        publisher's is refused)."""
+        _published.unset(name, unlink_shm)  # first: a refusal leaves the mapping as it was
+        if close_ipc and name in self._imports:
+            handle, address = self._imports.pop(name)
+            self.unmapping(address)
+            if all(h != handle for h, _ in self._imports.values()):  # its last import
+                base = self._opened.pop(handle)
+                rt = self.runtime
+                if rt.has(self.ipc_close_symbol):
+                    close = getattr(rt.lib, self.ipc_close_symbol)
+                    rt.check(close(rt.pointer(base)), self.ipc_close_symbol)
+
     def unmapping(self, address: int) -> None:
         """Before an IPC mapping at `address` is closed: wait for the ops using it (queued
         copies included) and refuse new ones."""
@@ -282,6 +356,23 @@ class RuntimeBackend(Backend):
         )
 
     # ---- layer signals behind device events ----------------------------------------
+
+    def signal_layer_ready(self, signal, stream=None, sender=None) -> None:
+        """Make the layer count as ready once the work queued on `stream` so far has
+        finished: through `sender`'s thread, behind an event, or as the runtime does without
+        one (signal_without_sender)."""
+        signal = require_signal(signal)
+        if signal.segment is None:
+            return
+        if sender is None:
+            self.signal_without_sender(signal, stream)
+        else:
+            self.post_behind_event(signal, stream, self.require_sender(sender))
+
+    def signal_without_sender(self, signal: LayerSignal | KernelSignal, stream) -> None:
+        """signal_layer_ready's way when the engine passes no sender (a host function on
+        the stream, or a process-wide sender)."""
+        raise NotImplementedError
 
     def create_kv_signal_sender(self) -> KVSignalSender:
         """A long-lived sender thread that waits on this runtime's device events."""

@@ -16,16 +16,16 @@ from importlib import metadata
 
 import pluggy
 
-from pdhal import _hookspecs, _published, _signals
-from pdhal._backend import Availability, Backend, check_ops
+from pdhal._backends import hookspecs as _hookspecs
+from pdhal._backends import optable
+from pdhal._backends.contract import Availability, Backend, check_ops
+from pdhal._backends.platform import Platform
 from pdhal._errors import (
     BackendLoadError,
     BackendNotFoundError,
     BackendUnavailableError,
     PdhalError,
 )
-from pdhal._platform import Platform
-from pdhal._sender import destroy_kv_signal_sender
 
 log = logging.getLogger("pdhal")
 
@@ -61,9 +61,9 @@ class Selection:
 
 
 def _embedded_candidate() -> Candidate:
-    from pdhal import __version__
+    from pdhal._version import __version__
 
-    return Candidate(EMBEDDED, "pdhal", __version__, "pdhal._cpu")
+    return Candidate(EMBEDDED, "pdhal", __version__, "pdhal._backends.cpu.backend")
 
 
 def _entry_points() -> list[tuple[Candidate, metadata.EntryPoint]]:
@@ -97,7 +97,7 @@ def _import_plugin(cand: Candidate, load: Callable[[], object]) -> None:
 
 
 def _load_embedded():
-    from pdhal import _cpu
+    from pdhal._backends.cpu import backend as _cpu
 
     return _cpu
 
@@ -198,13 +198,6 @@ def _choose() -> tuple[Candidate, str, list[Candidate]]:
     return cand, reason, candidates
 
 
-#: The ops that are pdhal's own, the same on every backend (see BACKEND_OPS for the rest).
-COMMON_OPS = {
-    **_signals.COMMON_OPS,
-    "destroy_kv_signal_sender": destroy_kv_signal_sender,
-}
-
-
 def _resolve() -> Selection:
     cand, reason, candidates = _choose()
     backend = cand.backend
@@ -218,12 +211,7 @@ def _resolve() -> Selection:
         raise BackendLoadError(
             f"{cand.describe()} failed to load its runtime: {type(e).__name__}: {e}"
         ) from e
-    table = dict(COMMON_OPS)
-    table.update(backend_ops)
-    table["get_data_ptr_ipc"] = _published.data_ptr_op(backend_ops["share_external_data"])
-    table["cuda_host_alloc"] = table["host_alloc"]
-    table["cuda_host_free"] = table["host_free"]
-    return Selection(cand, reason, table, platform, candidates)
+    return Selection(cand, reason, optable.bind(backend_ops), platform, candidates)
 
 
 _selection: Selection | None = None
@@ -240,11 +228,19 @@ def selection() -> Selection:
     return _selection
 
 
+_on_reset: list[Callable[[], None]] = []
+
+
+def on_reset(forget: Callable[[], None]) -> None:
+    """Call `forget` whenever the selection is forgotten: what pdhal.ops bound from it
+    (the registry sits below ops, so it is told rather than importing it)."""
+    _on_reset.append(forget)
+
+
 def reset() -> None:
     """Forget the selection (tests; a process normally selects once)."""
     global _selection
     with _lock:
         _selection = None
-        from pdhal import ops
-
-        ops._unbind()
+        for forget in _on_reset:
+            forget()

@@ -11,8 +11,10 @@ import resource
 import sys
 from importlib import metadata
 
-from pdhal import _environment, _names, _registry
+from pdhal._backends import environment as _environment
+from pdhal._backends import registry as _registry
 from pdhal._errors import PdhalError
+from pdhal._protocol import names as _names
 
 NOT_SET = "not set"
 #: Distributions worth naming next to pdhal (Paddle's builds are three distributions).
@@ -94,7 +96,7 @@ def _platform_facts(sel) -> dict:
 
 def report() -> dict:
     """A JSON-able description of this process's pdhal set-up (never raises PdhalError)."""
-    from pdhal import __version__
+    from pdhal._version import __version__
 
     out: dict = {
         "pdhal": __version__,

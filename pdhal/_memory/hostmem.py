@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import threading
 
-from pdhal import _extents
-from pdhal._core import ffi
 from pdhal._errors import ClosedHandleError, InvalidArgumentError
-from pdhal._tensors import MemoryRef
+from pdhal._inputs.tensors import MemoryRef
+from pdhal._memory import extents as _extents
+from pdhal._protocol.core import ffi
 
 
 class HostBuffer:

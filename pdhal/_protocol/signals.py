@@ -15,14 +15,15 @@ import os
 import threading
 import time
 
-from pdhal import _core, _names
 from pdhal._errors import (
     InvalidArgumentError,
     InvalidTypeError,
     ProducerDiedError,
     SegmentError,
 )
-from pdhal._tensors import int_list, memory_ref, writable_int32
+from pdhal._inputs.tensors import int_list, memory_ref, writable_int32
+from pdhal._protocol import core as _core
+from pdhal._protocol import names as _names
 
 _NO_LAYER = -1
 #: The longest spin a wait accepts, in microseconds: longer is a poll loop, not a spin.
@@ -486,15 +487,3 @@ def open_kv_chunk_reader(
 
 
 #: The device-independent ops every backend shares (see _registry).
-COMMON_OPS = {
-    f.__name__: f
-    for f in (
-        open_shm_and_get_meta_signal,
-        init_signal_layerwise,
-        init_kv_signal_per_query,
-        open_kv_signal_reader,
-        open_kv_chunk_reader,
-        get_output_kv_signal,
-        ack_kv_signal,
-    )
-}

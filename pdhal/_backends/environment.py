@@ -28,7 +28,7 @@ VARIABLES = {
 
 
 def _namespace(value: str) -> None:
-    from pdhal import _names
+    from pdhal._protocol import names as _names
 
     _names.validate_namespace(value)
 
@@ -56,7 +56,7 @@ def _device_count(value: str) -> None:
 
 
 def _visible(value: str) -> None:
-    from pdhal._platform import parse_visible_devices
+    from pdhal._backends.platform import parse_visible_devices
 
     parse_visible_devices(value, "PDHAL_CPU_VISIBLE_DEVICES")
 
@@ -67,7 +67,7 @@ def _library(value: str) -> None:
 
 
 def _plugins(value: str) -> None:
-    from pdhal import _registry
+    from pdhal._backends import registry as _registry
 
     unknown = sorted(
         {n.strip() for n in value.split(",") if n.strip()} - set(_registry.installed_names())
@@ -80,7 +80,7 @@ def _plugins(value: str) -> None:
 
 
 def _platform(value: str) -> None:
-    from pdhal import _registry
+    from pdhal._backends import registry as _registry
 
     if value.strip() not in _registry.installed_names():
         raise ValueError(

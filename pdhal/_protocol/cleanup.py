@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-from pdhal import _core, _names
 from pdhal._errors import SegmentError
+from pdhal._protocol import core as _core
+from pdhal._protocol import names as _names
 
 #: A segment's kind, from the part of its name after the namespace.
 _KINDS = {"query": _core.KIND_QUERY, "chunk": _core.KIND_CHUNK, "buf": _core.KIND_BUFFER}

@@ -1,5 +1,5 @@
 """`pdhal new-backend NAME`: a new backend distribution written from the template shipped
-in the wheel (pdhal/_backend_template), ready to install and to pass the conformance kit,
+in the wheel (pdhal/_tools/backend_template), ready to install and to pass the conformance kit,
 with each piece to replace marked."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 
 from pdhal._errors import InvalidArgumentError
 
-TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_backend_template")
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "backend_template")
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 

@@ -27,7 +27,7 @@ _NOT_INSTALLED = {
 
 
 def _info(args) -> int:
-    from pdhal import _info
+    from pdhal._tools import info as _info
 
     info = _info.report()
     print(json.dumps(info, indent=2) if args.json else _info.format_text(info))
@@ -35,7 +35,7 @@ def _info(args) -> int:
 
 
 def _cleanup(args) -> int:
-    from pdhal import _cleanup
+    from pdhal._protocol import cleanup as _cleanup
 
     removed, alive = _cleanup.cleanup(args.namespace, dry_run=args.dry_run)
     for path in removed:
@@ -48,7 +48,7 @@ def _cleanup(args) -> int:
 
 
 def _new_backend(args) -> int:
-    from pdhal import _template
+    from pdhal._tools import template as _template
 
     folder = _template.write(args.name, args.into)
     print(
@@ -123,7 +123,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _version() -> str:
-    from pdhal import __version__
+    from pdhal._version import __version__
 
     return f"pdhal {__version__}"
 
