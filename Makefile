@@ -33,9 +33,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Lint, the suite, then the conformance kit against every in-tree backend (cuda and xpu on
-# the simulated runtimes of tests/sim).
-test: lint $(STAMP) ibverbs
+# The docs site (mkdocs.yml): the guides plus the API reference generated from the
+# docstrings, strict (any warning fails it), into site/.
+.PHONY: docs
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet
+
+# Lint, the docs, the suite, then the conformance kit against every in-tree backend (cuda and
+# xpu on the simulated runtimes of tests/sim).
+test: lint docs $(STAMP) ibverbs
 	$(PY) -m pytest -q -p no:cacheprovider
 	$(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cpu
 	PDHAL_XPURT=$$($(PY) tests/sim/build.py libxpurt.so) \
@@ -59,6 +65,18 @@ bench: $(STAMP)
 	$(PY) bench/bench_demo.py
 	$(PY) bench/bench_copy.py
 	$(PY) bench/bench_kernel_post.py
+
+# Every benchmark of `make bench` once with BENCH_SMOKE=1 (the same code on tiny sizes, no
+# target checked: CI's proof that each still builds its C, links and runs; ~70 s on 2 cores).
+# bench/bench_vllm.py needs .venv-vllm and starts four vLLM instances: `BENCH_SMOKE=1 make
+# bench-vllm`.
+.PHONY: bench-smoke
+bench-smoke: $(STAMP)
+	BENCH_SMOKE=1 $(PY) bench/bench_signals.py
+	BENCH_SMOKE=1 $(PY) bench/bench_sender.py
+	BENCH_SMOKE=1 $(PY) bench/bench_demo.py
+	BENCH_SMOKE=1 $(PY) bench/bench_copy.py
+	BENCH_SMOKE=1 $(PY) bench/bench_kernel_post.py
 
 # The C core under AddressSanitizer + UBSan, then the suite. Tests that load paddle are left
 # out: paddle's own C++ aborts under ASan at exit (alloc/dealloc mismatch inside paddle).
@@ -89,7 +107,7 @@ mutate-ci: $(STAMP)
 	$(PY) tests/mutation/run.py --fast
 
 clean:
-	rm -rf $(VENV) build pdhal/*.so
+	rm -rf $(VENV) build site pdhal/*.so
 
 # ---- fuzzing (tests/fuzz) --------------------------------------------------------------------
 # libFuzzer + ASan + UBSan over the segment validator and the per-chunk record decoder

@@ -31,17 +31,20 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", "15"))
-BLOCKS = int(os.environ.get("BENCH_BLOCKS", "64"))  # blocks per call
-CACHE_BYTES = int(os.environ.get("BENCH_CACHE_MIB", "64")) << 20  # per side, beyond the LLC
-TARGET_S = float(os.environ.get("BENCH_SAMPLE_S", "0.02"))  # per timing sample
+import _cbuild
 
-LAYERS = int(os.environ.get("BENCH_LAYERS", "32"))  # layers per call in the last rows
+HERE = os.path.dirname(os.path.abspath(__file__))
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # make bench-smoke: the same runs, tiny sizes
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "1" if SMOKE else "15"))
+BLOCKS = int(os.environ.get("BENCH_BLOCKS", "64"))  # blocks per call
+# per side; the full size is beyond the LLC, the smoke size the least that holds the runs
+CACHE_BYTES = int(os.environ.get("BENCH_CACHE_MIB", "16" if SMOKE else "64")) << 20
+TARGET_S = float(os.environ.get("BENCH_SAMPLE_S", "0.001" if SMOKE else "0.02"))  # per sample
+
+LAYERS = int(os.environ.get("BENCH_LAYERS", "4" if SMOKE else "32"))  # per call in the last rows
 KV_BLOCK = ("128 KiB (64 tok x 8 heads x 128 x bf16)", 64 * 8 * 128 * 2)
 CONFIGS = [(*KV_BLOCK, 1), ("4 KiB", 4096, 1), ("4 KiB", 4096, LAYERS)]  # (block, bytes, layers)
 LAYOUTS = [("scattered (1-block runs)", 1), ("runs of 8", 8), (f"one run of {BLOCKS}", BLOCKS)]
@@ -102,17 +105,7 @@ def calibrate(fn) -> int:
 
 def build_c_copy() -> ctypes.CDLL:
     """bench/c_copy.c against pdhal's C library, built as an engine builds its C++ op."""
-    import pdhal
-
-    library = os.path.join(HERE, "build", "libc_copy.so")
-    os.makedirs(os.path.dirname(library), exist_ok=True)
-    source = os.path.join(HERE, "c_copy.c")
-    subprocess.run(
-        ["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror"]
-        + [f"-I{pdhal.get_include()}", "-o", library, source, pdhal.get_library()],
-        check=True,
-    )
-    c_copy = ctypes.CDLL(library)
+    c_copy = ctypes.CDLL(_cbuild.build(os.path.join(HERE, "c_copy.c"), "libc_copy.so"))
     pointers = ctypes.POINTER(ctypes.c_void_p)
     ids = ctypes.POINTER(ctypes.c_int64)
     u64 = ctypes.c_uint64
@@ -243,7 +236,7 @@ def bench_copies(ops, core, c_copy) -> list[dict]:
 
 def profile(ops, core) -> dict:
     """Python overhead of one ops.copy_blocks call at 64-byte blocks: fixed and per id."""
-    from pdhal import _blocks
+    from pdhal._memory import blocks as _blocks
 
     block_bytes, cache_blocks = 64, 1 << 14
     nbytes = block_bytes * cache_blocks
@@ -295,7 +288,9 @@ def profile(ops, core) -> dict:
 
 
 def main() -> None:
-    from pdhal import _core, _registry, ops
+    from pdhal import ops
+    from pdhal._backends import registry as _registry
+    from pdhal._protocol import core as _core
 
     os.environ.setdefault("PDHAL_NAMESPACE", f"benchcopy{os.getpid()}")
     os.environ["PDHAL_PLATFORM"] = "cpu"

@@ -20,7 +20,8 @@ every comparison interleaves its rounds and reports the best and the median of e
 5. Many requests through small caches: requests/s and transfer GiB/s by tenths of the run.
 
 Run: .venv/bin/python bench/bench_demo.py [--json] [--rounds N] [--only 1,2,3,4,5]
-(or `make bench`).
+(or `make bench`). BENCH_SMOKE=1 (`make bench-smoke`): every section once, on a 4-layer model
+and two prompts.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from pdhal_demo.transport import block_runs
 
 from pdhal import ops
 
-PROMPTS = [int(n) for n in DEFAULT_PROMPTS.split(",")]
-MODEL = ModelConfig(layers=32)
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # make bench-smoke: the same runs, tiny sizes
+PROMPTS = [64, 128] if SMOKE else [int(n) for n in DEFAULT_PROMPTS.split(",")]
+MODEL = ModelConfig(layers=4 if SMOKE else 32)
 CACHE_BLOCKS = 64
 TARGET = {"overlap": 0.9, "shm": 0.9, "mooncake": 0.9}
 
@@ -378,7 +380,7 @@ def section_mooncake(out: dict) -> None:
             demo("mooncake", signal_at_end=False)["transfer_throughput_gib_s"]
         )
         for b in batches.values():
-            reference = transfer_engine_bench(block, b)
+            reference = transfer_engine_bench(block, b, seconds=1 if SMOKE else 3)
             if reference is None:
                 say("  transfer_engine_bench did not run (not installed with Mooncake's wheel?)")
                 out["mooncake"] = {k: stats(v) for k, v in rounds.items() if v}
@@ -449,7 +451,7 @@ def section_tp(out: dict) -> None:
 
 
 def section_many(out: dict) -> None:
-    requests = 150
+    requests = 40 if SMOKE else 150  # throughput_windows needs 20
     say(
         f"\n5. many requests: {requests} through 16-block caches and 4 batch slots (per_chunk, "
         f"128-token steps, 4 layers, shm): requests/s and GiB/s by tenths of the run"
@@ -524,8 +526,12 @@ def parse(argv=None) -> argparse.Namespace:
         action="store_true",
         help="print the results as JSON (the human lines go to stderr)",
     )
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (2, 3)")
-    parser.add_argument("--rounds-ttft", type=int, default=3, help="interleaved rounds (1)")
+    parser.add_argument(
+        "--rounds", type=int, default=1 if SMOKE else 5, help="interleaved rounds (2, 3)"
+    )
+    parser.add_argument(
+        "--rounds-ttft", type=int, default=1 if SMOKE else 3, help="interleaved rounds (1)"
+    )
     parser.add_argument("--only", default=",".join(SECTIONS), help="sections to run, e.g. 2,3")
     return parser.parse_args(argv)
 

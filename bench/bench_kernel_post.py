@@ -19,14 +19,16 @@ from __future__ import annotations
 import ctypes
 import os
 import statistics
-import subprocess
 import sys
 import time
 
+import _cbuild
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-LAYERS = int(os.environ.get("BENCH_LAYERS", "20000"))  # posts per measurement
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", "9"))
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # make bench-smoke: the same runs, tiny sizes
+LAYERS = int(os.environ.get("BENCH_LAYERS", "200" if SMOKE else "20000"))  # posts per measurement
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "1" if SMOKE else "9"))
 
 
 def simulated_cuda() -> str:
@@ -42,29 +44,11 @@ def simulated_cuda() -> str:
 
 def build_op(runtime: str) -> ctypes.CDLL:
     """tests/c/attention_op.c for CUDA, built as an engine builds its op."""
-    import pdhal
-
-    library = os.path.join(HERE, "build", "libattention_op_cuda.so")
-    os.makedirs(os.path.dirname(library), exist_ok=True)
-    subprocess.run(
-        [
-            "gcc",
-            "-shared",
-            "-fPIC",
-            "-O2",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-DATTENTION_OP_CUDA",
-            f"-I{pdhal.get_include()}",
-            "-o",
-            library,
-            os.path.join(ROOT, "tests", "c", "attention_op.c"),
-            pdhal.get_library(),
-            runtime,
-            "-lpthread",
-        ],
-        check=True,
+    library = _cbuild.build(
+        os.path.join(ROOT, "tests", "c", "attention_op.c"),
+        "libattention_op_cuda.so",
+        "-DATTENTION_OP_CUDA",
+        runtime,
     )
     op = ctypes.CDLL(library)
     op.bench_cuda_posts.restype = ctypes.c_int64
@@ -78,7 +62,9 @@ def main() -> int:
     import numpy as np
 
     import pdhal
-    from pdhal import _registry, _signals, ops
+    from pdhal import ops
+    from pdhal._backends import registry as _registry
+    from pdhal._protocol import signals as _signals
 
     assert pdhal.current_backend() == "cuda", pdhal.current_backend()
     op = build_op(runtime)

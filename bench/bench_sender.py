@@ -22,12 +22,16 @@ import subprocess
 import sys
 import time
 
+import _cbuild
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-LAYERS = int(os.environ.get("BENCH_LAYERS", "400"))
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # make bench-smoke: the same runs, tiny sizes
+LAYERS = int(os.environ.get("BENCH_LAYERS", "20" if SMOKE else "400"))
 LAYER_US = int(os.environ.get("BENCH_LAYER_US", "500"))
-IDLE_S = 1.0
+IDLE_S = 0.1 if SMOKE else 1.0
+ROUNDS = 1 if SMOKE else 2
 
 READER = r"""
 import json, sys, time
@@ -43,29 +47,13 @@ print(json.dumps(seen))
 """
 
 
-def build_baseline() -> str:
-    out = os.path.join(HERE, "build", "libpoll_sender.so")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    subprocess.run(
-        [
-            "gcc",
-            "-O2",
-            "-shared",
-            "-fPIC",
-            "-o",
-            out,
-            os.path.join(HERE, "poll_sender.c"),
-            "-lpthread",
-        ],
-        check=True,
-    )
-    return out
-
-
 def run(style: str, sim, baseline) -> tuple[list[float], float, float]:
     import numpy as np
 
-    from pdhal import _core, _registry, _signals, ops
+    from pdhal import ops
+    from pdhal._backends import registry as _registry
+    from pdhal._protocol import core as _core
+    from pdhal._protocol import signals as _signals
 
     meta = ops.open_shm_and_get_meta_signal(0, 0)
     reader = subprocess.Popen(
@@ -147,7 +135,7 @@ def main() -> int:
         int sim_xpu_launch_timestamp(void *s, uint64_t *dst);""",
     )
     baseline = Loaded(
-        build_baseline(),
+        _cbuild.build(os.path.join(HERE, "poll_sender.c"), "libpoll_sender.so"),
         """
         void *poll_sender_start(void *wait, void *destroy, void *store);
         void poll_sender_post(void *s, void *event, void *store);
@@ -165,7 +153,7 @@ def main() -> int:
     if not as_json:
         print(f"simulated XPU runtime, {LAYERS} layers of {LAYER_US} us each")
         print("sender            latency p50 us    p99 us   seen   CPU s (run)   idle CPU %")
-    for _ in range(2):  # interleaved rounds
+    for _ in range(ROUNDS):  # interleaved rounds
         for style in styles:
             lat, cpu, idle = run(style, sim, baseline)
             q = statistics.quantiles(lat, n=100)
@@ -195,7 +183,7 @@ def main() -> int:
         print(
             f"p50 pdhal / poll-1us: {p50['pdhal'] / p50['poll-1us']:.2f}x "
             f"(blocking: {p50['pdhal-blocking'] / p50['poll-1us']:.2f}x); run: "
-            f"~{LAYERS * LAYER_US / 1e6:.1f} s of layers; idle: {IDLE_S:.0f} s with the sender "
+            f"~{LAYERS * LAYER_US / 1e6:.1f} s of layers; idle: {IDLE_S:g} s with the sender "
             f"alive and nothing queued (CPU of the whole producer process)"
         )
     return 0

@@ -22,8 +22,12 @@ import sys
 import time
 import timeit
 
-SIGNALS = int(os.environ.get("BENCH_SIGNALS", "200"))
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
+import _cbuild
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # make bench-smoke: the same runs, tiny sizes
+SIGNALS = int(os.environ.get("BENCH_SIGNALS", "20" if SMOKE else "200"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "1" if SMOKE else "5"))
 GAP_S = float(os.environ.get("BENCH_GAP_MS", "2")) / 1000
 
 READER = r"""
@@ -77,22 +81,6 @@ def one_way_latency(style: str) -> list[float]:
     return [(seen[str(k)] - t) / 1000 for k, t in sent.items() if str(k) in seen]
 
 
-def build_c_wake() -> str:
-    import pdhal
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    exe = os.path.join(here, "build", "c_wake")
-    csrc = os.path.join(here, "..", "csrc")
-    os.makedirs(os.path.dirname(exe), exist_ok=True)
-    sources = [os.path.join(here, "c_wake.c")] + [
-        os.path.join(csrc, f"{name}.c") for name in ("segment", "progress", "wait", "errors")
-    ]
-    subprocess.run(
-        ["gcc", "-O2", f"-I{pdhal.get_include()}", "-o", exe, *sources, "-lpthread"], check=True
-    )
-    return exe
-
-
 def c_latency(exe: str, style: str) -> list[float]:
     """Latencies with C on both ends (bench/c_wake.c over pdhal.h): no interpreter wakes."""
     out = subprocess.run(
@@ -129,12 +117,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def dispatch_overhead() -> tuple[float, float, float]:
     """(ns per ops call, ns per direct call, median ratio of the two within a round)."""
-    from pdhal import _registry, ops
+    from pdhal import ops
+    from pdhal._backends import registry as _registry
 
     meta = ops.open_shm_and_get_meta_signal(0, 0)
     signal = ops.init_signal_layerwise(meta, 0)
     direct = _registry.selection().candidate.backend.ops()["signal_layer_ready"]
-    calls = 50000
+    calls = 2000 if SMOKE else 50000
     via_ops, plain = [], []
     for round_ in range(9):  # adjacent pairs, alternating which goes first: drift cancels
         pair = [
@@ -154,13 +143,13 @@ def dispatch_overhead() -> tuple[float, float, float]:
 def main() -> int:
     os.environ.setdefault("PDHAL_NAMESPACE", f"bench{os.getpid()}")
     import pdhal
-    from pdhal import _signals
+    from pdhal._protocol import signals as _signals
 
     print(
         f"backend: {pdhal.current_backend()}, {ROUNDS} interleaved rounds of {SIGNALS} "
         f"signals per reader, pooled (drift on a shared machine hits every row alike)"
     )
-    exe = build_c_wake()
+    exe = _cbuild.build(os.path.join(HERE, "c_wake.c"), "c_wake")
     python, c = {}, {}
     for _ in range(ROUNDS):
         for style in ("futex", "poll", "pipe"):

@@ -13,6 +13,9 @@ compute did not hide. In the pdhal mode the decode instance asks for the KV befo
 prefill starts (as a router sends both at once); in the example mode it can only submit once
 the files exist, so it waits for the prefill's end (polled every millisecond). On a shared
 2-core machine the absolute numbers mean little: read the ratio.
+
+BENCH_SMOKE=1 (`BENCH_SMOKE=1 make bench-vllm`): by default one round of two 100-token
+prompts, the same runs; its time is mostly the four vLLM instances starting.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import tempfile
 import time
 
 PY = sys.executable
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # BENCH_SMOKE=1 make bench-vllm: the same runs, small
 
 
 def prompts(count: int, length: int, seed: int) -> list[dict]:
@@ -207,12 +211,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=2, help="pairs of runs, interleaved")
+    parser.add_argument(
+        "--rounds", type=int, default=1 if SMOKE else 2, help="pairs of runs, interleaved"
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=1000)
-    parser.add_argument("--max-tokens", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=2 if SMOKE else 4)
+    parser.add_argument("--prompt-len", type=int, default=100 if SMOKE else 1000)
+    parser.add_argument("--max-tokens", type=int, default=3 if SMOKE else 6)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from pdhal_vllm import tiny
