@@ -11,7 +11,7 @@ stream, the peer address, IPC). docs/writing-a-backend.md walks through one.
 """
 
 from pdhal._backends.contract import BACKEND_OPS, Availability, Backend
-from pdhal._backends.hookspecs import hookimpl
+from pdhal._backends.hookspecs import Command, hookimpl
 from pdhal._backends.platform import Platform
 from pdhal._backends.runtime import RuntimeBackend, RuntimeHostBuffer
 from pdhal._backends.runtime_library import RuntimeLibrary
@@ -40,6 +40,7 @@ __all__ = [
     "BACKEND_OPS",
     "Availability",
     "Backend",
+    "Command",
     "HostBuffer",
     "KVSignalSender",
     "LayerSignal",

@@ -14,11 +14,10 @@ from conftest import install_distributions
 from pdhal._tools import cli as _cli
 
 HELLO = '''
-    """Greets: a command from a distribution of its own.
-
-    Not this line.
-    """
+    """A command from a distribution of its own."""
     import os
+
+    from pdhal.plugin import Command, hookimpl
 
     if os.environ.get("IMPORT_LOG"):
         with open(os.environ["IMPORT_LOG"], "a") as log:
@@ -32,6 +31,11 @@ HELLO = '''
     def main(args):
         print(f"hello {args.name}")
         return 3
+
+
+    @hookimpl
+    def pdhal_command():
+        return Command("Greets: a command from a distribution of its own.", add_arguments, main)
 '''
 
 
@@ -85,7 +89,6 @@ def test_help_lists_it_and_reports_the_broken_and_the_clashing_one(command_env):
     run = pdhal(command_env, "--help")
     assert run.returncode == 0, run.stderr
     assert "Greets: a command from a distribution of its own." in run.stdout
-    assert "Not this line" not in run.stdout
     assert (
         "command 'kaput' (pdhal_kaput_command, from pdhal-hello-command 0.0.1) failed to "
         "load and is skipped: ImportError: libkaput.so.1 is missing"

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 
+from pdhal.plugin import Command, hookimpl
 from pdhal_demo import DEFAULT_PROMPTS, MODES, TRANSPORTS
 
 HELP = "prefill worker -> cache messager -> decode, layer by layer"  # `pdhal --help`
@@ -355,3 +356,9 @@ def main(args) -> int:
         if not args.json:
             print(f"pdhal demo: wrote the timeline to {args.plot}", file=sys.stderr)
     return 0 if all(s["ok"] for s in summaries) else 1
+
+
+@hookimpl
+def pdhal_command() -> Command:
+    """`pdhal demo` (entry point `demo` in the `pdhal.commands` group)."""
+    return Command(HELP, add_arguments, main)

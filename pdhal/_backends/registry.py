@@ -14,10 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 
-import pluggy
-
-from pdhal._backends import hookspecs as _hookspecs
-from pdhal._backends import optable
+from pdhal._backends import optable, plugins
 from pdhal._backends.contract import Availability, Backend, check_ops
 from pdhal._backends.platform import Platform
 from pdhal._errors import (
@@ -79,18 +76,15 @@ def _entry_points() -> list[tuple[Candidate, metadata.EntryPoint]]:
 
 def _import_plugin(cand: Candidate, load: Callable[[], object]) -> None:
     """Import a plugin and ask it for its Backend; record (never raise) any failure."""
-    manager = pluggy.PluginManager("pdhal")
-    manager.add_hookspecs(_hookspecs.BackendSpec)
     try:
-        manager.register(load(), name=cand.name)
-        backends = manager.hook.pdhal_backend()
-        if len(backends) != 1 or not isinstance(backends[0], Backend):
-            raise BackendLoadError(f"pdhal_backend returned {backends!r}, expected one Backend")
-        if backends[0].name != cand.name:
+        backend = plugins.provide(ENTRY_POINT_GROUP, cand.name, load)
+        if not isinstance(backend, Backend):
+            raise BackendLoadError(f"pdhal_backend returned {backend!r}, expected a Backend")
+        if backend.name != cand.name:
             raise BackendLoadError(
-                f"its Backend is named {backends[0].name!r}, but its entry point is {cand.name!r}"
+                f"its Backend is named {backend.name!r}, but its entry point is {cand.name!r}"
             )
-        cand.backend = backends[0]
+        cand.backend = backend
     except Exception as e:  # a broken plugin must never take the others down
         cand.error = f"{type(e).__name__}: {e}"
         log.warning("%s failed to load and is ignored: %s", cand.describe(), cand.error)
@@ -242,5 +236,6 @@ def reset() -> None:
     global _selection
     with _lock:
         _selection = None
+        plugins.forget()
         for forget in _on_reset:
             forget()

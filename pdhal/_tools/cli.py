@@ -1,10 +1,11 @@
 """The `pdhal` command: info, cleanup, new-backend, and the commands other distributions add.
 
 A distribution adds a command with an entry point in the `pdhal.commands` group, named as the
-command, whose module has `add_arguments(parser)` (cheap: it imports nothing heavy, since
-`pdhal --help` runs it), `main(args) -> int` (the exit status) and, for `pdhal --help`, a
-`HELP` string (else its docstring's first line). `pdhal info` and `pdhal cleanup` import no
-such module; one that fails to load is reported on stderr and skipped.
+command, whose module implements the `pdhal_command` hook (`@pdhal.hookimpl`): it returns a
+`pdhal.plugin.Command` of the help line, `add_arguments(parser)` (cheap: it imports nothing
+heavy, since `pdhal --help` runs it) and `main(args) -> int` (the exit status). `pdhal info`
+and `pdhal cleanup` import no such module; one that fails to load is reported on stderr and
+skipped.
 
 Errors are one line, `pdhal: error: ...`: exit status 2 for a usage error, 1 for a failure at
 run time; `--debug` (or PDHAL_DEBUG=1) shows the traceback too.
@@ -17,6 +18,8 @@ import json
 import os
 import sys
 import traceback
+
+from pdhal._backends.hookspecs import Command
 
 COMMANDS_GROUP = "pdhal.commands"
 BUILTIN = ("info", "cleanup", "new-backend")
@@ -88,21 +91,18 @@ def _origin(ep) -> str:
 
 
 def _add_command(sub, ep):
-    """Load `ep`'s module and add its subcommand (its parser); on any failure say why and
+    """Load `ep`'s plugin and add its subcommand (its parser); on any failure say why and
     add nothing (None)."""
+    from pdhal._backends import plugins
+
     try:
-        module = ep.load()
-        if not (
-            callable(getattr(module, "add_arguments", None))
-            and callable(getattr(module, "main", None))
-        ):
-            raise TypeError("it needs add_arguments(parser) and main(args)")
-        doc = (module.__doc__ or "").strip()
-        help_line = getattr(module, "HELP", None) or doc.split("\n", 1)[0]
+        command = plugins.provide(COMMANDS_GROUP, ep.name, ep.load)
+        if not isinstance(command, Command):
+            raise TypeError(f"pdhal_command returned {command!r}, expected a pdhal.plugin.Command")
         # Filled apart first, so a parser that fails half-way is never registered.
         options = argparse.ArgumentParser(add_help=False)
-        module.add_arguments(options)
-        p = sub.add_parser(ep.name, parents=[options], help=help_line, description=help_line)
+        command.add_arguments(options)
+        p = sub.add_parser(ep.name, parents=[options], help=command.help, description=command.help)
     except Exception as exc:  # a broken command must never take `pdhal` down
         print(
             f"pdhal: command {ep.name!r} ({_origin(ep)}) failed to load and is skipped: "
@@ -110,7 +110,7 @@ def _add_command(sub, ep):
             file=sys.stderr,
         )
         return None
-    p.set_defaults(func=module.main)
+    p.set_defaults(func=command.main)
     return p
 
 
