@@ -13,7 +13,7 @@ from pdhal._backends import registry as _registry
 
 #: Every op, in the op table's order (pdhal._backends.optable declares them).
 OP_NAMES = optable.OP_NAMES
-__doc__ += "\nThe ops, by what they are for:\n\n" + optable.describe() + "\n"
+__doc__ = (__doc__ or "") + "\nThe ops, by what they are for:\n\n" + optable.describe() + "\n"
 
 __all__ = list(OP_NAMES)
 

@@ -6,8 +6,12 @@ whose `ops()` maps each name of BACKEND_OPS to its implementation. Everything
 device-independent (channels, tables, readers) comes from pdhal.
 
 Over a vendor runtime, subclass RuntimeBackend: name the runtime's functions (host
-allocator, events) as class attributes and write only what differs (how a signal follows a
-stream, the peer address, IPC). docs/writing-a-backend.md walks through one.
+allocator, events, IPC) as class attributes and write only what differs (how a signal
+follows a stream without a sender, the peer address, the copy kind).
+docs/writing-a-backend.md walks through one. A backend that unmaps memory its own way calls
+forget_mapping(address) first: it refuses new ops on the mapping, waits for those using it,
+and returns the keys of the streams they queued copies on (RuntimeBackend.wait_queued
+waits for those).
 """
 
 from pdhal._backends.contract import BACKEND_OPS, Availability, Backend

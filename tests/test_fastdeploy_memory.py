@@ -216,6 +216,23 @@ def test_registered_host_memory_serves_as_swap_space_until_unregistered(dev):
         fd.cuda_host_register(host.ctypes.data, host.nbytes, -1)
 
 
+def test_a_swap_holds_the_host_memory_it_copies_through(dev, monkeypatch):
+    """The swaps name host memory by int address (FastDeploy's form): each copy they make
+    holds that memory's extent, so a cuda_host_free from another thread waits for the swap
+    (and one after it is refused), as it does for ops.copy_blocks."""
+    from pdhal._memory import extents
+
+    cache = dev.cache(4, "float16", seed=1)
+    address = fd.cuda_host_alloc(4 * cache.block_bytes)
+    held: list = []
+    real_hold = extents.hold
+    monkeypatch.setattr(extents, "hold", lambda e: held.append(real_hold(e)) or held[-1])
+    fd.swap_cache_all_layers([cache], [address], 4, [2], [1], 0, 0)
+    fd.swap_cache_layout([cache], address, list(cache.shape), [2], [1], 0, 0)
+    assert held and all(extents.find(address) in h for h in held), held
+    fd.cuda_host_free(address)
+
+
 def test_a_tensor_registers_with_its_own_size(dev):
     host = np.zeros(4096, np.uint8)
     fd.cuda_host_register(host)

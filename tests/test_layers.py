@@ -13,7 +13,7 @@ PACKAGE = os.path.dirname(pdhal.__file__)
 
 #: Bottom to top; a module's layer is the first whose prefix its name starts with.
 LAYERS = [
-    ("pdhal._errors", "pdhal._version", "pdhal._pdhal_c"),
+    ("pdhal._errors", "pdhal._version", "pdhal._compiled", "pdhal._pdhal_c"),
     ("pdhal._inputs",),  # what engines pass: tensors, buffers, DLPack, int addresses
     ("pdhal._protocol",),  # the C core's binding and the shared-memory protocol
     ("pdhal._memory",),  # host buffers, shared buffers, extents, block copies

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ for _ in range(ROUNDS):
         finally:
             started.set()
 
-    thread = threading.Thread(target=copy)
+    thread = threading.Thread(target=copy, daemon=True)
     thread.start()
     started.wait(60)
     free(src)
@@ -197,7 +198,7 @@ def test_unmapping_a_shared_buffer_while_threads_copy_into_it(monkeypatch):
             except pdhal.ClosedHandleError as e:
                 refused.append(e)
 
-        threads = [threading.Thread(target=copy) for _ in range(4)]
+        threads = [threading.Thread(target=copy, daemon=True) for _ in range(4)]
         for t in threads:
             t.start()
         started.wait()
@@ -219,14 +220,17 @@ def test_a_retiring_extent_refuses_new_holds_and_waits_for_the_old_ones():
     extent = _extents.register(0x10000, 4096, "cpu", "test memory")
     held = _extents.hold([extent, None])
     streams: list[set[int]] = []
-    free = threading.Thread(target=lambda: streams.append(_extents.retire(extent)))
+    _extents.mark_queued(held, "stream 7")
+    free = threading.Thread(target=lambda: streams.append(_extents.retire(extent)), daemon=True)
     free.start()
-    free.join(0.2)
-    assert free.is_alive(), "retire returned while an op held the memory"
+    deadline = time.monotonic() + 60
+    while not extent.retired and time.monotonic() < deadline:  # the free has begun
+        time.sleep(0.001)
+    assert extent.retired and free.is_alive(), "retire returned while an op held the memory"
     assert _extents.find(0x10000) is None  # no new op finds it by address either
     with pytest.raises(pdhal.ClosedHandleError, match="test memory"):
         _extents.hold([extent])
-    _extents.release(held, stream=7)
-    free.join(10)
-    assert not free.is_alive() and streams == [{7}]
-    assert _extents.retire(extent) == {7}  # idempotent
+    _extents.release(held)
+    free.join(60)
+    assert not free.is_alive() and streams == [{"stream 7"}]
+    assert _extents.retire(extent) == {"stream 7"}  # idempotent

@@ -3,6 +3,8 @@ registry binds, what a backend must implement and what the ops' docs list all co
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import pdhal
@@ -31,9 +33,8 @@ def test_the_bound_table_is_the_op_table():
 
 
 def test_the_ops_docstring_lists_every_op_from_the_table():
-    listed = ops.__doc__.split("by what they are for:", 1)[1]
-    for name in optable.OP_NAMES:
-        assert name in listed, name
+    listed = re.findall(r"\w+", ops.__doc__.split("by what they are for:", 1)[1])
+    assert set(optable.OP_NAMES) <= set(listed)
 
 
 def test_a_backend_missing_a_table_op_is_refused_by_name(monkeypatch):

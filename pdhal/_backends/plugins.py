@@ -1,5 +1,6 @@
 """The one pluggy PluginManager of a process: every plugin pdhal discovers, whatever its
-entry-point group (hookspecs.GROUP_HOOKS), registered as "GROUP:NAME".
+entry-point group (hookspecs.GROUP_HOOKS), registered once as "GROUP:NAME" (a module that
+serves two groups keeps its first name).
 
 Registering validates the plugin: pluggy refuses a hookimpl whose arguments its spec does
 not have, and pdhal refuses a plugin that implements a hook with no spec (a misspelt name)
@@ -37,19 +38,19 @@ def provide(group: str, name: str, load: Callable[[], object]) -> object:
     hook = hookspecs.GROUP_HOOKS[group]
     with _lock:
         pm = manager()
-        key = f"{group}:{name}"
-        plugin = pm.get_plugin(key)
-        if plugin is None:
-            plugin = load()
+        plugin = load()  # a module: imported once, then the same object from sys.modules
+        registering = not pm.is_registered(plugin)  # one module may serve several groups
+        if registering:
             try:
-                pm.register(plugin, name=key)
+                pm.register(plugin, name=f"{group}:{name}")
             except pluggy.PluginValidationError as e:
                 raise TypeError(f"plugin {name!r} ({group}): {e}") from None
-            try:
-                _validate(pm, plugin, name, group, hook)
-            except TypeError:
+        try:
+            _validate(pm, plugin, name, group, hook)
+        except TypeError:
+            if registering:
                 pm.unregister(plugin)
-                raise
+            raise
         impl = next(i for i in getattr(pm.hook, hook).get_hookimpls() if i.plugin is plugin)
     return impl.function()
 

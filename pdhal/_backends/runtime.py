@@ -30,6 +30,16 @@ from pdhal._protocol.sender import KVSignalSender, require_signal
 from pdhal._protocol.signals import KernelSignal, LayerSignal
 
 
+class _Fence:
+    """A device event marking where the copies queued on one stream end (RuntimeBackend.fence)."""
+
+    __slots__ = ("event", "waiters")
+
+    def __init__(self, event):
+        self.event = event
+        self.waiters = 0  # threads in wait_queued on it: it is not destroyed under them
+
+
 class RuntimeHostBuffer(HostBuffer):
     """Pinned host memory from a runtime's allocator, returned to that same runtime once
     the copies queued on it have run."""
@@ -90,12 +100,13 @@ class RuntimeBackend(Backend):
     def __init__(self):
         #: The bound runtime, None until availability() found one.
         self.runtime: RuntimeLibrary | None = None
-        #: stream handle -> the event recorded after the last copy there that used pdhal's
+        #: (device, stream handle) -> the fence after the last copy there that used pdhal's
         #: memory: what a free of that memory waits for (the stream itself may be gone).
-        self._fences: dict[int, object] = {}
+        self._fences: dict[tuple[int, int], _Fence] = {}
         self._fences_lock = threading.Lock()
         self._opened: dict[str, int] = {}  # IPC handle -> mapped base: opened once
-        self._imports: dict[str, tuple[str, int]] = {}  # name -> (IPC handle, address)
+        self._imports: dict[str, tuple[str, object]] = {}  # name -> (IPC handle, its extent)
+        self._ipc_lock = threading.Lock()
 
     # ---- binding -------------------------------------------------------------------
 
@@ -236,41 +247,51 @@ class RuntimeBackend(Backend):
             self.fence,
         )
 
-    def fence(self, stream: int) -> None:
-        """Record `stream`'s fence behind the work queued there so far (copies that used
-        pdhal's memory). If the runtime refuses the event, wait for the stream instead: a
-        free must never outrun a queued copy."""
+    def fence(self, stream: int, held: list) -> None:
+        """Mark `held` (the extents a copy just used) as having work queued on `stream`,
+        and record the stream's fence behind it: what a free of that memory waits for. A
+        fence is one event per (device, stream), re-recorded by every copy. If the runtime
+        refuses the event, wait for the stream instead: a free must never outrun a copy."""
         rt = self.runtime
-        with self._fences_lock:
-            event = self._fences.get(stream)
-            if event is None:
+        key = (self.current_device(), stream)  # an event records on its own device's streams
+        with self._fences_lock:  # with the destroy in wait_queued: never a mark without fence
+            _extents.mark_queued(held, key)
+            fence = self._fences.get(key)
+            if fence is None:
                 out = rt.ffi.new("void **")
                 if getattr(rt.lib, self.event_create_symbol)(out, *self.event_create_args) == 0:
-                    event = self._fences[stream] = out[0]
-            if (
-                event is not None
-                and getattr(rt.lib, self.event_record_symbol)(event, rt.pointer(stream)) == 0
-            ):
-                return
+                    fence = self._fences[key] = _Fence(out[0])
+            if fence is not None:
+                if getattr(rt.lib, self.event_record_symbol)(fence.event, rt.pointer(stream)) == 0:
+                    return
         self.synchronize(stream)
 
-    def wait_queued(self, streams: set[int]) -> None:
-        """Wait until the copies queued on `streams` (their fences) have run: what a free,
-        an unregister or an unmap of memory those copies used waits for. A fence no live
-        memory needs any more is destroyed."""
+    def wait_queued(self, keys: set) -> None:
+        """Wait until the copies queued under `keys` (what retire returned) have run: what
+        a free, an unregister or an unmap of memory those copies used waits for. The wait
+        holds no lock (other threads' copies go on); a fence no live memory needs any more
+        is destroyed once nobody waits on it."""
         rt = self.runtime
-        for stream in streams:
+        for key in keys:
             with self._fences_lock:
-                event = self._fences.get(stream)
-                if event is not None:
-                    rt.check(getattr(rt.lib, self.event_wait_symbol)(event), self.event_wait_symbol)
-        if streams:
-            needed = _extents.streams_in_use()
+                fence = self._fences.get(key)
+                if fence is None:
+                    continue
+                fence.waiters += 1
+            try:
+                rt.check(
+                    getattr(rt.lib, self.event_wait_symbol)(fence.event), self.event_wait_symbol
+                )
+            finally:
+                with self._fences_lock:
+                    fence.waiters -= 1
+        if keys:
             with self._fences_lock:
-                for stream in streams - needed:
-                    event = self._fences.pop(stream, None)
-                    if event is not None:
-                        getattr(rt.lib, self.event_destroy_symbol)(event)
+                for key in keys - _extents.streams_in_use():
+                    fence = self._fences.get(key)
+                    if fence is not None and not fence.waiters:
+                        del self._fences[key]
+                        getattr(rt.lib, self.event_destroy_symbol)(fence.event)
 
     def synchronize(self, stream=None) -> None:
         """Wait until the work queued on `stream` so far has finished."""
@@ -313,17 +334,18 @@ class RuntimeBackend(Backend):
         a SharedDeviceBuffer of `like`'s dtype and `shape`, on this thread's device."""
         record, shape, dtype, need = _published.request(like, name, shape, timeout)
         rt = self.runtime
-        base = self._opened.get(record["handle"])
-        if base is None:
-            handle = rt.ffi.new(f"{self.ipc_handle_type} *")
-            rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
-            ptr = rt.ffi.new("void **")
-            open_handle = rt.optional(self.ipc_open_symbol)
-            rt.check(open_handle(ptr, handle[0], self.ipc_open_flags), self.ipc_open_symbol)
-            base = self._opened[record["handle"]] = rt.address(ptr[0])
-        address = base + record.get("offset", 0)
-        self._imports[name] = (record["handle"], address)
-        return self.mapped(address, shape, dtype, need, name)
+        with self._ipc_lock:  # an unset of the handle's last import must not close it meanwhile
+            base = self._opened.get(record["handle"])
+            if base is None:
+                handle = rt.ffi.new(f"{self.ipc_handle_type} *")
+                rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
+                ptr = rt.ffi.new("void **")
+                open_handle = rt.optional(self.ipc_open_symbol)
+                rt.check(open_handle(ptr, handle[0], self.ipc_open_flags), self.ipc_open_symbol)
+                base = self._opened[record["handle"]] = rt.address(ptr[0])
+            buffer = self.mapped(base + record.get("offset", 0), shape, dtype, need, name)
+            self._imports[name] = (record["handle"], buffer.extent)
+        return buffer
 
     def unset_data_ipc(
         self, tensor, name: str, close_ipc: bool = True, unlink_shm: bool = True
@@ -333,9 +355,11 @@ class RuntimeBackend(Backend):
         can); with unlink_shm, remove the record (this process's own; another live
         publisher's is refused)."""
         _published.unset(name, unlink_shm)  # first: a refusal leaves the mapping as it was
-        if close_ipc and name in self._imports:
-            handle, address = self._imports.pop(name)
-            self.unmapping(address)
+        with self._ipc_lock:
+            if not close_ipc or name not in self._imports:
+                return
+            handle, extent = self._imports.pop(name)
+            self.unmapping(extent)
             if all(h != handle for h, _ in self._imports.values()):  # its last import
                 base = self._opened.pop(handle)
                 rt = self.runtime
@@ -343,10 +367,10 @@ class RuntimeBackend(Backend):
                     close = getattr(rt.lib, self.ipc_close_symbol)
                     rt.check(close(rt.pointer(base)), self.ipc_close_symbol)
 
-    def unmapping(self, address: int) -> None:
-        """Before an IPC mapping at `address` is closed: wait for the ops using it (queued
-        copies included) and refuse new ones."""
-        self.wait_queued(_extents.retire(address))
+    def unmapping(self, mapping) -> None:
+        """Before an IPC mapping goes (its extent, or the address it was mapped at): wait for
+        the ops using it, queued copies included, and refuse new ones."""
+        self.wait_queued(_extents.retire(mapping))
 
     def mapped(self, address: int, shape: tuple, dtype: str, nbytes: int, name: str):
         """The SharedDeviceBuffer share_external_data returns over `address`, on the

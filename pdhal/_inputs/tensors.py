@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pdhal._compiled import ffi  # its types only: no C function is called from here
 from pdhal._errors import InvalidArgumentError, InvalidTypeError
 from pdhal._inputs.dlpack import DLTensor, capsule_pointer
-from pdhal._pdhal_c import ffi  # its types only: no C function is called from here
 
 _ACCEPTED = (
     "a Paddle tensor, a buffer (numpy array, bytearray, ...), an object with "

@@ -134,7 +134,7 @@ def copy_blocks(
     src,
     src_block_ids,
     block_bytes: int,
-    fence: Callable[[int], None] | None = None,
+    fence: Callable[[int, list], None] | None = None,
 ) -> int:
     """Copy block src_block_ids[i] of `src` to block dst_block_ids[i] of `dst` through the
     runtime's copy (its C address; 0: memmove now). kind_of(dst device, src device) gives
@@ -144,8 +144,10 @@ def copy_blocks(
     against its side's extent before the first byte moves.
 
     pdhal's own memory on either side is held for the copy (a free meanwhile waits); with
-    a runtime copy, `fence(stream)` (required then) marks where the queued copies end, and
-    a free of that memory waits for them to run too."""
+    a runtime copy, `fence(stream, held extents)` (required then) marks where the queued
+    copies end, and a free of that memory waits for them to run too."""
+    if copy_fn and fence is None:
+        raise TypeError("a runtime copy (copy_fn) needs its backend's fence")
     block_bytes = validate_index(block_bytes, "block_bytes", 1 << 46)
     if block_bytes == 0:
         raise InvalidArgumentError("block_bytes must be at least 1")
@@ -165,9 +167,9 @@ def copy_blocks(
         src, src_blocks = s.address, s.nbytes // block_bytes
         kind = kind_of(d.device, s.device)
         refs = (d, s)
-    held = _extents.hold([ref.extent for ref in refs])
-    queued_on = stream if copy_fn and held else None
+    held = []
     try:
+        held = _extents.hold([ref.extent for ref in refs])
         return _core.copy_blocks(
             copy_fn, kind, stream, dst, dst_blocks, src, src_blocks, block_bytes, dst_ids, src_ids
         )
@@ -176,10 +178,10 @@ def copy_blocks(
         # error): their fence goes on the stream before the hold ends, so a free that
         # comes next waits for them to run
         try:
-            if queued_on is not None:
-                fence(queued_on)
+            if copy_fn and held:
+                fence(stream, held)
         finally:
-            _extents.release(held, queued_on)
+            _extents.release(held)
 
 
 def _layers(kind_of: Callable[[str, str], int], dst, src, block_bytes: int):

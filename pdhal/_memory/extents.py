@@ -5,8 +5,9 @@ is bounded by what pdhal knows of it, never taken on trust. And memory is never 
 an op that uses it: an op holds the extents it reads or writes (`hold`) until it lets go
 (`release`); a free, close or unset first retires the extent (`retire`), which refuses new
 holds at once and waits for the ops holding it. Work an op queued on a device stream counts
-as use until it ran: the op lets go naming the stream, and whoever frees waits for that
-stream's fence (RuntimeBackend.wait_queued) before the memory goes.
+as use until it ran: before it lets go, the op marks its extents with the stream
+(mark_queued) and records that stream's fence, and whoever frees waits for the fences of the
+streams its extent was marked with (RuntimeBackend.wait_queued) before the memory goes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class Extent:
         self.what = what  # where it came from, for messages ("host_alloc", "shared buffer 'kv'")
         self.holders = 0  # ops using it now
         self.retired = False  # freed (or being freed): no op may start on it
-        self.streams: set[int] = set()  # device streams that had work queued on it
+        self.streams: set[object] = set()  # (device, stream) keys that had work queued on it
 
     def __repr__(self) -> str:
         return f"Extent({self.what}, {self.start:#x}, nbytes={self.nbytes}, {self.device})"
@@ -45,11 +46,11 @@ _let_go = threading.Condition(_lock)  # notified when a retired extent's last ho
 def register(start: int, nbytes: int, device: str, what: str) -> Extent:
     """Remember [start, start + nbytes); a later range at the same start replaces it for
     find(), and retiring that start retires both (one mapping named by two objects). The
-    same range registered again is the extent it already is."""
+    same range registered again for the same reason is the extent it already is."""
     extent = Extent(start, nbytes, device, what)
     with _lock:
         old = _extents.get(start)
-        if old is not None and (old.nbytes, old.device) == (nbytes, device):
+        if old is not None and (old.nbytes, old.device, old.what) == (nbytes, device, what):
             return old
         if old is None:
             bisect.insort(_starts, start)
@@ -69,7 +70,7 @@ def find(address: int) -> Extent | None:
     return extent if address < extent.start + extent.nbytes else None
 
 
-def retire(extent: Extent | int) -> set[int]:
+def retire(extent: Extent | int) -> set[object]:
     """Take `extent` (or every range registered at that start address) out of use before
     its memory goes: new holds are refused from now on, and this returns once no op holds
     it. Returns the streams that had work queued on it, for the caller to wait for (see the
@@ -80,6 +81,9 @@ def retire(extent: Extent | int) -> set[int]:
             retiring = _replaced.pop(extent, []) + ([current] if current else [])
         else:
             retiring = [extent]
+            shadowed = _replaced.get(extent.start, [])
+            if extent in shadowed:
+                shadowed.remove(extent)
         for one in retiring:
             one.retired = True
             if _extents.get(one.start) is one:
@@ -93,7 +97,15 @@ def retire(extent: Extent | int) -> set[int]:
         return {stream for one in retiring for stream in one.streams}
 
 
-def streams_in_use() -> set[int]:
+def mark_queued(held: list[Extent], stream: object) -> None:
+    """The op holding `held` queued work that uses them on `stream` (a key of the
+    backend's: its fence is what a free of them waits for)."""
+    with _lock:
+        for extent in held:
+            extent.streams.add(stream)
+
+
+def streams_in_use() -> set[object]:
     """The streams that copies queued on memory still in use (not retired) went to."""
     with _lock:
         live = list(_extents.values()) + [e for shadowed in _replaced.values() for e in shadowed]
@@ -117,16 +129,13 @@ def hold(extents) -> list[Extent]:
     return held
 
 
-def release(held: list[Extent], stream: int | None = None) -> None:
-    """The op that held `held` lets go; `stream`: it left work queued on that stream (whose
-    fence it recorded already)."""
+def release(held: list[Extent]) -> None:
+    """The op that held `held` lets go (work it queued was marked with mark_queued)."""
     if not held:
         return
     retiring = False
     with _lock:
         for extent in held:
-            if stream is not None:
-                extent.streams.add(stream)
             extent.holders -= 1
             retiring = retiring or extent.retired
         if retiring:

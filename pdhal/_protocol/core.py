@@ -6,6 +6,7 @@ import errno
 import threading
 import time
 
+from pdhal._compiled import ffi, lib
 from pdhal._errors import (
     BackPressureTimeoutError,
     ChannelBusyError,
@@ -18,14 +19,6 @@ from pdhal._errors import (
     SignalTimeoutError,
     SystemResourceError,
 )
-
-try:
-    from pdhal._pdhal_c import ffi, lib
-except ImportError as e:  # pragma: no cover - only on a broken install
-    raise ImportError(
-        "pdhal's compiled core (pdhal._pdhal_c) is missing: reinstall pdhal "
-        "(`pip install -e .` in a checkout, or `make test`) so cffi builds csrc/"
-    ) from e
 
 #: The C ABI this Python code was written against; see PDHAL_ABI_VERSION in pdhal.h.
 ABI_VERSION = 2

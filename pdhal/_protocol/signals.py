@@ -484,6 +484,3 @@ def open_kv_chunk_reader(
 ) -> ChunkReader:
     """Open the per-chunk channel of (rank, device_id) as its single reader."""
     return ChunkReader(rank, device_id, timeout)
-
-
-#: The device-independent ops every backend shares (see _registry).

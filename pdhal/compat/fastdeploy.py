@@ -547,7 +547,7 @@ def swap_cache_layout(
             )
     # Layer l's blocks, seen from base + l * block_bytes, are every len(caches)-th block.
     hosts = [
-        _HostSpan(base + layer * block_bytes, host_blocks * row - layer * block_bytes)
+        _HostSpan(base + layer * block_bytes, host_blocks * row - layer * block_bytes, extent)
         for layer in range(len(caches))
     ]
     host_ids = [block * len(caches) for block in cpu_ids]
@@ -567,15 +567,16 @@ def _host_span(address: int, nbytes: int):
             f"host pointer {address:#x} does not hold {nbytes} bytes of "
             f"memory from cuda_host_alloc{have}"
         )
-    return _HostSpan(address, nbytes)
+    return _HostSpan(address, nbytes, extent)
 
 
 class _HostSpan:
-    """A range of pinned host memory, described to copy_blocks as pdhal's own buffers
-    describe themselves."""
+    """A range of pinned host memory inside `extent`, described to copy_blocks as pdhal's
+    own buffers describe themselves (so the copy holds the buffer: a cuda_host_free
+    meanwhile waits for it)."""
 
-    def __init__(self, address: int, nbytes: int):
-        self._ref = MemoryRef(address, nbytes, "cpu")
+    def __init__(self, address: int, nbytes: int, extent):
+        self._ref = MemoryRef(address, nbytes, "cpu", extent=extent)
 
     def _pdhal_memory_ref(self) -> MemoryRef:
         return self._ref
