@@ -234,3 +234,24 @@ def test_a_retiring_extent_refuses_new_holds_and_waits_for_the_old_ones():
     free.join(60)
     assert not free.is_alive() and streams == [{"stream 7"}]
     assert _extents.retire(extent) == {"stream 7"}  # idempotent
+
+
+def test_a_free_kept_waiting_by_an_op_that_never_lets_go_says_which_memory(monkeypatch, caplog):
+    """A holder leaked (an op interrupted inside its hold, say) would make a free wait
+    forever: it waits on, and logs the memory and how many ops hold it, every slice."""
+    from pdhal._memory import extents as _extents
+
+    monkeypatch.setattr(_extents, "STILL_WAITING_S", 0.05)
+    extent = _extents.register(0x20000, 64, "cpu", "leaked memory")
+    held = _extents.hold([extent])
+    free = threading.Thread(target=_extents.retire, args=(extent,), daemon=True)
+    with caplog.at_level("WARNING", logger="pdhal"):
+        free.start()
+        deadline = time.monotonic() + 60
+        while "leaked memory" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "leaked memory" in caplog.text and "(1 ops)" in caplog.text
+        assert free.is_alive()
+    _extents.release(held)
+    free.join(60)
+    assert not free.is_alive()

@@ -13,6 +13,7 @@ streams its extent was marked with (RuntimeBackend.wait_queued) before the memor
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 
 from pdhal._errors import ClosedHandleError
@@ -35,6 +36,12 @@ class Extent:
     def __repr__(self) -> str:
         return f"Extent({self.what}, {self.start:#x}, nbytes={self.nbytes}, {self.device})"
 
+
+log = logging.getLogger("pdhal")
+
+#: How long a free waits for the ops using its memory before it logs who they are (and waits
+#: on): a copy lasts milliseconds, so this long means an op that never let go.
+STILL_WAITING_S = 10.0
 
 _starts: list[int] = []
 _extents: dict[int, Extent] = {}
@@ -93,7 +100,9 @@ def retire(extent: Extent | int) -> set[object]:
                     earlier.retired = True
                     retiring.append(earlier)
         while any(one.holders for one in retiring):
-            _let_go.wait()
+            if not _let_go.wait(STILL_WAITING_S):  # an op that never lets go: say so, wait on
+                busy = ", ".join(f"{one} ({one.holders} ops)" for one in retiring if one.holders)
+                log.warning("a free has waited %.0f s for ops using %s", STILL_WAITING_S, busy)
         return {stream for one in retiring for stream in one.streams}
 
 
