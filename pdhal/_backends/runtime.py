@@ -19,7 +19,7 @@ from typing import ClassVar
 from pdhal._backends.contract import Availability, Backend
 from pdhal._backends.optable import BACKEND_OPS
 from pdhal._backends.runtime_library import RuntimeLibrary
-from pdhal._errors import InvalidArgumentError, InvalidTypeError
+from pdhal._errors import DeviceError, InvalidArgumentError, InvalidTypeError
 from pdhal._inputs.tensors import MemoryRef, memory_ref
 from pdhal._memory import blocks as _blocks
 from pdhal._memory import extents as _extents
@@ -49,7 +49,7 @@ class RuntimeHostBuffer(HostBuffer):
         self._runtime = backend.runtime
         self._backend = backend
 
-    def _release(self, queued_on: set[int]) -> None:
+    def _release(self, queued_on: set) -> None:
         self._backend.wait_queued(queued_on)
         rt, free = self._runtime, self._backend.host_free_symbol
         rt.check(getattr(rt.lib, free)(rt.pointer(self._address)), free)
@@ -258,9 +258,10 @@ class RuntimeBackend(Backend):
             _extents.mark_queued(held, key)
             fence = self._fences.get(key)
             if fence is None:
-                out = rt.ffi.new("void **")
-                if getattr(rt.lib, self.event_create_symbol)(out, *self.event_create_args) == 0:
-                    fence = self._fences[key] = _Fence(out[0])
+                try:
+                    fence = self._fences[key] = _Fence(self.new_event())
+                except DeviceError:
+                    pass  # no event to spare: the stream is waited for below
             if fence is not None:
                 if getattr(rt.lib, self.event_record_symbol)(fence.event, rt.pointer(stream)) == 0:
                     return
@@ -326,8 +327,10 @@ class RuntimeBackend(Backend):
         handle = rt.ffi.new(f"{self.ipc_handle_type} *")
         get_handle = rt.optional(self.ipc_get_symbol)
         rt.check(get_handle(handle, rt.pointer(ref.address)), self.ipc_get_symbol)
-        record = {"handle": bytes(rt.ffi.buffer(handle)).hex(), "nbytes": ref.nbytes}
-        _published.publish(name, {**record, "offset": ref.address - base})
+        handle_hex = bytes(rt.ffi.buffer(handle)).hex()
+        _published.publish(
+            name, {"handle": handle_hex, "nbytes": ref.nbytes, "offset": ref.address - base}
+        )
 
     def share_external_data(self, like, name: str, shape, timeout: float | None = 60.0):
         """Map the device memory shared as `name` (each handle opened once per process);
@@ -425,13 +428,19 @@ class RuntimeBackend(Backend):
         the work queued before this call."""
         rt = self.runtime
         handle = rt.pointer(self.stream_handle(stream))
-        event = rt.ffi.new("void **")
+        event = self.new_event()
+        rc = getattr(rt.lib, self.event_record_symbol)(event, handle)
+        if rc != 0:
+            getattr(rt.lib, self.event_destroy_symbol)(event)
+            rt.check(rc, self.event_record_symbol)
+        sender.post(rt.address(event), signal)
+
+    def new_event(self):
+        """A new device event of the runtime (DeviceError if it refuses one)."""
+        rt = self.runtime
+        out = rt.ffi.new("void **")
         rt.check(
-            getattr(rt.lib, self.event_create_symbol)(event, *self.event_create_args),
+            getattr(rt.lib, self.event_create_symbol)(out, *self.event_create_args),
             self.event_create_symbol,
         )
-        rc = getattr(rt.lib, self.event_record_symbol)(event[0], handle)
-        if rc != 0:
-            getattr(rt.lib, self.event_destroy_symbol)(event[0])
-            rt.check(rc, self.event_record_symbol)
-        sender.post(rt.address(event[0]), signal)
+        return out[0]

@@ -79,7 +79,7 @@ class HostBuffer:
             )
         return np.frombuffer(self.memoryview(), dtype=dtype, count=math.prod(shape)).reshape(shape)
 
-    def _release(self, queued_on: set[int]) -> None:
+    def _release(self, queued_on: set) -> None:
         """Return the memory to its allocator, once the work queued on the streams
         `queued_on` (ops that used the buffer) has run."""
         raise NotImplementedError

@@ -85,7 +85,7 @@ class CpuHostBuffer(HostBuffer):
         with _live_lock:
             _live_buffers[address] = self
 
-    def _release(self, queued_on: set[int]) -> None:
+    def _release(self, queued_on: set) -> None:
         address = self._address  # the cpu backend's copies are done on return: none queued
         with _live_lock:
             _live_buffers.pop(address, None)
