@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import pytest
 
 import pdhal
+import pdhal.blocks
 import pdhal.ops
 
 API_MD = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "api.md")

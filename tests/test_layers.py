@@ -18,7 +18,8 @@ LAYERS = [
     ("pdhal._protocol",),  # the C core's binding and the shared-memory protocol
     ("pdhal._memory",),  # host buffers, shared buffers, extents, block copies
     ("pdhal._backends",),  # the backend contract, registry, runtime base, the cpu backend
-    ("pdhal.ops", "pdhal.plugin", "pdhal.compat", "pdhal.testing", "pdhal"),  # public API
+    # the public API
+    ("pdhal.ops", "pdhal.blocks", "pdhal.plugin", "pdhal.compat", "pdhal.testing", "pdhal"),
     ("pdhal._tools", "pdhal.__main__"),  # the command line
 ]
 
@@ -84,3 +85,18 @@ def test_no_two_modules_import_each_other_through_a_chain():
         return seen
 
     assert [m for m in graph if m in reach(m)] == []
+
+
+def test_the_engine_adapters_use_only_public_pdhal_api():
+    """pdhal.compat adapts an engine's call shapes onto pdhal's public API (pdhal, pdhal.ops,
+    pdhal.blocks, pdhal.plugin): an adapter that reaches into a private module is a second
+    implementation layer the public API does not cover."""
+    known = modules()
+    private = [
+        f"{module} imports {dep}"
+        for module, path in known.items()
+        if module.startswith("pdhal.compat")
+        for dep in imports_of(path, known)
+        if any(part.startswith("_") for part in dep.split("."))
+    ]
+    assert private == []

@@ -48,10 +48,9 @@ class Platform:
     name: ClassVar[str] = "abstract"
     #: The variable that restricts which devices a process sees.
     device_control_env_var: ClassVar[str] = ""
-    #: Paddle's name for this platform's devices (paddle.set_device(f"{type}:{id}")) and the
-    #: module with their memory statistics; "" where Paddle has no such device (cpu).
-    paddle_device_type: ClassVar[str] = ""
-    paddle_device_module: ClassVar[str] = ""
+    #: The kind that names this platform's device memory in pdhal ("gpu" in "gpu:0", a
+    #: MemoryRef's device); "" for a platform without devices (cpu).
+    device_kind: ClassVar[str] = ""
 
     def device_count(self) -> int:
         """Devices this process can use."""

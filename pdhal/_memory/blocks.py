@@ -1,7 +1,10 @@
 """Block copies between paged KV caches, the part every backend shares: which memory each
 side is and how far it extends, the block ids as engines pass them, and the C loop
 (pdhal_copy_blocks) that checks every id and coalesces runs. A backend adds its runtime's
-asynchronous copy and the stream."""
+asynchronous copy and the stream.
+
+BlockIds, check_copy, block_bytes_of and memory_span are public (pdhal.blocks): what an
+adapter or a transfer loop needs to name blocks and memory the way copy_blocks does."""
 
 from __future__ import annotations
 
@@ -39,8 +42,10 @@ _INT64_ARRAY = _core.ffi.typeof("int64_t[]")
 def block_ids_array(obj: object, what: str):
     """Block ids as an int64_t[] for the C loop, with no Python per id in the common cases:
     a list or tuple converts in C, a contiguous 1-D int64 array (numpy) is used in place, an
-    int64_t[] this function returned (or a slice of it) is itself. Anything else, or ids
-    cffi refuses, takes block_ids (which says which entry is wrong)."""
+    int64_t[] this function returned (or a slice of it) and BlockIds are themselves.
+    Anything else, or ids cffi refuses, takes block_ids (which says which entry is wrong)."""
+    if isinstance(obj, BlockIds):
+        return obj._array
     if isinstance(obj, _core.ffi.CData) and _core.ffi.typeof(obj) is _INT64_ARRAY:
         return obj
     if isinstance(obj, (list, tuple)):
@@ -65,14 +70,41 @@ def block_ids_array(obj: object, what: str):
     return _core.ffi.new("int64_t[]", block_ids(obj, what))
 
 
-def first_ids(ids, count: int):
-    """The first `count` ids of an int64_t[] from block_ids_array, as an array of its own
-    (a cffi slice points into `ids` without keeping it alive)."""
-    if count == len(ids):
-        return ids
-    first = _core.ffi.new("int64_t[]", count)
-    _core.ffi.memmove(first, ids, count * _core.ffi.sizeof("int64_t"))
-    return first
+class BlockIds:
+    """Block ids converted once, for several copies of the same blocks (K and V, one layer
+    after another): copy_blocks and check_copy take them as they are, with no conversion.
+    Built from anything copy_blocks takes as ids; a slice is BlockIds of its own."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, ids: object, what: str = "block_ids"):
+        self._array = block_ids_array(ids, what)
+
+    def __len__(self) -> int:
+        return len(self._array)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self._array))
+            if step != 1:
+                return BlockIds(list(self._array)[index])
+            part = BlockIds.__new__(BlockIds)  # its own memory: a cffi slice keeps no owner
+            part._array = _core.ffi.new("int64_t[]", max(stop - start, 0))
+            _core.ffi.memmove(part._array, self._array + start, len(part._array) * 8)
+            return part
+        return list(self._array)[index] if index < 0 else self._array[index]
+
+    def __iter__(self):
+        return iter(self._array)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockIds) and list(self._array) == list(other._array)
+
+    def tolist(self) -> list[int]:
+        return list(self._array)
+
+    def __repr__(self) -> str:
+        return f"BlockIds({self.tolist()!r})"
 
 
 def block_ids(obj: object, what: str) -> list[int]:
@@ -110,7 +142,7 @@ def _plan(dst, dst_block_ids, src, src_block_ids, block_bytes: int):
     return resolve(dst, "dst", writable=True), resolve(src, "src"), dst_ids, src_ids, block_bytes
 
 
-def check(dst, dst_block_ids, src, src_block_ids, block_bytes: int) -> None:
+def check_copy(dst, dst_block_ids, src, src_block_ids, block_bytes: int) -> None:
     """Refuse what copy_blocks would refuse (the memory, the ids, a block id outside its
     side's extent), copying nothing: an op made of several copies (K then V, one layer after
     another) checks them all first, so a bad argument of the last leaves the first unmade."""
@@ -227,3 +259,68 @@ def _resolve_layers(layers, side: str, writable: bool = False) -> list[MemoryRef
             resolve(memory, f"{side}[{len(refs)}]", writable=writable)
             raise
     return refs
+
+
+def block_bytes_of(cache: object, what: str = "cache") -> int:
+    """Bytes of one block of a [blocks, ...] cache (a tensor, array or pdhal buffer with a
+    shape): its bytes over its blocks, from its memory (a shared buffer's element size is
+    1 whatever its dtype)."""
+    shape = list(getattr(cache, "shape", ()))
+    if len(shape) < 2 or shape[0] < 1:
+        raise InvalidArgumentError(f"{what} must be a [blocks, ...] cache, got shape {shape}")
+    nbytes = memory_ref(cache, what).nbytes
+    if nbytes is None or nbytes % shape[0]:
+        raise InvalidArgumentError(
+            f"{what} of shape {shape} holds {nbytes} bytes, not whole blocks"
+        )
+    return nbytes // shape[0]
+
+
+class MemorySpan:
+    """A range of memory pdhal handed out (host_alloc, cuda_host_alloc, a shared buffer's
+    mapping, a registered range), as copy_blocks takes memory: a copy from or to it holds
+    the memory it lies in, so a free meanwhile waits for the copy."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, ref: MemoryRef):
+        self._ref = ref
+
+    @property
+    def address(self) -> int:
+        return self._ref.address
+
+    @property
+    def nbytes(self) -> int:
+        return self._ref.nbytes
+
+    @property
+    def device(self) -> str:
+        return self._ref.device
+
+    def _pdhal_memory_ref(self) -> MemoryRef:
+        return self._ref
+
+    def __repr__(self) -> str:
+        return f"MemorySpan({self.address:#x}, {self.nbytes}, {self.device!r})"
+
+
+def memory_span(address: int, nbytes: int | None = None, what: str = "address") -> MemorySpan:
+    """[address, +nbytes) inside memory pdhal handed out (nbytes None: to that memory's
+    end), checked to lie there; an int address pdhal does not know is refused."""
+    validate_index(address, what, 1 << 64)
+    extent = _extents.find(address)
+    if extent is None:
+        raise InvalidArgumentError(
+            f"{what} {address:#x} does not lie in memory pdhal handed out (host_alloc, "
+            f"cuda_host_alloc, get_data_ptr_ipc, host_register), or that memory was freed"
+        )
+    have = extent.start + extent.nbytes - address
+    if nbytes is None:
+        nbytes = have
+    elif validate_index(nbytes, "nbytes", 1 << 64) > have:
+        raise InvalidArgumentError(
+            f"{what} {address:#x} does not hold {nbytes} bytes of the memory pdhal handed out "
+            f"there (it holds {have})"
+        )
+    return MemorySpan(MemoryRef(address, nbytes, extent.device, extent=extent))

@@ -21,15 +21,18 @@ from __future__ import annotations
 import importlib
 import threading
 
-from pdhal import current_platform, ops
-from pdhal._errors import InvalidArgumentError, InvalidTypeError, UnsupportedError
-from pdhal._inputs.tensors import MemoryRef, int_list, memory_ref
-from pdhal._memory import blocks as _blocks
-from pdhal._memory import extents as _extents
-from pdhal._memory.hostmem import HostBuffer
-from pdhal._protocol.names import validate_index
-from pdhal._protocol.sender import KVSignalSender
-from pdhal._protocol.signals import SignalMeta
+from pdhal import (
+    HostBuffer,
+    InvalidArgumentError,
+    InvalidTypeError,
+    KVSignalSender,
+    SignalMeta,
+    UnsupportedError,
+    blocks,
+    current_platform,
+    ops,
+)
+from pdhal.plugin import memory_ref, validate_index
 
 __all__ = [
     "create_kv_signal_sender",
@@ -310,20 +313,6 @@ def _is_paddle(obj) -> bool:
 # ---- block transfers ---------------------------------------------------------------------
 
 
-def _block_bytes(cache, what: str) -> int:
-    """Bytes of one block of a [blocks, ...] cache tensor: its bytes over its blocks (from
-    the memory, not element_size(), which is 1 for a SharedDeviceBuffer of any dtype)."""
-    shape = list(cache.shape)
-    if len(shape) < 2 or shape[0] < 1:
-        raise InvalidArgumentError(f"{what} must be a [blocks, ...] cache, got shape {shape}")
-    nbytes = memory_ref(cache, what).nbytes
-    if nbytes is None or nbytes % shape[0]:
-        raise InvalidArgumentError(
-            f"{what} of shape {shape} holds {nbytes} bytes, not whole blocks"
-        )
-    return nbytes // shape[0]
-
-
 def _address(pointer, what: str) -> int:
     """An address given as an int or as FastDeploy's int64[1] tensor."""
     if hasattr(pointer, "tolist"):
@@ -355,8 +344,8 @@ def ipc_sent_key_value_cache_by_remote_ptr(
     copy. The remote extent is what pdhal mapped, so no id can reach past it."""
     block_num = validate_index(block_num, "block_num", 1 << 31)
     _flag(is_scale, "is_scale")  # the scales' block size follows from their tensor's shape
-    local_ids = _blocks.block_ids_array(local_block_ids, "local_block_ids")
-    remote_ids = _blocks.block_ids_array(remote_block_ids, "remote_block_ids")
+    local_ids = blocks.BlockIds(local_block_ids, "local_block_ids")
+    remote_ids = blocks.BlockIds(remote_block_ids, "remote_block_ids")
     if block_num > min(len(local_ids), len(remote_ids)):
         raise InvalidArgumentError(
             f"block_num {block_num} exceeds the block ids given "
@@ -373,9 +362,8 @@ def ipc_sent_key_value_cache_by_remote_ptr(
         _address(remote_value_tensor, "remote value cache pointer"),
     ]
     local = [local_key_tensor, local_value_tensor]
-    block_bytes = _block_bytes(local_key_tensor, "local key cache")
-    local_ids = _blocks.first_ids(local_ids, block_num)
-    remote_ids = _blocks.first_ids(remote_ids, block_num)
+    block_bytes = blocks.block_bytes_of(local_key_tensor, "local key cache")
+    local_ids, remote_ids = local_ids[:block_num], remote_ids[:block_num]
     # K and V as two layers of one copy: every id is checked for both before either is
     # written, and the ids are converted once.
     ops.copy_blocks(remote, remote_ids, local, local_ids, block_bytes, cuda_stream_raw)
@@ -469,8 +457,8 @@ def _swap(caches: list, hosts: list, max_block_num_cpu, gpu_block_ids, cpu_block
     """Queue the copies of a swap between device caches and per-layer host buffers."""
     to_host = _swap_direction(rank, mode)
     max_blocks = validate_index(max_block_num_cpu, "max_block_num_cpu", 1 << 40)
-    gpu_ids = _blocks.block_ids_array(gpu_block_ids, "swap_block_ids_gpu")
-    cpu_ids = _blocks.block_ids_array(cpu_block_ids, "swap_block_ids_cpu")
+    gpu_ids = blocks.BlockIds(gpu_block_ids, "swap_block_ids_gpu")
+    cpu_ids = blocks.BlockIds(cpu_block_ids, "swap_block_ids_cpu")
     if len(gpu_ids) != len(cpu_ids):
         raise InvalidArgumentError(
             f"swap_block_ids_gpu and swap_block_ids_cpu must pair up, "
@@ -478,9 +466,11 @@ def _swap(caches: list, hosts: list, max_block_num_cpu, gpu_block_ids, cpu_block
         )
     layers: dict[int, tuple[list, list]] = {}  # block bytes -> (device caches, host spans)
     for layer, (cache, host) in enumerate(zip(caches, hosts)):
-        block_bytes = _block_bytes(cache, f"device cache of layer {layer}")
-        host = _host_span(
-            _address(host, f"host pointer of layer {layer}"), max_blocks * block_bytes
+        block_bytes = blocks.block_bytes_of(cache, f"device cache of layer {layer}")
+        host = blocks.memory_span(
+            _address(host, f"host pointer of layer {layer}"),
+            max_blocks * block_bytes,
+            f"host pointer of layer {layer}",
         )
         on_device, on_host = layers.setdefault(block_bytes, ([], []))
         on_device.append(cache)
@@ -496,7 +486,7 @@ def _swap(caches: list, hosts: list, max_block_num_cpu, gpu_block_ids, cpu_block
     if len(copies) > 1:
         for dsts, dst_ids, srcs, src_ids, block_bytes in copies:
             for dst, src in zip(dsts, srcs):
-                _blocks.check(dst, dst_ids, src, src_ids, block_bytes)
+                blocks.check_copy(dst, dst_ids, src, src_ids, block_bytes)
     for copy in copies:
         ops.copy_blocks(*copy)
 
@@ -519,20 +509,20 @@ def swap_cache_layout(
     caches = list(cache_gpu_tensors)
     if not caches:
         raise InvalidArgumentError("cache_gpu_tensors is empty: give one device cache per layer")
-    block_shape = int_list(cache_shape, "cache_shape")[1:]
+    block_shape = list(cache_shape.tolist() if hasattr(cache_shape, "tolist") else cache_shape)[1:]
     for layer, cache in enumerate(caches):
         if list(cache.shape)[1:] != block_shape:
             raise InvalidArgumentError(
                 f"the device cache of layer {layer} has shape {list(cache.shape)}, "
                 f"not blocks of {block_shape} as cache_shape says"
             )
-    block_bytes = _block_bytes(caches[0], "device cache of layer 0")
+    block_bytes = blocks.block_bytes_of(caches[0], "device cache of layer 0")
     base = _address(cache_cpu_ptrs, "cache_cpu_ptrs")
     row = len(caches) * block_bytes  # one block of every layer
-    extent = _extents.find(base)
-    host_blocks = 0 if extent is None else (extent.start + extent.nbytes - base) // row
-    gpu_ids = _blocks.block_ids_array(gpu_block_ids, "gpu_block_ids")
-    cpu_ids = list(_blocks.block_ids_array(cpu_block_ids, "cpu_block_ids"))
+    host = blocks.memory_span(base, None, "cache_cpu_ptrs")
+    host_blocks = host.nbytes // row
+    gpu_ids = blocks.BlockIds(gpu_block_ids, "gpu_block_ids")
+    cpu_ids = blocks.BlockIds(cpu_block_ids, "cpu_block_ids").tolist()
     if len(gpu_ids) != len(cpu_ids):
         raise InvalidArgumentError(
             f"gpu_block_ids and cpu_block_ids must pair up, got {len(gpu_ids)} and "
@@ -547,7 +537,7 @@ def swap_cache_layout(
             )
     # Layer l's blocks, seen from base + l * block_bytes, are every len(caches)-th block.
     hosts = [
-        _HostSpan(base + layer * block_bytes, host_blocks * row - layer * block_bytes, extent)
+        blocks.memory_span(base + layer * block_bytes, host_blocks * row - layer * block_bytes)
         for layer in range(len(caches))
     ]
     host_ids = [block * len(caches) for block in cpu_ids]
@@ -558,53 +548,37 @@ def swap_cache_layout(
     ops.synchronize()
 
 
-def _host_span(address: int, nbytes: int):
-    """[address, +nbytes) of pinned host memory, checked to lie in memory pdhal knows."""
-    extent = _extents.find(address)
-    if extent is None or address + nbytes > extent.start + extent.nbytes:
-        have = "" if extent is None else f" (it holds {extent.start + extent.nbytes - address})"
-        raise InvalidArgumentError(
-            f"host pointer {address:#x} does not hold {nbytes} bytes of "
-            f"memory from cuda_host_alloc{have}"
-        )
-    return _HostSpan(address, nbytes, extent)
-
-
-class _HostSpan:
-    """A range of pinned host memory inside `extent`, described to copy_blocks as pdhal's
-    own buffers describe themselves (so the copy holds the buffer: a cuda_host_free
-    meanwhile waits for it)."""
-
-    def __init__(self, address: int, nbytes: int, extent):
-        self._ref = MemoryRef(address, nbytes, "cpu", extent=extent)
-
-    def _pdhal_memory_ref(self) -> MemoryRef:
-        return self._ref
-
-
 # ---- devices -------------------------------------------------------------------------------
+
+
+#: Paddle's module with the memory statistics of each kind of device pdhal names ("gpu:0"
+#: is paddle.device.cuda's); Paddle's device names are pdhal's (paddle.set_device("xpu:1")).
+_PADDLE_MEMORY_STATS = {"gpu": "paddle.device.cuda", "xpu": "paddle.device.xpu"}
 
 
 def set_device(device: int) -> None:
     """paddle.set_device for this platform's device `device` ("gpu:3" on cuda, "xpu:3" on
-    xpu); Paddle's CPU on a platform Paddle has no device type for."""
+    xpu); Paddle's CPU on a platform without devices (cpu)."""
     import paddle
 
     validate_index(device, "device")
-    kind = current_platform().paddle_device_type
+    kind = current_platform().device_kind
     paddle.set_device(f"{kind}:{device}" if kind else "cpu")
 
 
 def memory_allocated(device=None) -> int:
-    """Bytes Paddle's allocator holds on `device` (default: the current one), from the
-    platform's Paddle module (paddle.device.cuda, paddle.device.xpu)."""
+    """Bytes Paddle's allocator holds on `device` (default: the current one), from Paddle's
+    module for the platform's devices (paddle.device.cuda, paddle.device.xpu)."""
     platform = current_platform()
-    if not platform.paddle_device_module:
+    module = _PADDLE_MEMORY_STATS.get(platform.device_kind)
+    if module is None:
         raise UnsupportedError(
-            f"memory_allocated reports an accelerator's memory, and Paddle has no device "
-            f"of the {platform.name} platform"
+            f"memory_allocated reports an accelerator's memory, and Paddle has no memory "
+            f"statistics for devices of the {platform.name} platform "
+            f"({platform.device_kind or 'none'!r}; it has them for "
+            f"{', '.join(sorted(_PADDLE_MEMORY_STATS))})"
         )
-    return importlib.import_module(platform.paddle_device_module).memory_allocated(device)
+    return importlib.import_module(module).memory_allocated(device)
 
 
 def get_all_visible_devices() -> str:

@@ -29,7 +29,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     #: Integers, GPU-<uuid> or MIG-<uuid> entries.
     device_control_env_var = "CUDA_VISIBLE_DEVICES"
-    paddle_device_type, paddle_device_module = "gpu", "paddle.device.cuda"
+    device_kind = "gpu"
 
     def __init__(self, runtime: CudaRuntime):
         self.runtime = runtime
@@ -69,7 +69,7 @@ class CudaBackend(RuntimeBackend):
     host_register_symbol, host_unregister_symbol = "cudaHostRegister", "cudaHostUnregister"
     copy_symbol, stream_sync_symbol = "cudaMemcpyAsync", "cudaStreamSynchronize"
     stream_attributes = ("cuda_stream",)
-    device_word, device_kind = "GPU", "gpu"
+    device_word, device_kind = "GPU", CudaPlatform.device_kind
     ipc_handle_type = "cudaIpcMemHandle_t"
     ipc_get_symbol, ipc_open_symbol = "cudaIpcGetMemHandle", "cudaIpcOpenMemHandle"
     ipc_open_flags, ipc_close_symbol = CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, "cudaIpcCloseMemHandle"

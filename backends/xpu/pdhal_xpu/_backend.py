@@ -25,7 +25,7 @@ class XpuPlatform(Platform):
     name = "xpu"
     #: Kunlunxin's visibility variable (ids or nothing else).
     device_control_env_var = "XPU_VISIBLE_DEVICES"
-    paddle_device_type, paddle_device_module = "xpu", "paddle.device.xpu"
+    device_kind = "xpu"
 
     def __init__(self, runtime: XpuRuntime):
         self.runtime = runtime
@@ -59,7 +59,7 @@ class XpuBackend(RuntimeBackend):
     host_register_symbol, host_unregister_symbol = "cudaHostRegister", "cudaHostUnregister"
     copy_symbol, stream_sync_symbol = "xpu_memcpy_async", "xpu_wait"
     stream_attributes = ("xpu_stream", "raw_stream")
-    device_word, device_kind = "XPU device", "xpu"
+    device_word, device_kind = "XPU device", XpuPlatform.device_kind
     # an XPU IPC handle names the pointer itself; closing needs a runtime that has the call
     ipc_handle_type = "XPUIpcMemHandle"
     ipc_get_symbol, ipc_open_symbol = "xpu_ipc_get_memhandle", "xpu_ipc_open_memhandle"
