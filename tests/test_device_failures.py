@@ -1,5 +1,5 @@
 """Every device-failure path of the cuda and xpu backends, on the simulated runtimes of
-tests/sim told to fail a named call (sim_fail / SIM_FAIL): the failure surfaces as a
+the simulated runtimes told to fail a named call (sim_fail / SIM_FAIL): the failure surfaces as a
 DeviceError naming the call, nothing is published that the device did not confirm, nothing
 leaks (events, host buffers, pending stores), and the next call works again."""
 
@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from cffi import FFI
-from conftest import run_child, segments_of
-from sim.harness import DeviceTensor, SimRuntime
+from simulators import DeviceTensor, SimRuntime
 
 import pdhal
 from pdhal import ops
 from pdhal._backends import registry as _registry
 from pdhal._protocol import signals as _signals
+from pdhal.testing.fixtures import run_child, segments_of
 
 pytestmark = pytest.mark.simulated
 

@@ -10,7 +10,7 @@ import weakref
 
 import numpy as np
 import pytest
-from sim.harness import DeviceTensor, SimRuntime
+from simulators import DeviceTensor, SimRuntime
 
 import pdhal
 from pdhal import ops

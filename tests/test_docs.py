@@ -7,7 +7,8 @@ import os
 import re
 
 import pytest
-from conftest import run_child
+
+from pdhal.testing.fixtures import run_child
 
 DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs")
 

@@ -1,7 +1,8 @@
 """A backend written from the template that ships in the wheel (`pdhal new-backend NAME`)
 takes the path a third party would: its own distribution installed into a temporary
 environment, its own entry point, no change to pdhal, and then the conformance kit must
-pass against it."""
+pass against it. The template is a RuntimeBackend over a runtime's C ABI, as pdhal-cuda and
+pdhal-xpu are, and binds the simulated runtime it ships (built from its sim/ at first use)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from conftest import install_distributions
+from pdhal.testing.fixtures import install_distributions
 
 
 def test_a_new_backend_from_the_template_installs_and_passes_the_kit(tmp_path):
@@ -24,6 +25,21 @@ def test_a_new_backend_from_the_template_installs_and_passes_the_kit(tmp_path):
         [sys.executable, "-m", "pdhal", "info"], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert "selected: example" in info and "pdhal-example 0.1.0" in info
+    assert re.search(r"library: .*/pdhal_example/sim/build/libexample_sim\.so", info), info
+    base = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from pdhal_example._backend import ExampleBackend\n"
+            "from pdhal.plugin import RuntimeBackend\n"
+            "print(issubclass(ExampleBackend, RuntimeBackend))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert base.stdout.split() == ["True"]
     kit = subprocess.run(
         [
             sys.executable,

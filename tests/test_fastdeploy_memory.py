@@ -1,5 +1,5 @@
 """pdhal.compat.fastdeploy's memory and copy ops in FastDeploy's own call shapes, on the cpu
-backend and on the simulated CUDA and XPU runtimes of tests/sim, checked byte by byte:
+backend and on the simulated CUDA and XPU runtimes (pdhal-cuda, pdhal-xpu), checked byte by byte:
 pinned host memory as int addresses, caches shared between processes by name (bfloat16 like
 float16), one layer's blocks sent into another process's caches, every layer swapped out and
 back in, unset names, and bad input refused with nothing written.
@@ -19,7 +19,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from sim.harness import SimRuntime
+from simulators import SimRuntime
 
 import pdhal
 from pdhal import ops

@@ -8,7 +8,8 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import python_child
+
+from pdhal.testing.fixtures import python_child
 
 BLOCK, BLOCKS = 32, 6
 

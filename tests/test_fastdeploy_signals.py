@@ -1,7 +1,7 @@
 """FastDeploy adopts pdhal: producer code shaped like FastDeploy's attention backends and
 model runners, and a C attention op shaped like FastDeploy's (tests/c/attention_op.c, built
 against pdhal.h, loaded with ctypes, no Python inside), post layer signals through pdhal's
-kernel form on the simulated CUDA and XPU runtimes of tests/sim; a messager shaped like
+kernel form on the simulated CUDA and XPU runtimes (pdhal-cuda, pdhal-xpu); a messager shaped like
 FastDeploy's, in another process, maps the producer's KV caches by name and checks that it
 sees every layer (main model and MTP draft) once, in order, and never before its bytes.
 
@@ -48,7 +48,7 @@ from fastdeploy_shapes import (
     run_steps,
     start_messager,
 )
-from sim.harness import SimRuntime
+from simulators import SimRuntime
 
 import pdhal
 from pdhal import ops

@@ -16,13 +16,13 @@ import os
 import subprocess
 
 import pytest
-from conftest import python_child, run_child
 
 import pdhal
 from pdhal import ops
 from pdhal._protocol import core as _core
 from pdhal._protocol import signals as _signals
 from pdhal._protocol.core import ffi, lib
+from pdhal.testing.fixtures import python_child, run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -9,10 +9,10 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import python_child, run_child, segments_of
 
 import pdhal
 from pdhal import ops
+from pdhal.testing.fixtures import python_child, run_child, segments_of
 
 
 def test_host_alloc_is_usable_pinned_and_freed():

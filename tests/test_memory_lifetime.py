@@ -2,7 +2,7 @@
 the op finishes on the memory, or is refused, and the free waits for it; copies queued on a
 device stream count as in use until they ran. Races run in a child process, so a use after
 free is the child's crash (or, under make sanitize, an ASan report), not this test's.
-cuda and xpu run on the SIMULATED runtimes of tests/sim."""
+cuda and xpu run on the SIMULATED runtimes of pdhal-cuda and pdhal-xpu."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import time
 
 import numpy as np
 import pytest
-from conftest import run_child
-from sim.harness import DeviceTensor, SimRuntime
+from simulators import DeviceTensor, SimRuntime
 
 import pdhal
 from pdhal import ops
 from pdhal._backends import registry as _registry
+from pdhal.testing.fixtures import run_child
 
 SIMULATED = {"cuda": ("PDHAL_CUDART", "libcudart_sim.so"), "xpu": ("PDHAL_XPURT", "libxpurt.so")}
 BACKENDS = ["cpu", *(pytest.param(b, marks=pytest.mark.simulated) for b in SIMULATED)]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_child
 
 import pdhal
 from pdhal._backends.platform import parse_visible_devices
+from pdhal.testing.fixtures import run_child
 
 
 def test_parse_visible_devices():

@@ -12,12 +12,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import python_child
 
 import pdhal
 from pdhal import ops
 from pdhal._protocol import core as _core
 from pdhal._protocol import names as _names
+from pdhal.testing.fixtures import python_child
 
 READER = """
 import array, sys

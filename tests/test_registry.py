@@ -9,11 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import install_distributions
 
 import pdhal
 from pdhal import ops
 from pdhal._backends import registry as _registry
+from pdhal.testing.fixtures import install_distributions
 
 PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins")
 

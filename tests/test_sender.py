@@ -6,10 +6,10 @@ import os
 import time
 
 import pytest
-from conftest import thread_count, thread_count_settled
 
 import pdhal
 from pdhal import ops
+from pdhal.testing.fixtures import thread_count, thread_count_settled
 
 
 def test_signals_through_one_sender_arrive_in_order():

@@ -13,14 +13,14 @@ import subprocess
 import threading
 
 import pytest
-from conftest import python_child
-from sim.harness import SimRuntime
+from simulators import SimRuntime
 
 import pdhal
 from pdhal import ops
 from pdhal._backends import registry as _registry
 from pdhal._protocol import core as _core
 from pdhal._protocol.core import ffi
+from pdhal.testing.fixtures import python_child
 
 #: What the reader process prints: the first progress it sees past "no layer" of step 1.
 READER = """

@@ -9,10 +9,10 @@ import subprocess
 import time
 
 import pytest
-from conftest import python_child
 
 import pdhal
 from pdhal import ops
+from pdhal.testing.fixtures import python_child
 
 LAYERS = 32
 STEPS = 3125  # x 32 layers = 100,000 signals

@@ -10,10 +10,10 @@ import time
 
 import numpy as np
 import pytest
-from conftest import python_child
 
 import pdhal
 from pdhal import ops
+from pdhal.testing.fixtures import python_child
 
 THREADS = 8
 
@@ -188,7 +188,7 @@ def test_host_free_from_threads_frees_once(backend, monkeypatch):
     """On a runtime a second free of one pointer is an error (or worse): four threads
     freeing one buffer must free it once."""
     if backend == "xpu":
-        from sim.harness import SimRuntime
+        from simulators import SimRuntime
 
         monkeypatch.setenv("PDHAL_XPURT", SimRuntime("xpu", "libxpurt.so").path)
         monkeypatch.setenv("PDHAL_PLATFORM", "xpu")

@@ -68,7 +68,7 @@ def snapshot() -> str:
         check=True,
     ).stdout.split()
     built = glob.glob(os.path.join(ROOT, "pdhal", "*.so")) + glob.glob(
-        os.path.join(ROOT, "tests", "sim", "build", "*.so")
+        os.path.join(ROOT, "backends", "*", "pdhal_*", "sim", "build", "*.so")
     )
     dest = tempfile.mkdtemp(prefix="pdhal-mutate-base-")
     for rel in files + [os.path.relpath(p, ROOT) for p in built]:
@@ -145,7 +145,7 @@ def object_code(source_root: str, rel: str) -> bytes:
 
 
 #: The simulated runtime a conformance-kit run binds (as `make test` runs the kit).
-KIT_RUNTIMES = {"xpu": ("PDHAL_XPURT", "libxpurt.so"), "cuda": ("PDHAL_CUDART", "libcudart_sim.so")}
+KIT_RUNTIMES = {"xpu": "PDHAL_XPURT", "cuda": "PDHAL_CUDART"}
 
 
 def env_for(copy: str, test: str) -> dict[str, str]:
@@ -154,9 +154,8 @@ def env_for(copy: str, test: str) -> dict[str, str]:
         [copy, os.path.join(copy, "backends", "cuda"), os.path.join(copy, "backends", "xpu")]
     )
     if test.startswith("kit:") and test[4:] in KIT_RUNTIMES:
-        var, lib = KIT_RUNTIMES[test[4:]]
-        env[var] = subprocess.run(
-            [PYTHON, "tests/sim/build.py", lib],
+        env[KIT_RUNTIMES[test[4:]]] = subprocess.run(
+            [PYTHON, "-m", f"pdhal_{test[4:]}.testing"],
             cwd=copy,
             env=env,
             capture_output=True,

@@ -1,4 +1,6 @@
-"""TestSupport of the cuda backend for pdhal's conformance kit (simulated runtime)."""
+"""TestSupport of the cuda backend for pdhal's conformance kit (simulated runtime).
+
+`python -m pdhal_cuda.testing [LIBRARY]` builds the simulated runtime and prints its path."""
 
 from pdhal.testing.simulated import SimulatedRuntimeSupport
 
@@ -11,3 +13,12 @@ class CudaTestSupport(SimulatedRuntimeSupport):
         "cudaStreamCreate",
         "sim_cuda_launch_write",
     )
+    #: The simulated runtime (the runtime's C ABI over pdhal.testing's pretend device).
+    simulator_sources = ("sim/cudart_sim.c",)
+    simulator_libraries = {"libcudart_sim.so": ()}
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(CudaTestSupport.simulator(*sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""The xpu backend against the SIMULATED Kunlunxin runtime built from tests/sim (no XPU
+"""The xpu backend against the SIMULATED Kunlunxin runtime of pdhal_xpu.testing (no XPU
 hardware exists here). Streams are worker threads; a test-only kernel writes memory after a
 delay, so a signal stored too early is caught."""
 
@@ -12,20 +12,21 @@ import time
 
 import numpy as np
 import pytest
-from conftest import python_child, run_child, thread_count, thread_count_settled
-from sim.build import build
-from sim.harness import DeviceTensor, SimRuntime
+from pdhal_xpu.testing import XpuTestSupport
 
 import pdhal
 from pdhal import ops
 from pdhal._backends import registry as _registry
+from pdhal.testing import DeviceTensor
+from pdhal.testing.fixtures import python_child, run_child, thread_count, thread_count_settled
+from pdhal.testing.simulated import SimulatedRuntime
 
 pytestmark = pytest.mark.simulated
 
 
 @pytest.fixture
 def sim(monkeypatch):
-    sim = SimRuntime("xpu", "libxpurt.so")
+    sim = SimulatedRuntime(XpuTestSupport)
     monkeypatch.setenv("PDHAL_XPURT", sim.path)
     monkeypatch.setenv("PDHAL_PLATFORM", "xpu")
     _registry.reset()
@@ -135,7 +136,7 @@ def test_peer_address_of_unknown_memory_raises(sim):
 
 
 def test_old_runtime_reports_unsupported(monkeypatch):
-    monkeypatch.setenv("PDHAL_XPURT", build("libxpurt_old.so"))
+    monkeypatch.setenv("PDHAL_XPURT", XpuTestSupport.simulator("libxpurt_old.so"))
     monkeypatch.setenv("PDHAL_PLATFORM", "xpu")
     _registry.reset()
     with pytest.raises(pdhal.UnsupportedError, match="unsupported by this XPU runtime version"):
@@ -185,7 +186,7 @@ def test_missing_runtime_is_unavailable_with_a_reason(monkeypatch, tmp_path):
 
 
 def test_zero_devices_is_unavailable(monkeypatch):
-    monkeypatch.setenv("PDHAL_XPURT", build("libxpurt.so"))
+    monkeypatch.setenv("PDHAL_XPURT", XpuTestSupport.simulator("libxpurt.so"))
     monkeypatch.setenv("PDHAL_PLATFORM", "xpu")
     monkeypatch.setenv("SIM_XPU_DEVICES", "0")
     _registry.reset()
@@ -197,7 +198,7 @@ def test_runtime_is_found_in_a_paddle_xpu_wheel_without_importing_paddle(tmp_pat
     fake = tmp_path / "paddle"
     (fake / "libs").mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('paddle must not be imported')\n")
-    os.symlink(build("libxpurt.so"), fake / "libs" / "libxpurt.so")
+    os.symlink(XpuTestSupport.simulator("libxpurt.so"), fake / "libs" / "libxpurt.so")
     env = dict(os.environ, PYTHONPATH=str(tmp_path), PDHAL_PLATFORM="xpu")
     env.pop("PDHAL_XPURT", None)
     proc = run_child(

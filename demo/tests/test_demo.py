@@ -16,11 +16,12 @@ import time
 
 import numpy as np
 import pytest
-from conftest import segments_of
 from pdhal_demo.control import DemoError
 from pdhal_demo.model import ModelConfig
 from pdhal_demo.plan import make_plan
 from pdhal_demo.transport import block_runs, require_mooncake
+
+from pdhal.testing.fixtures import segments_of
 
 pytestmark = pytest.mark.paddle
 

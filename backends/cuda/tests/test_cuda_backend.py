@@ -1,4 +1,4 @@
-"""The cuda backend against the SIMULATED CUDA runtime built from tests/sim (no GPU here),
+"""The cuda backend against the SIMULATED CUDA runtime of pdhal_cuda.testing (no GPU here),
 and against the real libcudart on this machine (which has no driver, so: no device)."""
 
 from __future__ import annotations
@@ -12,19 +12,21 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import python_child, run_child
-from sim.harness import DeviceTensor, SimRuntime
+from pdhal_cuda.testing import CudaTestSupport
 
 import pdhal
 from pdhal import ops
 from pdhal._backends import registry as _registry
+from pdhal.testing import DeviceTensor
+from pdhal.testing.fixtures import python_child, run_child
+from pdhal.testing.simulated import SimulatedRuntime
 
 pytestmark = pytest.mark.simulated
 
 
 @pytest.fixture
 def sim(monkeypatch):
-    sim = SimRuntime("cuda", "libcudart_sim.so")
+    sim = SimulatedRuntime(CudaTestSupport)
     monkeypatch.setenv("PDHAL_CUDART", sim.path)
     monkeypatch.setenv("PDHAL_PLATFORM", "cuda")
     _registry.reset()
@@ -166,7 +168,7 @@ def test_cache_process_on_a_mig_instance(sim, monkeypatch):
 def test_no_driver_and_an_old_driver_are_told_apart(tmp_path, driver, words):
     """CUDA reports both as error 35 ("driver version is insufficient"), which misled users
     of machines with no driver at all."""
-    env = dict(os.environ, PDHAL_CUDART=SimRuntime("cuda", "libcudart_sim.so").path)
+    env = dict(os.environ, PDHAL_CUDART=SimulatedRuntime(CudaTestSupport).path)
     if driver == "none":
         env["SIM_CUDA_NO_DRIVER"] = "1"
         env["LD_LIBRARY_PATH"] = str(tmp_path)  # holds no libcuda.so.1

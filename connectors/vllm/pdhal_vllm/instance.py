@@ -96,9 +96,8 @@ def _pending_sends() -> int:
 
 
 def run(args) -> dict:
-    from vllm.inputs import TokensPrompt
-
     from vllm import LLM
+    from vllm.inputs import TokensPrompt
 
     with open(args.prompts) as f:
         prompts = json.load(f)
