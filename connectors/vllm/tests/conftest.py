@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from pdhal.testing.fixtures import namespace  # noqa: F401  (autouse: every test)
+
 if not os.environ.get("PDHAL_VLLM_TESTS"):
     collect_ignore_glob = ["test_*.py"]  # the main suite: run by `make test-vllm` instead
 else:
