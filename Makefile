@@ -41,7 +41,7 @@ docs: $(STAMP)
 
 # Lint, the docs, the suites (the core's in tests/, each distribution's beside it), then the
 # conformance kit against every in-tree backend (cuda and xpu on the simulated runtimes their
-# testing modules build).
+# testing modules build), and the transport kit against every in-tree transport.
 test: lint docs $(STAMP) ibverbs
 	$(PY) -m pytest -q -p no:cacheprovider
 	$(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cpu
@@ -49,6 +49,7 @@ test: lint docs $(STAMP) ibverbs
 	  $(PY) -m pytest -q -p no:cacheprovider --pdhal-backend xpu
 	PDHAL_CUDART=$$($(PY) -m pdhal_cuda.testing) \
 	  $(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cuda
+	$(PY) -m pytest -q -p no:cacheprovider --pdhal-transport shm
 
 demo: $(STAMP)
 	$(VENV)/bin/pdhal demo --plot demo-timeline.png

@@ -23,6 +23,8 @@ from pdhal._errors import (
     SegmentError,
     SignalTimeoutError,
     SystemResourceError,
+    TransferError,
+    TransportLoadError,
     UnsupportedError,
 )
 from pdhal._version import __version__ as __version__
@@ -167,6 +169,8 @@ __all__ = [
     "SignalMeta",
     "SignalTimeoutError",
     "SystemResourceError",
+    "TransferError",
+    "TransportLoadError",
     "UnsupportedError",
     "channel_path",
     "check_environment",

@@ -71,3 +71,11 @@ class DeviceError(PdhalError, RuntimeError):
 
 class SystemResourceError(PdhalError, _WithErrno):
     """The system refused what pdhal asked for: a thread, memory, a lock."""
+
+
+class TransferError(PdhalError, ConnectionError):
+    """A transfer of KV blocks failed: the peer or the link is gone, or it stalled."""
+
+
+class TransportLoadError(PdhalError, ImportError):
+    """A transport plugin failed to import or to describe itself."""

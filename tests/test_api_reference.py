@@ -25,6 +25,7 @@ import pytest
 import pdhal
 import pdhal.blocks
 import pdhal.ops
+import pdhal.transfer
 
 API_MD = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "api.md")
 SPAN = re.compile(r"`([^`]+)`")

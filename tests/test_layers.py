@@ -20,6 +20,7 @@ LAYERS = [
     ("pdhal._backends",),  # the backend contract, registry, runtime base, the cpu backend
     # the public API
     ("pdhal.ops", "pdhal.blocks", "pdhal.plugin", "pdhal.compat", "pdhal.testing", "pdhal"),
+    ("pdhal._transfer", "pdhal.transfer"),  # the layer-wise KV streamer, transports
     ("pdhal._tools", "pdhal.__main__"),  # the command line
 ]
 

@@ -39,6 +39,15 @@ class PdhalSpec:
         """Return this plugin's Command (`pdhal NAME`, NAME its entry point's name).
         Entry-point group `pdhal.commands`."""
 
+    @hookspec
+    def pdhal_transport(self):
+        """Return this plugin's Transport instance (pdhal.transfer.Transport; its name is
+        the entry point's). Entry-point group `pdhal.transports`."""
+
 
 #: Entry-point group -> the hook its plugins implement.
-GROUP_HOOKS = {"pdhal.backends": "pdhal_backend", "pdhal.commands": "pdhal_command"}
+GROUP_HOOKS = {
+    "pdhal.backends": "pdhal_backend",
+    "pdhal.commands": "pdhal_command",
+    "pdhal.transports": "pdhal_transport",
+}

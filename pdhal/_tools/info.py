@@ -15,6 +15,7 @@ from pdhal._backends import environment as _environment
 from pdhal._backends import registry as _registry
 from pdhal._errors import PdhalError
 from pdhal._protocol import names as _names
+from pdhal._transfer import plugins as _transports
 
 NOT_SET = "not set"
 #: Distributions worth naming next to pdhal (Paddle's builds are three distributions).
@@ -135,6 +136,7 @@ def report() -> dict:
             if cand.backend is not None:
                 entry["runtime"] = cand.backend.info()
         out["backends"].append(entry)
+    out["transports"] = _transports.describe()
     return out
 
 
@@ -171,6 +173,10 @@ def format_text(info: dict) -> str:
         )
         for key, value in (b.get("runtime") or {}).items():
             lines.append(f"           {key}: {_text(value)}")
+    lines.append("transports:")
+    for t in info["transports"]:
+        detail = f"  {t['error']}" if "error" in t else ""
+        lines.append(f"  {t['name']:<8} {t['status']:<12} {t['source']}{detail}")
     f = info["segment_folder"]
     if "error" in f:
         lines.append(f"segment folder: {f['path']}: {f['error']}")

@@ -1,4 +1,5 @@
-"""The pytest plugin: `--pdhal-backend NAME` selects the backend and runs the kit's suite."""
+"""The pytest plugin: `--pdhal-backend NAME` selects the backend and runs the backend kit's
+suite; `--pdhal-transport NAME` runs the transport kit's suite against transport NAME."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import pytest
 
 SUITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite")
+TRANSPORT_SUITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport_suite")
 
 
 def pytest_addoption(parser):
@@ -17,6 +19,12 @@ def pytest_addoption(parser):
         default=None,
         help="run pdhal's backend conformance suite against backend NAME",
     )
+    group.addoption(
+        "--pdhal-transport",
+        metavar="NAME",
+        default=None,
+        help="run pdhal's transport conformance suite against transport NAME",
+    )
 
 
 def pytest_configure(config):
@@ -25,6 +33,22 @@ def pytest_configure(config):
         os.environ["PDHAL_PLATFORM"] = name  # child processes of the suite inherit it
         _require_usable(name)
         config.args[:] = [SUITE]
+    transport = config.getoption("pdhal_transport", default=None)
+    if transport:
+        os.environ["PDHAL_KIT_TRANSPORT"] = transport  # the suite's child processes too
+        _require_transport(transport)
+        config.args[:] = [TRANSPORT_SUITE]
+
+
+def _require_transport(name: str) -> None:
+    """Stop the run once, with one line, when the transport cannot be loaded."""
+    from pdhal import PdhalError
+    from pdhal.transfer import transport
+
+    try:
+        transport(name)
+    except PdhalError as e:
+        raise pytest.UsageError(f"pdhal transport kit: --pdhal-transport {name}: {e}") from None
 
 
 def _require_usable(name: str) -> None:

@@ -1,0 +1,77 @@
+"""The transport contract: what moves a transfer's bytes between two processes' memory.
+
+A transport plugin returns a Transport (entry-point group `pdhal.transports`, hook
+`pdhal_transport`). The destination side makes its memory reachable (`endpoint`) and hands
+the source side the endpoint's `describe()` (JSON-able); the source side opens a Link to it
+(`connect`) and submits runs, each (source address, destination region, offset in that
+region, bytes). A Batch is one submit: it completes, or fails with the reason, exactly once.
+The transport conformance kit (`pytest --pdhal-transport NAME`) checks every promise here.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+#: One copy: (source address, destination region index, byte offset in it, bytes).
+Run = tuple[int, int, int, int]
+
+
+class Batch:
+    """The runs of one submit, in flight."""
+
+    def done(self) -> bool:
+        """True once every run landed; False while in flight. Raises TransferError (with
+        the reason) once it failed."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float) -> None:
+        """Return once every run landed; TransferError if it failed, or is still in flight
+        after `timeout` seconds (a stalled peer or link)."""
+        raise NotImplementedError
+
+
+class Link:
+    """The source side's connection to one endpoint."""
+
+    #: The endpoint's regions, as many as it described (their bytes).
+    regions: list[int]
+
+    def submit(self, runs: list[Run]) -> Batch:
+        """Start the copies; TransferError if they cannot be started (a dead peer, a run
+        outside a region or outside the memory registered on this side)."""
+        raise NotImplementedError
+
+    def problem(self) -> str | None:
+        """None while the peer looks alive; else why not (checked before each submit)."""
+        return None
+
+    def close(self) -> None:
+        """Forget the peer; batches still in flight may fail."""
+
+
+class Endpoint:
+    """The destination side: its regions, reachable by the transport's links."""
+
+    def describe(self) -> dict:
+        """What a source side needs to connect (JSON-able; "transport" names this one)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Make the regions unreachable again."""
+
+
+class Transport:
+    """Moves bytes between processes. One per process and name (`pdhal.transfer.transport`)."""
+
+    #: The name plugins register under ("shm", "mooncake", ...).
+    name: ClassVar[str] = ""
+
+    def endpoint(self, regions: list, name: str) -> Endpoint:
+        """Make `regions` (memory objects pdhal knows: tensors, host buffers) reachable
+        under `name` (unique on this host)."""
+        raise NotImplementedError
+
+    def connect(self, described: dict, sources: list[tuple[int, int]]) -> Link:
+        """A Link to the endpoint `described`, copying from `sources` ((address, bytes) of
+        this side's memory, registered with the transport here)."""
+        raise NotImplementedError

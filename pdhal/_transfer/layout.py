@@ -1,0 +1,165 @@
+"""Where each layer's blocks are, on one side of a transfer: a CacheLayout lists the memory
+regions (what a transport registers) and, per layer, each cache in it (K and V, or any
+number per rank) as a region, an offset, a block stride and the bytes of one block.
+
+The runs of a transfer are planned once per set of block pairs (a step's requests) and
+reused for every layer: consecutive on both sides, a run is one contiguous copy per cache
+when the stride is the block size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdhal._errors import InvalidArgumentError
+from pdhal._memory.blocks import block_bytes_of, resolve
+from pdhal._protocol.names import validate_index
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache of one layer: block b is at `offset + b * stride` of region `region`,
+    `block_bytes` long, for b in [0, blocks)."""
+
+    region: int
+    offset: int
+    stride: int
+    block_bytes: int
+    blocks: int
+
+    def to_json(self) -> list[int]:
+        return [self.region, self.offset, self.stride, self.block_bytes, self.blocks]
+
+    @classmethod
+    def from_json(cls, words) -> CacheSpec:
+        return cls(*(int(w) for w in words))
+
+
+class CacheLayout:
+    """Regions (memory pdhal can name: tensors, arrays, pdhal buffers) and, per layer, its
+    caches."""
+
+    def __init__(self, regions: list, layers: list[list[CacheSpec]]):
+        #: The memory objects, for a transport to register or share.
+        self.memory = list(regions)
+        #: (address, bytes) of each region.
+        self.regions = []
+        for index, region in enumerate(self.memory):
+            ref = resolve(region, f"region {index}")
+            self.regions.append((ref.address, ref.nbytes))
+        self.layers = [list(caches) for caches in layers]
+        if not self.layers or any(not caches for caches in self.layers):
+            raise InvalidArgumentError("a cache layout needs at least one cache in every layer")
+        for layer, caches in enumerate(self.layers):
+            for spec in caches:
+                self._check(layer, spec)
+
+    def _check(self, layer: int, spec: CacheSpec) -> None:
+        if not 0 <= spec.region < len(self.regions):
+            raise InvalidArgumentError(
+                f"layer {layer} names region {spec.region}; the layout has {len(self.regions)}"
+            )
+        if spec.block_bytes < 1 or spec.stride < spec.block_bytes or spec.blocks < 1:
+            raise InvalidArgumentError(
+                f"layer {layer}: blocks of {spec.block_bytes} bytes every {spec.stride} bytes, "
+                f"{spec.blocks} of them: need 1 <= block bytes <= stride and blocks >= 1"
+            )
+        end = spec.offset + (spec.blocks - 1) * spec.stride + spec.block_bytes
+        if spec.offset < 0 or end > self.regions[spec.region][1]:
+            raise InvalidArgumentError(
+                f"layer {layer}'s cache ends at byte {end} of region {spec.region}, which "
+                f"holds {self.regions[spec.region][1]}"
+            )
+
+    @classmethod
+    def from_caches(cls, layers) -> CacheLayout:
+        """The layout of `layers`: per layer, a list of [blocks, ...] caches (tensors,
+        arrays, pdhal buffers), each its own region."""
+        regions, specs = [], []
+        for layer, caches in enumerate(layers):
+            row = []
+            for index, cache in enumerate(caches):
+                what = f"layer {layer} cache {index}"
+                block = block_bytes_of(cache, what)
+                nbytes = resolve(cache, what).nbytes
+                row.append(CacheSpec(len(regions), 0, block, block, nbytes // block))
+                regions.append(cache)
+            specs.append(row)
+        return cls(regions, specs)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def describe(self) -> dict:
+        """The layout as JSON-able data, without addresses (a peer has its own)."""
+        return {
+            "regions": [n for _, n in self.regions],
+            "layers": [[spec.to_json() for spec in caches] for caches in self.layers],
+        }
+
+    def check_peer(self, peer: dict) -> list[list[CacheSpec]]:
+        """A peer's described layers, checked to pair with these cache by cache: as many
+        layers and caches, blocks of the same bytes."""
+        layers = [[CacheSpec.from_json(w) for w in caches] for caches in peer["layers"]]
+        if [len(c) for c in layers] != [len(c) for c in self.layers]:
+            raise InvalidArgumentError(
+                f"the peer's cache has {len(layers)} layers of {[len(c) for c in layers]} "
+                f"caches, this side {len(self.layers)} of {[len(c) for c in self.layers]}"
+            )
+        for layer, (mine, theirs) in enumerate(zip(self.layers, layers)):
+            for index, (a, b) in enumerate(zip(mine, theirs)):
+                if a.block_bytes != b.block_bytes:
+                    raise InvalidArgumentError(
+                        f"layer {layer} cache {index}: blocks of {a.block_bytes} bytes here, "
+                        f"{b.block_bytes} on the peer"
+                    )
+        return layers
+
+
+def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first source block, first destination block, count) of each run of pairs that are
+    consecutive on both sides."""
+    if len(src_blocks) != len(dst_blocks):
+        raise InvalidArgumentError(
+            f"source and destination blocks must pair up, got {len(src_blocks)} and "
+            f"{len(dst_blocks)}"
+        )
+    runs: list[list[int]] = []
+    for s, d in zip(src_blocks, dst_blocks):
+        validate_index(s, "source block", 1 << 40)
+        validate_index(d, "destination block", 1 << 40)
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
+def byte_runs(
+    src: CacheLayout, dst_layers: list[list[CacheSpec]], layer: int, runs
+) -> list[tuple[int, int, int, int]]:
+    """The copies of one layer's block runs: (source address, destination region,
+    destination offset, bytes), one per run and cache (one per block where a stride is
+    not the block size). Block ids are checked against both sides' caches."""
+    out = []
+    for s_spec, d_spec in zip(src.layers[layer], dst_layers[layer]):
+        base = src.regions[s_spec.region][0] + s_spec.offset
+        for s_first, d_first, count in runs:
+            if s_first + count > s_spec.blocks or d_first + count > d_spec.blocks:
+                raise InvalidArgumentError(
+                    f"blocks {s_first}..{s_first + count - 1} -> {d_first}..{d_first + count - 1}"
+                    f" are outside layer {layer}'s caches ({s_spec.blocks} blocks here, "
+                    f"{d_spec.blocks} on the peer)"
+                )
+            contiguous = s_spec.stride == s_spec.block_bytes == d_spec.stride
+            pieces = [(0, count)] if contiguous else [(i, 1) for i in range(count)]
+            for i, n in pieces:
+                out.append(
+                    (
+                        base + (s_first + i) * s_spec.stride,
+                        d_spec.region,
+                        d_spec.offset + (d_first + i) * d_spec.stride,
+                        n * s_spec.block_bytes if contiguous else s_spec.block_bytes,
+                    )
+                )
+    return out

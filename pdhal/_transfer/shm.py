@@ -1,0 +1,119 @@
+"""The `shm` transport (built in): both sides on one host. The endpoint publishes each
+region through pdhal's shared memory (set_data_ipc); a link maps them (get_data_ptr_ipc)
+and copies with memmove, so a submit has landed when it returns. A peer is alive while its
+process is: the endpoint's pid and start time are in its description (a recycled pid is
+another process)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from pdhal import ops
+from pdhal._errors import InvalidArgumentError, PdhalError, TransferError
+from pdhal._inputs.tensors import memory_ref
+from pdhal._transfer.contract import Batch, Endpoint, Link, Run, Transport
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process `pid` (field 22 of /proc/PID/stat), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class _Landed(Batch):
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+
+class ShmEndpoint(Endpoint):
+    """Each region published as NAME.r<i> in pdhal's shared memory."""
+
+    def __init__(self, regions: list, name: str):
+        self._sizes = [memory_ref(region, f"region {i}").nbytes for i, region in enumerate(regions)]
+        if None in self._sizes:
+            raise InvalidArgumentError("a region must be memory with a size (a tensor or buffer)")
+        self._names: list[str] = []
+        try:
+            for index, region in enumerate(regions):
+                shared = f"{name}.r{index}"
+                ops.set_data_ipc(region, shared)
+                self._names.append(shared)
+        except BaseException:
+            self.close()
+            raise
+        self._pid = os.getpid()
+
+    def describe(self) -> dict:
+        return {
+            "transport": ShmTransport.name,
+            "names": list(self._names),
+            "regions": list(self._sizes),
+            "pid": self._pid,
+            "started": _start_time(self._pid),
+        }
+
+    def close(self) -> None:
+        while self._names:
+            ops.unset_data_ipc(None, self._names.pop(), False, True)
+
+
+class ShmLink(Link):
+    """The endpoint's regions mapped here; a submit copies at once."""
+
+    def __init__(self, described: dict, timeout: float):
+        self._pid, self._started = described["pid"], described["started"]
+        self.regions = list(described["regions"])
+        self._names: list[str] = []
+        self._bases: list[int] = []
+        try:
+            for name in described["names"]:
+                self._bases.append(ops.get_data_ptr_ipc(None, name, timeout))
+                self._names.append(name)
+        except BaseException:
+            self.close()
+            raise
+
+    def problem(self) -> str | None:
+        if _start_time(self._pid) != self._started:
+            return f"the destination process (pid {self._pid}) is gone"
+        return None
+
+    def submit(self, runs: list[Run]) -> Batch:
+        why = self.problem()
+        if why is not None:
+            raise TransferError(why)
+        memmove = ctypes.memmove
+        for _, region, offset, nbytes in runs:
+            if not 0 <= region < len(self._bases) or offset + nbytes > self.regions[region]:
+                raise TransferError(
+                    f"a run of {nbytes} bytes at offset {offset} of region {region} is outside "
+                    f"the destination ({len(self.regions)} regions of {self.regions} bytes)"
+                )
+        for src, region, offset, nbytes in runs:
+            memmove(self._bases[region] + offset, src, nbytes)
+        return _Landed()
+
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    def __init__(self, connect_timeout: float = 10.0):
+        self._timeout = connect_timeout
+
+    def endpoint(self, regions: list, name: str) -> Endpoint:
+        return ShmEndpoint(regions, name)
+
+    def connect(self, described: dict, sources: list[tuple[int, int]]) -> Link:
+        try:
+            return ShmLink(described, self._timeout)
+        except (KeyError, TypeError) as e:
+            raise InvalidArgumentError(f"not an shm endpoint's description: {e}") from None
+        except PdhalError as e:
+            raise TransferError(f"cannot map the destination's memory: {e}") from None

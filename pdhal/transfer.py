@@ -1,0 +1,49 @@
+"""Layer-wise KV transfer from a prefill instance's caches to a decode instance's, as
+library API: the loop every PD engine writes around pdhal's layer signals.
+
+    # decode side
+    receiver = transfer.KVReceiver(transfer.CacheLayout.from_caches(layers), "decode0")
+    send_to_prefill(receiver.describe(), receiver.expect("req-1", timeout=30), my_blocks)
+    outcome = receiver.wait("req-1")        # or receiver.poll() once per scheduler step
+
+    # prefill side (the cache messager)
+    streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(layers), block_tokens=64)
+    streamer.add_request("req-1", src_blocks, prompt_tokens)
+    streamer.set_destination("req-1", streamer.connect(described), dst_blocks, ticket)
+    streamer.layer_ready(layer, [("req-1", tokens_in_cache)])   # on each layer signal
+    for outcome in streamer.poll(): ...     # free the blocks of what ended
+
+Transports are plugins (`shm` built in; entry-point group `pdhal.transports`, hook
+`pdhal_transport`); docs/api.md has the failure semantics and the numbers.
+"""
+
+from pdhal._transfer.contract import Batch, Endpoint, Link, Run, Transport
+from pdhal._transfer.feeds import PerChunkFeed, PerQueryFeed
+from pdhal._transfer.layout import CacheLayout, CacheSpec, block_runs
+from pdhal._transfer.metrics import LayerRecord, TransferMetrics
+from pdhal._transfer.outcome import Outcome
+from pdhal._transfer.plugins import names as transports
+from pdhal._transfer.plugins import transport
+from pdhal._transfer.receiver import KVReceiver
+from pdhal._transfer.streamer import Destination, KVStreamer
+
+__all__ = [
+    "Batch",
+    "CacheLayout",
+    "CacheSpec",
+    "Destination",
+    "Endpoint",
+    "KVReceiver",
+    "KVStreamer",
+    "LayerRecord",
+    "Link",
+    "Outcome",
+    "PerChunkFeed",
+    "PerQueryFeed",
+    "Run",
+    "Transport",
+    "TransferMetrics",
+    "block_runs",
+    "transport",
+    "transports",
+]

@@ -1,0 +1,280 @@
+"""pdhal.transfer over the built-in shm transport: a decode process's KVReceiver and this
+process's KVStreamer, real processes, every byte checked. Blocks go as their layer's signal
+makes them ready (a partial last block only once the prompt is whole), runs coalesce, a
+destination may come before or after the layers; each transfer ends exactly once on each
+side, within a bound, whatever dies: the decode process (SIGKILL), the prefill process
+(SIGKILL), a request nobody claims."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from transfer_peers import (
+    BLOCK_BYTES,
+    BLOCK_TOKENS,
+    BLOCKS,
+    CACHES,
+    LAYERS,
+    Decode,
+    expected,
+    landed_blocks,
+    outcomes_until,
+    source_caches,
+)
+
+import pdhal
+from pdhal import transfer
+from pdhal.testing.fixtures import python_child
+
+
+@pytest.fixture
+def decode():
+    d = Decode()
+    yield d
+    if d.proc.returncode is None:
+        d.close()
+
+
+@pytest.fixture
+def streamer():
+    s = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(source_caches()), BLOCK_TOKENS, claim_timeout=30
+    )
+    yield s
+    s.close()
+
+
+def test_every_layer_s_blocks_land_as_chunks_fill_them(decode, streamer):
+    """Chunked prefill: 10 tokens in blocks of 4 arrive as 6, then 10. After the first
+    chunk only the first full block of each layer may be in the destination; the partial
+    last block goes once the prompt is whole."""
+    ticket = decode.expect("a")
+    streamer.add_request("a", [2, 3, 4], 10)
+    streamer.set_destination("a", streamer.connect(decode.described), [5, 6, 0], ticket)
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("a", 6)])
+    assert streamer.poll() == [] and streamer.pending() == 1
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("a", 10)])
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
+    landed, reason, dump, uniform = decode.wait("a")
+    assert landed and reason == "" and uniform
+    for src, dst in zip([2, 3, 4], [5, 6, 0]):
+        assert landed_blocks(dump, dst) == expected(src), f"block {src} -> {dst}"
+    untouched = [b for b in range(BLOCKS) if b not in (5, 6, 0)]
+    assert all(landed_blocks(dump, b) == [[0] * CACHES] * LAYERS for b in untouched)
+    snapshot = streamer.metrics.snapshot()
+    assert snapshot["bytes_landed"] == LAYERS * CACHES * 3 * BLOCK_BYTES
+    assert snapshot["requests_landed"] == 1 and snapshot["requests_failed"] == 0
+
+
+def test_a_destination_known_late_gets_the_layers_ready_before_it(decode, streamer):
+    """The decode side may be asked last (as vLLM's connector does): every layer signalled
+    before the destination came goes when it comes."""
+    streamer.add_request("late", [0, 1], 8)
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("late", 8)])
+    ticket = decode.expect("late")
+    streamer.set_destination("late", streamer.connect(decode.described), [3, 7], ticket)
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("late", True)]
+    landed, _, dump, _ = decode.wait("late")
+    assert landed
+    assert landed_blocks(dump, 3) == expected(0) and landed_blocks(dump, 7) == expected(1)
+
+
+def test_requests_of_one_step_coalesce_into_runs_consecutive_on_both_sides(decode, streamer):
+    """Two requests whose blocks are consecutive on both sides, signalled together, are one
+    run per cache: the layer's submit carries 2 copies, not 4."""
+    dest = streamer.connect(decode.described)
+    for request, src, dst in (("x", [0, 1], [2, 3]), ("y", [2, 3], [4, 5])):
+        streamer.add_request(request, src, 8)
+        streamer.set_destination(request, dest, dst, decode.expect(request))
+    streamer.layer_ready(0, [("x", 8), ("y", 8)])
+    assert transfer.block_runs([0, 1, 2, 3], [2, 3, 4, 5]) == [(0, 2, 4)]
+    for layer in range(1, LAYERS):
+        streamer.layer_ready(layer, [("x", 8), ("y", 8)])
+    assert sorted(o.request_id for o in outcomes_until(streamer, 2)) == ["x", "y"]
+    records = streamer.metrics.layers()
+    assert [r.requests for r in records] == [2] * LAYERS
+    assert all(r.nbytes == CACHES * 4 * BLOCK_BYTES for r in records)
+    for request in ("x", "y"):
+        assert decode.wait(request)[0]
+
+
+def test_a_killed_decode_process_fails_its_transfers_on_the_prefill_side(streamer, namespace):
+    """SIGKILL the decode process mid-transfer: its requests end as failed (naming it) at
+    the next poll or layer, the other decode process's transfer still lands, and what the
+    dead one leaves is exactly its own memory (7 regions, 7 records), which pdhal's
+    cleanup reclaims."""
+    doomed, other = Decode("doomed"), Decode("other")
+    try:
+        for request, decode in (("doomed", doomed), ("kept", other)):
+            streamer.add_request(request, [0, 1], 8)
+            streamer.set_destination(
+                request, streamer.connect(decode.described), [0, 1], decode.expect(request)
+            )
+        streamer.layer_ready(0, [("doomed", 8), ("kept", 8)])
+        doomed.kill()
+        for layer in range(1, LAYERS):
+            streamer.layer_ready(layer, [("doomed", 8), ("kept", 8)])
+        ended = {o.request_id: o for o in outcomes_until(streamer, 2)}
+        assert not ended["doomed"].landed and "is gone" in ended["doomed"].reason
+        assert ended["kept"].landed and other.wait("kept")[0]
+        removed, _ = pdhal.cleanup(namespace)
+        names = sorted(os.path.basename(path).split(".", 3)[3] for path in removed)
+        assert len(names) == 2 * (LAYERS * CACHES + 1), names
+        assert all(n.startswith(("buf.doomed.", f"buf.host.{doomed.proc.pid}.")) for n in names), (
+            names
+        )
+        # a new decode process is served at once; nothing else restarts
+        again = Decode("again")
+        try:
+            streamer.add_request("again", [4, 5], 8)
+            streamer.set_destination(
+                "again", streamer.connect(again.described), [6, 7], again.expect("again")
+            )
+            for layer in range(LAYERS):
+                streamer.layer_ready(layer, [("again", 8)])
+            assert outcomes_until(streamer, 1) == [transfer.Outcome("again", True)]
+            landed, _, dump, _ = again.wait("again")
+            assert landed and landed_blocks(dump, 7) == expected(5)
+        finally:
+            again.close()
+    finally:
+        other.close()
+
+
+PREFILL = f"""
+import json, sys
+import numpy as np
+from pdhal import transfer
+L, C, B, BB = {LAYERS}, {CACHES}, {BLOCKS}, {BLOCK_BYTES}
+described, ticket = json.loads(sys.stdin.readline())
+caches = [[np.full((B, BB), 9, np.uint8) for _ in range(C)] for _ in range(L)]
+streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(caches), {BLOCK_TOKENS})
+streamer.add_request("r", [0, 1], 8)
+streamer.set_destination("r", streamer.connect(described), [0, 1], ticket)
+streamer.layer_ready(0, [("r", 8)])
+print("layer 0 sent", flush=True)
+sys.stdin.readline()  # killed here
+"""
+
+
+def test_a_killed_prefill_process_fails_the_transfer_on_the_decode_side_by_its_deadline(decode):
+    """SIGKILL the prefill side after its first layer: the decode side never sees the
+    request as landed; it ends as failed when its deadline passes."""
+    ticket = decode.expect("r", timeout=1.0)
+    prefill = python_child(PREFILL, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    prefill.stdin.write(json.dumps([decode.described, ticket]) + "\n")
+    prefill.stdin.flush()
+    assert prefill.stdout.readline().strip() == "layer 0 sent"
+    prefill.send_signal(signal.SIGKILL)
+    prefill.wait(timeout=30)
+    prefill.stdin.close()
+    prefill.stdout.close()
+    landed, reason, dump, _ = decode.wait("r")
+    assert not landed and "nothing landed within 1 s" in reason
+    assert landed_blocks(dump, 0)[0] == [9, 9], "layer 0 had landed: the decode side saw it"
+    assert landed_blocks(dump, 0)[1] == [0, 0]
+
+
+def test_a_request_nobody_claims_fails_by_its_lease():
+    layout = transfer.CacheLayout.from_caches(source_caches())
+    streamer = transfer.KVStreamer(layout, BLOCK_TOKENS, claim_timeout=0.05)
+    try:
+        streamer.add_request("orphan", [0], 4)
+        streamer.layer_ready(0, [("orphan", 4)])
+        ended = outcomes_until(streamer, 1)
+        assert ended[0].request_id == "orphan" and not ended[0].landed
+        assert "no decode side claimed it within 0.05 s" in ended[0].reason
+        assert streamer.pending() == 0
+    finally:
+        streamer.close()
+
+
+def test_a_failure_the_prefill_side_reports_reaches_the_decode_side_with_its_reason(
+    decode, streamer
+):
+    streamer.add_request("f", [0, 1], 8)
+    streamer.set_destination("f", streamer.connect(decode.described), [0, 1], decode.expect("f"))
+    streamer.layer_ready(0, [("f", 8)])
+    streamer.fail("f", "the prefill worker died: ProducerDiedError")
+    assert outcomes_until(streamer, 1) == [
+        transfer.Outcome("f", False, "the prefill worker died: ProducerDiedError")
+    ]
+    landed, reason, _, _ = decode.wait("f")
+    assert not landed and reason == "the prefill worker died: ProducerDiedError"
+    streamer.layer_ready(1, [("f", 8)])  # an ended request's later layers go nowhere
+    assert streamer.poll() == []
+
+
+def test_layouts_that_do_not_pair_up_are_refused_before_anything_moves(decode):
+    fewer = transfer.CacheLayout.from_caches(source_caches()[:2])
+    streamer = transfer.KVStreamer(fewer, BLOCK_TOKENS)
+    try:
+        with pytest.raises(pdhal.InvalidArgumentError, match="3 layers .* this side 2"):
+            streamer.connect(decode.described)
+    finally:
+        streamer.close()
+
+
+def test_bad_requests_are_refused_with_what_was_expected(streamer):
+    with pytest.raises(pdhal.InvalidArgumentError, match="needs 3 blocks, got 2"):
+        streamer.add_request("short", [0, 1], 10)
+    streamer.add_request("ok", [0], 4)
+    with pytest.raises(pdhal.InvalidArgumentError, match="was added already"):
+        streamer.add_request("ok", [1], 4)
+    with pytest.raises(pdhal.InvalidArgumentError, match="outside the layout's 3 layers"):
+        streamer.layer_ready(3, [("ok", 4)])
+    with pytest.raises(pdhal.InvalidArgumentError, match="must pair up, got 1 and 2"):
+        streamer.set_destination("ok", None, [0, 1], {})
+    with pytest.raises(pdhal.InvalidArgumentError, match="unknown"):
+        streamer.set_destination("nobody", None, [0], {})
+
+
+def test_layouts_with_a_stride_copy_block_by_block():
+    """A cache whose blocks are not contiguous (stride > block bytes) copies each block on
+    its own; contiguous ones coalesce."""
+    region = np.zeros(4 * 32, np.uint8)
+    spaced = transfer.CacheLayout([region], [[transfer.CacheSpec(0, 0, 32, 16, 4)]])
+    packed = transfer.CacheLayout([region], [[transfer.CacheSpec(0, 0, 16, 16, 8)]])
+    from pdhal._transfer.layout import byte_runs
+
+    base = region.ctypes.data
+    assert byte_runs(spaced, packed.layers, 0, [(1, 2, 2)]) == [
+        (base + 32, 0, 32, 16),
+        (base + 64, 0, 48, 16),
+    ]
+    assert byte_runs(packed, packed.layers, 0, [(1, 2, 2)]) == [(base + 16, 0, 32, 32)]
+    with pytest.raises(pdhal.InvalidArgumentError, match="ends at byte 144 of region 0"):
+        transfer.CacheLayout([region], [[transfer.CacheSpec(0, 32, 32, 16, 4)]])
+
+
+def test_the_numbers_export_as_json_and_prometheus_text(decode, streamer):
+    streamer.add_request("m", [0], 4)
+    streamer.set_destination("m", streamer.connect(decode.described), [0], decode.expect("m"))
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("m", 4)], signal_ns=time.monotonic_ns())
+    outcomes_until(streamer, 1)
+    decoded = json.loads(streamer.metrics.to_json())
+    assert decoded["snapshot"]["layers_landed"] == LAYERS
+    assert [r["layer"] for r in decoded["layers"]] == list(range(LAYERS))
+    for r in decoded["layers"]:
+        assert r["signal_ns"] <= r["submit_ns"] <= r["end_ns"] and r["landed"]
+    text = streamer.metrics.to_prometheus()
+    assert "# TYPE pdhal_transfer_bytes_landed_total counter" in text
+    assert f"pdhal_transfer_bytes_landed_total {LAYERS * CACHES * BLOCK_BYTES}" in text
+    assert "pdhal_transfer_exposed_ms_p50 " in text
+    decode.wait("m")
+
+
+def test_transports_are_listed_and_an_unknown_one_is_named():
+    assert "shm" in transfer.transports()
+    with pytest.raises(pdhal.InvalidArgumentError, match="no transport named 'carrier-pigeon'"):
+        transfer.transport("carrier-pigeon")

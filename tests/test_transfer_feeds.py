@@ -1,0 +1,166 @@
+"""The streamer driven by real layer signals: a model-worker process writes each layer's
+blocks into its (shared) caches and then signals the layer, per chunk or per query; this
+process is the cache messager (its reader, a feed, the streamer); a decode process checks
+every byte. A block sent before its layer wrote it would land as zeros and fail the check.
+
+Two requests in chunked prefill over two steps: "a" (10 tokens: 6, then 4) in source
+blocks 0, 1, 2 and "b" (6 tokens, one chunk) in 4, 5; blocks of 4 tokens. A block the
+worker has only partly written holds a marker, so one sent before it is whole (a's block 1
+after step 1) lands wrong."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from transfer_peers import (
+    BLOCK_BYTES,
+    BLOCK_TOKENS,
+    BLOCKS,
+    CACHES,
+    LAYERS,
+    Decode,
+    expected,
+    landed_blocks,
+    outcomes_until,
+)
+
+import pdhal
+from pdhal import ops, transfer
+
+SOURCE = {"a": [0, 1, 2], "b": [4, 5]}
+DEST = {"a": [7, 3, 4], "b": [0, 1]}
+PROMPT = {"a": 10, "b": 6}
+
+WORKER = f"""
+import sys
+from pdhal import ops
+from transfer_peers import pattern
+L, C, B, BB, BT = {LAYERS}, {CACHES}, {BLOCKS}, {BLOCK_BYTES}, {BLOCK_TOKENS}
+mode = sys.argv[1]
+buffers = [[ops.host_alloc(B * BB) for _ in range(C)] for _ in range(L)]
+caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
+for layer, row in enumerate(buffers):
+    for cache, buf in enumerate(row):
+        caches[layer][cache][:] = 0
+        ops.set_data_ipc(buf, f"prefill.l{{layer}}c{{cache}}")
+# (slot, first block, tokens before, tokens this step, prompt) of each step's prefill chunks
+STEPS = [[(0, 0, 0, 6, 10), (1, 4, 0, 6, 6)], [(0, 0, 6, 4, 10)]]
+PARTIAL = 0xEE  # a block whose tokens are not all written yet
+print("ready", flush=True)
+sys.stdin.readline()
+for chunks in STEPS:
+    encoder, this_time, decoder = [0, 0], [1, 1], [0, 0]
+    for slot, _, before, length, _ in chunks:
+        encoder[slot], this_time[slot], decoder[slot] = length, length, before
+    if mode == "per_chunk":
+        step = ops.init_kv_signal_per_query(encoder, this_time, decoder, 0, L)
+        signal_of = step.layer
+    else:
+        meta = ops.open_shm_and_get_meta_signal(0, 0)
+        signal_of = lambda layer: ops.init_signal_layerwise(meta, layer)
+    for layer in range(L):
+        for slot, first, before, length, prompt in chunks:  # the layer writes, then signals
+            now = before + length
+            for block in range(before // BT, -(-now // BT)):
+                whole = (block + 1) * BT <= now or now == prompt
+                for cache in range(C):
+                    value = pattern(layer, cache, first + block) if whole else PARTIAL
+                    caches[layer][cache][first + block] = value
+        ops.signal_layer_ready(signal_of(layer))
+    print("step done", flush=True)
+    sys.stdin.readline()  # the messager has this step (a per-query reader must not fall behind)
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+class Worker:
+    def __init__(self, mode: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER, mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__))),
+        )
+        self.expect("ready")
+
+    def expect(self, line: str) -> None:
+        got = self.proc.stdout.readline().strip()
+        assert got == line, f"worker said {got!r} ({self.proc.poll()}), not {line!r}"
+
+    def go(self) -> None:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.go()
+        assert self.proc.wait(timeout=30) == 0
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+def prefill_caches() -> list[list[np.ndarray]]:
+    return [
+        [
+            ops.share_external_data("uint8", f"prefill.l{layer}c{cache}", [BLOCKS, BLOCK_BYTES])
+            for cache in range(CACHES)
+        ]
+        for layer in range(LAYERS)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["per_chunk", "per_query"])
+def test_blocks_go_as_their_layer_s_signal_makes_them_ready(mode):
+    decode, worker = Decode(), Worker(mode)
+    streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS)
+    try:
+        dest = streamer.connect(decode.described)
+        for request in SOURCE:
+            streamer.add_request(request, SOURCE[request], PROMPT[request])
+            streamer.set_destination(request, dest, DEST[request], decode.expect(request))
+        steps = [{0: "a", 1: "b"}, {0: "a"}]
+        tables = [[("a", 6), ("b", 6)], [("a", 10)]]
+        if mode == "per_chunk":
+            feed = transfer.PerChunkFeed(streamer)
+            record = np.zeros(pdhal.RECORD_WORDS, np.int32)
+            worker.go()  # its first step creates the channel the reader opens
+            with ops.open_kv_chunk_reader(0, 0, timeout=30) as reader:
+                for index, holders in enumerate(steps):
+                    feed.slots(index + 1, holders)  # per-chunk steps count from 1
+                    for _ in range(LAYERS):
+                        feed.record(reader.next(record, wait=True, timeout=30), record)
+                    worker.expect("step done")
+                    worker.go()
+        else:
+            feed = transfer.PerQueryFeed(streamer)
+            worker.go()
+            with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+                seen = (0, -1)
+                for index, table in enumerate(tables):
+                    feed.step(index + 1, table)
+                    while seen < (index + 1, LAYERS - 1):
+                        seen = reader.wait(seen, timeout=30)
+                        feed.progress(seen)
+                    worker.expect("step done")
+                    worker.go()
+        worker.expect("done")
+        ended = {o.request_id: o for o in outcomes_until(streamer, 2)}
+        assert all(o.landed for o in ended.values()), ended
+        for request in SOURCE:
+            landed, reason, dump, uniform = decode.wait(request)
+            assert landed and uniform, reason
+            for src, dst in zip(SOURCE[request], DEST[request]):
+                assert landed_blocks(dump, dst) == expected(src), f"{request}: {src} -> {dst}"
+        # one submit per layer and step: a's first block with b's two, then a's last two
+        per_layer = [r.layer for r in streamer.metrics.layers()]
+        assert sorted(per_layer) == sorted(list(range(LAYERS)) * 2)
+    finally:
+        streamer.close()
+        worker.close()
+        decode.close()

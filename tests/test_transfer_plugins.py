@@ -1,0 +1,106 @@
+"""Transports from other distributions: found through entry-point group pdhal.transports,
+listed by `pdhal info`, a broken one named loudly; and, through a test-only transport that
+stalls or fails the submit a test names, the streamer's failure semantics: the failed
+request ends on both sides, the next one lands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transfer_peers import (
+    BLOCK_TOKENS,
+    LAYERS,
+    Decode,
+    expected,
+    landed_blocks,
+    outcomes_until,
+    source_caches,
+)
+
+import pdhal
+from pdhal import transfer
+from pdhal._transfer import plugins as _transports
+from pdhal.testing.fixtures import install_distributions
+
+PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "transports")
+
+
+@pytest.fixture(scope="module")
+def plugin_env(tmp_path_factory):
+    target = tmp_path_factory.mktemp("transports")
+    return target, install_distributions(target, PLUGIN)
+
+
+@pytest.fixture
+def installed(plugin_env, monkeypatch):
+    """This process sees the test transports (sys.path), and forgets them afterwards."""
+    target, _ = plugin_env
+    monkeypatch.syspath_prepend(str(target))
+    _transports.forget()
+    yield
+    _transports.forget()
+
+
+def test_info_lists_every_transport_and_names_the_broken_one(plugin_env):
+    _, env = plugin_env
+    out = subprocess.run(
+        [sys.executable, "-m", "pdhal", "info", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    found = {t["name"]: t for t in json.loads(out)["transports"]}
+    assert found["shm"] == {"name": "shm", "source": "built in", "status": "ok"}
+    assert found["faulty"]["status"] == "ok"
+    assert found["faulty"]["source"] == "pdhal-test-transports 0.0.1"
+    assert found["bad"]["status"] == "broken"
+    assert "pdhal_bad_transport (entry point 'bad' in pdhal.transports)" in found["bad"]["error"]
+    assert "not a pdhal.transfer.Transport named 'bad'" in found["bad"]["error"]
+
+
+def test_a_broken_transport_is_an_error_naming_its_plugin(installed):
+    assert transfer.transports() == ["bad", "faulty", "shm"]
+    with pytest.raises(pdhal.TransportLoadError, match="entry point 'bad' in pdhal.transports"):
+        transfer.transport("bad")
+
+
+@pytest.mark.parametrize("fault, words", [("stall:2", "injected stall"), ("fail:2", "injected")])
+def test_a_stalled_or_failed_submit_fails_its_request_on_both_sides_and_not_the_next(
+    installed, monkeypatch, fault, words
+):
+    """Request "a"'s layer 1 (the link's 2nd submit) stalls past stall_timeout, or fails:
+    "a" ends as failed on the prefill side and, with the reason, on the decode side; "b",
+    submitted after it on the same link, lands."""
+    monkeypatch.setenv("PDHAL_FAULTY_TRANSPORT", fault)
+    decode = Decode()
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(source_caches()),
+        BLOCK_TOKENS,
+        transport_name="faulty",
+        stall_timeout=0.2,
+    )
+    try:
+        dest = streamer.connect(decode.described)
+        for request, src, dst in (("a", [0], [1]), ("b", [2], [3])):
+            streamer.add_request(request, src, 4)
+            streamer.set_destination(request, dest, dst, decode.expect(request))
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("a", 4)])
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("b", 4)])
+        ended = {o.request_id: o for o in outcomes_until(streamer, 2)}
+        assert not ended["a"].landed and words in ended["a"].reason
+        assert ended["b"].landed
+        landed, reason, _, _ = decode.wait("a")
+        assert not landed and words in reason
+        landed, _, dump, _ = decode.wait("b")
+        assert landed and landed_blocks(dump, 3) == expected(2)
+        assert streamer.metrics.snapshot()["requests_failed"] == 1
+    finally:
+        streamer.close()
+        decode.close()

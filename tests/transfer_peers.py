@@ -1,0 +1,135 @@
+"""The two sides of a transfer for pdhal.transfer's tests: source caches whose every block
+holds a byte saying which (layer, cache, block) it is, and a decode process holding a
+KVReceiver, driven by lines of JSON, that reports each outcome with what its caches hold."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+LAYERS, CACHES, BLOCKS, BLOCK_BYTES, BLOCK_TOKENS = 3, 2, 8, 64, 4
+
+
+def pattern(layer: int, cache: int, block: int) -> int:
+    """The byte every source block holds: different per layer, cache and block."""
+    return (layer * 61 + cache * 17 + block * 5 + 1) % 251
+
+
+def source_caches() -> list[list[np.ndarray]]:
+    caches = []
+    for layer in range(LAYERS):
+        row = []
+        for cache in range(CACHES):
+            a = np.empty((BLOCKS, BLOCK_BYTES), np.uint8)
+            for block in range(BLOCKS):
+                a[block] = pattern(layer, cache, block)
+            row.append(a)
+        caches.append(row)
+    return caches
+
+
+DECODE = f"""
+import json, sys
+import numpy as np
+from pdhal import ops, transfer
+L, C, B, BB = {LAYERS}, {CACHES}, {BLOCKS}, {BLOCK_BYTES}
+buffers = [[ops.host_alloc(B * BB) for _ in range(C)] for _ in range(L)]
+caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
+for row in caches:
+    for c in row:
+        c[:] = 0
+receiver = transfer.KVReceiver(transfer.CacheLayout.from_caches(caches), sys.argv[1], slots=8)
+say = lambda *m: print(json.dumps(m), flush=True)
+say("described", receiver.describe())
+for line in sys.stdin:
+    command = json.loads(line)
+    if command[0] == "expect":
+        say("ticket", receiver.expect(command[1], command[2]))
+    elif command[0] == "wait":
+        outcome = receiver.wait(command[1])
+        dump = {{str(b): [[int(caches[l][c][b][0]) for c in range(C)] for l in range(L)]
+                 for b in range(B)}}
+        uniform = all(len(set(caches[l][c][b].tolist())) == 1
+                      for l in range(L) for c in range(C) for b in range(B))
+        say("outcome", outcome.landed, outcome.reason, dump, uniform)
+    elif command[0] == "exit":
+        break
+receiver.close()
+for row in buffers:
+    for b in row:
+        ops.host_free(b)
+say("closed")
+"""
+
+
+class Decode:
+    """A decode process holding a KVReceiver, driven by lines of JSON."""
+
+    def __init__(self, name: str = "decode"):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", DECODE, name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.described = self.read("described")[0]
+
+    def read(self, kind: str):
+        line = self.proc.stdout.readline()
+        assert line, f"the decode process exited ({self.proc.wait()}) before {kind}"
+        message = json.loads(line)
+        assert message[0] == kind, message
+        return message[1:]
+
+    def send(self, *command):
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, request_id: str, timeout: float = 30.0) -> dict:
+        self.send("expect", request_id, timeout)
+        return self.read("ticket")[0]
+
+    def wait(self, request_id: str):
+        """(landed, reason, first byte of each block per layer and cache, blocks uniform)."""
+        self.send("wait", request_id)
+        return self.read("outcome")
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.send("exit")
+            assert self.read("closed") == []
+        assert self.proc.wait(timeout=30) == 0
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+def landed_blocks(dump: dict, dst_block: int) -> list[list[int]]:
+    return dump[str(dst_block)]
+
+
+def expected(src_block: int) -> list[list[int]]:
+    return [
+        [pattern(layer, cache, src_block) for cache in range(CACHES)] for layer in range(LAYERS)
+    ]
+
+
+def outcomes_until(streamer, count: int, bound: float = 60.0) -> list:
+    """The streamer's outcomes, polled until `count` arrived (failing after `bound` s: each
+    is promised within far less)."""
+    got, deadline = [], time.monotonic() + bound
+    while len(got) < count:
+        got += streamer.poll()
+        assert time.monotonic() < deadline, f"only {got} of {count} outcomes"
+        time.sleep(0.005)
+    return got
