@@ -1,20 +1,21 @@
-# `make test` and `make demo` set everything up themselves: a venv in .venv with pdhal and
-# every backend distribution under backends/ and the demo (demo/) installed editable, plus the
-# test extras.
+# `make test` and `make demo` set everything up themselves: a venv in .venv with pdhal, every
+# backend distribution under backends/, the mooncake transport (transports/mooncake) and the
+# demo (demo/) installed editable, plus the test extras.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BACKENDS := $(wildcard backends/*/pyproject.toml)
+TRANSPORTS := $(wildcard transports/*/pyproject.toml)
 STAMP := $(VENV)/.pdhal-installed
 
 .PHONY: test demo bench stress sanitize clean ibverbs fuzz fuzz-ci
 
 $(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py $(BACKENDS) \
-		demo/pyproject.toml
+		$(TRANSPORTS) demo/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
 	$(PY) -m pip install -q -e '.[test]' $(foreach b,$(BACKENDS),-e $(dir $(b))) \
-	  -e 'demo[mooncake]'
+	  -e 'transports/mooncake[non-cuda]' -e 'demo[mooncake]'
 	touch $@
 
 # Mooncake's wheel links libibverbs.so.1 (Debian: libibverbs1). Installed when we can (root
@@ -50,6 +51,7 @@ test: lint docs $(STAMP) ibverbs
 	PDHAL_CUDART=$$($(PY) -m pdhal_cuda.testing) \
 	  $(PY) -m pytest -q -p no:cacheprovider --pdhal-backend cuda
 	$(PY) -m pytest -q -p no:cacheprovider --pdhal-transport shm
+	$(PY) -m pytest -q -p no:cacheprovider --pdhal-transport mooncake
 
 demo: $(STAMP)
 	$(VENV)/bin/pdhal demo --plot demo-timeline.png

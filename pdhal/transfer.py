@@ -19,7 +19,7 @@ Transports are plugins (`shm` built in; entry-point group `pdhal.transports`, ho
 
 from pdhal._transfer.contract import Batch, Endpoint, Link, Run, Transport
 from pdhal._transfer.feeds import PerChunkFeed, PerQueryFeed
-from pdhal._transfer.layout import CacheLayout, CacheSpec, block_runs
+from pdhal._transfer.layout import CacheLayout, CacheSpec, RunPlanner, block_runs
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import names as transports
@@ -41,6 +41,7 @@ __all__ = [
     "PerChunkFeed",
     "PerQueryFeed",
     "Run",
+    "RunPlanner",
     "Transport",
     "TransferMetrics",
     "block_runs",

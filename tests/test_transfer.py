@@ -15,7 +15,11 @@ import time
 
 import numpy as np
 import pytest
-from transfer_peers import (
+
+import pdhal
+from pdhal import transfer
+from pdhal.testing.fixtures import python_child
+from pdhal.testing.transfer_peers import (
     BLOCK_BYTES,
     BLOCK_TOKENS,
     BLOCKS,
@@ -27,10 +31,6 @@ from transfer_peers import (
     outcomes_until,
     source_caches,
 )
-
-import pdhal
-from pdhal import transfer
-from pdhal.testing.fixtures import python_child
 
 
 @pytest.fixture
@@ -240,18 +240,19 @@ def test_bad_requests_are_refused_with_what_was_expected(streamer):
 
 def test_layouts_with_a_stride_copy_block_by_block():
     """A cache whose blocks are not contiguous (stride > block bytes) copies each block on
-    its own; contiguous ones coalesce."""
+    its own; contiguous ones coalesce; runs past either side are refused."""
     region = np.zeros(4 * 32, np.uint8)
     spaced = transfer.CacheLayout([region], [[transfer.CacheSpec(0, 0, 32, 16, 4)]])
     packed = transfer.CacheLayout([region], [[transfer.CacheSpec(0, 0, 16, 16, 8)]])
-    from pdhal._transfer.layout import byte_runs
-
     base = region.ctypes.data
-    assert byte_runs(spaced, packed.layers, 0, [(1, 2, 2)]) == [
+    assert transfer.RunPlanner(spaced, packed.layers).copies(0, [(1, 2, 2)]) == [
         (base + 32, 0, 32, 16),
         (base + 64, 0, 48, 16),
     ]
-    assert byte_runs(packed, packed.layers, 0, [(1, 2, 2)]) == [(base + 16, 0, 32, 32)]
+    into_packed = transfer.RunPlanner(packed, packed.layers)
+    assert into_packed.copies(0, [(1, 2, 2)]) == [(base + 16, 0, 32, 32)]
+    with pytest.raises(pdhal.InvalidArgumentError, match="outside the caches \\(4 blocks here"):
+        transfer.RunPlanner(spaced, packed.layers).check([(3, 0, 2)])
     with pytest.raises(pdhal.InvalidArgumentError, match="ends at byte 144 of region 0"):
         transfer.CacheLayout([region], [[transfer.CacheSpec(0, 32, 32, 16, 4)]])
 

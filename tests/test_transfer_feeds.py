@@ -10,13 +10,15 @@ after step 1) lands wrong."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from transfer_peers import (
+
+import pdhal
+from pdhal import ops, transfer
+from pdhal.testing.transfer_peers import (
     BLOCK_BYTES,
     BLOCK_TOKENS,
     BLOCKS,
@@ -28,9 +30,6 @@ from transfer_peers import (
     outcomes_until,
 )
 
-import pdhal
-from pdhal import ops, transfer
-
 SOURCE = {"a": [0, 1, 2], "b": [4, 5]}
 DEST = {"a": [7, 3, 4], "b": [0, 1]}
 PROMPT = {"a": 10, "b": 6}
@@ -38,7 +37,7 @@ PROMPT = {"a": 10, "b": 6}
 WORKER = f"""
 import sys
 from pdhal import ops
-from transfer_peers import pattern
+from pdhal.testing.transfer_peers import pattern
 L, C, B, BB, BT = {LAYERS}, {CACHES}, {BLOCKS}, {BLOCK_BYTES}, {BLOCK_TOKENS}
 mode = sys.argv[1]
 buffers = [[ops.host_alloc(B * BB) for _ in range(C)] for _ in range(L)]
@@ -85,7 +84,6 @@ class Worker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__))),
         )
         self.expect("ready")
 

@@ -11,7 +11,12 @@ import subprocess
 import sys
 
 import pytest
-from transfer_peers import (
+
+import pdhal
+from pdhal import transfer
+from pdhal._transfer import plugins as _transports
+from pdhal.testing.fixtures import install_distributions
+from pdhal.testing.transfer_peers import (
     BLOCK_TOKENS,
     LAYERS,
     Decode,
@@ -20,11 +25,6 @@ from transfer_peers import (
     outcomes_until,
     source_caches,
 )
-
-import pdhal
-from pdhal import transfer
-from pdhal._transfer import plugins as _transports
-from pdhal.testing.fixtures import install_distributions
 
 PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "transports")
 
@@ -64,7 +64,7 @@ def test_info_lists_every_transport_and_names_the_broken_one(plugin_env):
 
 
 def test_a_broken_transport_is_an_error_naming_its_plugin(installed):
-    assert transfer.transports() == ["bad", "faulty", "shm"]
+    assert {"bad", "faulty", "shm"} <= set(transfer.transports())
     with pytest.raises(pdhal.TransportLoadError, match="entry point 'bad' in pdhal.transports"):
         transfer.transport("bad")
 

@@ -135,31 +135,57 @@ def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, 
     return [tuple(r) for r in runs]
 
 
-def byte_runs(
-    src: CacheLayout, dst_layers: list[list[CacheSpec]], layer: int, runs
-) -> list[tuple[int, int, int, int]]:
-    """The copies of one layer's block runs: (source address, destination region,
-    destination offset, bytes), one per run and cache (one per block where a stride is
-    not the block size). Block ids are checked against both sides' caches."""
-    out = []
-    for s_spec, d_spec in zip(src.layers[layer], dst_layers[layer]):
-        base = src.regions[s_spec.region][0] + s_spec.offset
+class RunPlanner:
+    """The byte copies of block runs from a source layout into a destination's layers:
+    (source address, destination region, destination offset, bytes), one per run and
+    cache (one per block where a stride is not the block size). What each layer needs is
+    worked out once; block ids are checked once per set of runs (check), against the
+    fewest blocks of any layer's cache."""
+
+    def __init__(self, src: CacheLayout, dst_layers: list[list[CacheSpec]]):
+        self._layers = [
+            [
+                (
+                    src.regions[s.region][0] + s.offset,
+                    s.stride,
+                    d.region,
+                    d.offset,
+                    d.stride,
+                    s.block_bytes,
+                    s.stride == s.block_bytes == d.stride,
+                )
+                for s, d in zip(mine, theirs)
+            ]
+            for mine, theirs in zip(src.layers, dst_layers)
+        ]
+        self.src_blocks = min(s.blocks for caches in src.layers for s in caches)
+        self.dst_blocks = min(d.blocks for caches in dst_layers for d in caches)
+        #: Bytes one block is in each layer, all its caches together.
+        self.block_bytes = [sum(s.block_bytes for s in caches) for caches in src.layers]
+
+    def check(self, runs) -> None:
+        """Refuse runs that reach past either side's caches."""
         for s_first, d_first, count in runs:
-            if s_first + count > s_spec.blocks or d_first + count > d_spec.blocks:
+            if s_first + count > self.src_blocks or d_first + count > self.dst_blocks:
                 raise InvalidArgumentError(
                     f"blocks {s_first}..{s_first + count - 1} -> {d_first}..{d_first + count - 1}"
-                    f" are outside layer {layer}'s caches ({s_spec.blocks} blocks here, "
-                    f"{d_spec.blocks} on the peer)"
+                    f" are outside the caches ({self.src_blocks} blocks here, "
+                    f"{self.dst_blocks} on the peer)"
                 )
-            contiguous = s_spec.stride == s_spec.block_bytes == d_spec.stride
-            pieces = [(0, count)] if contiguous else [(i, 1) for i in range(count)]
-            for i, n in pieces:
-                out.append(
-                    (
-                        base + (s_first + i) * s_spec.stride,
-                        d_spec.region,
-                        d_spec.offset + (d_first + i) * d_spec.stride,
-                        n * s_spec.block_bytes if contiguous else s_spec.block_bytes,
-                    )
-                )
-    return out
+
+    def copies(self, layer: int, runs) -> list[tuple[int, int, int, int]]:
+        """The copies of `runs` (checked) in `layer`."""
+        out = []
+        for base, s_stride, region, offset, d_stride, block, contiguous in self._layers[layer]:
+            if contiguous:
+                out += [
+                    (base + s * s_stride, region, offset + d * d_stride, n * block)
+                    for s, d, n in runs
+                ]
+            else:
+                out += [
+                    (base + (s + i) * s_stride, region, offset + (d + i) * d_stride, block)
+                    for s, d, n in runs
+                    for i in range(n)
+                ]
+        return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 
 from pdhal import ops
 from pdhal._errors import InvalidArgumentError, PdhalError, TransferError
@@ -65,14 +66,26 @@ class ShmEndpoint(Endpoint):
 
 
 class ShmLink(Link):
-    """The endpoint's regions mapped here; a submit copies at once."""
+    """The endpoint's regions mapped here; a submit copies at once. The destination's exit
+    is watched through a pidfd (opened once, then checked to be the described process by
+    its start time), or through /proc where pidfds are missing."""
 
     def __init__(self, described: dict, timeout: float):
         self._pid, self._started = described["pid"], described["started"]
         self.regions = list(described["regions"])
         self._names: list[str] = []
         self._bases: list[int] = []
+        self._pidfd, self._exit = -1, None
         try:
+            self._pidfd = os.pidfd_open(self._pid)
+        except (AttributeError, OSError):  # no pidfds here, or gone already (/proc says)
+            pass
+        else:
+            self._exit = select.poll()
+            self._exit.register(self._pidfd, select.POLLIN)
+        try:
+            if _start_time(self._pid) != self._started:
+                raise TransferError(f"the destination process (pid {self._pid}) is gone")
             for name in described["names"]:
                 self._bases.append(ops.get_data_ptr_ipc(None, name, timeout))
                 self._names.append(name)
@@ -81,24 +94,36 @@ class ShmLink(Link):
             raise
 
     def problem(self) -> str | None:
-        if _start_time(self._pid) != self._started:
-            return f"the destination process (pid {self._pid}) is gone"
-        return None
+        if self._exit is not None:
+            gone = bool(self._exit.poll(0))  # readable once the process exited
+        else:
+            gone = _start_time(self._pid) != self._started
+        return f"the destination process (pid {self._pid}) is gone" if gone else None
 
     def submit(self, runs: list[Run]) -> Batch:
         why = self.problem()
         if why is not None:
             raise TransferError(why)
-        memmove = ctypes.memmove
+        bases, sizes = self._bases, self.regions
         for _, region, offset, nbytes in runs:
-            if not 0 <= region < len(self._bases) or offset + nbytes > self.regions[region]:
+            if not 0 <= region < len(bases) or offset < 0 or offset + nbytes > sizes[region]:
                 raise TransferError(
                     f"a run of {nbytes} bytes at offset {offset} of region {region} is outside "
-                    f"the destination ({len(self.regions)} regions of {self.regions} bytes)"
+                    f"the destination ({len(sizes)} regions of {sizes} bytes)"
                 )
+        memmove = ctypes.memmove
         for src, region, offset, nbytes in runs:
-            memmove(self._bases[region] + offset, src, nbytes)
+            memmove(bases[region] + offset, src, nbytes)
         return _Landed()
+
+    def close(self) -> None:
+        """Unmap the destination's regions (their records stay: the endpoint's own)."""
+        self._bases = []
+        while self._names:
+            ops.unset_data_ipc(None, self._names.pop(), True, False)
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd, self._exit = -1, None
 
 
 class ShmTransport(Transport):

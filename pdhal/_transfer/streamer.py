@@ -21,17 +21,26 @@ from dataclasses import dataclass, field
 from pdhal._errors import InvalidArgumentError, TransferError
 from pdhal._transfer import mailbox
 from pdhal._transfer.contract import Batch, Link
-from pdhal._transfer.layout import CacheLayout, CacheSpec, block_runs, byte_runs
+from pdhal._transfer.layout import CacheLayout, RunPlanner, block_runs
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import transport
 
+#: How often layer_ready looks for expired leases and dead peers (poll() always does).
+CHECK_S = 0.05
+
 
 class Destination:
-    """One decode side this streamer sends to (from connect(describe()))."""
+    """One decode side this streamer sends to (from connect(describe())): its link, its
+    runs, and its own window of submits in flight with the thread that completes them in
+    order, so a stalled decode side holds up only its own transfers."""
 
-    def __init__(self, link: Link, layers: list[list[CacheSpec]], status_region: int, key):
-        self.link, self.layers, self.status_region, self.key = link, layers, status_region, key
+    def __init__(self, link: Link, planner: RunPlanner, status_region: int, window: int):
+        self.link, self.planner, self.status_region = link, planner, status_region
+        self.slots = threading.BoundedSemaphore(window)
+        self.queue: queue.Queue[_Submit | None] = queue.Queue()
+        self.outstanding = 0  # submits queued for its completion thread, or being waited
+        self.thread: threading.Thread | None = None
 
 
 @dataclass
@@ -46,6 +55,7 @@ class _Request:
     ticket: dict | None = None
     ready: list[int] = field(default_factory=list)  # tokens in the cache, per layer
     sent: list[int] = field(default_factory=list)  # blocks submitted, per layer
+    unsent_layers: int = 0  # layers not all of whose blocks were submitted
     in_flight: int = 0  # submits carrying it not yet landed
     ended: bool = False
     nbytes: int = 0
@@ -54,10 +64,8 @@ class _Request:
 
     def __post_init__(self):
         self.ready, self.sent = [0] * self.layers, [0] * self.layers
-
-    @property
-    def blocks(self) -> int:
-        return len(self.src_blocks)
+        self.blocks = len(self.src_blocks)
+        self.unsent_layers = self.layers
 
     def sendable(self, layer: int, block_tokens: int) -> int:
         """Blocks of `layer` that may go: the full ones, the last partial one once whole."""
@@ -66,8 +74,10 @@ class _Request:
             return self.blocks
         return min(tokens // block_tokens, self.blocks)
 
-    def all_sent(self) -> bool:
-        return all(sent == self.blocks for sent in self.sent)
+    def mark_sent(self, layer: int, blocks: int) -> None:
+        self.sent[layer] = blocks
+        if blocks == self.blocks:
+            self.unsent_layers -= 1
 
 
 @dataclass
@@ -112,18 +122,14 @@ class KVStreamer:
         self._outcomes: list[Outcome] = []
         self._plans: dict[tuple, list] = {}  # block pairs -> their runs (cleared per step)
         self._destinations: dict[object, Destination] = {}
-        self._slots = threading.BoundedSemaphore(max_layers_in_flight)
-        self._queue: queue.Queue[_Submit | None] = queue.Queue()
+        self._window = max_layers_in_flight
         # status words go out from here (registered with each link as a source)
         self._scratch = (ctypes.c_char * mailbox.SLOT_BYTES)()
         self._scratch_address = ctypes.addressof(self._scratch)
         self._scratch_lock = threading.Lock()
         self.metrics = TransferMetrics()
+        self._next_check = 0.0
         self._closed = False
-        self._completer = threading.Thread(
-            target=self._complete, name="pdhal-transfer-completion", daemon=True
-        )
-        self._completer.start()
 
     # ---- destinations and requests --------------------------------------------------
 
@@ -137,12 +143,17 @@ class KVStreamer:
                 self._destinations[key] = stale
                 return stale
         if stale is not None:
-            stale.link.close()  # its requests fail by its problem; new ones get a new link
+            self._retire(stale)  # its requests fail by its problem; new ones get a new link
         layers = self.layout.check_peer(described["layout"])
         link = self._transport.connect(
             described, [*self.layout.regions, (self._scratch_address, len(self._scratch))]
         )
-        dest = Destination(link, layers, int(described["status_region"]), key)
+        planner = RunPlanner(self.layout, layers)
+        dest = Destination(link, planner, int(described["status_region"]), self._window)
+        dest.thread = threading.Thread(
+            target=self._complete, args=(dest,), name="pdhal-transfer-completion", daemon=True
+        )
+        dest.thread.start()
         with self._lock:
             self._destinations[key] = dest
         return dest
@@ -204,10 +215,11 @@ class KVStreamer:
                 f"layer {layer} is outside the layout's {self.layout.num_layers} layers"
             )
         by_dest: dict[int, tuple[Destination, list[_Request]]] = {}
-        with self._lock:
-            expired = self._expired()
-        for request_id, why in expired:
-            self.fail(request_id, why)
+        if time.monotonic() >= self._next_check:  # leases and peers, every CHECK_S at most
+            with self._lock:
+                expired = self._expired()
+            for request_id, why in expired:
+                self.fail(request_id, why)
         with self._lock:
             for request_id, tokens in ready:
                 request = self._requests.get(request_id)
@@ -235,43 +247,58 @@ class KVStreamer:
                 items.append((request, end - first))
                 src += request.src_blocks[first:end]
                 dst += request.dst_blocks[first:end]
-                request.sent[layer] = end
+                request.mark_sent(layer, end)
                 request.in_flight += 1
             if not items:
                 return
-            key = tuple(spans)
+            key = (id(dest), tuple(spans))
             runs = self._plans.get(key)
-            if runs is None:
+        if runs is None:
+            try:
+                runs = block_runs(src, dst)
+                dest.planner.check(runs)
+            except InvalidArgumentError as e:
+                self._fail_items(items, str(e))
+                return
+            with self._lock:
                 if len(self._plans) > 1024:
                     self._plans.clear()
-                runs = self._plans[key] = block_runs(src, dst)
-        try:
-            copies = byte_runs(self.layout, dest.layers, layer, runs)
-            nbytes = sum(n for *_, n in copies)
-        except InvalidArgumentError as e:
-            self._fail_items(items, str(e))
-            return
-        if not self._slots.acquire(timeout=2 * self.stall_timeout):
+                self._plans[key] = runs
+        copies = dest.planner.copies(layer, runs)
+        nbytes = dest.planner.block_bytes[layer] * len(src)
+        if not dest.slots.acquire(timeout=2 * self.stall_timeout):
             self._fail_items(items, f"no layer landed for {2 * self.stall_timeout:g} s")
             return
         submit_ns = time.monotonic_ns()
         try:
             batch = dest.link.submit(copies)
         except TransferError as e:
-            self._slots.release()
+            dest.slots.release()
             self._fail_items(items, str(e))
             return
         for request, _ in items:
             if request.first_submit_ns is None:
                 request.first_submit_ns = submit_ns
-        self._queue.put(_Submit(batch, dest, layer, items, nbytes, signal_ns, submit_ns))
+        submit = _Submit(batch, dest, layer, items, nbytes, signal_ns, submit_ns)
+        with self._lock:
+            inline, reason = dest.outstanding == 0, None  # none before it: done at once?
+            if inline:
+                try:
+                    inline = batch.done()
+                except TransferError as e:
+                    reason = str(e)
+            if not inline and reason is None:
+                dest.outstanding += 1
+        if inline or reason is not None:
+            self._completed(submit, reason)
+        else:
+            dest.queue.put(submit)
 
     # ---- completion -----------------------------------------------------------------
 
-    def _complete(self) -> None:
-        """The completion thread: each submit in order, waited for; then the requests it
-        finished."""
-        while (submit := self._queue.get()) is not None:
+    def _complete(self, dest: Destination) -> None:
+        """A destination's completion thread: each of its submits in order, waited for."""
+        while (submit := dest.queue.get()) is not None:
             reason = None
             try:
                 submit.batch.wait(self.stall_timeout)
@@ -279,32 +306,38 @@ class KVStreamer:
                 reason = str(e)
             except Exception as e:  # a transport's bug: the transfer failed, say why
                 reason = f"the transport failed: {type(e).__name__}: {e}"
-            end_ns = time.monotonic_ns()
-            self._slots.release()
-            self.metrics.layer(
-                LayerRecord(
-                    submit.layer,
-                    len(submit.items),
-                    submit.nbytes,
-                    submit.signal_ns,
-                    submit.submit_ns,
-                    end_ns,
-                    reason is None,
-                )
+            self._completed(submit, reason)
+            with self._lock:
+                dest.outstanding -= 1
+
+    def _completed(self, submit: _Submit, reason: str | None) -> None:
+        """A submit landed (reason None) or failed: its slot goes back, its numbers are
+        kept, and the requests it finished end."""
+        submit.dest.slots.release()
+        self.metrics.layer(
+            LayerRecord(
+                submit.layer,
+                len(submit.items),
+                submit.nbytes,
+                submit.signal_ns,
+                submit.submit_ns,
+                time.monotonic_ns(),
+                reason is None,
             )
-            if reason is not None:
-                self._fail_items(submit.items, reason)
-                continue
-            per_block = sum(spec.block_bytes for spec in self.layout.layers[submit.layer])
-            for request, blocks in submit.items:
-                with self._lock:
-                    request.in_flight -= 1
-                    request.nbytes += per_block * blocks
-                self._finish_if_done(request)
+        )
+        if reason is not None:
+            self._fail_items(submit.items, reason)
+            return
+        per_block = submit.dest.planner.block_bytes[submit.layer]
+        for request, blocks in submit.items:
+            with self._lock:
+                request.in_flight -= 1
+                request.nbytes += per_block * blocks
+            self._finish_if_done(request)
 
     def _finish_if_done(self, request: _Request) -> None:
         with self._lock:
-            if request.ended or request.in_flight or not request.all_sent():
+            if request.ended or request.in_flight or request.unsent_layers:
                 return
             request.ended = True
         try:
@@ -371,6 +404,7 @@ class KVStreamer:
         """(request, why) of those no decode side claimed within claim_timeout, and of
         those whose decode side is gone (under the lock; failed by the caller, outside it)."""
         now, problems, out = time.monotonic(), {}, []
+        self._next_check = now + CHECK_S
         for request in self._requests.values():
             if request.ended:
                 continue
@@ -405,16 +439,26 @@ class KVStreamer:
         with self._lock:
             return len(self._requests)
 
+    def _retire(self, dest: Destination) -> None:
+        """Stop `dest`'s completion thread (after what it has queued) and close its link."""
+        dest.queue.put(None)
+        if dest.thread is not None and dest.thread is not threading.current_thread():
+            dest.thread.join()
+        dest.link.close()
+
     def close(self) -> None:
-        """Stop the completion thread (after what is in flight); the requests not ended
-        are failed."""
+        """Wait for what is in flight, then fail the requests not ended and close every
+        link."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._completer.join()
-        self.abort("the streamer was closed")
         with self._lock:
             destinations, self._destinations = list(self._destinations.values()), {}
+        for dest in destinations:
+            dest.queue.put(None)
+        for dest in destinations:
+            if dest.thread is not None:
+                dest.thread.join()
+        self.abort("the streamer was closed")
         for dest in destinations:
             dest.link.close()

@@ -1,6 +1,7 @@
-"""The two sides of a transfer for pdhal.transfer's tests: source caches whose every block
-holds a byte saying which (layer, cache, block) it is, and a decode process holding a
-KVReceiver, driven by lines of JSON, that reports each outcome with what its caches hold."""
+"""The two sides of a transfer, for tests of pdhal.transfer and of transports: source
+caches whose every block holds a byte saying which (layer, cache, block) it is, and a
+decode process holding a KVReceiver over a transport, driven by lines of JSON, that reports
+each outcome with what its caches hold."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
 for row in caches:
     for c in row:
         c[:] = 0
-receiver = transfer.KVReceiver(transfer.CacheLayout.from_caches(caches), sys.argv[1], slots=8)
+layout = transfer.CacheLayout.from_caches(caches)
+receiver = transfer.KVReceiver(layout, sys.argv[1], transport_name=sys.argv[2], slots=8)
 say = lambda *m: print(json.dumps(m), flush=True)
 say("described", receiver.describe())
 for line in sys.stdin:
@@ -70,9 +72,9 @@ say("closed")
 class Decode:
     """A decode process holding a KVReceiver, driven by lines of JSON."""
 
-    def __init__(self, name: str = "decode"):
+    def __init__(self, name: str = "decode", transport: str = "shm"):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", DECODE, name],
+            [sys.executable, "-c", DECODE, name, transport],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -106,6 +108,12 @@ class Decode:
         assert self.proc.wait(timeout=30) == 0
         self.proc.stdin.close()
         self.proc.stdout.close()
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self):
+        self.proc.send_signal(signal.SIGCONT)
 
     def kill(self):
         self.proc.send_signal(signal.SIGKILL)

@@ -1,0 +1,251 @@
+"""Benchmark: pdhal.transfer's streamer while the model computes, against the floors it is
+judged by, side by side in one run.
+
+A worker process stands in for the model: each step it computes every layer (a numpy
+matmul sized to about BENCH_LAYER_MS), writes the layer's KV blocks of BENCH_REQUESTS
+requests into its caches (pdhal shared memory), notes the time and signals the layer (per
+query). This process is the cache messager: it waits on the channel and, per layer, either
+hands the layer to a KVStreamer over the shm transport into a decode process's KVReceiver
+(even steps) or memmoves the very same runs into the same decode caches itself (odd steps:
+the floor). The caches are the demo's default model's (32 layers, K and V, blocks of 64
+tokens x 4 heads x 32 dims x fp32 = 32 KiB).
+
+- shm_vs_memcpy_under_compute: memmove time / streamer time for the same bytes, each
+  measured from the layer's wake-up to the bytes being in the decode cache, while the
+  worker computes on the other core (1.0: the streamer costs nothing over the copy).
+- signal_to_submit_vs_floor: p50 of (submit - the worker's signal time) over p50 of the
+  kernel wake floor: a reader blocked in read() on a pipe, woken by a writer's timestamp,
+  measured in the same run while the worker computes.
+- exposed_transfer_ms: p50 over requests of landed minus the end of the last layer's
+  compute (its signal time); layer_compute_ms: the worker's p50 layer time.
+- mooncake_vs_te_bench_under_compute: null until the mooncake transport exists.
+
+`--json` prints one object; BENCH_SMOKE=1 (make bench-smoke) runs the same on tiny sizes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"
+LAYERS = int(os.environ.get("BENCH_LAYERS", "4" if SMOKE else "32"))
+STEPS = int(os.environ.get("BENCH_STEPS", "2" if SMOKE else "16"))  # half streamer, half floor
+REQUESTS = int(os.environ.get("BENCH_REQUESTS", "2" if SMOKE else "4"))
+BLOCKS_PER_REQUEST = int(os.environ.get("BENCH_BLOCKS", "2" if SMOKE else "8"))
+BLOCK_TOKENS = 64
+BLOCK_BYTES = int(os.environ.get("BENCH_BLOCK_BYTES", str(4 * 64 * 32 * 4)))
+LAYER_MS = float(os.environ.get("BENCH_LAYER_MS", "0.5" if SMOKE else "2"))
+WAKES = 40 if SMOKE else 400
+BLOCKS = REQUESTS * BLOCKS_PER_REQUEST
+
+WORKER = f"""
+import sys, time
+import numpy as np
+from pdhal import ops
+L, B, BB, STEPS = {LAYERS}, {BLOCKS}, {BLOCK_BYTES}, {STEPS}
+buffers = [[ops.host_alloc(B * BB) for _ in "KV"] for _ in range(L)]
+for layer, row in enumerate(buffers):
+    for kv, buf in enumerate(row):
+        ops.set_data_ipc(buf, f"bench.prefill.l{{layer}}{{kv}}")
+caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
+times_buf = ops.host_alloc(8 * L)
+ops.set_data_ipc(times_buf, "bench.times")
+times = times_buf.as_numpy("int64", (L,))
+a = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)
+def compute(ms):
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        a @ a
+print("ready", flush=True)
+sys.stdin.readline()
+layer_ms = []
+for step in range(STEPS):
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    for layer in range(L):
+        t = time.perf_counter()
+        compute({LAYER_MS})
+        for kv in range(2):
+            caches[layer][kv][:] = (step + layer + kv) % 251
+        layer_ms.append((time.perf_counter() - t) * 1e3)
+        times[layer] = time.monotonic_ns()
+        ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer))
+    sys.stdin.readline()  # the messager is done with this step
+print(sorted(layer_ms)[len(layer_ms) // 2], flush=True)
+sys.stdin.readline()
+"""
+
+DECODE = f"""
+import json, sys
+from pdhal import ops, transfer
+L, B, BB = {LAYERS}, {BLOCKS}, {BLOCK_BYTES}
+buffers = [[ops.host_alloc(B * BB) for _ in "KV"] for _ in range(L)]
+caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
+receiver = transfer.KVReceiver(transfer.CacheLayout.from_caches(caches), "bench-decode")
+print(json.dumps(receiver.describe()), flush=True)
+for line in sys.stdin:
+    command = json.loads(line)
+    if command[0] == "expect":
+        print(json.dumps([receiver.expect(r, 60.0) for r in command[1]]), flush=True)
+    elif command[0] == "wait":
+        print(json.dumps([receiver.wait(r).landed for r in command[1]]), flush=True)
+    else:
+        break
+receiver.close()
+"""
+
+COMPUTE = """
+import time
+import numpy as np
+a = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)
+while True:
+    a @ a
+"""
+
+
+def child(code: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def say(proc: subprocess.Popen, line: str = "") -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def wake_floor() -> list[float]:
+    """Microseconds from a writer's timestamp to a reader blocked in read() having it."""
+    r, w = os.pipe()
+    samples = []
+
+    def reader():
+        for _ in range(WAKES):
+            sent = int.from_bytes(os.read(r, 8), "little")
+            samples.append((time.monotonic_ns() - sent) / 1e3)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for _ in range(WAKES):
+        time.sleep(0.0005)  # the reader is asleep in read() again
+        os.write(w, time.monotonic_ns().to_bytes(8, "little"))
+    thread.join()
+    os.close(r)
+    os.close(w)
+    return samples
+
+
+def main() -> dict:
+    from pdhal import ops, transfer
+
+    os.environ.setdefault("PDHAL_NAMESPACE", f"bench{os.getpid()}")
+    worker, decode = child(WORKER), child(DECODE)
+    assert worker.stdout.readline().strip() == "ready"
+    described = json.loads(decode.stdout.readline())
+    prefill = [
+        [
+            ops.share_external_data("uint8", f"bench.prefill.l{layer}{kv}", [BLOCKS, BLOCK_BYTES])
+            for kv in range(2)
+        ]
+        for layer in range(LAYERS)
+    ]
+    times = ops.share_external_data("int64", "bench.times", [LAYERS])
+    layout = transfer.CacheLayout.from_caches(prefill)
+    streamer = transfer.KVStreamer(layout, BLOCK_TOKENS, max_layers_in_flight=8)
+    dest = streamer.connect(described)
+    bases = [ops.get_data_ptr_ipc(None, name) for name in described["names"]]
+    blocks = list(range(BLOCKS))
+    runs = transfer.block_runs(blocks, blocks[::-1])  # scattered: one run per block
+    floor_runs = [
+        [
+            (src, bases[region] + offset, n)
+            for src, region, offset, n in dest.planner.copies(layer, runs)
+        ]
+        for layer in range(LAYERS)
+    ]
+    streamed_s = memmoved_s = 0.0
+    to_submit, exposed = [], []
+    reader = None
+    say(worker)
+    for step in range(STEPS):
+        streaming = step % 2 == 0
+        ids = [f"s{step}r{r}" for r in range(REQUESTS)]
+        if streaming:
+            say(decode, json.dumps(["expect", ids]))
+            tickets = json.loads(decode.stdout.readline())
+            for r, (request, ticket) in enumerate(zip(ids, tickets)):
+                own = blocks[r * BLOCKS_PER_REQUEST : (r + 1) * BLOCKS_PER_REQUEST]
+                streamer.add_request(request, own, BLOCKS_PER_REQUEST * BLOCK_TOKENS)
+                streamer.set_destination(request, dest, own[::-1], ticket)
+        if reader is None:
+            reader = ops.open_kv_signal_reader(0, 0, timeout=60)
+            seen = (0, -1)
+        done = -1
+        while done < LAYERS - 1:
+            seen = reader.wait(seen, timeout=60)
+            if seen[0] != step + 1:
+                continue
+            for layer in range(done + 1, seen[1] + 1):
+                started = time.perf_counter()
+                if streaming:
+                    ready = [(r, BLOCKS_PER_REQUEST * BLOCK_TOKENS) for r in ids]
+                    streamer.layer_ready(layer, ready, signal_ns=int(times[layer]))
+                    streamed_s += time.perf_counter() - started
+                else:
+                    for src, dst, n in floor_runs[layer]:
+                        ctypes.memmove(dst, src, n)
+                    memmoved_s += time.perf_counter() - started
+            done = seen[1]
+        if streaming:
+            ended = []
+            while len(ended) < REQUESTS:
+                ended += streamer.poll()
+            landed_at = time.monotonic_ns()  # every request's status is in its slot
+            assert all(o.landed for o in ended), ended
+            say(decode, json.dumps(["wait", ids]))
+            assert all(json.loads(decode.stdout.readline()))
+            exposed.append((landed_at - int(times[LAYERS - 1])) / 1e6)
+        say(worker)
+    layer_ms = float(worker.stdout.readline())
+    for r in streamer.metrics.layers():
+        to_submit.append((r.submit_ns - r.signal_ns) / 1e3)
+    load = child(COMPUTE)  # the floor, measured while a core computes as the worker did
+    floor = wake_floor()
+    load.kill()
+    load.wait()
+    streamer.close()
+    reader.close()
+    say(worker)
+    say(decode, json.dumps(["exit"]))
+    for proc in (worker, decode):
+        proc.wait(timeout=60)
+    return {
+        "shm_vs_memcpy_under_compute": memmoved_s / streamed_s,
+        "mooncake_vs_te_bench_under_compute": None,
+        "mooncake_note": "the mooncake transport is not built yet (issue 23)",
+        "signal_to_submit_vs_floor": statistics.median(to_submit) / statistics.median(floor),
+        "signal_to_submit_us_p50": statistics.median(to_submit),
+        "wake_floor_us_p50": statistics.median(floor),
+        "exposed_transfer_ms": statistics.median(exposed),
+        "layer_compute_ms": layer_ms,
+        "bytes_per_layer": REQUESTS * BLOCKS_PER_REQUEST * 2 * BLOCK_BYTES,
+        "layers": LAYERS,
+        "steps": STEPS,
+        "streamer": streamer.metrics.snapshot(),
+    }
+
+
+if __name__ == "__main__":
+    result = main()
+    if "--json" in sys.argv:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            if key != "streamer":
+                print(f"{key}: {value}")

@@ -1,0 +1,1 @@
+"""pdhal-mooncake: the `mooncake` transport of pdhal.transfer (Mooncake's transfer engine)."""
