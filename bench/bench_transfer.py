@@ -18,7 +18,9 @@ tokens x 4 heads x 32 dims x fp32 = 32 KiB).
   measured in the same run while the worker computes.
 - exposed_transfer_ms: p50 over requests of landed minus the end of the last layer's
   compute (its signal time); layer_compute_ms: the worker's p50 layer time.
-- mooncake_vs_te_bench_under_compute: null until the mooncake transport exists.
+- mooncake_vs_te_bench_under_compute: the streamer over Mooncake (TCP, loopback; every step
+  streamed) in GiB/s while it transfers, over Mooncake's own transfer_engine_bench with the
+  same block size and batch, one thread, while a core computes.
 
 `--json` prints one object; BENCH_SMOKE=1 (make bench-smoke) runs the same on tiny sizes.
 """
@@ -87,7 +89,9 @@ from pdhal import ops, transfer
 L, B, BB = {LAYERS}, {BLOCKS}, {BLOCK_BYTES}
 buffers = [[ops.host_alloc(B * BB) for _ in "KV"] for _ in range(L)]
 caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
-receiver = transfer.KVReceiver(transfer.CacheLayout.from_caches(caches), "bench-decode")
+receiver = transfer.KVReceiver(
+    transfer.CacheLayout.from_caches(caches), "bench-decode", transport_name=sys.argv[1]
+)
 print(json.dumps(receiver.describe()), flush=True)
 for line in sys.stdin:
     command = json.loads(line)
@@ -109,9 +113,13 @@ while True:
 """
 
 
-def child(code: str) -> subprocess.Popen:
+def child(code: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL if "mooncake" in args else None,  # Mooncake's own logging
+        text=True,
     )
 
 
@@ -141,11 +149,24 @@ def wake_floor() -> list[float]:
     return samples
 
 
-def main() -> dict:
+def busy_seconds(records) -> float:
+    """Seconds during which at least one of `records` (submit_ns, end_ns) was in flight."""
+    total, end = 0, 0
+    for r in sorted(records, key=lambda r: r.submit_ns):
+        start = max(r.submit_ns, end)
+        if r.end_ns > start:
+            total += r.end_ns - start
+        end = max(end, r.end_ns)
+    return total / 1e9
+
+
+def phase(transport_name: str, with_floor: bool) -> dict:
+    """One run of the worker's steps through a streamer over `transport_name`; with_floor:
+    every other step memmoves the same runs instead (shm: the floor it is judged by)."""
     from pdhal import ops, transfer
 
-    os.environ.setdefault("PDHAL_NAMESPACE", f"bench{os.getpid()}")
-    worker, decode = child(WORKER), child(DECODE)
+    os.environ["PDHAL_NAMESPACE"] = f"bench{os.getpid()}{transport_name}"
+    worker, decode = child(WORKER), child(DECODE, transport_name)
     assert worker.stdout.readline().strip() == "ready"
     described = json.loads(decode.stdout.readline())
     prefill = [
@@ -157,24 +178,27 @@ def main() -> dict:
     ]
     times = ops.share_external_data("int64", "bench.times", [LAYERS])
     layout = transfer.CacheLayout.from_caches(prefill)
-    streamer = transfer.KVStreamer(layout, BLOCK_TOKENS, max_layers_in_flight=8)
+    streamer = transfer.KVStreamer(
+        layout, BLOCK_TOKENS, transport_name=transport_name, max_layers_in_flight=8
+    )
     dest = streamer.connect(described)
-    bases = [ops.get_data_ptr_ipc(None, name) for name in described["names"]]
     blocks = list(range(BLOCKS))
     runs = transfer.block_runs(blocks, blocks[::-1])  # scattered: one run per block
-    floor_runs = [
-        [
-            (src, bases[region] + offset, n)
-            for src, region, offset, n in dest.planner.copies(layer, runs)
+    if with_floor:
+        bases = [ops.get_data_ptr_ipc(None, name) for name in described["names"]]
+        floor_runs = [
+            [
+                (src, bases[region] + offset, n)
+                for src, region, offset, n in dest.planner.copies(layer, runs)
+            ]
+            for layer in range(LAYERS)
         ]
-        for layer in range(LAYERS)
-    ]
     streamed_s = memmoved_s = 0.0
-    to_submit, exposed = [], []
+    exposed = []
     reader = None
     say(worker)
     for step in range(STEPS):
-        streaming = step % 2 == 0
+        streaming = not with_floor or step % 2 == 0
         ids = [f"s{step}r{r}" for r in range(REQUESTS)]
         if streaming:
             say(decode, json.dumps(["expect", ids]))
@@ -206,6 +230,7 @@ def main() -> dict:
             ended = []
             while len(ended) < REQUESTS:
                 ended += streamer.poll()
+                time.sleep(0.0001)
             landed_at = time.monotonic_ns()  # every request's status is in its slot
             assert all(o.landed for o in ended), ended
             say(decode, json.dumps(["wait", ids]))
@@ -213,32 +238,72 @@ def main() -> dict:
             exposed.append((landed_at - int(times[LAYERS - 1])) / 1e6)
         say(worker)
     layer_ms = float(worker.stdout.readline())
-    for r in streamer.metrics.layers():
-        to_submit.append((r.submit_ns - r.signal_ns) / 1e3)
-    load = child(COMPUTE)  # the floor, measured while a core computes as the worker did
-    floor = wake_floor()
-    load.kill()
-    load.wait()
+    records = streamer.metrics.layers()
     streamer.close()
     reader.close()
     say(worker)
     say(decode, json.dumps(["exit"]))
     for proc in (worker, decode):
         proc.wait(timeout=60)
+    streamed_bytes = sum(r.nbytes for r in records)
     return {
-        "shm_vs_memcpy_under_compute": memmoved_s / streamed_s,
+        "streamed_s": streamed_s,
+        "memmoved_s": memmoved_s,
+        "signal_to_submit_us": [(r.submit_ns - r.signal_ns) / 1e3 for r in records],
+        "exposed_ms": exposed,
+        "layer_ms": layer_ms,
+        "gib_s": streamed_bytes / busy_seconds(records) / 2**30,
+        "snapshot": streamer.metrics.snapshot(),
+    }
+
+
+def te_bench_under_compute() -> float | None:
+    """Mooncake's transfer_engine_bench (write, TCP, loopback; the streamer's block size and
+    batch, one thread) while a core computes as the worker does."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_demo import transfer_engine_bench
+
+    load = child(COMPUTE)
+    try:
+        return transfer_engine_bench(BLOCK_BYTES, 2 * BLOCKS, seconds=1 if SMOKE else 3)
+    finally:
+        load.kill()
+        load.wait()
+
+
+def main() -> dict:
+    shm = phase("shm", with_floor=True)
+    load = child(COMPUTE)  # the floor, measured while a core computes as the worker did
+    floor = wake_floor()
+    load.kill()
+    load.wait()
+    result = {
+        "shm_vs_memcpy_under_compute": shm["memmoved_s"] / shm["streamed_s"],
         "mooncake_vs_te_bench_under_compute": None,
-        "mooncake_note": "the mooncake transport is not built yet (issue 23)",
-        "signal_to_submit_vs_floor": statistics.median(to_submit) / statistics.median(floor),
-        "signal_to_submit_us_p50": statistics.median(to_submit),
+        "signal_to_submit_vs_floor": statistics.median(shm["signal_to_submit_us"])
+        / statistics.median(floor),
+        "signal_to_submit_us_p50": statistics.median(shm["signal_to_submit_us"]),
         "wake_floor_us_p50": statistics.median(floor),
-        "exposed_transfer_ms": statistics.median(exposed),
-        "layer_compute_ms": layer_ms,
+        "exposed_transfer_ms": statistics.median(shm["exposed_ms"]),
+        "layer_compute_ms": shm["layer_ms"],
         "bytes_per_layer": REQUESTS * BLOCKS_PER_REQUEST * 2 * BLOCK_BYTES,
         "layers": LAYERS,
         "steps": STEPS,
-        "streamer": streamer.metrics.snapshot(),
+        "shm": shm["snapshot"],
     }
+    try:
+        mooncake = phase("mooncake", with_floor=False)
+    except Exception as e:  # no Mooncake here: say why, measure the rest
+        result["mooncake_note"] = f"{type(e).__name__}: {e}"
+        return result
+    reference = te_bench_under_compute()
+    result["mooncake_gib_s"] = mooncake["gib_s"]
+    result["te_bench_gib_s"] = reference
+    if reference:
+        result["mooncake_vs_te_bench_under_compute"] = mooncake["gib_s"] / reference
+    result["mooncake_exposed_transfer_ms"] = statistics.median(mooncake["exposed_ms"])
+    result["mooncake"] = mooncake["snapshot"]
+    return result
 
 
 if __name__ == "__main__":
@@ -247,5 +312,5 @@ if __name__ == "__main__":
         print(json.dumps(result))
     else:
         for key, value in result.items():
-            if key != "streamer":
+            if not isinstance(value, dict):
                 print(f"{key}: {value}")

@@ -88,6 +88,26 @@ def test_a_destination_known_late_gets_the_layers_ready_before_it(decode, stream
     assert landed_blocks(dump, 3) == expected(0) and landed_blocks(dump, 7) == expected(1)
 
 
+def test_a_prefix_the_decode_side_cached_is_not_sent(decode, streamer):
+    """Prefix caching: of a 16-token prompt (4 blocks), the decode side has the first 2; the
+    last 2 go (source blocks 6, 7 -> 2, 3) as the tokens past the prefix fill them."""
+    streamer.add_request("p", [6, 7], 16, cached_blocks=2)
+    streamer.set_destination("p", streamer.connect(decode.described), [2, 3], decode.expect("p"))
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("p", 8)])  # only the cached prefix: nothing to send
+    assert streamer.metrics.layers() == []
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("p", 16)])
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("p", True)]
+    landed, _, dump, _ = decode.wait("p")
+    assert (
+        landed and landed_blocks(dump, 2) == expected(6) and landed_blocks(dump, 3) == expected(7)
+    )
+    assert landed_blocks(dump, 0) == [[0] * CACHES] * LAYERS
+    with pytest.raises(pdhal.InvalidArgumentError, match="2 cached\\) needs 2 blocks, got 3"):
+        streamer.add_request("q", [0, 1, 2], 16, cached_blocks=2)
+
+
 def test_requests_of_one_step_coalesce_into_runs_consecutive_on_both_sides(decode, streamer):
     """Two requests whose blocks are consecutive on both sides, signalled together, are one
     run per cache: the layer's submit carries 2 copies, not 4."""

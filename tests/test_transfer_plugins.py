@@ -104,3 +104,29 @@ def test_a_stalled_or_failed_submit_fails_its_request_on_both_sides_and_not_the_
     finally:
         streamer.close()
         decode.close()
+
+
+def test_a_request_has_not_landed_while_a_layer_of_it_is_in_flight(installed, monkeypatch):
+    """Layer 0 lands late (delayed), layer 2 never (stalled), layer 1 between: when layer 0
+    lands, every layer has been submitted but two are in flight; the request must not be
+    reported landed then, and ends failed on both sides once layer 2 stalls."""
+    monkeypatch.setenv("PDHAL_FAULTY_TRANSPORT", "delay:1,stall:3")
+    decode = Decode()
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(source_caches()),
+        BLOCK_TOKENS,
+        transport_name="faulty",
+        stall_timeout=0.3,
+    )
+    try:
+        streamer.add_request("a", [0], 4)
+        streamer.set_destination("a", streamer.connect(decode.described), [1], decode.expect("a"))
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("a", 4)])
+        [ended] = outcomes_until(streamer, 1)
+        assert not ended.landed and "injected stall" in ended.reason
+        landed, reason, _, _ = decode.wait("a")
+        assert not landed and "injected stall" in reason
+    finally:
+        streamer.close()
+        decode.close()

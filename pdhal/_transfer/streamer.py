@@ -50,6 +50,7 @@ class _Request:
     prompt_tokens: int
     added: float
     layers: int
+    cached: int = 0  # the prompt's first blocks, on the decode side already
     dest: Destination | None = None
     dst_blocks: list[int] = field(default_factory=list)
     ticket: dict | None = None
@@ -72,7 +73,7 @@ class _Request:
         tokens = self.ready[layer]
         if tokens >= self.prompt_tokens:
             return self.blocks
-        return min(tokens // block_tokens, self.blocks)
+        return min(max(tokens // block_tokens - self.cached, 0), self.blocks)
 
     def mark_sent(self, layer: int, blocks: int) -> None:
         self.sent[layer] = blocks
@@ -158,22 +159,33 @@ class KVStreamer:
             self._destinations[key] = dest
         return dest
 
-    def add_request(self, request_id: str, src_blocks, prompt_tokens: int) -> None:
+    def add_request(
+        self, request_id: str, src_blocks, prompt_tokens: int, cached_blocks: int = 0
+    ) -> None:
         """A request whose KV is (or will be) in `src_blocks` of the prefill caches, its
-        prompt `prompt_tokens` long; failed if no destination is set within claim_timeout."""
+        prompt `prompt_tokens` long; failed if no destination is set within claim_timeout.
+        `cached_blocks`: the prompt's first blocks, which the decode side has already (a
+        prefix it cached): not sent, and not in `src_blocks`."""
         src = list(src_blocks)
-        need = -(-prompt_tokens // self.block_tokens) if isinstance(prompt_tokens, int) else -1
-        if isinstance(prompt_tokens, bool) or need < 1 or len(src) != need:
+        whole = -(-prompt_tokens // self.block_tokens) if isinstance(prompt_tokens, int) else -1
+        cached = cached_blocks if isinstance(cached_blocks, int) else -1
+        need = whole - cached
+        if isinstance(prompt_tokens, bool) or whole < 1 or not 0 <= cached < whole:
             raise InvalidArgumentError(
                 f"request {request_id!r}: a prompt of {prompt_tokens!r} tokens in blocks of "
-                f"{self.block_tokens} needs {need} blocks, got {len(src)}"
+                f"{self.block_tokens}, {cached_blocks!r} of them cached, sends nothing"
+            )
+        if len(src) != need:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: a prompt of {prompt_tokens!r} tokens in blocks of "
+                f"{self.block_tokens} ({cached} cached) needs {need} blocks, got {len(src)}"
             )
         block_runs(src, src)  # checks the ids
         with self._lock:
             if request_id in self._requests:
                 raise InvalidArgumentError(f"request {request_id!r} was added already")
             self._requests[request_id] = _Request(
-                request_id, src, prompt_tokens, time.monotonic(), self.layout.num_layers
+                request_id, src, prompt_tokens, time.monotonic(), self.layout.num_layers, cached
             )
 
     def set_destination(self, request_id: str, dest: Destination, dst_blocks, ticket) -> None:
@@ -266,9 +278,12 @@ class KVStreamer:
                 self._plans[key] = runs
         copies = dest.planner.copies(layer, runs)
         nbytes = dest.planner.block_bytes[layer] * len(src)
-        if not dest.slots.acquire(timeout=2 * self.stall_timeout):
-            self._fail_items(items, f"no layer landed for {2 * self.stall_timeout:g} s")
-            return
+        # The window is full until the completion thread settles a submit, which it does
+        # within stall_timeout each: wait for it, as long as it runs.
+        while not dest.slots.acquire(timeout=self.stall_timeout):
+            if dest.thread is None or not dest.thread.is_alive():
+                self._fail_items(items, "this destination's completion thread is gone")
+                return
         submit_ns = time.monotonic_ns()
         try:
             batch = dest.link.submit(copies)

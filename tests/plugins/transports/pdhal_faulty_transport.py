@@ -1,6 +1,7 @@
-"""Test-only: the shm transport with the faults a test names in PDHAL_FAULTY_TRANSPORT,
-"stall:N" (the Nth submit of each link never lands: its wait times out) or "fail:N" (the
-Nth submit raises TransferError); every other submit is shm's."""
+"""Test-only: the shm transport with the faults a test names in PDHAL_FAULTY_TRANSPORT, a
+comma-separated list of "stall:N" (the Nth submit of each link never lands: its wait times
+out), "fail:N" (the Nth submit raises TransferError) and "delay:N" (the Nth submit's bytes
+are copied only when it is waited for, 0.1 s later); every other submit is shm's."""
 
 import os
 import time
@@ -18,18 +19,36 @@ class _Stalled(Batch):
         raise TransferError(f"injected stall: not landed after {timeout:g} s")
 
 
+class _Delayed(Batch):
+    def __init__(self, link: Link, runs):
+        self._link, self._runs, self._landed = link, runs, False
+
+    def done(self) -> bool:
+        return self._landed
+
+    def wait(self, timeout: float) -> None:
+        time.sleep(0.1)
+        self._link.submit(self._runs).wait(timeout)
+        self._landed = True
+
+
 class FaultyLink(Link):
     def __init__(self, link: Link):
         self._link, self.regions, self._submits = link, link.regions, 0
-        kind, _, count = os.environ.get("PDHAL_FAULTY_TRANSPORT", "").partition(":")
-        self._fault, self._at = kind, int(count or 0)
+        self._faults = {}
+        for fault in filter(None, os.environ.get("PDHAL_FAULTY_TRANSPORT", "").split(",")):
+            kind, _, count = fault.partition(":")
+            self._faults[int(count)] = kind
 
     def submit(self, runs):
         self._submits += 1
-        if self._submits == self._at and self._fault == "fail":
+        fault = self._faults.get(self._submits)
+        if fault == "fail":
             raise TransferError("injected failure")
-        if self._submits == self._at and self._fault == "stall":
+        if fault == "stall":
             return _Stalled()
+        if fault == "delay":
+            return _Delayed(self._link, runs)
         return self._link.submit(runs)
 
     def problem(self):
