@@ -72,9 +72,14 @@ say("closed")
 class Decode:
     """A decode process holding a KVReceiver, driven by lines of JSON."""
 
-    def __init__(self, name: str = "decode", transport: str = "shm"):
+    def __init__(
+        self, name: str = "decode", transport: str = "shm", prefix=(), env: dict | None = None
+    ):
+        """`prefix`: a command to run it under (another network namespace); `env`: its
+        environment (default: this one's)."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", DECODE, name, transport],
+            [*prefix, sys.executable, "-c", DECODE, name, transport],
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
