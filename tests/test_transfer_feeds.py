@@ -10,6 +10,7 @@ after step 1) lands wrong."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -162,3 +163,48 @@ def test_blocks_go_as_their_layer_s_signal_makes_them_ready(mode):
         streamer.close()
         worker.close()
         decode.close()
+
+
+def test_a_dead_prefill_worker_fails_its_requests_on_both_sides(namespace):
+    """SIGKILL the model worker after step 1: the messager's reader says so
+    (ProducerDiedError), abort() ends what was in flight on both sides with that reason,
+    and the worker's leftovers are its own."""
+    decode, worker = Decode(), Worker("per_query")
+    streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS)
+    try:
+        dest = streamer.connect(decode.described)
+        for request in SOURCE:
+            streamer.add_request(request, SOURCE[request], PROMPT[request])
+            streamer.set_destination(request, dest, DEST[request], decode.expect(request))
+        feed = transfer.PerQueryFeed(streamer)
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            feed.step(1, [("a", 6), ("b", 6)])
+            seen = (0, -1)
+            while seen < (1, LAYERS - 1):
+                seen = reader.wait(seen, timeout=30)
+                feed.progress(seen)
+            worker.expect("step done")
+            worker.proc.kill()
+            worker.proc.wait(timeout=30)
+            with pytest.raises(pdhal.ProducerDiedError) as died:
+                reader.wait(seen, timeout=30)
+        streamer.abort(f"the prefill worker died: {died.value}")
+        ended = {o.request_id: o for o in outcomes_until(streamer, 2)}
+        assert ended["b"].landed, "b was whole after step 1"
+        assert not ended["a"].landed and "the prefill worker died" in ended["a"].reason
+        landed, reason, _, _ = decode.wait("a")
+        assert not landed and "the prefill worker died" in reason
+        assert decode.wait("b")[0] and streamer.pending() == 0
+    finally:
+        streamer.close()
+        worker.proc.stdin.close()
+        worker.proc.stdout.close()
+        decode.close()
+    removed, left = pdhal.cleanup(namespace)
+    names = sorted(os.path.basename(p).split(".", 3)[3] for p in removed)
+    caches = LAYERS * CACHES
+    assert left == [] and len(names) == 2 * caches + 1, names  # its caches, their records
+    assert all(  # ... and its channel: nothing else
+        n.startswith((f"buf.host.{worker.proc.pid}.", "buf.prefill.", "query.r0.d0")) for n in names
+    ), names
