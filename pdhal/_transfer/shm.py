@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import select
+import threading
 
 from pdhal import ops
 from pdhal._errors import InvalidArgumentError, PdhalError, TransferError
@@ -75,7 +76,7 @@ class ShmLink(Link):
         self.regions = list(described["regions"])
         self._names: list[str] = []
         self._bases: list[int] = []
-        self._pidfd, self._exit = -1, None
+        self._pidfd, self._exit, self._exit_lock = -1, None, threading.Lock()
         try:
             self._pidfd = os.pidfd_open(self._pid)
         except (AttributeError, OSError):  # no pidfds here, or gone already (/proc says)
@@ -94,10 +95,11 @@ class ShmLink(Link):
             raise
 
     def problem(self) -> str | None:
-        if self._exit is not None:
-            gone = bool(self._exit.poll(0))  # readable once the process exited
-        else:
-            gone = _start_time(self._pid) != self._started
+        with self._exit_lock:  # a poll object refuses two threads at once
+            if self._exit is not None:
+                gone = bool(self._exit.poll(0))  # readable once the process exited
+            else:
+                gone = _start_time(self._pid) != self._started
         return f"the destination process (pid {self._pid}) is gone" if gone else None
 
     def submit(self, runs: list[Run]) -> Batch:
@@ -121,9 +123,10 @@ class ShmLink(Link):
         self._bases = []
         while self._names:
             ops.unset_data_ipc(None, self._names.pop(), True, False)
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd, self._exit = -1, None
+        with self._exit_lock:
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd, self._exit = -1, None
 
 
 class ShmTransport(Transport):

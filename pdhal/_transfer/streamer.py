@@ -250,22 +250,25 @@ class KVStreamer:
     def _send(self, dest: Destination, layer: int, requests: list[_Request], signal_ns: int):
         """Submit the newly sendable blocks of `requests` in `layer` to `dest`."""
         with self._lock:
-            spans, items, src, dst = [], [], [], []
+            spans, items = [], []
             for request in requests:
                 first, end = request.sent[layer], request.sendable(layer, self.block_tokens)
                 if end <= first or request.ended:
                     continue
-                spans.append((request.id, first, end))
+                spans.append((request, first, end))
                 items.append((request, end - first))
-                src += request.src_blocks[first:end]
-                dst += request.dst_blocks[first:end]
                 request.mark_sent(layer, end)
                 request.in_flight += 1
             if not items:
                 return
-            key = (id(dest), tuple(spans))
-            runs = self._plans.get(key)
+            key = (id(dest), tuple((r.id, first, end) for r, first, end in spans))
+            runs = self._plans.get(key)  # every layer of a step sends the same spans
+        blocks = sum(n for _, n in items)
         if runs is None:
+            src, dst = [], []
+            for request, first, end in spans:
+                src += request.src_blocks[first:end]
+                dst += request.dst_blocks[first:end]
             try:
                 runs = block_runs(src, dst)
                 dest.planner.check(runs)
@@ -277,7 +280,7 @@ class KVStreamer:
                     self._plans.clear()
                 self._plans[key] = runs
         copies = dest.planner.copies(layer, runs)
-        nbytes = dest.planner.block_bytes[layer] * len(src)
+        nbytes = dest.planner.block_bytes[layer] * blocks
         # The window is full until the completion thread settles a submit, which it does
         # within stall_timeout each: wait for it, as long as it runs.
         while not dest.slots.acquire(timeout=self.stall_timeout):

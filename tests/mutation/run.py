@@ -178,6 +178,18 @@ def command(test: str) -> list[str]:
             "--pdhal-backend",
             test[4:],
         ]
+    if test.startswith("transport-kit:"):
+        return [
+            PYTHON,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "--pdhal-transport",
+            test[len("transport-kit:") :],
+        ]
     if test.startswith("make:"):
         return ["make", "-s", test[5:]]
     return [PYTHON, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test]

@@ -149,3 +149,34 @@ def test_connecting_and_closing_again_and_again_leaks_nothing(transport, destina
     for _ in range(30):
         cycle()
     assert fds() == before
+
+
+def test_a_link_is_used_from_several_threads_at_once(transport, destination):
+    """The streamer submits from its caller's thread and asks problem() from there and from
+    each completion thread: concurrent calls must all work, every byte landing."""
+    import threading
+
+    dest = destination([8 * 4096])
+    source = _source(8 * 4096, seed=9)
+    link = transport.connect(dest.described, [(source.ctypes.data, source.nbytes)])
+    errors = []
+
+    def hammer(part: int):
+        try:
+            for _ in range(300):
+                assert link.problem() is None
+                offset = part * 4096
+                link.submit([(source.ctypes.data + offset, 0, offset, 4096)]).wait(30.0)
+        except Exception as e:  # reported below, with the thread's part
+            errors.append(f"part {part}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=hammer, args=(part,)) for part in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert dest.digests() == [_digest(source)]
+    finally:
+        link.close()
