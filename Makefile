@@ -61,7 +61,7 @@ demo: $(STAMP)
 stress: $(STAMP)
 	$(PY) -m pytest -q -s -p no:cacheprovider stress
 	PDHAL_MANY_READERS_PUBLISHES=1000000 \
-	  $(PY) -m pytest -q -p no:cacheprovider tests/test_signals.py -k lose_no_wake
+	  $(PY) -m pytest -q -p no:cacheprovider tests/protocol/test_signals.py -k lose_no_wake
 
 bench: $(STAMP)
 	$(PY) bench/bench_signals.py

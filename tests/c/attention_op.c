@@ -1,7 +1,7 @@
 /* A stand-in for FastDeploy's attention ops (append_attention's encoder cache write on CUDA,
  * block_attn / split_rope_kvcache on XPU), reduced to what they do at the end of the encoder
  * cache write: queue the layer's K/V block writes on the stream, then post the layer signal
- * through pdhal's kernel form. Built by tests/test_fastdeploy_signals.py the way an engine
+ * through pdhal's kernel form. Built by tests/fastdeploy/test_fastdeploy_signals.py the way an engine
  * builds its extension, against the installed header and pdhal.get_library(), once per
  * simulated runtime (-DATTENTION_OP_CUDA or -DATTENTION_OP_XPU, linked against that
  * runtime's .so). No Python here: the library includes only pdhal.h and declares the few

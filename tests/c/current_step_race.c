@@ -2,7 +2,7 @@
  * that becomes the process's current one (whose layers a C op's "next layer" posts) must be
  * the later step, the one published last.
  *
- * Built from csrc/ by tests/test_current_step_race.py with -Wl,--wrap=pdhal_chunk_set_current:
+ * Built from csrc/ by tests/protocol/test_current_step_race.py with -Wl,--wrap=pdhal_chunk_set_current:
  * ring.c's call to make its step current comes here first. Thread A publishes step 1 and,
  * on its way to making it current, is held until thread B has either published step 2 and
  * made it current (possible only if A no longer holds the publish lock: the bug) or is

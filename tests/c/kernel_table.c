@@ -1,6 +1,6 @@
 /* kernel_table.c: fill the kernel-form channel table of one process (1024 channels) and
  * ask for one more: refused (0, ENFILE), and the table is never read or written past its
- * end. Built from csrc/ with AddressSanitizer by tests/test_kernel_forms.py, which sees an
+ * end. Built from csrc/ with AddressSanitizer by tests/protocol/test_kernel_forms.py, which sees an
  * access past the table even where the memory after it happens to look occupied.
  *
  * Usage: kernel_table FOLDER (the segments are made there and removed). Exit status 0 when

@@ -1,7 +1,7 @@
 /* race_test.c: memory-ordering and lost-wake checks of the C core, two threads in one
  * process (a producer handle and a reader handle on the same segment).
  *
- * Built from csrc/ with -DPDHAL_TEST_HOOKS (tests/test_races.py), and with
+ * Built from csrc/ with -DPDHAL_TEST_HOOKS (tests/protocol/test_races.py), and with
  * -fsanitize=thread by `make tsan`:
  *
  *   lost_wake        forces the interleaving in which a writer that looked for waiters

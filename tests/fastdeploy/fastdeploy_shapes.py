@@ -1,4 +1,4 @@
-"""FastDeploy-shaped scaffolding for tests/test_fastdeploy_signals.py: the schedule of
+"""FastDeploy-shaped scaffolding for tests/fastdeploy/test_fastdeploy_signals.py: the schedule of
 waves and chunks, the C attention op (tests/c/attention_op.c) and its device, FastDeploy-shaped
 attention backends and a prefill worker, and the messager process that checks every layer.
 The test module says what is tested; this one is how FastDeploy's code is imitated."""
@@ -22,7 +22,7 @@ from pdhal import ops
 from pdhal._protocol import core as _core
 from pdhal.compat import fastdeploy as fd
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 RUNTIMES = {
     "cuda": ("PDHAL_CUDART", "libcudart_sim.so", "gpu:0"),
     "xpu": ("PDHAL_XPURT", "libxpurt.so", "xpu:0"),
@@ -128,7 +128,7 @@ def build_op(kind: str, runtime_path: str, folder) -> str:
                 f"-I{pdhal.get_include()}",
                 "-o",
                 library,
-                os.path.join(HERE, "c", "attention_op.c"),
+                os.path.join(TESTS, "c", "attention_op.c"),
                 pdhal.get_library(),
                 runtime_path,
                 "-lpthread",

@@ -15,7 +15,7 @@ from pdhal import ops
 from pdhal._backends import registry as _registry
 from pdhal.testing.fixtures import install_distributions
 
-PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins")
+PLUGINS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plugins")
 
 
 @pytest.fixture(scope="module")

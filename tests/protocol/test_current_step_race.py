@@ -11,8 +11,8 @@ import subprocess
 
 import pdhal
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
+ROOT = os.path.dirname(TESTS)
 
 
 def test_of_two_racing_step_starts_the_later_step_is_current(tmp_path):
@@ -30,7 +30,7 @@ def test_of_two_racing_step_starts_the_later_step_is_current(tmp_path):
             f"-I{os.path.join(ROOT, 'csrc')}",
             "-o",
             binary,
-            os.path.join(HERE, "c", "current_step_race.c"),
+            os.path.join(TESTS, "c", "current_step_race.c"),
             *sorted(glob.glob(os.path.join(ROOT, "csrc", "*.c"))),
             "-lpthread",
             "-Wl,--wrap=pdhal_chunk_set_current",

@@ -18,7 +18,7 @@ import pdhal
 from pdhal import ops
 from pdhal._protocol.core import pack_progress, unpack_progress
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 
 # The messager process: loads the C library (which brings pdhal's C core with it) and runs
 # one of its loops; prints what the loop returned.
@@ -77,7 +77,7 @@ def messager_library(tmp_path_factory) -> str:
             f"-I{pdhal.get_include()}",
             "-o",
             str(library),
-            os.path.join(HERE, "c", "messager.c"),
+            os.path.join(TESTS, "c", "messager.c"),
             pdhal.get_library(),
         ],
         check=True,
@@ -225,8 +225,8 @@ def standalone_messager(tmp_path_factory) -> str:
             f"-I{pdhal.get_include()}",
             "-o",
             program,
-            os.path.join(HERE, "c", "messager_main.c"),
-            os.path.join(HERE, "c", "messager.c"),
+            os.path.join(TESTS, "c", "messager_main.c"),
+            os.path.join(TESTS, "c", "messager.c"),
             library,
             f"-Wl,-rpath,{os.path.dirname(library)}",
         ],

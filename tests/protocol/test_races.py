@@ -13,8 +13,8 @@ import pytest
 
 import pdhal
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
+ROOT = os.path.dirname(TESTS)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def race_test(tmp_path_factory) -> str:
             f"-I{os.path.join(ROOT, 'csrc')}",
             "-o",
             binary,
-            os.path.join(HERE, "c", "race_test.c"),
+            os.path.join(TESTS, "c", "race_test.c"),
             *sorted(glob.glob(os.path.join(ROOT, "csrc", "*.c"))),
             "-lpthread",
         ],

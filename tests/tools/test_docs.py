@@ -10,7 +10,7 @@ import pytest
 
 from pdhal.testing.fixtures import run_child
 
-DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs")
+DOCS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs")
 
 
 def _examples(name: str) -> list[tuple[int, str]]:

@@ -24,7 +24,7 @@ from pdhal._protocol import signals as _signals
 from pdhal._protocol.core import ffi, lib
 from pdhal.testing.fixtures import python_child, run_child
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 
 
 def _next_layer_store():
@@ -231,7 +231,7 @@ def test_a_messager_reads_on_after_acknowledging():
 def test_the_table_is_never_accessed_past_its_end(tmp_path):
     """tests/c/kernel_table.c under AddressSanitizer: 1024 channels, then one refused."""
     binary = str(tmp_path / "kernel_table")
-    root = os.path.dirname(HERE)
+    root = os.path.dirname(TESTS)
     subprocess.run(
         [
             "gcc",
@@ -247,7 +247,7 @@ def test_the_table_is_never_accessed_past_its_end(tmp_path):
             f"-I{os.path.join(root, 'csrc')}",
             "-o",
             binary,
-            os.path.join(HERE, "c", "kernel_table.c"),
+            os.path.join(TESTS, "c", "kernel_table.c"),
             *sorted(glob.glob(os.path.join(root, "csrc", "*.c"))),
             "-lpthread",
         ],

@@ -27,7 +27,7 @@ import pdhal.blocks
 import pdhal.ops
 import pdhal.transfer
 
-API_MD = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "api.md")
+API_MD = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "api.md")
 SPAN = re.compile(r"`([^`]+)`")
 #: The spans a bullet starts with: `a()`, `b()` (a remark), `c` ...
 LEADING_SPAN = re.compile(r"\s*`([^`]+)`(?:\s*\([^)]*\))?\s*(,)?")

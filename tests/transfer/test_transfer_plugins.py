@@ -26,7 +26,9 @@ from pdhal.testing.transfer_peers import (
     source_caches,
 )
 
-PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "transports")
+PLUGIN = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plugins", "transports"
+)
 
 
 @pytest.fixture(scope="module")
