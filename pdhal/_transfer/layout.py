@@ -14,6 +14,18 @@ from pdhal._errors import InvalidArgumentError
 from pdhal._memory.blocks import block_bytes_of, resolve
 from pdhal._protocol.names import validate_index
 
+#: The longest timeout pdhal.transfer takes (a day): beyond it, a bound means nothing.
+LONGEST_S = 86400.0
+
+
+def seconds(value: object, what: str) -> float:
+    """`value` as a timeout in seconds: a number > 0 and at most a day."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{what} must be a number of seconds, got {value!r}")
+    if not 0 < value <= LONGEST_S:
+        raise InvalidArgumentError(f"{what} must be in (0, {LONGEST_S:g}] seconds, got {value!r}")
+    return float(value)
+
 
 @dataclass(frozen=True)
 class CacheSpec:
@@ -139,8 +151,8 @@ class RunPlanner:
     """The byte copies of block runs from a source layout into a destination's layers:
     (source address, destination region, destination offset, bytes), one per run and
     cache (one per block where a stride is not the block size). What each layer needs is
-    worked out once; block ids are checked once per set of runs (check), against the
-    fewest blocks of any layer's cache."""
+    worked out once; src_blocks and dst_blocks are the fewest blocks of any layer's cache
+    on each side, which block ids are checked against (KVStreamer, before they are sent)."""
 
     def __init__(self, src: CacheLayout, dst_layers: list[list[CacheSpec]]):
         self._layers = [
@@ -163,18 +175,8 @@ class RunPlanner:
         #: Bytes one block is in each layer, all its caches together.
         self.block_bytes = [sum(s.block_bytes for s in caches) for caches in src.layers]
 
-    def check(self, runs) -> None:
-        """Refuse runs that reach past either side's caches."""
-        for s_first, d_first, count in runs:
-            if s_first + count > self.src_blocks or d_first + count > self.dst_blocks:
-                raise InvalidArgumentError(
-                    f"blocks {s_first}..{s_first + count - 1} -> {d_first}..{d_first + count - 1}"
-                    f" are outside the caches ({self.src_blocks} blocks here, "
-                    f"{self.dst_blocks} on the peer)"
-                )
-
     def copies(self, layer: int, runs) -> list[tuple[int, int, int, int]]:
-        """The copies of `runs` (checked) in `layer`."""
+        """The copies of `runs` in `layer` (ids within src_blocks and dst_blocks)."""
         out = []
         for base, s_stride, region, offset, d_stride, block, contiguous in self._layers[layer]:
             if contiguous:

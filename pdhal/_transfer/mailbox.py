@@ -1,17 +1,19 @@
 """The outcome of each transfer, where the destination side reads it: one 64-byte slot per
 expected request in a status region the destination's endpoint serves with its caches.
 
-A slot holds a word, (generation << 8) | state, and after it a reason of up to 56 bytes
-(UTF-8). The source side writes a failure's reason first and its word last, in separate
-submits, so the word never names a reason not yet there; a generation that is not the
-slot's current one (a late write for a request given up on) is ignored."""
+A slot holds a word, (generation << 8) | state, then a failure's reason: its generation
+(8 bytes) and up to 48 bytes of UTF-8. The source side writes a failure's reason first and
+its word last, in separate submits, so the word never names a reason not yet there; the
+destination clears a slot before it hands it out again, and a word or a reason of another
+generation (a late write for a request given up on) is not this request's."""
 
 from __future__ import annotations
 
 import struct
 
 SLOT_BYTES = 64
-REASON_BYTES = SLOT_BYTES - 8
+REASON_AT = 8  # the reason's generation, then its text
+REASON_TEXT = SLOT_BYTES - REASON_AT - 8
 PENDING, LANDED, FAILED = 0, 1, 2
 
 
@@ -19,15 +21,22 @@ def word(generation: int, state: int) -> bytes:
     return struct.pack("<Q", (generation << 8) | state)
 
 
-def reason_bytes(reason: str) -> bytes:
-    data = reason.encode("utf-8", "replace")[:REASON_BYTES]
-    return data.ljust(REASON_BYTES, b"\0")
+def reason_bytes(generation: int, reason: str) -> bytes:
+    """The reason area of a slot: the generation it belongs to, then the text."""
+    text = reason.encode("utf-8", "replace")[:REASON_TEXT].ljust(REASON_TEXT, b"\0")
+    return struct.pack("<Q", generation) + text
 
 
 def read(slot: memoryview, generation: int) -> tuple[int, str]:
-    """(state, reason) of `slot` for `generation`: PENDING while it names another."""
+    """(state, reason) of `slot` for `generation`: PENDING while its word is another's."""
     (value,) = struct.unpack_from("<Q", slot, 0)
-    if value >> 8 != generation or value & 0xFF not in (LANDED, FAILED):
+    state = value & 0xFF
+    if value >> 8 != generation or state not in (LANDED, FAILED):
         return PENDING, ""
-    reason = bytes(slot[8:SLOT_BYTES]).rstrip(b"\0").decode("utf-8", "replace")
-    return value & 0xFF, reason
+    if state == LANDED:
+        return LANDED, ""
+    (owner,) = struct.unpack_from("<Q", slot, REASON_AT)
+    if owner != generation:
+        return FAILED, "the prefill side failed it (its reason did not arrive)"
+    text = bytes(slot[REASON_AT + 8 : SLOT_BYTES]).rstrip(b"\0")
+    return FAILED, text.decode("utf-8", "replace")

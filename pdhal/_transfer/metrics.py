@@ -96,7 +96,7 @@ class TransferMetrics:
                 "layers_failed": self.layers_failed,
                 "requests_landed": self.requests_landed,
                 "requests_failed": self.requests_failed,
-                "throughput_gbps": self.bytes_landed / window / 1e9 if window > 0 else None,
+                "throughput_gb_s": self.bytes_landed / window / 1e9 if window > 0 else None,
             }
         landed = [r for r in layers if r.landed]
         to_submit = [(r.submit_ns - r.signal_ns) / 1e3 for r in landed]

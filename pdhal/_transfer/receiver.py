@@ -14,7 +14,7 @@ from pdhal import ops
 from pdhal._errors import InvalidArgumentError
 from pdhal._protocol.names import validate_name
 from pdhal._transfer import mailbox
-from pdhal._transfer.layout import CacheLayout
+from pdhal._transfer.layout import CacheLayout, seconds
 from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import transport
 
@@ -63,6 +63,7 @@ class KVReceiver:
         out = self._endpoint.describe()
         out["layout"] = self.layout.describe()
         out["status_region"] = len(self.layout.memory)
+        out["status_slots"] = len(self._generations)
         return out
 
     def expect(self, request_id: str, timeout: float) -> dict:
@@ -70,8 +71,7 @@ class KVReceiver:
         s): the ticket the prefill side needs with its destination blocks."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
-        if not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        timeout = seconds(timeout, "timeout")
         with self._lock:
             if request_id in self._expected:
                 raise InvalidArgumentError(f"request {request_id!r} is expected already")

@@ -6,6 +6,7 @@ another process)."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import select
@@ -71,8 +72,10 @@ class ShmLink(Link):
     is watched through a pidfd (opened once, then checked to be the described process by
     its start time), or through /proc where pidfds are missing."""
 
-    def __init__(self, described: dict, timeout: float):
+    def __init__(self, described: dict, sources: list[tuple[int, int]], timeout: float):
         self._pid, self._started = described["pid"], described["started"]
+        self._sources = sorted((int(a), int(a) + int(n)) for a, n in sources)
+        self._starts = [a for a, _ in self._sources]
         self.regions = list(described["regions"])
         self._names: list[str] = []
         self._bases: list[int] = []
@@ -107,11 +110,17 @@ class ShmLink(Link):
         if why is not None:
             raise TransferError(why)
         bases, sizes = self._bases, self.regions
-        for _, region, offset, nbytes in runs:
+        for src, region, offset, nbytes in runs:
             if not 0 <= region < len(bases) or offset < 0 or offset + nbytes > sizes[region]:
                 raise TransferError(
                     f"a run of {nbytes} bytes at offset {offset} of region {region} is outside "
                     f"the destination ({len(sizes)} regions of {sizes} bytes)"
+                )
+            at = bisect.bisect_right(self._starts, src) - 1
+            if at < 0 or src + nbytes > self._sources[at][1]:
+                raise TransferError(
+                    f"a run's source [{src:#x}, +{nbytes}) is outside the memory this link "
+                    f"was given to copy from"
                 )
         memmove = ctypes.memmove
         for src, region, offset, nbytes in runs:
@@ -140,7 +149,7 @@ class ShmTransport(Transport):
 
     def connect(self, described: dict, sources: list[tuple[int, int]]) -> Link:
         try:
-            return ShmLink(described, self._timeout)
+            return ShmLink(described, sources, self._timeout)
         except (KeyError, TypeError) as e:
             raise InvalidArgumentError(f"not an shm endpoint's description: {e}") from None
         except PdhalError as e:

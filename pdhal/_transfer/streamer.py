@@ -5,45 +5,38 @@ next layers compute.
 layer_ready(layer, [(request, tokens in the cache)]) is the whole interface to the signals
 (a per-query step's requests, or a per-chunk record's): a request's full blocks go as its
 chunks fill them, its last partial block once the prompt is whole. Runs consecutive on both
-sides are planned once per set of block pairs and reused for every layer. Up to
-max_layers_in_flight submits are in flight; a completion thread waits for them in order, and
-a request has landed once every layer of its prompt has, which its decode side then reads
-in its status slot. A failure ends the requests it touches, on both sides, and nothing else."""
+sides are planned once per step (the same block pairs in every layer). Each destination has
+its own window of max_layers_in_flight submits and a thread completing them in order; a
+send that finds the window full waits in that destination's backlog, so the caller never
+blocks on a slow decode side. A request ends once nothing of it is in flight: landed when
+every layer of its prompt has, which its decode side then reads in its status slot, or
+failed, which both sides hear. A failure ends the requests it touches, and nothing else.
+
+Transport calls are made outside the streamer's lock."""
 
 from __future__ import annotations
 
 import ctypes
-import queue
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 
-from pdhal._errors import InvalidArgumentError, TransferError
+from pdhal._errors import ClosedHandleError, InvalidArgumentError, TransferError
 from pdhal._transfer import mailbox
-from pdhal._transfer.contract import Batch, Link
-from pdhal._transfer.layout import CacheLayout, RunPlanner, block_runs
+from pdhal._transfer.destination import Destination, Send, StatusBuffers
+from pdhal._transfer.layout import CacheLayout, RunPlanner, block_runs, seconds
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import transport
 
 #: How often layer_ready looks for expired leases and dead peers (poll() always does).
 CHECK_S = 0.05
+#: Plans (a step's runs) kept; older ones are planned again if asked for.
+PLANS = 1024
 
 
-class Destination:
-    """One decode side this streamer sends to (from connect(describe())): its link, its
-    runs, and its own window of submits in flight with the thread that completes them in
-    order, so a stalled decode side holds up only its own transfers."""
-
-    def __init__(self, link: Link, planner: RunPlanner, status_region: int, window: int):
-        self.link, self.planner, self.status_region = link, planner, status_region
-        self.slots = threading.BoundedSemaphore(window)
-        self.queue: queue.Queue[_Submit | None] = queue.Queue()
-        self.outstanding = 0  # submits queued for its completion thread, or being waited
-        self.thread: threading.Thread | None = None
-
-
-@dataclass
+@dataclass(eq=False)
 class _Request:
     id: str
     src_blocks: list[int]
@@ -57,8 +50,9 @@ class _Request:
     ready: list[int] = field(default_factory=list)  # tokens in the cache, per layer
     sent: list[int] = field(default_factory=list)  # blocks submitted, per layer
     unsent_layers: int = 0  # layers not all of whose blocks were submitted
-    in_flight: int = 0  # submits carrying it not yet landed
-    ended: bool = False
+    in_flight: int = 0  # sends carrying it not settled yet (submitted or in a backlog)
+    failed: str | None = None  # why, once it failed
+    reported: bool = False  # its outcome is out
     nbytes: int = 0
     first_submit_ns: int | None = None
     last_signal_ns: int | None = None
@@ -67,6 +61,11 @@ class _Request:
         self.ready, self.sent = [0] * self.layers, [0] * self.layers
         self.blocks = len(self.src_blocks)
         self.unsent_layers = self.layers
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more of it is to be sent."""
+        return self.failed is not None or self.reported
 
     def sendable(self, layer: int, block_tokens: int) -> int:
         """Blocks of `layer` that may go: the full ones, the last partial one once whole."""
@@ -81,15 +80,10 @@ class _Request:
             self.unsent_layers -= 1
 
 
-@dataclass
-class _Submit:
-    batch: Batch
-    dest: Destination
-    layer: int
-    items: list  # (request, blocks) it carries
-    nbytes: int
-    signal_ns: int
-    submit_ns: int
+def _count(value: object, what: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidArgumentError(f"{what} must be an int >= {low}, got {value!r}")
+    return value
 
 
 class KVStreamer:
@@ -106,28 +100,20 @@ class KVStreamer:
         stall_timeout: float = 10.0,
         claim_timeout: float = 60.0,
     ):
-        for what, value in (
-            ("block_tokens", block_tokens),
-            ("max_layers_in_flight", max_layers_in_flight),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{what} must be an int >= 1, got {value!r}")
-        for what, value in (("stall_timeout", stall_timeout), ("claim_timeout", claim_timeout)):
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise InvalidArgumentError(f"{what} must be seconds > 0, got {value!r}")
-        self.layout, self.block_tokens = layout, block_tokens
-        self.stall_timeout, self.claim_timeout = float(stall_timeout), float(claim_timeout)
+        if not isinstance(layout, CacheLayout):
+            raise InvalidArgumentError(f"layout must be a CacheLayout, got {layout!r}")
+        self.layout = layout
+        self.block_tokens = _count(block_tokens, "block_tokens", 1)
+        self._window = _count(max_layers_in_flight, "max_layers_in_flight", 1)
+        self.stall_timeout = seconds(stall_timeout, "stall_timeout")
+        self.claim_timeout = seconds(claim_timeout, "claim_timeout")
         self._transport = transport(transport_name)
+        self._src_blocks = min(spec.blocks for caches in layout.layers for spec in caches)
         self._lock = threading.RLock()
         self._requests: dict[str, _Request] = {}
         self._outcomes: list[Outcome] = []
-        self._plans: dict[tuple, list] = {}  # block pairs -> their runs (cleared per step)
-        self._destinations: dict[object, Destination] = {}
-        self._window = max_layers_in_flight
-        # status words go out from here (registered with each link as a source)
-        self._scratch = (ctypes.c_char * mailbox.SLOT_BYTES)()
-        self._scratch_address = ctypes.addressof(self._scratch)
-        self._scratch_lock = threading.Lock()
+        self._plans: dict[tuple, list] = {}  # (destination, the step's spans) -> its runs
+        self._destinations: dict[str, Destination] = {}  # by their description
         self.metrics = TransferMetrics()
         self._next_check = 0.0
         self._closed = False
@@ -137,26 +123,52 @@ class KVStreamer:
     def connect(self, described: dict) -> Destination:
         """The decode side `described` (a KVReceiver's describe()), connected once: its
         layout is checked to pair with this one cache by cache."""
-        key = (described.get("transport"), repr(sorted(described.items())))
+        self._open()
+        if not isinstance(described, dict):
+            raise InvalidArgumentError(
+                f"described must be a receiver's describe(), got {described!r}"
+            )
+        missing = [
+            k for k in ("layout", "regions", "status_region", "status_slots") if k not in described
+        ]
+        if missing:
+            raise InvalidArgumentError(
+                f"described lacks {', '.join(missing)}: pass a KVReceiver's describe()"
+            )
+        key = json.dumps(described, sort_keys=True, default=str)
         with self._lock:
-            stale = self._destinations.pop(key, None)
-            if stale is not None and stale.link.problem() is None:
-                self._destinations[key] = stale
-                return stale
-        if stale is not None:
-            self._retire(stale)  # its requests fail by its problem; new ones get a new link
+            known = self._destinations.get(key)
+        if known is not None and known.link.problem() is None:
+            return known
         layers = self.layout.check_peer(described["layout"])
+        status_region = _count(described["status_region"], "status_region")
+        if status_region >= len(described["regions"]):
+            raise InvalidArgumentError(
+                f"status_region {status_region} is not one of the {len(described['regions'])} "
+                f"regions described"
+            )
+        status = StatusBuffers()
         link = self._transport.connect(
-            described, [*self.layout.regions, (self._scratch_address, len(self._scratch))]
+            described, [*self.layout.regions, (status.address, status.nbytes)]
         )
-        planner = RunPlanner(self.layout, layers)
-        dest = Destination(link, planner, int(described["status_region"]), self._window)
+        dest = Destination(
+            link,
+            RunPlanner(self.layout, layers),
+            status_region,
+            _count(described["status_slots"], "status_slots", 1),
+            self._window,
+            status,
+        )
         dest.thread = threading.Thread(
             target=self._complete, args=(dest,), name="pdhal-transfer-completion", daemon=True
         )
         dest.thread.start()
         with self._lock:
+            stale = self._destinations.get(key)
             self._destinations[key] = dest
+        if stale is not None:  # its requests fail by its problem; new ones go here
+            self._fail_users(stale, stale.link.problem() or "its decode side reconnected")
+            self._retire(stale)
         return dest
 
     def add_request(
@@ -166,47 +178,70 @@ class KVStreamer:
         prompt `prompt_tokens` long; failed if no destination is set within claim_timeout.
         `cached_blocks`: the prompt's first blocks, which the decode side has already (a
         prefix it cached): not sent, and not in `src_blocks`."""
+        self._open()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
         src = list(src_blocks)
-        whole = -(-prompt_tokens // self.block_tokens) if isinstance(prompt_tokens, int) else -1
-        cached = cached_blocks if isinstance(cached_blocks, int) else -1
-        need = whole - cached
-        if isinstance(prompt_tokens, bool) or whole < 1 or not 0 <= cached < whole:
+        tokens = _count(prompt_tokens, "prompt_tokens", 1)
+        cached = _count(cached_blocks, "cached_blocks")
+        whole = -(-tokens // self.block_tokens)
+        if cached >= whole or len(src) != whole - cached:
             raise InvalidArgumentError(
-                f"request {request_id!r}: a prompt of {prompt_tokens!r} tokens in blocks of "
-                f"{self.block_tokens}, {cached_blocks!r} of them cached, sends nothing"
+                f"request {request_id!r}: a prompt of {tokens} tokens in blocks of "
+                f"{self.block_tokens} ({cached} cached) needs {whole - cached} blocks, got "
+                f"{len(src)}"
             )
-        if len(src) != need:
+        block_runs(src, src)  # the ids are ids
+        if max(src) >= self._src_blocks:
             raise InvalidArgumentError(
-                f"request {request_id!r}: a prompt of {prompt_tokens!r} tokens in blocks of "
-                f"{self.block_tokens} ({cached} cached) needs {need} blocks, got {len(src)}"
+                f"request {request_id!r}: source block {max(src)} is outside the prefill "
+                f"caches' {self._src_blocks} blocks"
             )
-        block_runs(src, src)  # checks the ids
         with self._lock:
             if request_id in self._requests:
                 raise InvalidArgumentError(f"request {request_id!r} was added already")
             self._requests[request_id] = _Request(
-                request_id, src, prompt_tokens, time.monotonic(), self.layout.num_layers, cached
+                request_id, src, tokens, time.monotonic(), self.layout.num_layers, cached
             )
 
     def set_destination(self, request_id: str, dest: Destination, dst_blocks, ticket) -> None:
         """Where `request_id` goes: blocks `dst_blocks` of `dest`'s caches, its outcome to
         the status slot of `ticket` (the decode side's expect()). The layers ready already
         go at once."""
+        self._open()
+        if not isinstance(dest, Destination) or dest not in self._destinations.values():
+            raise InvalidArgumentError(
+                f"dest must come from this streamer's connect(), got {dest!r}"
+            )
         dst = list(dst_blocks)
+        if not isinstance(ticket, dict):
+            raise InvalidArgumentError(f"ticket must be the receiver's expect(), got {ticket!r}")
+        slot = _count(ticket.get("slot"), "the ticket's slot")
+        _count(ticket.get("generation"), "the ticket's generation")
+        if slot >= dest.status_slots:
+            raise InvalidArgumentError(
+                f"the ticket's slot {slot} is outside the receiver's {dest.status_slots} slots"
+            )
         with self._lock:
             request = self._live(request_id)
             if request.dest is not None:
                 raise InvalidArgumentError(f"request {request_id!r} has a destination already")
-            block_runs(request.src_blocks, dst)  # checks they pair up
+            block_runs(request.src_blocks, dst)  # they pair up
+            if dst and max(dst) >= dest.planner.dst_blocks:
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: destination block {max(dst)} is outside the "
+                    f"decode caches' {dest.planner.dst_blocks} blocks"
+                )
             request.dest, request.dst_blocks, request.ticket = dest, dst, dict(ticket)
-            items = [
-                (request, layer)
+            layers = [
+                layer
                 for layer in range(request.layers)
                 if request.sendable(layer, self.block_tokens) > request.sent[layer]
             ]
-        for layer in sorted({layer for _, layer in items}):
-            self._send(dest, layer, [request], time.monotonic_ns())
-        self._finish_if_done(request)
+        now = time.monotonic_ns()
+        for layer in layers:
+            self._send(dest, layer, [request], now)
+        self._settle(request)
 
     def _live(self, request_id: str) -> _Request:
         request = self._requests.get(request_id)
@@ -214,30 +249,40 @@ class KVStreamer:
             raise InvalidArgumentError(f"request {request_id!r} is unknown (or ended)")
         return request
 
+    def _open(self) -> None:
+        if self._closed:
+            raise ClosedHandleError("the streamer was closed")
+
     # ---- the signals --------------------------------------------------------------
 
     def layer_ready(self, layer: int, ready, signal_ns: int | None = None) -> None:
         """Layer `layer` now holds `tokens` of each (request_id, tokens) in `ready`: send
         what became ready. `signal_ns`: when the signal was seen (time.monotonic_ns())."""
         signal_ns = time.monotonic_ns() if signal_ns is None else signal_ns
+        self._open()
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise InvalidArgumentError(f"layer must be an int, got {layer!r}")
         if not 0 <= layer < self.layout.num_layers:
             raise InvalidArgumentError(
                 f"layer {layer} is outside the layout's {self.layout.num_layers} layers"
             )
+        try:
+            entries = [(request_id, _count(tokens, "tokens")) for request_id, tokens in ready]
+        except (TypeError, ValueError) as e:
+            if isinstance(e, InvalidArgumentError):
+                raise
+            raise InvalidArgumentError(
+                f"ready must be (request_id, tokens) pairs, got {ready!r}"
+            ) from None
+        if time.monotonic() >= self._next_check:
+            self._fail_expired()
         by_dest: dict[int, tuple[Destination, list[_Request]]] = {}
-        if time.monotonic() >= self._next_check:  # leases and peers, every CHECK_S at most
-            with self._lock:
-                expired = self._expired()
-            for request_id, why in expired:
-                self.fail(request_id, why)
         with self._lock:
-            for request_id, tokens in ready:
+            for request_id, tokens in entries:
                 request = self._requests.get(request_id)
                 if request is None or request.ended:
                     continue  # ended (failed) already: its later layers go nowhere
-                request.ready[layer] = max(request.ready[layer], int(tokens))
+                request.ready[layer] = max(request.ready[layer], tokens)
                 if layer == request.layers - 1 and tokens >= request.prompt_tokens:
                     request.last_signal_ns = signal_ns
                 if request.dest is None:
@@ -248,7 +293,7 @@ class KVStreamer:
             self._send(dest, layer, requests, signal_ns)
 
     def _send(self, dest: Destination, layer: int, requests: list[_Request], signal_ns: int):
-        """Submit the newly sendable blocks of `requests` in `layer` to `dest`."""
+        """Send the newly sendable blocks of `requests` in `layer` to `dest`."""
         with self._lock:
             spans, items = [], []
             for request in requests:
@@ -261,130 +306,153 @@ class KVStreamer:
                 request.in_flight += 1
             if not items:
                 return
-            key = (id(dest), tuple((r.id, first, end) for r, first, end in spans))
-            runs = self._plans.get(key)  # every layer of a step sends the same spans
-        blocks = sum(n for _, n in items)
+            key = (dest, tuple(spans))  # every layer of a step sends the same spans
+            runs = self._plans.get(key)
         if runs is None:
             src, dst = [], []
             for request, first, end in spans:
                 src += request.src_blocks[first:end]
                 dst += request.dst_blocks[first:end]
-            try:
-                runs = block_runs(src, dst)
-                dest.planner.check(runs)
-            except InvalidArgumentError as e:
-                self._fail_items(items, str(e))
-                return
+            runs = block_runs(src, dst)  # ids checked when the request and its destination came
             with self._lock:
-                if len(self._plans) > 1024:
+                if len(self._plans) >= PLANS:
                     self._plans.clear()
                 self._plans[key] = runs
+        blocks = sum(n for _, n in items)
         copies = dest.planner.copies(layer, runs)
-        nbytes = dest.planner.block_bytes[layer] * blocks
-        # The window is full until the completion thread settles a submit, which it does
-        # within stall_timeout each: wait for it, as long as it runs.
-        while not dest.slots.acquire(timeout=self.stall_timeout):
-            if dest.thread is None or not dest.thread.is_alive():
-                self._fail_items(items, "this destination's completion thread is gone")
-                return
-        submit_ns = time.monotonic_ns()
-        try:
-            batch = dest.link.submit(copies)
-        except TransferError as e:
-            dest.slots.release()
-            self._fail_items(items, str(e))
-            return
-        for request, _ in items:
-            if request.first_submit_ns is None:
-                request.first_submit_ns = submit_ns
-        submit = _Submit(batch, dest, layer, items, nbytes, signal_ns, submit_ns)
+        send = Send(layer, items, copies, dest.planner.block_bytes[layer] * blocks, signal_ns)
         with self._lock:
-            inline, reason = dest.outstanding == 0, None  # none before it: done at once?
-            if inline:
-                try:
-                    inline = batch.done()
-                except TransferError as e:
-                    reason = str(e)
-            if not inline and reason is None:
-                dest.outstanding += 1
-        if inline or reason is not None:
-            self._completed(submit, reason)
-        else:
-            dest.queue.put(submit)
+            dest.backlog.append(send)
+        self._pump(dest)
+
+    def _pump(self, dest: Destination) -> None:
+        """Submit `dest`'s backlog, in order, as its window has room."""
+        while True:
+            with self._lock:
+                if not dest.backlog or not dest.window.acquire(blocking=False):
+                    return
+                send = dest.backlog.popleft()
+            self._submit(dest, send)
+
+    def _submit(self, dest: Destination, send: Send) -> None:
+        """Submit `send` (it holds a window slot); settle it at once if it landed at once
+        and nothing of `dest` is before it, else hand it to `dest`'s completion thread."""
+        with self._lock:
+            live = any(not request.ended for request, _ in send.items)
+        if not live:  # every request it carries failed meanwhile: nothing to send
+            self._settled(dest, send, "")
+            return
+        send.submit_ns = time.monotonic_ns()
+        try:
+            send.batch = dest.link.submit(send.copies)
+        except Exception as e:  # TransferError, or a transport's bug
+            self._settled(dest, send, _why(e))
+            return
+        with self._lock:
+            for request, _ in send.items:
+                if request.first_submit_ns is None:
+                    request.first_submit_ns = send.submit_ns
+            first = dest.outstanding == 0
+            dest.outstanding += 1
+        reason = None
+        if first:
+            try:
+                landed = send.batch.done()
+            except Exception as e:
+                landed, reason = False, _why(e)
+            if landed or reason is not None:
+                self._settled(dest, send, reason)
+                with self._lock:
+                    dest.outstanding -= 1
+                return
+        dest.queue.put(send)
 
     # ---- completion -----------------------------------------------------------------
 
     def _complete(self, dest: Destination) -> None:
-        """A destination's completion thread: each of its submits in order, waited for."""
-        while (submit := dest.queue.get()) is not None:
-            reason = None
+        """`dest`'s completion thread: each of its submits in order, waited for; a retired
+        destination's link is closed after its last."""
+        while (send := dest.queue.get()) is not None:
             try:
-                submit.batch.wait(self.stall_timeout)
-            except TransferError as e:
-                reason = str(e)
-            except Exception as e:  # a transport's bug: the transfer failed, say why
-                reason = f"the transport failed: {type(e).__name__}: {e}"
-            self._completed(submit, reason)
-            with self._lock:
-                dest.outstanding -= 1
+                send.batch.wait(self.stall_timeout)
+                reason = None
+            except Exception as e:  # TransferError, or a transport's bug: the send failed
+                reason = _why(e)
+            try:
+                self._settled(dest, send, reason)
+            finally:
+                with self._lock:
+                    dest.outstanding -= 1
+        if dest.retired:
+            self._drop_unsettled(dest)
+            dest.link.close()
 
-    def _completed(self, submit: _Submit, reason: str | None) -> None:
-        """A submit landed (reason None) or failed: its slot goes back, its numbers are
-        kept, and the requests it finished end."""
-        submit.dest.slots.release()
-        self.metrics.layer(
-            LayerRecord(
-                submit.layer,
-                len(submit.items),
-                submit.nbytes,
-                submit.signal_ns,
-                submit.submit_ns,
-                time.monotonic_ns(),
-                reason is None,
-            )
-        )
-        if reason is not None:
-            self._fail_items(submit.items, reason)
-            return
-        per_block = submit.dest.planner.block_bytes[submit.layer]
-        for request, blocks in submit.items:
-            with self._lock:
-                request.in_flight -= 1
-                request.nbytes += per_block * blocks
-            self._finish_if_done(request)
-
-    def _finish_if_done(self, request: _Request) -> None:
+    def _drop_unsettled(self, dest: Destination) -> None:
+        """After `dest`'s thread stopped: what it never settled (queued behind its stop, or
+        never given a window) is waited for one last time and dropped, so its requests can
+        end."""
+        left = []
+        while True:
+            try:
+                send = dest.queue.get_nowait()
+            except Exception:  # queue.Empty
+                break
+            if send is not None:
+                left.append(send)
         with self._lock:
-            if request.ended or request.in_flight or request.unsent_layers:
-                return
-            request.ended = True
-        try:
-            self._post(request, mailbox.LANDED, "")
-        except TransferError as e:
-            self._end(request, False, f"the data landed but its status did not: {e}")
-            return
-        self._end(request, True, "")
+            left += list(dest.backlog)
+            dest.backlog.clear()
+        for send in left:
+            if send.batch is not None:
+                try:
+                    send.batch.wait(self.stall_timeout)
+                except Exception:
+                    pass  # it failed or stalled: dropped either way
+            with self._lock:
+                for request, _ in send.items:
+                    request.in_flight -= 1
+                    if request.failed is None and not request.reported:
+                        request.failed = "the streamer stopped sending to this decode side"
+            for request, _ in send.items:
+                self._settle(request)
 
-    def _fail_items(self, items, reason: str) -> None:
-        for request, _ in items:
+    def _settled(self, dest: Destination, send: Send, reason: str | None) -> None:
+        """`send` landed (reason None), failed, or was dropped (""): its window slot goes
+        back, its numbers are kept, its requests are settled, the backlog moves on."""
+        dest.window.release()
+        if reason != "":
+            self.metrics.layer(
+                LayerRecord(
+                    send.layer,
+                    len(send.items),
+                    send.nbytes,
+                    send.signal_ns,
+                    send.submit_ns,
+                    time.monotonic_ns(),
+                    reason is None,
+                )
+            )
+        per_block = dest.planner.block_bytes[send.layer]
+        for request, blocks in send.items:
             with self._lock:
                 request.in_flight -= 1
-            self.fail(request.id, reason)
+                if reason is None:
+                    request.nbytes += per_block * blocks
+                elif reason and request.failed is None and not request.reported:
+                    request.failed = reason
+            self._settle(request)
+        self._pump(dest)
 
     def fail(self, request_id: str, reason: str) -> None:
         """End `request_id` as failed with `reason`, on both sides (the decode side reads it
-        in its status slot, or by its deadline if the link is gone)."""
+        in its status slot, or by its deadline if the link is gone), once nothing of it is
+        in flight any more."""
         with self._lock:
             request = self._requests.get(request_id)
             if request is None or request.ended:
                 return
-            request.ended = True
-        if request.dest is not None:
-            try:
-                self._post(request, mailbox.FAILED, reason)
-            except TransferError:
-                pass  # the link is gone: the decode side's deadline ends it there
-        self._end(request, False, reason)
+            request.failed = str(reason)
+        self._settle(request)
 
     def abort(self, reason: str) -> None:
         """Fail every request not ended (e.g. the prefill worker died)."""
@@ -393,20 +461,22 @@ class KVStreamer:
         for request_id in pending:
             self.fail(request_id, reason)
 
-    def _post(self, request: _Request, state: int, reason: str) -> None:
-        """Write the request's outcome to its status slot: a failure's reason first, then the
-        word, each landed before the next."""
-        dest, ticket = request.dest, request.ticket
-        offset = int(ticket["slot"]) * mailbox.SLOT_BYTES
-        pieces = [(8, mailbox.reason_bytes(reason))] if state == mailbox.FAILED else []
-        pieces.append((0, mailbox.word(int(ticket["generation"]), state)))
-        with self._scratch_lock:
-            for at, data in pieces:
-                ctypes.memmove(self._scratch_address + at, data, len(data))
-                run = (self._scratch_address + at, dest.status_region, offset + at, len(data))
-                dest.link.submit([run]).wait(self.stall_timeout)
-
-    def _end(self, request: _Request, landed: bool, reason: str) -> None:
+    def _settle(self, request: _Request) -> None:
+        """Report `request` if it is over and nothing of it is in flight: landed when every
+        layer went, failed when it failed."""
+        with self._lock:
+            if request.reported or request.in_flight:
+                return
+            if request.failed is None and (request.dest is None or request.unsent_layers):
+                return
+            request.reported = True
+            landed, reason = request.failed is None, request.failed or ""
+        if request.dest is not None:
+            try:
+                self._post(request, mailbox.LANDED if landed else mailbox.FAILED, reason)
+            except TransferError as e:
+                if landed:  # the decode side ends it by its deadline
+                    landed, reason = False, f"the data landed but its status did not: {e}"
         self.metrics.request(
             landed,
             request.nbytes,
@@ -418,51 +488,85 @@ class KVStreamer:
             self._requests.pop(request.id, None)
             self._outcomes.append(Outcome(request.id, landed, reason))
 
-    def _expired(self) -> list[tuple[str, str]]:
-        """(request, why) of those no decode side claimed within claim_timeout, and of
-        those whose decode side is gone (under the lock; failed by the caller, outside it)."""
-        now, problems, out = time.monotonic(), {}, []
+    def _post(self, request: _Request, state: int, reason: str) -> None:
+        """Write the request's outcome to its status slot: a failure's reason first, then the
+        word, each landed before the next, from a buffer no unsettled submit may still read."""
+        dest, ticket = request.dest, request.ticket
+        generation = int(ticket["generation"])
+        offset = int(ticket["slot"]) * mailbox.SLOT_BYTES
+        pieces = []
+        if state == mailbox.FAILED:
+            pieces.append((mailbox.REASON_AT, mailbox.reason_bytes(generation, reason)))
+        pieces.append((0, mailbox.word(generation, state)))
+        for at, data in pieces:
+            buffer = dest.status.take()
+            if buffer is None:
+                raise TransferError("every status buffer is held by a write that never settled")
+            ctypes.memmove(buffer, data, len(data))
+            try:
+                batch = dest.link.submit([(buffer, dest.status_region, offset + at, len(data))])
+                batch.wait(self.stall_timeout)
+            except Exception as e:
+                raise TransferError(_why(e)) from None  # the buffer stays out: poisoned
+            dest.status.give_back(buffer)
+
+    # ---- leases and peers ---------------------------------------------------------
+
+    def _fail_expired(self) -> None:
+        """Fail the requests no decode side claimed within claim_timeout, and those whose
+        decode side is gone; retire gone decode sides nothing uses any more."""
+        now = time.monotonic()
         self._next_check = now + CHECK_S
-        for request in self._requests.values():
-            if request.ended:
+        with self._lock:
+            unclaimed = [
+                r.id
+                for r in self._requests.values()
+                if r.dest is None and not r.ended and now - r.added > self.claim_timeout
+            ]
+            destinations = list(self._destinations.items())
+        for request_id in unclaimed:
+            self.fail(request_id, f"no decode side claimed it within {self.claim_timeout:g} s")
+        for key, dest in destinations:
+            why = dest.link.problem()
+            if why is None:
                 continue
-            if request.dest is None:
-                if now - request.added > self.claim_timeout:
-                    out.append(
-                        (request.id, f"no decode side claimed it within {self.claim_timeout:g} s")
-                    )
-                continue
-            key = id(request.dest)
-            if key not in problems:
-                problems[key] = request.dest.link.problem()
-            if problems[key]:
-                out.append((request.id, problems[key]))
-        return out
+            self._fail_users(dest, why)
+            with self._lock:
+                idle = not any(r.dest is dest for r in self._requests.values())
+                if idle and self._destinations.get(key) is dest:
+                    del self._destinations[key]
+                else:
+                    idle = False
+            if idle:
+                self._retire(dest)
+
+    def _fail_users(self, dest: Destination, why: str) -> None:
+        with self._lock:
+            users = [r.id for r in self._requests.values() if r.dest is dest]
+        for request_id in users:
+            self.fail(request_id, why)
 
     # ---- reporting ------------------------------------------------------------------
 
     def poll(self) -> list[Outcome]:
         """The requests that ended since the last poll (the prefill side may free the
         blocks of each); checks leases and peers first."""
-        with self._lock:
-            expired = self._expired()
-        for request_id, why in expired:
-            self.fail(request_id, why)
+        if not self._closed:
+            self._fail_expired()
         with self._lock:
             out, self._outcomes = self._outcomes, []
         return out
 
     def pending(self) -> int:
-        """Requests not ended yet."""
+        """Requests not reported yet."""
         with self._lock:
             return len(self._requests)
 
     def _retire(self, dest: Destination) -> None:
-        """Stop `dest`'s completion thread (after what it has queued) and close its link."""
+        """Stop `dest`'s completion thread once it settled what it has queued; it closes the
+        link then (the caller does not wait for a stalled decode side)."""
+        dest.retired = True
         dest.queue.put(None)
-        if dest.thread is not None and dest.thread is not threading.current_thread():
-            dest.thread.join()
-        dest.link.close()
 
     def close(self) -> None:
         """Wait for what is in flight, then fail the requests not ended and close every
@@ -471,12 +575,26 @@ class KVStreamer:
             return
         self._closed = True
         with self._lock:
-            destinations, self._destinations = list(self._destinations.values()), {}
+            destinations = list(self._destinations.values())
         for dest in destinations:
             dest.queue.put(None)
         for dest in destinations:
             if dest.thread is not None:
                 dest.thread.join()
+            self._drop_unsettled(dest)
         self.abort("the streamer was closed")
+        with self._lock:
+            left = list(self._requests.values())
+        for request in left:
+            self._settle(request)
+        with self._lock:
+            self._destinations.clear()
         for dest in destinations:
             dest.link.close()
+
+
+def _why(error: Exception) -> str:
+    """A failure's reason: a TransferError's message, or what a transport's bug raised."""
+    if isinstance(error, TransferError):
+        return str(error)
+    return f"the transport failed: {type(error).__name__}: {error}"

@@ -146,6 +146,11 @@ def test_a_killed_decode_process_fails_its_transfers_on_the_prefill_side(streame
         ended = {o.request_id: o for o in outcomes_until(streamer, 2)}
         assert not ended["doomed"].landed and "is gone" in ended["doomed"].reason
         assert ended["kept"].landed and other.wait("kept")[0]
+        deadline = time.monotonic() + 60  # the streamer lets go of the dead one's memory
+        while "buf.doomed." in open("/proc/self/maps").read():
+            assert time.monotonic() < deadline, "the dead decode side's caches stay mapped"
+            streamer.poll()
+            time.sleep(0.01)
         removed, _ = pdhal.cleanup(namespace)
         names = sorted(os.path.basename(path).split(".", 3)[3] for path in removed)
         assert len(names) == 2 * (LAYERS * CACHES + 1), names
@@ -244,18 +249,78 @@ def test_layouts_that_do_not_pair_up_are_refused_before_anything_moves(decode):
         streamer.close()
 
 
-def test_bad_requests_are_refused_with_what_was_expected(streamer):
-    with pytest.raises(pdhal.InvalidArgumentError, match="needs 3 blocks, got 2"):
+def test_bad_requests_are_refused_with_what_was_expected(decode, streamer):
+    """Everything a request is given is checked when it is given, so a bad one never fails
+    the requests sent with it."""
+    bad = pdhal.InvalidArgumentError
+    with pytest.raises(bad, match="needs 3 blocks, got 2"):
         streamer.add_request("short", [0, 1], 10)
+    with pytest.raises(bad, match="source block 8 is outside the prefill caches' 8 blocks"):
+        streamer.add_request("far", [8], 4)
+    with pytest.raises(bad, match="request_id must be a non-empty str"):
+        streamer.add_request("", [0], 4)
     streamer.add_request("ok", [0], 4)
-    with pytest.raises(pdhal.InvalidArgumentError, match="was added already"):
+    with pytest.raises(bad, match="was added already"):
         streamer.add_request("ok", [1], 4)
-    with pytest.raises(pdhal.InvalidArgumentError, match="outside the layout's 3 layers"):
+    with pytest.raises(bad, match="outside the layout's 3 layers"):
         streamer.layer_ready(3, [("ok", 4)])
-    with pytest.raises(pdhal.InvalidArgumentError, match="must pair up, got 1 and 2"):
-        streamer.set_destination("ok", None, [0, 1], {})
-    with pytest.raises(pdhal.InvalidArgumentError, match="unknown"):
-        streamer.set_destination("nobody", None, [0], {})
+    with pytest.raises(bad, match="tokens must be an int >= 0"):
+        streamer.layer_ready(0, [("ok", "4")])
+    with pytest.raises(bad, match=r"ready must be \(request_id, tokens\) pairs"):
+        streamer.layer_ready(0, [5])
+    with pytest.raises(bad, match="dest must come from this streamer's connect"):
+        streamer.set_destination("ok", None, [0], {})
+    dest = streamer.connect(decode.described)
+    ticket = decode.expect("ok")
+    with pytest.raises(bad, match="the ticket's slot must be an int"):
+        streamer.set_destination("ok", dest, [0], {"slot": "x", "generation": 1})
+    with pytest.raises(bad, match="slot 8 is outside the receiver's 8 slots"):
+        streamer.set_destination("ok", dest, [0], dict(ticket, slot=8))
+    with pytest.raises(bad, match="must pair up, got 1 and 2"):
+        streamer.set_destination("ok", dest, [0, 1], ticket)
+    with pytest.raises(bad, match="destination block 9 is outside the decode caches' 8"):
+        streamer.set_destination("ok", dest, [9], ticket)
+    with pytest.raises(bad, match="unknown"):
+        streamer.set_destination("nobody", dest, [0], ticket)
+    with pytest.raises(bad, match="described lacks layout"):
+        streamer.connect({"transport": "shm"})
+    layout = transfer.CacheLayout.from_caches(source_caches())
+    with pytest.raises(bad, match=r"stall_timeout must be in \(0, 86400\] seconds, got inf"):
+        transfer.KVStreamer(layout, BLOCK_TOKENS, stall_timeout=float("inf"))
+    with pytest.raises(bad, match="block_tokens must be an int >= 1"):
+        transfer.KVStreamer(layout, True)
+    streamer.set_destination("ok", dest, [0], ticket)  # all good: it goes, and lands
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("ok", 4)])
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("ok", True)]
+    assert decode.wait("ok")[0]
+    streamer.close()
+    with pytest.raises(pdhal.ClosedHandleError, match="the streamer was closed"):
+        streamer.add_request("late", [0], 4)
+
+
+def test_a_request_id_used_again_sends_its_own_blocks_and_its_slot_holds_no_old_reason(
+    decode, streamer
+):
+    """An engine that retries a request under the same id, with other blocks, gets those
+    blocks (a plan of the first one is not reused), and a status slot used again holds
+    nothing of its last request (the reason of a failure there)."""
+    dest = streamer.connect(decode.described)
+    streamer.add_request("r", [0, 1], 8)
+    streamer.set_destination("r", dest, [2, 3], decode.expect("r"))
+    streamer.layer_ready(0, [("r", 8)])
+    streamer.fail("r", "first try given up")
+    assert outcomes_until(streamer, 1)[0].reason == "first try given up"
+    assert decode.wait("r")[1] == "first try given up"
+    streamer.add_request("r", [4, 5], 8)
+    ticket = decode.expect("r")  # the same slot, cleared, with the next generation
+    streamer.set_destination("r", dest, [6, 7], ticket)
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("r", 8)])
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("r", True)]
+    landed, reason, dump, _ = decode.wait("r")
+    assert landed and reason == ""
+    assert landed_blocks(dump, 6) == expected(4) and landed_blocks(dump, 7) == expected(5)
 
 
 def test_layouts_with_a_stride_copy_block_by_block():
@@ -271,8 +336,6 @@ def test_layouts_with_a_stride_copy_block_by_block():
     ]
     into_packed = transfer.RunPlanner(packed, packed.layers)
     assert into_packed.copies(0, [(1, 2, 2)]) == [(base + 16, 0, 32, 32)]
-    with pytest.raises(pdhal.InvalidArgumentError, match="outside the caches \\(4 blocks here"):
-        transfer.RunPlanner(spaced, packed.layers).check([(3, 0, 2)])
     with pytest.raises(pdhal.InvalidArgumentError, match="ends at byte 144 of region 0"):
         transfer.CacheLayout([region], [[transfer.CacheSpec(0, 32, 32, 16, 4)]])
 
@@ -299,3 +362,20 @@ def test_transports_are_listed_and_an_unknown_one_is_named():
     assert "shm" in transfer.transports()
     with pytest.raises(pdhal.InvalidArgumentError, match="no transport named 'carrier-pigeon'"):
         transfer.transport("carrier-pigeon")
+
+
+def test_a_status_slot_reads_only_its_own_generation():
+    """What a late write of an earlier request leaves in a slot is not the current one's:
+    a word of another generation is pending, a reason of another generation is not read."""
+    from pdhal._transfer import mailbox
+
+    slot = bytearray(mailbox.SLOT_BYTES)
+    slot[mailbox.REASON_AT :] = mailbox.reason_bytes(1, "old news")
+    slot[:8] = mailbox.word(2, mailbox.FAILED)
+    state, reason = mailbox.read(memoryview(slot), 2)
+    assert state == mailbox.FAILED and "old news" not in reason
+    assert mailbox.read(memoryview(slot), 3) == (mailbox.PENDING, "")
+    slot[mailbox.REASON_AT :] = mailbox.reason_bytes(2, "its own")
+    assert mailbox.read(memoryview(slot), 2) == (mailbox.FAILED, "its own")
+    slot[:8] = mailbox.word(4, mailbox.LANDED)
+    assert mailbox.read(memoryview(slot), 4) == (mailbox.LANDED, "")

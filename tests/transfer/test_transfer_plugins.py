@@ -132,3 +132,58 @@ def test_a_request_has_not_landed_while_a_layer_of_it_is_in_flight(installed, mo
     finally:
         streamer.close()
         decode.close()
+
+
+def test_a_request_failed_while_a_layer_is_in_flight_is_reported_after_it(installed, monkeypatch):
+    """fail() while layer 0 is still in flight (delayed): the failure goes out once that
+    write settled, so the decode side, told FAILED, never has a write still to come into
+    blocks it may give to another request."""
+    monkeypatch.setenv("PDHAL_FAULTY_TRANSPORT", "delay:1")
+    decode = Decode()
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(source_caches()), BLOCK_TOKENS, transport_name="faulty"
+    )
+    try:
+        streamer.add_request("a", [0], 4)
+        streamer.set_destination("a", streamer.connect(decode.described), [5], decode.expect("a"))
+        streamer.layer_ready(0, [("a", 4)])
+        streamer.fail("a", "given up")
+        landed, reason, dump, _ = decode.wait("a")
+        assert not landed and reason == "given up"
+        assert landed_blocks(dump, 5)[0] == expected(0)[0], "the write came after the FAILED"
+        assert outcomes_until(streamer, 1) == [transfer.Outcome("a", False, "given up")]
+    finally:
+        streamer.close()
+        decode.close()
+
+
+def test_a_stalled_decode_side_never_holds_up_the_caller_or_another(installed, monkeypatch):
+    """One layer in flight at most; decode side "slow"'s first submit stalls. Its later
+    layers wait in its own backlog: the caller goes on at once, and decode side "fast",
+    signalled after, lands first; "slow"'s request then fails with the stall."""
+    monkeypatch.setenv("PDHAL_FAULTY_TRANSPORT", "stall:1@slow")
+    slow, fast = Decode("slow"), Decode("fast")
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(source_caches()),
+        BLOCK_TOKENS,
+        transport_name="faulty",
+        max_layers_in_flight=1,
+        stall_timeout=0.5,
+    )
+    try:
+        for request, decode in (("s", slow), ("f", fast)):
+            streamer.add_request(request, [0], 4)
+            dest = streamer.connect(decode.described)
+            streamer.set_destination(request, dest, [0], decode.expect(request))
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("s", 4)])
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("f", 4)])
+        ended = outcomes_until(streamer, 2)
+        assert [o.request_id for o in ended] == ["f", "s"], ended
+        assert ended[0].landed and not ended[1].landed and "injected stall" in ended[1].reason
+        assert fast.wait("f")[0] and not slow.wait("s")[0]
+    finally:
+        streamer.close()
+        slow.close()
+        fast.close()

@@ -41,10 +41,9 @@ def test_every_byte_of_many_runs_lands_where_it_was_sent(transport, destination)
             src = rng.randrange(0, source.nbytes - nbytes)
             runs.append((source.ctypes.data + src, region, offset, nbytes))
             expect[region][offset : offset + nbytes] = source[src : src + nbytes]
-        for first in range(0, len(runs), 50):  # several submits in flight together
-            batches = [link.submit(runs[first : first + 50])]
-            for batch in batches:
-                batch.wait(30.0)
+        batches = [link.submit(runs[first : first + 50]) for first in range(0, len(runs), 50)]
+        for batch in batches:  # several submits in flight together
+            batch.wait(30.0)
         assert dest.digests() == [_digest(e) for e in expect]
     finally:
         link.close()
@@ -83,6 +82,21 @@ def test_a_run_outside_the_destination_fails_and_writes_nothing(
         with pytest.raises(TransferError, match="outside"):
             link.submit([good, (source.ctypes.data, region, offset, nbytes)]).wait(30.0)
         assert dest.digests() == [_digest(np.zeros(4096, np.uint8))], "a refused submit wrote"
+    finally:
+        link.close()
+
+
+def test_a_source_outside_the_memory_given_is_refused(transport, destination):
+    """A run from memory the link was not given (to register) fails, never reads it."""
+    dest = destination([4096])
+    source, other = _source(4096, seed=10), _source(4096, seed=11)
+    link = transport.connect(dest.described, [(source.ctypes.data, source.nbytes)])
+    try:
+        with pytest.raises(TransferError, match="outside the memory"):
+            link.submit([(other.ctypes.data, 0, 0, 64)]).wait(30.0)
+        with pytest.raises(TransferError, match="outside the memory"):
+            link.submit([(source.ctypes.data + 4090, 0, 0, 64)]).wait(30.0)
+        assert dest.digests() == [_digest(np.zeros(4096, np.uint8))]
     finally:
         link.close()
 

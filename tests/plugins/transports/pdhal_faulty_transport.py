@@ -1,7 +1,8 @@
 """Test-only: the shm transport with the faults a test names in PDHAL_FAULTY_TRANSPORT, a
 comma-separated list of "stall:N" (the Nth submit of each link never lands: its wait times
 out), "fail:N" (the Nth submit raises TransferError) and "delay:N" (the Nth submit's bytes
-are copied only when it is waited for, 0.1 s later); every other submit is shm's."""
+are copied only when it is waited for, 0.1 s later), each for every link or, as
+"stall:N@NAME", for links to the endpoint NAME only; every other submit is shm's."""
 
 import os
 import time
@@ -33,12 +34,14 @@ class _Delayed(Batch):
 
 
 class FaultyLink(Link):
-    def __init__(self, link: Link):
+    def __init__(self, link: Link, endpoint: str):
         self._link, self.regions, self._submits = link, link.regions, 0
         self._faults = {}
         for fault in filter(None, os.environ.get("PDHAL_FAULTY_TRANSPORT", "").split(",")):
+            fault, _, only = fault.partition("@")
             kind, _, count = fault.partition(":")
-            self._faults[int(count)] = kind
+            if not only or only == endpoint:
+                self._faults[int(count)] = kind
 
     def submit(self, runs):
         self._submits += 1
@@ -65,7 +68,8 @@ class FaultyTransport(Transport):
         return transport("shm").endpoint(regions, name)
 
     def connect(self, described, sources):
-        return FaultyLink(transport("shm").connect(described, sources))
+        endpoint = described["names"][0].rsplit(".", 1)[0]  # NAME of NAME.r0
+        return FaultyLink(transport("shm").connect(described, sources), endpoint)
 
 
 @hookimpl

@@ -21,14 +21,27 @@ from pdhal.testing.transfer_peers import (
 )
 
 
-@pytest.fixture
-def streamer():
-    s = transfer.KVStreamer(
+def _streamer(stall_timeout: float) -> transfer.KVStreamer:
+    return transfer.KVStreamer(
         transfer.CacheLayout.from_caches(source_caches()),
         BLOCK_TOKENS,
         transport_name="mooncake",
-        stall_timeout=1.0,
+        stall_timeout=stall_timeout,
     )
+
+
+@pytest.fixture
+def streamer():
+    """A streamer whose bounds no loaded machine reaches where nothing stalls."""
+    s = _streamer(30.0)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def impatient():
+    """A streamer that gives a stalled write up after 1 s."""
+    s = _streamer(1.0)
     yield s
     s.close()
 
@@ -55,7 +68,7 @@ def test_every_block_lands_through_mooncake(streamer):
 
 
 def test_a_stopped_decode_process_fails_by_the_stall_timeout_then_one_is_served(
-    streamer, namespace
+    impatient, namespace
 ):
     """SIGSTOP the decode process: the request fails on the prefill side after
     stall_timeout (its blocks may be freed); a second decode process is served meanwhile;
@@ -63,14 +76,14 @@ def test_a_stopped_decode_process_fails_by_the_stall_timeout_then_one_is_served(
     stopped, other = Decode("mc-stopped", "mooncake"), Decode("mc-other", "mooncake")
     try:
         ticket = stopped.expect("s", timeout=2.0)
-        dest = streamer.connect(stopped.described)  # connected, then stopped
+        dest = impatient.connect(stopped.described)  # connected, then stopped
         stopped.stop()
-        streamer.add_request("s", [0, 1, 2, 3, 4, 5, 6, 7], 8 * BLOCK_TOKENS)
-        streamer.set_destination("s", dest, list(range(8)), ticket)
+        impatient.add_request("s", [0, 1, 2, 3, 4, 5, 6, 7], 8 * BLOCK_TOKENS)
+        impatient.set_destination("s", dest, list(range(8)), ticket)
         for layer in range(LAYERS):
-            streamer.layer_ready(layer, [("s", 8 * BLOCK_TOKENS)])
-        _send(streamer, other, "o", [3], [3])
-        ended = {o.request_id: o for o in outcomes_until(streamer, 2)}
+            impatient.layer_ready(layer, [("s", 8 * BLOCK_TOKENS)])
+        _send(impatient, other, "o", [3], [3])
+        ended = {o.request_id: o for o in outcomes_until(impatient, 2)}
         assert ended["o"].landed and other.wait("o")[0]
         assert not ended["s"].landed and "did not land within 1 s" in ended["s"].reason
         stopped.resume()
