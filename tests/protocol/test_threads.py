@@ -203,12 +203,24 @@ def test_host_free_from_threads_frees_once(backend, monkeypatch):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
+    released = []  # one entry per release of a buffer's memory
+    probe = ops.host_alloc(1)
+    cls, original = type(probe), type(probe)._release
+    ops.host_free(probe)
+
+    def slow_release(self, queued_on):  # the other threads arrive while it frees
+        released.append(self.address)
+        time.sleep(0.02)
+        original(self, queued_on)
+
+    monkeypatch.setattr(cls, "_release", slow_release)
     for _ in range(20):
         buf = ops.host_alloc(1 << 16)
         barrier = threading.Barrier(4)
         _run([threading.Thread(target=lambda: (barrier.wait(), free(buf))) for _ in range(4)])
         assert buf.closed
     assert not errors, errors
+    assert len(released) == 20, f"{len(released)} releases of 20 buffers"
 
 
 def test_closing_a_reader_while_another_thread_waits_on_it_is_safe():
