@@ -194,7 +194,7 @@ def phase(transport_name: str, with_floor: bool) -> dict:
             for layer in range(LAYERS)
         ]
     streamed_s = memmoved_s = 0.0
-    exposed = []
+    exposed, woken = [], []  # woken: (layer signalled last, when the reader returned)
     reader = None
     say(worker)
     for step in range(STEPS):
@@ -213,8 +213,11 @@ def phase(transport_name: str, with_floor: bool) -> dict:
         done = -1
         while done < LAYERS - 1:
             seen = reader.wait(seen, timeout=60)
+            woke = time.monotonic_ns()
             if seen[0] != step + 1:
                 continue
+            if streaming and seen[1] >= 0:
+                woken.append((woke - int(times[seen[1]])) / 1e3)
             for layer in range(done + 1, seen[1] + 1):
                 started = time.perf_counter()
                 if streaming:
@@ -250,6 +253,7 @@ def phase(transport_name: str, with_floor: bool) -> dict:
         "streamed_s": streamed_s,
         "memmoved_s": memmoved_s,
         "signal_to_submit_us": [(r.submit_ns - r.signal_ns) / 1e3 for r in records],
+        "signal_to_wake_us": woken,
         "exposed_ms": exposed,
         "layer_ms": layer_ms,
         "gib_s": streamed_bytes / busy_seconds(records) / 2**30,
@@ -284,6 +288,7 @@ def main() -> dict:
         / statistics.median(floor),
         "signal_to_submit_us_p50": statistics.median(shm["signal_to_submit_us"]),
         "wake_floor_us_p50": statistics.median(floor),
+        "signal_to_wake_us_p50": statistics.median(shm["signal_to_wake_us"]),
         "exposed_transfer_ms": statistics.median(shm["exposed_ms"]),
         "layer_compute_ms": shm["layer_ms"],
         "bytes_per_layer": REQUESTS * BLOCKS_PER_REQUEST * 2 * BLOCK_BYTES,

@@ -109,22 +109,28 @@ class ShmLink(Link):
         why = self.problem()
         if why is not None:
             raise TransferError(why)
-        bases, sizes = self._bases, self.regions
+        bases, sizes, starts, sources = self._bases, self.regions, self._starts, self._sources
+        regions = len(bases)
+        low = high = 0  # the source range the last run was in: runs come grouped by cache
+        copies = []
         for src, region, offset, nbytes in runs:
-            if not 0 <= region < len(bases) or offset < 0 or offset + nbytes > sizes[region]:
+            if not 0 <= region < regions or offset < 0 or offset + nbytes > sizes[region]:
                 raise TransferError(
                     f"a run of {nbytes} bytes at offset {offset} of region {region} is outside "
                     f"the destination ({len(sizes)} regions of {sizes} bytes)"
                 )
-            at = bisect.bisect_right(self._starts, src) - 1
-            if at < 0 or src + nbytes > self._sources[at][1]:
-                raise TransferError(
-                    f"a run's source [{src:#x}, +{nbytes}) is outside the memory this link "
-                    f"was given to copy from"
-                )
+            if not (low <= src and src + nbytes <= high):
+                at = bisect.bisect_right(starts, src) - 1
+                low, high = sources[at] if at >= 0 else (0, 0)
+                if not low <= src or src + nbytes > high:
+                    raise TransferError(
+                        f"a run's source [{src:#x}, +{nbytes}) is outside the memory this link "
+                        f"was given to copy from"
+                    )
+            copies.append((bases[region] + offset, src, nbytes))
         memmove = ctypes.memmove
-        for src, region, offset, nbytes in runs:
-            memmove(bases[region] + offset, src, nbytes)
+        for dst, src, nbytes in copies:  # every run checked before the first byte moves
+            memmove(dst, src, nbytes)
         return _Landed()
 
     def close(self) -> None:
