@@ -146,3 +146,75 @@ def outcomes_until(streamer, count: int, bound: float = 60.0) -> list:
         assert time.monotonic() < deadline, f"only {got} of {count} outcomes"
         time.sleep(0.005)
     return got
+
+
+#: A prefill process holding a KVStreamer (over the transport argv[1], stall_timeout 2 s),
+#: driven by JSON lines: "connect", "add", "layer", "outcomes", "exit".
+PREFILL = f"""
+import json, sys, time
+from pdhal import transfer
+from pdhal.testing.transfer_peers import source_caches
+streamer = transfer.KVStreamer(
+    transfer.CacheLayout.from_caches(source_caches()), {BLOCK_TOKENS},
+    transport_name=sys.argv[1], stall_timeout=2.0,
+)
+dest = None
+for line in sys.stdin:
+    command = json.loads(line)
+    if command[0] == "connect":
+        dest = streamer.connect(command[1])
+    elif command[0] == "add":
+        _, request, src, dst, ticket = command
+        streamer.add_request(request, src, len(src) * {BLOCK_TOKENS})
+        streamer.set_destination(request, dest, dst, ticket)
+    elif command[0] == "layer":
+        streamer.layer_ready(command[1], [(r, t) for r, t in command[2]])
+    elif command[0] == "outcomes":
+        ended = []
+        while len(ended) < command[1]:
+            ended += streamer.poll()
+            time.sleep(0.01)
+        print(json.dumps([[o.request_id, o.landed, o.reason] for o in ended]), flush=True)
+    elif command[0] == "exit":
+        break
+streamer.close()
+print("closed", flush=True)
+"""
+
+
+class Prefill:
+    """A prefill process holding a KVStreamer of source_caches() over `transport`."""
+
+    def __init__(self, transport: str = "shm", env: dict | None = None):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PREFILL, transport],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+
+    def send(self, *command) -> None:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def outcomes(self, count: int) -> dict:
+        self.send("outcomes", count)
+        line = self.proc.stdout.readline()
+        assert line, f"the prefill side exited ({self.proc.wait()})"
+        return {request: (landed, reason) for request, landed, reason in json.loads(line)}
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.send("exit")
+            assert self.proc.stdout.readline().strip() == "closed"
+        assert self.proc.wait(timeout=60) == 0
+        self.proc.stdin.close()
+        self.proc.stdout.close()

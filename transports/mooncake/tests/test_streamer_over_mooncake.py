@@ -14,6 +14,7 @@ from pdhal.testing.transfer_peers import (
     BLOCK_TOKENS,
     LAYERS,
     Decode,
+    Prefill,
     expected,
     landed_blocks,
     outcomes_until,
@@ -123,3 +124,21 @@ def test_a_killed_decode_process_fails_its_transfer_and_the_next_one_is_served(s
         assert again.wait("e")[0]
     finally:
         again.close()
+
+
+def test_a_killed_prefill_process_fails_the_transfer_on_the_decode_side_by_its_deadline():
+    """SIGKILL the prefill side (the messager) after its first layer went through
+    Mooncake: the decode side never sees the request landed; it ends as failed by its
+    deadline, with nothing of the layers never sent."""
+    decode = Decode("mc-orphan", "mooncake")
+    prefill = Prefill("mooncake")
+    try:
+        prefill.send("connect", decode.described)
+        prefill.send("add", "o", [1], [2], decode.expect("o", timeout=3.0))
+        prefill.send("layer", 0, [["o", BLOCK_TOKENS]])
+        prefill.kill()
+        landed, reason, dump, _ = decode.wait("o")
+        assert not landed and "nothing landed within 3 s" in reason
+        assert landed_blocks(dump, 2)[1:] == [[0, 0]] * (LAYERS - 1)
+    finally:
+        decode.close()
