@@ -38,7 +38,10 @@ class Link:
 
     def submit(self, runs: list[Run]) -> Batch:
         """Start the copies; TransferError if they cannot be started (a dead peer, a run
-        outside a region or outside the memory registered on this side)."""
+        outside a region or outside the memory registered on this side). Runs in flight
+        together (of one submit, or of submits not yet landed) must not overlap in the
+        destination: the order they land in is the transport's. A submit made after
+        another landed lands after it."""
         raise NotImplementedError
 
     def problem(self) -> str | None:
