@@ -5,7 +5,8 @@ by the address a NIC registers, pdhal's get_peer_mem_addr) and describes its ses
 their addresses; a link registers its sources and writes each run with
 transfer_submit_write, checked with transfer_check_status. (One batch_transfer_async_write
 per submit was tried: transfer_check_status reported such a batch done before all its
-writes had landed, which the transport kit's every-byte test showed, 3 runs of 3.) A batch's status is checked with sleeps of 50 us growing to 500 us:
+writes had landed, which the transport kit's every-byte test showed, 3 runs of 3.)
+A batch's status is checked with sleeps of 50 us growing to 500 us:
 Mooncake's blocking wait spins a core, the one its TCP threads need on a small machine.
 
 Mooncake's RPC port listens on every interface whatever the host says: firewall it on a
