@@ -25,7 +25,9 @@ def test_a_new_backend_from_the_template_installs_and_passes_the_kit(tmp_path):
         [sys.executable, "-m", "pdhal", "info"], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert "selected: example" in info and "pdhal-example 0.1.0" in info
-    assert re.search(r"library: .*/pdhal_example/sim/build/libexample_sim\.so", info), info
+    # (make sanitize builds the simulators with ASan, into build/sanitize)
+    simulator = r"library: .*/pdhal_example/sim/build/(sanitize/)?libexample_sim\.so"
+    assert re.search(simulator, info), info
     base = subprocess.run(
         [
             sys.executable,
