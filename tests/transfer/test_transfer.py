@@ -60,6 +60,10 @@ def test_every_layer_s_blocks_land_as_chunks_fill_them(decode, streamer):
     for layer in range(LAYERS):
         streamer.layer_ready(layer, [("a", 6)])
     assert streamer.poll() == [] and streamer.pending() == 1
+    first = streamer.metrics.layers()  # one full block of each layer went, not the partial
+    assert [(r.layer, r.nbytes) for r in first] == [
+        (n, CACHES * BLOCK_BYTES) for n in range(LAYERS)
+    ]
     for layer in range(LAYERS):
         streamer.layer_ready(layer, [("a", 10)])
     assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
