@@ -17,7 +17,15 @@ Transports are plugins (`shm` built in; entry-point group `pdhal.transports`, ho
 `pdhal_transport`); docs/api.md has the failure semantics and the numbers.
 """
 
-from pdhal._transfer.contract import Batch, Endpoint, Link, Run, Transport
+from pdhal._transfer.contract import (
+    Batch,
+    Endpoint,
+    Link,
+    Run,
+    RunChecker,
+    Transport,
+    region_bytes,
+)
 from pdhal._transfer.feeds import PerChunkFeed, PerQueryFeed
 from pdhal._transfer.layout import CacheLayout, CacheSpec, RunPlanner, block_runs
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
@@ -41,10 +49,12 @@ __all__ = [
     "PerChunkFeed",
     "PerQueryFeed",
     "Run",
+    "RunChecker",
     "RunPlanner",
     "Transport",
     "TransferMetrics",
     "block_runs",
+    "region_bytes",
     "transport",
     "transports",
 ]

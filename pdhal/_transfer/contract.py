@@ -10,10 +10,51 @@ The transport conformance kit (`pytest --pdhal-transport NAME`) checks every pro
 
 from __future__ import annotations
 
+import bisect
 from typing import ClassVar
+
+from pdhal._errors import InvalidArgumentError, TransferError
+from pdhal._inputs.tensors import memory_ref
 
 #: One copy: (source address, destination region index, byte offset in it, bytes).
 Run = tuple[int, int, int, int]
+
+
+def region_bytes(regions: list) -> list[int]:
+    """The bytes of each region an endpoint serves (memory pdhal can name, with a size)."""
+    sizes = [memory_ref(region, f"region {i}").nbytes for i, region in enumerate(regions)]
+    if None in sizes:
+        raise InvalidArgumentError("a region must be memory with a size (a tensor or buffer)")
+    return sizes
+
+
+class RunChecker:
+    """What a Link's submit refuses before the first byte moves: a run outside the
+    destination's regions (`regions`: their bytes), or read from outside the memory the
+    link was given to copy from (`sources`: (address, bytes))."""
+
+    def __init__(self, regions: list[int], sources: list[tuple[int, int]]):
+        self.regions = list(regions)
+        self._sources = sorted((int(a), int(a) + int(n)) for a, n in sources)
+        self._starts = [a for a, _ in self._sources]
+
+    def check(self, runs: list[Run]) -> None:
+        sizes, starts, sources = self.regions, self._starts, self._sources
+        low = high = 0  # the source range the last run was in: runs come grouped by cache
+        for src, region, offset, nbytes in runs:
+            if not 0 <= region < len(sizes) or offset < 0 or offset + nbytes > sizes[region]:
+                raise TransferError(
+                    f"a run of {nbytes} bytes at offset {offset} of region {region} is outside "
+                    f"the destination ({len(sizes)} regions of {sizes} bytes)"
+                )
+            if not (low <= src and src + nbytes <= high):
+                at = bisect.bisect_right(starts, src) - 1
+                low, high = sources[at] if at >= 0 else (0, 0)
+                if not low <= src or src + nbytes > high:
+                    raise TransferError(
+                        f"a run's source [{src:#x}, +{nbytes}) is outside the memory this link "
+                        f"was given to copy from"
+                    )
 
 
 class Batch:

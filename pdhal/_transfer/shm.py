@@ -6,7 +6,6 @@ another process)."""
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import os
 import select
@@ -14,8 +13,15 @@ import threading
 
 from pdhal import ops
 from pdhal._errors import InvalidArgumentError, PdhalError, TransferError
-from pdhal._inputs.tensors import memory_ref
-from pdhal._transfer.contract import Batch, Endpoint, Link, Run, Transport
+from pdhal._transfer.contract import (
+    Batch,
+    Endpoint,
+    Link,
+    Run,
+    RunChecker,
+    Transport,
+    region_bytes,
+)
 
 
 def _start_time(pid: int) -> str | None:
@@ -39,9 +45,7 @@ class ShmEndpoint(Endpoint):
     """Each region published as NAME.r<i> in pdhal's shared memory."""
 
     def __init__(self, regions: list, name: str):
-        self._sizes = [memory_ref(region, f"region {i}").nbytes for i, region in enumerate(regions)]
-        if None in self._sizes:
-            raise InvalidArgumentError("a region must be memory with a size (a tensor or buffer)")
+        self._sizes = region_bytes(regions)
         self._names: list[str] = []
         try:
             for index, region in enumerate(regions):
@@ -74,8 +78,7 @@ class ShmLink(Link):
 
     def __init__(self, described: dict, sources: list[tuple[int, int]], timeout: float):
         self._pid, self._started = described["pid"], described["started"]
-        self._sources = sorted((int(a), int(a) + int(n)) for a, n in sources)
-        self._starts = [a for a, _ in self._sources]
+        self._runs = RunChecker(described["regions"], sources)
         self.regions = list(described["regions"])
         self._names: list[str] = []
         self._bases: list[int] = []
@@ -109,28 +112,10 @@ class ShmLink(Link):
         why = self.problem()
         if why is not None:
             raise TransferError(why)
-        bases, sizes, starts, sources = self._bases, self.regions, self._starts, self._sources
-        regions = len(bases)
-        low = high = 0  # the source range the last run was in: runs come grouped by cache
-        copies = []
+        self._runs.check(runs)  # every run, before the first byte moves
+        bases, memmove = self._bases, ctypes.memmove
         for src, region, offset, nbytes in runs:
-            if not 0 <= region < regions or offset < 0 or offset + nbytes > sizes[region]:
-                raise TransferError(
-                    f"a run of {nbytes} bytes at offset {offset} of region {region} is outside "
-                    f"the destination ({len(sizes)} regions of {sizes} bytes)"
-                )
-            if not (low <= src and src + nbytes <= high):
-                at = bisect.bisect_right(starts, src) - 1
-                low, high = sources[at] if at >= 0 else (0, 0)
-                if not low <= src or src + nbytes > high:
-                    raise TransferError(
-                        f"a run's source [{src:#x}, +{nbytes}) is outside the memory this link "
-                        f"was given to copy from"
-                    )
-            copies.append((bases[region] + offset, src, nbytes))
-        memmove = ctypes.memmove
-        for dst, src, nbytes in copies:  # every run checked before the first byte moves
-            memmove(dst, src, nbytes)
+            memmove(bases[region] + offset, src, nbytes)
         return _Landed()
 
     def close(self) -> None:

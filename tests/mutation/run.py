@@ -165,34 +165,18 @@ def env_for(copy: str, test: str) -> dict[str, str]:
     return env
 
 
+#: A test name's prefix -> the pytest option that runs that kit against the name after it.
+KITS = {"kit:": "--pdhal-backend", "transport-kit:": "--pdhal-transport"}
+
+
 def command(test: str) -> list[str]:
-    if test.startswith("kit:"):
-        return [
-            PYTHON,
-            "-m",
-            "pytest",
-            "-q",
-            "-x",
-            "-p",
-            "no:cacheprovider",
-            "--pdhal-backend",
-            test[4:],
-        ]
-    if test.startswith("transport-kit:"):
-        return [
-            PYTHON,
-            "-m",
-            "pytest",
-            "-q",
-            "-x",
-            "-p",
-            "no:cacheprovider",
-            "--pdhal-transport",
-            test[len("transport-kit:") :],
-        ]
     if test.startswith("make:"):
         return ["make", "-s", test[5:]]
-    return [PYTHON, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test]
+    pytest = [PYTHON, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+    for prefix, option in KITS.items():
+        if test.startswith(prefix):
+            return [*pytest, option, test[len(prefix) :]]
+    return [*pytest, test]
 
 
 def run_tests(copy: str, tests: list[str]) -> str | None:

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from pdhal import InvalidArgumentError, TransferError, ops
-from pdhal.transfer import Batch, Endpoint, Link, Transport
+from pdhal.transfer import Batch, Endpoint, Link, RunChecker, Transport, region_bytes
 
 POLL_S = (50e-6, 500e-6)  # the first sleep between status checks, and the longest
 DONE, PENDING = 1, 0  # transfer_check_status
@@ -127,7 +127,7 @@ class MooncakeLink(Link):
         self.target = described["session"]
         self._addresses = list(described["addresses"])
         self.regions = list(described["regions"])
-        self._sources = sorted(sources)
+        self._runs = RunChecker(self.regions, sources)
         self._keys: list[int] = []
         try:
             for address, nbytes in sources:
@@ -157,27 +157,10 @@ class MooncakeLink(Link):
     def problem(self) -> str | None:
         return self._broken
 
-    def _registered_source(self, address: int, nbytes: int) -> bool:
-        return any(a <= address and address + nbytes <= a + n for a, n in self._sources)
-
     def submit(self, runs) -> Batch:
         if self._broken:
             raise TransferError(self._broken)
-        for src, region, offset, nbytes in runs:
-            if (
-                not 0 <= region < len(self.regions)
-                or offset < 0
-                or offset + nbytes > self.regions[region]
-            ):
-                raise TransferError(
-                    f"a run of {nbytes} bytes at offset {offset} of region {region} is outside "
-                    f"the destination ({len(self.regions)} regions of {self.regions} bytes)"
-                )
-            if not self._registered_source(src, nbytes):
-                raise TransferError(
-                    f"a run's source [{src:#x}, +{nbytes}) is outside the memory this link "
-                    f"registered"
-                )
+        self._runs.check(runs)  # every run, before the first is written
         ids, total = [], 0
         for src, region, offset, nbytes in runs:
             batch = self._submit(self.target, src, self._addresses[region] + offset, nbytes)
@@ -197,14 +180,12 @@ class MooncakeLink(Link):
 class MooncakeEndpoint(Endpoint):
     def __init__(self, engine: _Engine, regions: list, name: str):
         self._engine = engine
-        self._addresses, self._sizes, self._keys = [], [], []
+        self._sizes, self._addresses, self._keys = region_bytes(regions), [], []
         try:
-            for index, region in enumerate(regions):
+            for region, nbytes in zip(regions, self._sizes):
                 address = ops.get_peer_mem_addr(region)
-                nbytes = _nbytes(region, index)
                 self._keys.append(engine.register(address, nbytes))
                 self._addresses.append(address)
-                self._sizes.append(nbytes)
         except BaseException:
             self.close()
             raise
@@ -222,15 +203,6 @@ class MooncakeEndpoint(Endpoint):
     def close(self) -> None:
         while self._keys:
             self._engine.release(self._keys.pop())
-
-
-def _nbytes(region, index: int) -> int:
-    from pdhal.plugin import memory_ref
-
-    nbytes = memory_ref(region, f"region {index}").nbytes
-    if nbytes is None:
-        raise InvalidArgumentError("a region must be memory with a size (a tensor or buffer)")
-    return nbytes
 
 
 class MooncakeTransport(Transport):
