@@ -16,6 +16,8 @@ from pdhal._protocol.names import validate_index
 
 #: The longest timeout pdhal.transfer takes (a day): beyond it, a bound means nothing.
 LONGEST_S = 86400.0
+#: The most layers a layout may have (a status slot counts the layers landed in 16 bits).
+MOST_LAYERS = 0xFFFF
 
 
 def seconds(value: object, what: str) -> float:
@@ -61,6 +63,10 @@ class CacheLayout:
         self.layers = [list(caches) for caches in layers]
         if not self.layers or any(not caches for caches in self.layers):
             raise InvalidArgumentError("a cache layout needs at least one cache in every layer")
+        if len(self.layers) > MOST_LAYERS:
+            raise InvalidArgumentError(
+                f"a cache layout has at most {MOST_LAYERS} layers, got {len(self.layers)}"
+            )
         for layer, caches in enumerate(self.layers):
             for spec in caches:
                 self._check(layer, spec)

@@ -1,8 +1,9 @@
-"""The outcome of each transfer, where the destination side reads it: one 64-byte slot per
+"""The outcome of each transfer, where the destination side reads it: one 128-byte slot per
 expected request in a status region the destination's endpoint serves with its caches.
 
-A slot holds a word, (generation << 8) | state, then a failure's reason: its generation
-(8 bytes) and up to 48 bytes of UTF-8. The source side writes a failure's reason first and
+A slot holds a word, (generation << 8) | state; its progress, (generation << 16) | layers
+landed (the generation's low 48 bits; written only for a layerwise ticket); then a failure's
+reason: its generation (8 bytes) and up to 104 bytes of UTF-8. The source side writes a failure's reason first and
 its word last, in separate submits, so the word never names a reason not yet there; the
 destination clears a slot before it hands it out again, and a word or a reason of another
 generation (a late write for a request given up on) is not this request's."""
@@ -11,14 +12,26 @@ from __future__ import annotations
 
 import struct
 
-SLOT_BYTES = 64
-REASON_AT = 8  # the reason's generation, then its text
+SLOT_BYTES = 128
+PROGRESS_AT = 8
+REASON_AT = 16  # the reason's generation, then its text
 REASON_TEXT = SLOT_BYTES - REASON_AT - 8
 PENDING, LANDED, FAILED = 0, 1, 2
+PROGRESS_GENERATIONS = (1 << 48) - 1
 
 
 def word(generation: int, state: int) -> bytes:
     return struct.pack("<Q", (generation << 8) | state)
+
+
+def progress(generation: int, layers: int) -> bytes:
+    return struct.pack("<Q", ((generation & PROGRESS_GENERATIONS) << 16) | layers)
+
+
+def read_progress(slot: memoryview, generation: int) -> int:
+    """Layers landed of `slot` for `generation`: 0 while its progress is another's."""
+    (value,) = struct.unpack_from("<Q", slot, PROGRESS_AT)
+    return value & 0xFFFF if value >> 16 == generation & PROGRESS_GENERATIONS else 0
 
 
 def reason_bytes(generation: int, reason: str) -> bytes:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from pdhal import ops
-from pdhal._errors import InvalidArgumentError
+from pdhal._errors import InvalidArgumentError, TransferError
 from pdhal._protocol.names import validate_name
 from pdhal._transfer import mailbox
 from pdhal._transfer.layout import CacheLayout, seconds
@@ -25,6 +25,7 @@ class _Expected:
     generation: int
     deadline: float
     timeout: float
+    layerwise: bool
 
 
 class KVReceiver:
@@ -66,12 +67,17 @@ class KVReceiver:
         out["status_slots"] = len(self._generations)
         return out
 
-    def expect(self, request_id: str, timeout: float) -> dict:
+    def expect(self, request_id: str, timeout: float, *, layerwise: bool = False) -> dict:
         """Start waiting for `request_id` (ended as failed if nothing landed after `timeout`
-        s): the ticket the prefill side needs with its destination blocks."""
+        s): the ticket the prefill side needs with its destination blocks. `layerwise`: the
+        prefill side also reports each layer as it lands (layers_landed), for a decode side
+        that computes layer by layer while the rest arrives; it costs a status write per
+        layer."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
         timeout = seconds(timeout, "timeout")
+        if not isinstance(layerwise, bool):
+            raise InvalidArgumentError(f"layerwise must be a bool, got {layerwise!r}")
         with self._lock:
             if request_id in self._expected:
                 raise InvalidArgumentError(f"request {request_id!r} is expected already")
@@ -83,9 +89,14 @@ class KVReceiver:
             slot = self._free.pop()
             self._generations[slot] = generation = (self._generations[slot] + 1) % (1 << 56)
             self._expected[request_id] = _Expected(
-                slot, generation, time.monotonic() + timeout, timeout
+                slot, generation, time.monotonic() + timeout, timeout, layerwise
             )
-        return {"request": request_id, "slot": slot, "generation": generation}
+        return {
+            "request": request_id,
+            "slot": slot,
+            "generation": generation,
+            "layerwise": layerwise,
+        }
 
     def _scan(self) -> None:
         """Move every request that ended to self._ended (under the lock)."""
@@ -113,6 +124,28 @@ class KVReceiver:
             self._scan()
             ended, self._ended = self._ended, []
         return ended
+
+    def layers_landed(self, request_id: str) -> int:
+        """How many of `request_id`'s layers, from the first, are in the caches: each as it
+        lands for a layerwise ticket (else 0), all of them once it landed. Raises
+        TransferError with the reason once it failed, InvalidArgumentError if it is not
+        expected (or poll() reported it already)."""
+        with self._lock:
+            self._scan()
+            for outcome in self._ended:
+                if outcome.request_id == request_id:
+                    if not outcome.landed:
+                        raise TransferError(outcome.reason)
+                    return self.layout.num_layers
+            e = self._expected.get(request_id)
+            if e is None:
+                raise InvalidArgumentError(f"request {request_id!r} is not expected")
+            if not e.layerwise:
+                return 0
+            offset = e.slot * mailbox.SLOT_BYTES
+            return mailbox.read_progress(
+                self._view[offset : offset + mailbox.SLOT_BYTES], e.generation
+            )
 
     def wait(self, request_id: str, poll_interval: float = 0.001) -> Outcome:
         """Poll until `request_id` ended (by its deadline at the latest); the outcomes of

@@ -49,6 +49,8 @@ class _Request:
     ticket: dict | None = None
     ready: list[int] = field(default_factory=list)  # tokens in the cache, per layer
     sent: list[int] = field(default_factory=list)  # blocks submitted, per layer
+    landed: list[int] = field(default_factory=list)  # blocks in the destination, per layer
+    layers_landed: int = 0  # layers all of whose blocks are in the destination
     unsent_layers: int = 0  # layers not all of whose blocks were submitted
     in_flight: int = 0  # sends carrying it not settled yet (submitted or in a backlog)
     failed: str | None = None  # why, once it failed
@@ -58,7 +60,7 @@ class _Request:
     last_signal_ns: int | None = None
 
     def __post_init__(self):
-        self.ready, self.sent = [0] * self.layers, [0] * self.layers
+        self.ready, self.sent, self.landed = [0] * self.layers, [0] * self.layers, [0] * self.layers
         self.blocks = len(self.src_blocks)
         self.unsent_layers = self.layers
 
@@ -218,6 +220,10 @@ class KVStreamer:
             raise InvalidArgumentError(f"ticket must be the receiver's expect(), got {ticket!r}")
         slot = _count(ticket.get("slot"), "the ticket's slot")
         _count(ticket.get("generation"), "the ticket's generation")
+        if not isinstance(ticket.get("layerwise", False), bool):
+            raise InvalidArgumentError(
+                f"the ticket's layerwise must be a bool, got {ticket['layerwise']!r}"
+            )
         if slot >= dest.status_slots:
             raise InvalidArgumentError(
                 f"the ticket's slot {slot} is outside the receiver's {dest.status_slots} slots"
@@ -438,10 +444,39 @@ class KVStreamer:
                 request.in_flight -= 1
                 if reason is None:
                     request.nbytes += per_block * blocks
+                    progressed = self._landed(request, send.layer, blocks)
                 elif reason and request.failed is None and not request.reported:
                     request.failed = reason
+            if reason is None and progressed:
+                self._post_progress(request)
             self._settle(request)
         self._pump(dest)
+
+    @staticmethod
+    def _landed(request: _Request, layer: int, blocks: int) -> bool:
+        """Count `blocks` of `layer` as in the destination (under the lock); whether the
+        request's decode side is to hear of a layer that landed whole (a layerwise ticket;
+        the last layer's news is the outcome itself)."""
+        request.landed[layer] += blocks
+        if request.landed[layer] < request.blocks:
+            return False
+        request.layers_landed += 1
+        return bool(request.ticket.get("layerwise")) and request.layers_landed < request.layers
+
+    def _post_progress(self, request: _Request) -> None:
+        """Tell a layerwise ticket's decode side how many layers landed; a write that fails
+        fails the request."""
+        with self._lock:
+            if request.ended:
+                return
+            layers = request.layers_landed
+        piece = mailbox.progress(int(request.ticket["generation"]), layers)
+        try:
+            self._write_slot(request, [(mailbox.PROGRESS_AT, piece)])
+        except TransferError as e:
+            with self._lock:
+                if request.failed is None and not request.reported:
+                    request.failed = str(e)
 
     def fail(self, request_id: str, reason: str) -> None:
         """End `request_id` as failed with `reason`, on both sides (the decode side reads it
@@ -491,13 +526,18 @@ class KVStreamer:
     def _post(self, request: _Request, state: int, reason: str) -> None:
         """Write the request's outcome to its status slot: a failure's reason first, then the
         word, each landed before the next, from a buffer no unsettled submit may still read."""
-        dest, ticket = request.dest, request.ticket
-        generation = int(ticket["generation"])
-        offset = int(ticket["slot"]) * mailbox.SLOT_BYTES
+        generation = int(request.ticket["generation"])
         pieces = []
         if state == mailbox.FAILED:
             pieces.append((mailbox.REASON_AT, mailbox.reason_bytes(generation, reason)))
         pieces.append((0, mailbox.word(generation, state)))
+        self._write_slot(request, pieces)
+
+    def _write_slot(self, request: _Request, pieces: list[tuple[int, bytes]]) -> None:
+        """Write each (offset in the slot, bytes) of `pieces` to the request's status slot,
+        each landed before the next."""
+        dest = request.dest
+        offset = int(request.ticket["slot"]) * mailbox.SLOT_BYTES
         for at, data in pieces:
             buffer = dest.status.take()
             if buffer is None:

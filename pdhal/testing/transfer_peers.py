@@ -37,6 +37,7 @@ def source_caches() -> list[list[np.ndarray]]:
 DECODE = f"""
 import json, sys
 import numpy as np
+import pdhal
 from pdhal import ops, transfer
 L, C, B, BB = {LAYERS}, {CACHES}, {BLOCKS}, {BLOCK_BYTES}
 buffers = [[ops.host_alloc(B * BB) for _ in range(C)] for _ in range(L)]
@@ -48,17 +49,22 @@ layout = transfer.CacheLayout.from_caches(caches)
 receiver = transfer.KVReceiver(layout, sys.argv[1], transport_name=sys.argv[2], slots=8)
 say = lambda *m: print(json.dumps(m), flush=True)
 say("described", receiver.describe())
+dump = lambda: {{str(b): [[int(caches[l][c][b][0]) for c in range(C)] for l in range(L)]
+                 for b in range(B)}}
 for line in sys.stdin:
     command = json.loads(line)
     if command[0] == "expect":
-        say("ticket", receiver.expect(command[1], command[2]))
+        say("ticket", receiver.expect(command[1], command[2], layerwise=command[3]))
+    elif command[0] == "layers":
+        try:
+            say("layers", receiver.layers_landed(command[1]), dump())
+        except pdhal.PdhalError as e:
+            say("layers", None, f"{{type(e).__name__}}: {{e}}")
     elif command[0] == "wait":
         outcome = receiver.wait(command[1])
-        dump = {{str(b): [[int(caches[l][c][b][0]) for c in range(C)] for l in range(L)]
-                 for b in range(B)}}
         uniform = all(len(set(caches[l][c][b].tolist())) == 1
                       for l in range(L) for c in range(C) for b in range(B))
-        say("outcome", outcome.landed, outcome.reason, dump, uniform)
+        say("outcome", outcome.landed, outcome.reason, dump(), uniform)
     elif command[0] == "exit":
         break
 receiver.close()
@@ -97,9 +103,14 @@ class Decode:
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
 
-    def expect(self, request_id: str, timeout: float = 30.0) -> dict:
-        self.send("expect", request_id, timeout)
+    def expect(self, request_id: str, timeout: float = 30.0, layerwise: bool = False) -> dict:
+        self.send("expect", request_id, timeout, layerwise)
         return self.read("ticket")[0]
+
+    def layers(self, request_id: str):
+        """(receiver.layers_landed, the dump as wait() gives it), or (None, the error)."""
+        self.send("layers", request_id)
+        return self.read("layers")
 
     def wait(self, request_id: str):
         """(landed, reason, first byte of each block per layer and cache, blocks uniform)."""
