@@ -28,6 +28,7 @@ class Send:
     copies: list  # the transport's runs
     nbytes: int
     signal_ns: int
+    step: int | None  # the engine's, if it said
     batch: Batch | None = None  # once submitted
     submit_ns: int = 0
 

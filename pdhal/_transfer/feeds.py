@@ -46,7 +46,7 @@ class PerQueryFeed:
             table = self._tables[step]
             upto = self._seen[1] if step == self._seen[0] else last
             for layer in range(table[1] + 1, upto + 1):
-                self.streamer.layer_ready(layer, table[0], self._signal_ns)
+                self.streamer.layer_ready(layer, table[0], self._signal_ns, step=step)
             table[1] = max(table[1], upto)
             if table[1] == last:
                 del self._tables[step]
@@ -77,6 +77,6 @@ class PerChunkFeed:
             if slot not in holders:
                 raise InvalidArgumentError(f"step {step} names slot {slot}, which held no request")
             ready.append((holders[slot], cached + length))
-        self.streamer.layer_ready(layer, ready, signal_ns)
+        self.streamer.layer_ready(layer, ready, signal_ns, step=step)
         if layer == self.streamer.layout.num_layers - 1:
             del self._holders[step]

@@ -25,6 +25,7 @@ class LayerRecord:
     submit_ns: int
     end_ns: int
     landed: bool
+    step: int | None = None  # the engine's step, if layer_ready was told
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -45,11 +46,13 @@ class TransferMetrics:
         self.layers_landed = self.layers_failed = 0
         self.requests_landed = self.requests_failed = 0
         self._first_submit_ns: int | None = None
+        self._recorded = 0  # layer records ever made: the next one's number
         self._last_landed_ns: int | None = None
 
     def layer(self, record: LayerRecord) -> None:
         with self._lock:
             self._layers.append(record)
+            self._recorded += 1
             if self._first_submit_ns is None:
                 self._first_submit_ns = record.submit_ns
             if record.landed:
@@ -80,6 +83,14 @@ class TransferMetrics:
         """The newest per-layer records, oldest first."""
         with self._lock:
             return list(self._layers)
+
+    def layers_since(self, mark: int = 0) -> tuple[list[LayerRecord], int]:
+        """The layer records made since `mark` (records are numbered from 0; only the newest
+        are kept), and the mark to pass next time: an exporter's cursor."""
+        with self._lock:
+            kept = len(self._layers)
+            first = self._recorded - kept  # the oldest kept record's number
+            return list(self._layers)[max(mark - first, 0) :], self._recorded
 
     def snapshot(self) -> dict:
         """Totals, and medians / p99 over the newest records."""

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdhal._errors import ClosedHandleError, InvalidArgumentError, TransferError
@@ -34,6 +36,8 @@ from pdhal._transfer.plugins import transport
 CHECK_S = 0.05
 #: Plans (a step's runs) kept; older ones are planned again if asked for.
 PLANS = 1024
+
+log = logging.getLogger("pdhal")
 
 
 @dataclass(eq=False)
@@ -90,7 +94,12 @@ def _count(value: object, what: str, low: int = 0) -> int:
 
 class KVStreamer:
     """Streams the KV blocks of requests in `layout` (the prefill caches) to the decode
-    sides they are assigned to, layer by layer."""
+    sides they are assigned to, layer by layer.
+
+    `on_outcome`: called with each request's Outcome on the thread that ended it (a
+    completion thread, or the caller's), for a messager whose thread is blocked on the next
+    signal while the prefill side waits for blocks to come free; poll() then returns none.
+    It must be quick; what it raises is logged and dropped."""
 
     def __init__(
         self,
@@ -101,6 +110,7 @@ class KVStreamer:
         max_layers_in_flight: int = 4,
         stall_timeout: float = 10.0,
         claim_timeout: float = 60.0,
+        on_outcome: Callable[[Outcome], None] | None = None,
     ):
         if not isinstance(layout, CacheLayout):
             raise InvalidArgumentError(f"layout must be a CacheLayout, got {layout!r}")
@@ -109,6 +119,9 @@ class KVStreamer:
         self._window = _count(max_layers_in_flight, "max_layers_in_flight", 1)
         self.stall_timeout = seconds(stall_timeout, "stall_timeout")
         self.claim_timeout = seconds(claim_timeout, "claim_timeout")
+        if on_outcome is not None and not callable(on_outcome):
+            raise InvalidArgumentError(f"on_outcome must be callable, got {on_outcome!r}")
+        self._on_outcome = on_outcome
         self._transport = transport(transport_name)
         self._src_blocks = min(spec.blocks for caches in layout.layers for spec in caches)
         self._lock = threading.RLock()
@@ -261,11 +274,16 @@ class KVStreamer:
 
     # ---- the signals --------------------------------------------------------------
 
-    def layer_ready(self, layer: int, ready, signal_ns: int | None = None) -> None:
+    def layer_ready(
+        self, layer: int, ready, signal_ns: int | None = None, *, step: int | None = None
+    ) -> None:
         """Layer `layer` now holds `tokens` of each (request_id, tokens) in `ready`: send
-        what became ready. `signal_ns`: when the signal was seen (time.monotonic_ns())."""
+        what became ready. `signal_ns`: when the signal was seen (time.monotonic_ns());
+        `step`: the engine's step, kept in the layer's metrics record."""
         signal_ns = time.monotonic_ns() if signal_ns is None else signal_ns
         self._open()
+        if step is not None:
+            _count(step, "step")
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise InvalidArgumentError(f"layer must be an int, got {layer!r}")
         if not 0 <= layer < self.layout.num_layers:
@@ -296,9 +314,16 @@ class KVStreamer:
                 if request.sendable(layer, self.block_tokens) > request.sent[layer]:
                     by_dest.setdefault(id(request.dest), (request.dest, []))[1].append(request)
         for dest, requests in by_dest.values():
-            self._send(dest, layer, requests, signal_ns)
+            self._send(dest, layer, requests, signal_ns, step)
 
-    def _send(self, dest: Destination, layer: int, requests: list[_Request], signal_ns: int):
+    def _send(
+        self,
+        dest: Destination,
+        layer: int,
+        requests: list[_Request],
+        signal_ns: int,
+        step: int | None = None,
+    ):
         """Send the newly sendable blocks of `requests` in `layer` to `dest`."""
         with self._lock:
             spans, items = [], []
@@ -326,7 +351,9 @@ class KVStreamer:
                 self._plans[key] = runs
         blocks = sum(n for _, n in items)
         copies = dest.planner.copies(layer, runs)
-        send = Send(layer, items, copies, dest.planner.block_bytes[layer] * blocks, signal_ns)
+        send = Send(
+            layer, items, copies, dest.planner.block_bytes[layer] * blocks, signal_ns, step
+        )
         with self._lock:
             dest.backlog.append(send)
         self._pump(dest)
@@ -436,6 +463,7 @@ class KVStreamer:
                     send.submit_ns,
                     time.monotonic_ns(),
                     reason is None,
+                    send.step,
                 )
             )
         per_block = dest.planner.block_bytes[send.layer]
@@ -519,9 +547,16 @@ class KVStreamer:
             request.last_signal_ns,
             time.monotonic_ns(),
         )
+        outcome = Outcome(request.id, landed, reason)
         with self._lock:
             self._requests.pop(request.id, None)
-            self._outcomes.append(Outcome(request.id, landed, reason))
+            if self._on_outcome is None:
+                self._outcomes.append(outcome)
+        if self._on_outcome is not None:
+            try:
+                self._on_outcome(outcome)
+            except Exception:
+                log.exception("pdhal.transfer: on_outcome raised for %s", outcome)
 
     def _post(self, request: _Request, state: int, reason: str) -> None:
         """Write the request's outcome to its status slot: a failure's reason first, then the

@@ -430,3 +430,42 @@ def test_a_layerwise_ticket_hears_each_layer_as_it_lands_and_only_then(decode, s
     while (answer := decode.layers("doomed"))[0] is not None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert answer == [None, "TransferError: the prefill worker died"]
+
+
+def test_outcomes_can_go_to_a_callback_and_records_to_a_cursor(decode, caplog):
+    """A messager blocked on the next signal hears each outcome through on_outcome (poll()
+    then has none); an exporter reads each layer record once, with the step it was told;
+    a callback that raises is logged, and the next outcome still comes."""
+    heard = []
+
+    def on_outcome(outcome):
+        heard.append(outcome)
+        if outcome.request_id == "first":
+            raise RuntimeError("a callback's own bug")
+
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(source_caches()), BLOCK_TOKENS, on_outcome=on_outcome
+    )
+    try:
+        dest = streamer.connect(decode.described)
+        mark = 0
+        for step, request in enumerate(("first", "second")):
+            streamer.add_request(request, [step], 4)
+            streamer.set_destination(request, dest, [step + 2], decode.expect(request))
+            for layer in range(LAYERS):
+                streamer.layer_ready(layer, [(request, 4)], step=10 + step)
+            deadline = time.monotonic() + 30
+            while len(heard) <= step and time.monotonic() < deadline:
+                time.sleep(0.005)
+            records, mark = streamer.metrics.layers_since(mark)
+            assert [(r.step, r.layer) for r in records] == [(10 + step, n) for n in range(LAYERS)]
+            assert decode.wait(request)[0]
+        assert heard == [transfer.Outcome("first", True), transfer.Outcome("second", True)]
+        assert "on_outcome raised" in caplog.text and "a callback's own bug" in caplog.text
+        assert streamer.poll() == [] and streamer.metrics.layers_since(mark) == ([], mark)
+        with pytest.raises(pdhal.InvalidArgumentError, match="step must be an int >= 0"):
+            streamer.layer_ready(0, [], step=-1)
+    finally:
+        streamer.close()
+    with pytest.raises(pdhal.InvalidArgumentError, match="on_outcome must be callable"):
+        transfer.KVStreamer(transfer.CacheLayout.from_caches(source_caches()), 4, on_outcome=1)
