@@ -2,11 +2,12 @@
 expected request in a status region the destination's endpoint serves with its caches.
 
 A slot holds a word, (generation << 8) | state; its progress, (generation << 16) | layers
-landed (the generation's low 48 bits; written only for a layerwise ticket); then a failure's
-reason: its generation (8 bytes) and up to 104 bytes of UTF-8. The source side writes a failure's reason first and
-its word last, in separate submits, so the word never names a reason not yet there; the
-destination clears a slot before it hands it out again, and a word or a reason of another
-generation (a late write for a request given up on) is not this request's."""
+landed (the generation's low 48 bits; written only for a layerwise ticket); then a
+failure's reason: its generation (8 bytes) and up to 104 bytes of UTF-8. The source side
+writes a failure's reason first and its word last, in separate submits, so the word never
+names a reason not yet there. A slot is handed out again under a new generation, and a
+word, progress or reason of another generation (a late write for a request given up on)
+is not this request's."""
 
 from __future__ import annotations
 
