@@ -351,9 +351,7 @@ class KVStreamer:
                 self._plans[key] = runs
         blocks = sum(n for _, n in items)
         copies = dest.planner.copies(layer, runs)
-        send = Send(
-            layer, items, copies, dest.planner.block_bytes[layer] * blocks, signal_ns, step
-        )
+        send = Send(layer, items, copies, dest.planner.block_bytes[layer] * blocks, signal_ns, step)
         with self._lock:
             dest.backlog.append(send)
         self._pump(dest)
