@@ -9,9 +9,8 @@ every comparison interleaves its rounds and reports the best and the median of e
 2. `shm` transport against a memcpy of the same block runs, between two prefaulted host
    buffers the size of the two caches, in this process. Target >= 0.9x. The transport is
    measured standalone (the messager alone on a core: every layer posted after the forward
-   pass, one step) with both copies the messager can make (a memmove per run, one
-   pdhal.ops.copy_blocks per layer); the in-pipeline figure, the model computing on the
-   other core, is printed too.
+   pass, one step); the in-pipeline figure, the model computing on the other core, is
+   printed too.
 3. Mooncake (TCP on loopback) in the demo, standalone likewise, against Mooncake's own
    transfer_engine_bench with the same block size, batch and threads on loopback. Target
    >= 0.9x.
@@ -41,9 +40,9 @@ import time
 from pdhal_demo import DEFAULT_PROMPTS, pipeline
 from pdhal_demo.model import ModelConfig
 from pdhal_demo.plan import make_plan
-from pdhal_demo.transport import block_runs
 
 from pdhal import ops
+from pdhal.transfer import block_runs
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # make bench-smoke: the same runs, tiny sizes
 PROMPTS = [64, 128] if SMOKE else [int(n) for n in DEFAULT_PROMPTS.split(",")]
@@ -297,7 +296,6 @@ def section_shm(out: dict) -> None:
             "memcpy_flat",
             "memcpy_runs_spaced",
             "shm_memmove",
-            "shm_copy_blocks",
             "shm_with_compute",
         )
     }
@@ -305,12 +303,7 @@ def section_shm(out: dict) -> None:
         for _ in range(ARGS.rounds):
             rounds["memcpy_runs"].append(alone.runs_gib_s())
             rounds["memcpy_flat"].append(alone.flat_gib_s())
-            rounds["shm_memmove"].append(
-                standalone("shm", shm_copy="memmove")["transfer_throughput_gib_s"]
-            )
-            rounds["shm_copy_blocks"].append(
-                standalone("shm", shm_copy="copy_blocks")["transfer_throughput_gib_s"]
-            )
+            rounds["shm_memmove"].append(standalone("shm")["transfer_throughput_gib_s"])
             pipelined = demo("shm", signal_at_end=False)
             rounds["shm_with_compute"].append(pipelined["transfer_throughput_gib_s"])
             # the same runs, each layer's after the time a layer takes to compute
@@ -323,7 +316,6 @@ def section_shm(out: dict) -> None:
     r |= {key: stats(values) for key, values in rounds.items()}
     for key, reference in (
         ("shm_memmove", "memcpy_runs"),
-        ("shm_copy_blocks", "memcpy_runs"),
         ("shm_with_compute", "memcpy_runs"),
         ("shm_with_compute_vs_spaced", "memcpy_runs_spaced"),
     ):
@@ -341,7 +333,6 @@ def section_shm(out: dict) -> None:
     say(f"  memcpy of the pipeline's runs, a layer's time apart: {fmt(r['memcpy_runs_spaced'])}")
     for key, label in (
         ("shm_memmove", "shm, memmove per run, standalone"),
-        ("shm_copy_blocks", "shm, copy_blocks per layer, standalone"),
         ("shm_with_compute", "shm, memmove, the model computing"),
     ):
         ratio = r[f"{key}_ratio"]

@@ -98,24 +98,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="baseline: post every layer signal only after the forward pass",
     )
     parser.add_argument(
-        "--shm-copy",
-        choices=["memmove", "copy_blocks"],
-        default="memmove",
-        help="shm: a memmove per run of blocks, or one pdhal.ops.copy_blocks per layer",
-    )
-    parser.add_argument(
         "--inflight",
         type=_positive,
         default=4,
-        help="Mooncake: layers whose transfers may be in flight at once",
+        help="layers whose transfers may be in flight at once",
     )
     parser.add_argument(
         "--transfer-timeout",
         type=float,
         default=5.0,
         metavar="SECONDS",
-        help="Mooncake: report a transfer not complete after this (plus "
-        "100 MiB/s for its bytes): the link or the decode side is gone",
+        help="fail a layer's transfer not landed after this: the link or the decode "
+        "side is gone or stalled",
     )
     parser.add_argument(
         "--tp",
@@ -129,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_slow_rank,
         default={},
         metavar="RANK:MS",
-        help="make rank RANK's link slow: each layer's transfer waits MS ms",
+        help="make rank RANK's link slow: each layer's transfer waits MS ms, in line",
     )
     parser.add_argument("--host", default="127.0.0.1", help="Mooncake: this host's address")
     parser.add_argument(
@@ -266,8 +260,7 @@ def _check_environment(args) -> None:
             "install -e demo, which pulls it in)",
         )
     if args.transport == "mooncake":
-        from pdhal_demo.control import DemoError
-        from pdhal_demo.transport import require_mooncake
+        from pdhal_demo.control import DemoError, require_mooncake
 
         try:
             require_mooncake()
@@ -305,7 +298,6 @@ def main(args) -> int:
         progress=not args.json,
         remote_decoder=args.decoder == "remote",
         control_host=args.control_host,
-        shm_copy=args.shm_copy,
         inflight=args.inflight,
         transfer_timeout_s=args.transfer_timeout,
         slow_ms=args.slow_rank,

@@ -166,6 +166,28 @@ class Hub:
         self.logs.cleanup()
 
 
+def require_mooncake() -> None:
+    """Return if the mooncake transport can run here, else raise a DemoError saying what to
+    install."""
+    from pdhal import transfer
+
+    advice = (
+        "the mooncake transport needs pdhal-mooncake and Mooncake's transfer engine: "
+        "pip install 'pdhal-demo[mooncake]' (pdhal-mooncake[non-cuda])"
+    )
+    if "mooncake" not in transfer.transports():
+        raise DemoError(advice)
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except ImportError as exc:
+        if "libibverbs" in str(exc):
+            raise DemoError(
+                "Mooncake is installed but cannot load libibverbs.so.1: install "
+                "Debian's libibverbs1 (apt-get install libibverbs1)"
+            ) from None
+        raise DemoError(advice) from None
+
+
 class Outbox:
     """A child's events to the parent, sent in batches so the parent is not woken per layer.
 

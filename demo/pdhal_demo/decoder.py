@@ -19,10 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdhal import ops
-from pdhal_demo.model import Chunk, TinyDecoder
+from pdhal import ops, transfer
+from pdhal_demo.control import DemoError
+from pdhal_demo.model import Chunk, TinyDecoder, cache_layout
 from pdhal_demo.plan import Plan
-from pdhal_demo.transport import DecodeEndpoint
+
+#: How long a request it expects may take to land: the whole run's bound.
+LOAD_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -156,22 +159,49 @@ def verify(plan: Plan, cache: np.ndarray, first_tokens: dict[int, int]) -> dict:
     return checker.result()
 
 
-def run(link, setup: dict) -> None:
-    """Insert each request as it comes. When blocks are recycled, check each request at once
-    and release its blocks (the messager may then reuse them); otherwise check them all once
-    the parent has timed every insertion, so the recomputation takes no core from a
-    measurement still in flight."""
-    import paddle
+def _receivers(plan: Plan, cache: np.ndarray, name: str) -> list[transfer.KVReceiver]:
+    """A KVReceiver per rank, over that rank's cache (as tp decode ranks would have)."""
+    receivers = []
+    for rank in range(plan.tp):
+        receivers.append(
+            transfer.KVReceiver(
+                cache_layout(cache[rank]),
+                f"{name}.{rank}",
+                transport_name=plan.transport,
+                slots=max(len(plan.requests), 1),
+            )
+        )
+    return receivers
 
+
+def _check_landed(receivers: list[transfer.KVReceiver], request: int) -> None:
+    """Every rank's blocks of `request` are in (its messagers said so): the receivers' own
+    outcomes must agree, or nothing is decoded on what may be a partial cache."""
+    for rank, receiver in enumerate(receivers):
+        outcome = receiver.wait(str(request))
+        if not outcome.landed:
+            raise DemoError(f"request {request} did not land on rank {rank}: {outcome.reason}")
+
+
+def run(link, setup: dict) -> None:
+    """Expect every request, on every rank, then insert each as it comes, once its
+    receivers say it landed. When blocks are recycled, check each request at once and
+    release its blocks (the messager may then reuse them); otherwise check them all once the
+    parent has timed every insertion, so the recomputation takes no core from a measurement
+    still in flight."""
     plan = Plan.from_json(setup["plan"])
     shape = (plan.tp, *plan.model.cache_shape(plan.decode_cache_blocks, plan.tp))
     buffer = ops.host_alloc(int(np.prod(shape)) * 4)
     cache = buffer.as_numpy(np.float32, shape)
-    host = os.environ.get("PDHAL_DEMO_HOST", setup["host"])  # set when on another host
-    endpoint = DecodeEndpoint(
-        plan.transport, paddle.from_dlpack(cache), setup["cache_name"], host, setup["protocol"]
-    )
-    link.send(("ready", endpoint.describe()))
+    # the mooncake transport's address: PDHAL_DEMO_HOST is set when on another host
+    os.environ["PDHAL_MOONCAKE_HOST"] = os.environ.get("PDHAL_DEMO_HOST", setup["host"])
+    os.environ["PDHAL_MOONCAKE_PROTOCOL"] = setup["protocol"]
+    receivers = _receivers(plan, cache, setup["cache_name"])
+    tickets = [
+        {str(r.id): receiver.expect(str(r.id), LOAD_TIMEOUT_S) for r in plan.requests}
+        for receiver in receivers
+    ]
+    link.send(("ready", {"described": [r.describe() for r in receivers], "tickets": tickets}))
     checker, recycles = Checker(plan, cache), plan.recycles
     first_tokens = {}
     while len(first_tokens) < len(plan.requests):
@@ -179,6 +209,7 @@ def run(link, setup: dict) -> None:
         if kind == "exit":  # the run failed elsewhere
             return
         request = message["request"]
+        _check_landed(receivers, request)
         first_tokens[request] = message["token"]
         link.send(("inserted", {"request": request}))
         if recycles:
@@ -191,4 +222,6 @@ def run(link, setup: dict) -> None:
             checker.check(request.id, first_tokens[request.id])
     link.send(("verified", checker.result()))
     link.recv()  # ("exit", {})
+    for receiver in receivers:
+        receiver.close()
     ops.host_free(buffer)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdhal import transfer
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -223,3 +225,21 @@ class TinyDecoder:
                 logits = paddle.matmul(self._rms(h[-1:]), self.unembedding)
                 tokens[chunk.request] = int(logits.argmax(axis=-1).item())
         return tokens
+
+
+def cache_layout(cache: np.ndarray) -> transfer.CacheLayout:
+    """Where each block of a cache of ModelConfig.cache_shape is, for pdhal.transfer: one
+    region (the cache), and per layer its K and V, each `blocks` blocks of one block's
+    bytes."""
+    layers, kv, blocks = cache.shape[:3]
+    block = int(np.prod(cache.shape[3:])) * cache.itemsize
+    return transfer.CacheLayout(
+        [cache],
+        [
+            [
+                transfer.CacheSpec(0, (layer * kv + k) * blocks * block, block, block, blocks)
+                for k in range(kv)
+            ]
+            for layer in range(layers)
+        ],
+    )

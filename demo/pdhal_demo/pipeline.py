@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 import pdhal
-from pdhal_demo.control import DemoError, Hub
+from pdhal_demo.control import DemoError, Hub, require_mooncake
 from pdhal_demo.plan import Plan
 from pdhal_demo.report import Timeline, summarize
-from pdhal_demo.transport import require_mooncake
 
 SILENCE_TIMEOUT_S = 120.0  # no event from any process for this long: report a hang
 REPORT_GRACE_S = 10.0  # after a process dies, how long the others get to report it
@@ -35,9 +34,8 @@ class Options:
     control_host: str = "127.0.0.1"  # where the control listener binds (remote decoder)
     fault: str | None = None  # "kill-messager" / "kill-worker" / "kill-decoder": mid first step
     progress: bool = True
-    shm_copy: str = "memmove"  # shm: "memmove" per run, or one pdhal.ops.copy_blocks per layer
-    inflight: int = 4  # Mooncake: layers in flight at once
-    transfer_timeout_s: float = 5.0  # Mooncake: a transfer not done by then is reported
+    inflight: int = 4  # layers in flight at once (the streamer's max_layers_in_flight)
+    transfer_timeout_s: float = 5.0  # a transfer not landed by then fails (stall_timeout)
     slow_ms: dict[int, float] = field(default_factory=dict)  # rank -> a slow link's delay
 
 
@@ -185,7 +183,6 @@ class Pipeline:
             "plan": self.plan.to_json(),
             "host": self.options.host,
             "protocol": self.options.protocol,
-            "shm_copy": self.options.shm_copy,
             "inflight": self.options.inflight,
             "transfer_timeout_s": self.options.transfer_timeout_s,
         }

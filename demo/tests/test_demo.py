@@ -16,10 +16,9 @@ import time
 
 import numpy as np
 import pytest
-from pdhal_demo.control import DemoError
+from pdhal_demo.control import DemoError, require_mooncake
 from pdhal_demo.model import ModelConfig
 from pdhal_demo.plan import make_plan
-from pdhal_demo.transport import block_runs, require_mooncake
 
 from pdhal.testing.fixtures import segments_of
 
@@ -75,11 +74,10 @@ def token_bytes(prompts: list[int], layers: int) -> int:
     "transport, extra",
     [
         ("shm", []),
-        ("shm", ["--shm-copy", "copy_blocks"]),
         ("mooncake", []),  # several layers in flight (asynchronous submission)
         ("mooncake", ["--inflight", "1"]),
     ],
-    ids=["shm-memmove", "shm-copy_blocks", "mooncake-inflight4", "mooncake-inflight1"],
+    ids=["shm", "mooncake-inflight4", "mooncake-inflight1"],
 )
 def test_both_modes_verify_every_byte(transport, extra, tmp_path):
     plot = tmp_path / "timeline.png"
@@ -281,7 +279,9 @@ def test_killed_decoder_fails_the_messager_s_mooncake_writes_at_once():
     )
     assert run.returncode == 1
     assert "the decoder exited (killed by signal 9); the messager reported it" in run.stderr
-    assert "Mooncake's write of layer" in run.stderr
+    assert re.search(r"a write of \d+ bytes to \S+ (failed|timed out|did not land)", run.stderr), (
+        run.stderr
+    )
     reported = int(re.search(r"reported it (\d+) ms after the kill", run.stderr).group(1))
     assert reported < 5000
     assert time.monotonic() - start < 60
@@ -359,10 +359,6 @@ def test_per_chunk_plan_splits_long_prompts_within_the_token_budget():
     decode = [b for r in plan.requests for b in r.decode_blocks]
     assert len(set(prefill)) == len(prefill) and len(set(decode)) == len(decode)
     assert prefill != decode[: len(prefill)]  # placement differs between the two sides
-
-
-def test_block_runs_pair_only_blocks_consecutive_on_both_sides():
-    assert block_runs([0, 1, 2, 5], [10, 11, 3, 4]) == [(0, 10, 2), (2, 3, 1), (5, 4, 1)]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

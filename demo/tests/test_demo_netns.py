@@ -21,7 +21,7 @@ import sys
 import time
 
 import pytest
-from pdhal_demo.transport import require_mooncake
+from pdhal_demo.control import require_mooncake
 
 from pdhal.testing.netns import TwoHosts
 

@@ -131,6 +131,10 @@ def test_requests_of_one_step_coalesce_into_runs_consecutive_on_both_sides(decod
         assert decode.wait(request)[0]
 
 
+def test_block_runs_pair_only_blocks_consecutive_on_both_sides():
+    assert transfer.block_runs([0, 1, 2, 5], [10, 11, 3, 4]) == [(0, 10, 2), (2, 3, 1), (5, 4, 1)]
+
+
 def test_a_killed_decode_process_fails_its_transfers_on_the_prefill_side(streamer, namespace):
     """SIGKILL the decode process mid-transfer: its requests end as failed (naming it) at
     the next poll or layer, the other decode process's transfer still lands, and what the
