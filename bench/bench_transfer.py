@@ -14,8 +14,14 @@ tokens x 4 heads x 32 dims x fp32 = 32 KiB).
   measured from the layer's wake-up to the bytes being in the decode cache, while the
   worker computes on the other core (1.0: the streamer costs nothing over the copy).
 - signal_to_submit_vs_floor: p50 of (submit - the worker's signal time) over p50 of the
-  kernel wake floor: a reader blocked in read() on a pipe, woken by a writer's timestamp,
-  measured in the same run while the worker computes.
+  kernel wake floor: this process blocked in read() on a pipe the worker writes its
+  timestamp to after each layer, on the floor steps (the same worker, computing on the
+  other core, the same run: a wake across processes and cores, as the signal's is).
+  wake_floor_threads_us_p50 is the same wake between two threads of this process (which
+  the kernel may run on one core), printed for comparison. Both sides count only the wakes
+  of an idle reader (one new layer found: the reader was blocked when it came); a layer
+  signalled while the messager still copied the one before waits behind it, which
+  signal_to_submit_all_layers_us_p50 shows.
 - exposed_transfer_ms: p50 over requests of landed minus the end of the last layer's
   compute (its signal time); layer_compute_ms: the worker's p50 layer time.
 - mooncake_vs_te_bench_under_compute: the streamer over Mooncake (TCP, loopback; every step
@@ -31,6 +37,7 @@ import ctypes
 import json
 import os
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -48,10 +55,11 @@ WAKES = 40 if SMOKE else 400
 BLOCKS = REQUESTS * BLOCKS_PER_REQUEST
 
 WORKER = f"""
-import sys, time
+import os, struct, sys, time
 import numpy as np
 from pdhal import ops
 L, B, BB, STEPS = {LAYERS}, {BLOCKS}, {BLOCK_BYTES}, {STEPS}
+floor_fd, with_floor = int(sys.argv[1]), sys.argv[2] == "1"
 buffers = [[ops.host_alloc(B * BB) for _ in "KV"] for _ in range(L)]
 for layer, row in enumerate(buffers):
     for kv, buf in enumerate(row):
@@ -77,6 +85,8 @@ for step in range(STEPS):
             caches[layer][kv][:] = (step + layer + kv) % 251
         layer_ms.append((time.perf_counter() - t) * 1e3)
         times[layer] = time.monotonic_ns()
+        if with_floor and step % 2:  # a floor step: the messager waits in read()
+            os.write(floor_fd, struct.pack("<qq", layer, times[layer]))
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer))
     sys.stdin.readline()  # the messager is done with this step
 print(sorted(layer_ms)[len(layer_ms) // 2], flush=True)
@@ -113,9 +123,10 @@ while True:
 """
 
 
-def child(code: str, *args: str) -> subprocess.Popen:
+def child(code: str, *args: str, pass_fds=()) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", code, *args],
+        pass_fds=pass_fds,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL if "mooncake" in args else None,  # Mooncake's own logging
@@ -129,7 +140,8 @@ def say(proc: subprocess.Popen, line: str = "") -> None:
 
 
 def wake_floor() -> list[float]:
-    """Microseconds from a writer's timestamp to a reader blocked in read() having it."""
+    """Microseconds from a writer's timestamp to a reader blocked in read() having it: two
+    threads of this process."""
     r, w = os.pipe()
     samples = []
 
@@ -166,7 +178,10 @@ def phase(transport_name: str, with_floor: bool) -> dict:
     from pdhal import ops, transfer
 
     os.environ["PDHAL_NAMESPACE"] = f"bench{os.getpid()}{transport_name}"
-    worker, decode = child(WORKER), child(DECODE, transport_name)
+    floor_r, floor_w = os.pipe()
+    worker = child(WORKER, str(floor_w), "1" if with_floor else "0", pass_fds=(floor_w,))
+    os.close(floor_w)
+    decode = child(DECODE, transport_name)
     assert worker.stdout.readline().strip() == "ready"
     described = json.loads(decode.stdout.readline())
     prefill = [
@@ -195,6 +210,8 @@ def phase(transport_name: str, with_floor: bool) -> dict:
         ]
     streamed_s = memmoved_s = 0.0
     exposed, woken = [], []  # woken: (layer signalled last, when the reader returned)
+    floor = []  # the same, woken from read() on the worker's pipe
+    alone = set()  # (step, layer) that woke an idle messager, the only new layer it found
     reader = None
     say(worker)
     for step in range(STEPS):
@@ -212,23 +229,33 @@ def phase(transport_name: str, with_floor: bool) -> dict:
             seen = (0, -1)
         done = -1
         while done < LAYERS - 1:
-            seen = reader.wait(seen, timeout=60)
-            woke = time.monotonic_ns()
-            if seen[0] != step + 1:
-                continue
-            if streaming and seen[1] >= 0:
-                woken.append((woke - int(times[seen[1]])) / 1e3)
-            for layer in range(done + 1, seen[1] + 1):
+            if streaming:
+                seen = reader.wait(seen, timeout=60)
+                woke = time.monotonic_ns()
+                if seen[0] != step + 1:
+                    continue
+                if seen[1] >= 0:
+                    woken.append((woke - int(times[seen[1]])) / 1e3)
+                upto = seen[1]
+                if upto == done + 1:
+                    alone.add((step, upto))
+            else:  # everything the worker wrote since: its newest (layer, time) counts
+                got = os.read(floor_r, 4096)
+                woke = time.monotonic_ns()
+                upto, sent = struct.unpack_from("<qq", got, len(got) - 16)
+                if upto == done + 1:  # the same filter: one new layer, a reader idle
+                    floor.append((woke - sent) / 1e3)
+            for layer in range(done + 1, upto + 1):
                 started = time.perf_counter()
                 if streaming:
                     ready = [(r, BLOCKS_PER_REQUEST * BLOCK_TOKENS) for r in ids]
-                    streamer.layer_ready(layer, ready, signal_ns=int(times[layer]))
+                    streamer.layer_ready(layer, ready, signal_ns=int(times[layer]), step=step)
                     streamed_s += time.perf_counter() - started
                 else:
                     for src, dst, n in floor_runs[layer]:
                         ctypes.memmove(dst, src, n)
                     memmoved_s += time.perf_counter() - started
-            done = seen[1]
+            done = upto
         if streaming:
             ended = []
             while len(ended) < REQUESTS:
@@ -244,6 +271,7 @@ def phase(transport_name: str, with_floor: bool) -> dict:
     records = streamer.metrics.layers()
     streamer.close()
     reader.close()
+    os.close(floor_r)
     say(worker)
     say(decode, json.dumps(["exit"]))
     for proc in (worker, decode):
@@ -252,8 +280,12 @@ def phase(transport_name: str, with_floor: bool) -> dict:
     return {
         "streamed_s": streamed_s,
         "memmoved_s": memmoved_s,
-        "signal_to_submit_us": [(r.submit_ns - r.signal_ns) / 1e3 for r in records],
+        "signal_to_submit_us": [
+            (r.submit_ns - r.signal_ns) / 1e3 for r in records if (r.step, r.layer) in alone
+        ],
+        "signal_to_submit_all_us": [(r.submit_ns - r.signal_ns) / 1e3 for r in records],
         "signal_to_wake_us": woken,
+        "wake_floor_us": floor,
         "exposed_ms": exposed,
         "layer_ms": layer_ms,
         "gib_s": streamed_bytes / busy_seconds(records) / 2**30,
@@ -277,8 +309,9 @@ def te_bench_under_compute() -> float | None:
 
 def main() -> dict:
     shm = phase("shm", with_floor=True)
-    load = child(COMPUTE)  # the floor, measured while a core computes as the worker did
-    floor = wake_floor()
+    floor = shm["wake_floor_us"]
+    load = child(COMPUTE)  # while a core computes as the worker did
+    threads_floor = wake_floor()
     load.kill()
     load.wait()
     result = {
@@ -287,7 +320,9 @@ def main() -> dict:
         "signal_to_submit_vs_floor": statistics.median(shm["signal_to_submit_us"])
         / statistics.median(floor),
         "signal_to_submit_us_p50": statistics.median(shm["signal_to_submit_us"]),
+        "signal_to_submit_all_layers_us_p50": statistics.median(shm["signal_to_submit_all_us"]),
         "wake_floor_us_p50": statistics.median(floor),
+        "wake_floor_threads_us_p50": statistics.median(threads_floor),
         "signal_to_wake_us_p50": statistics.median(shm["signal_to_wake_us"]),
         "exposed_transfer_ms": statistics.median(shm["exposed_ms"]),
         "layer_compute_ms": shm["layer_ms"],
