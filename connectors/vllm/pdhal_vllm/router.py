@@ -1,0 +1,349 @@
+"""The P/D router: an OpenAI-compatible front that sends each request to a prefill and a
+decode instance at once, paired by a transfer id.
+
+    python -m pdhal_vllm.router --port 8000 \\
+        --prefill http://127.0.0.1:8100=127.0.0.1:47100 --decode http://127.0.0.1:8200
+
+`--prefill URL=MESSAGER` (the instance's messager, HOST:PORT) and `--decode URL` may each be
+given several times. `/v1/completions` and `/v1/chat/completions`, streamed or not: the
+prefill instance gets the request with `max_tokens: 1` and `do_remote_decode`, the decode
+instance the client's request with `do_remote_prefill` and the prefill's messager, and the
+client gets the decode instance's answer as it comes. Each request goes to the healthy
+instance of each kind with the fewest requests in flight (the earliest listed on a tie).
+
+When the prefill instance fails (an HTTP error, a dropped connection, `--timeout`), the
+decode request is cancelled before it answers, and `--on-prefill-failure` says what the
+client gets: `error` (HTTP 502 naming the instance and the reason) or `recompute` (the
+client's request again, on a decode instance, without transfer params: it prefills
+itself). An instance that fails a request or its health check (`GET /health`, every
+`--health-interval` s) gets no new request until it passes one again. A decode instance's
+own error (a failed KV load under kv_load_failure_policy "fail") goes to the client as is.
+`GET /health` answers 200 while every pool has a healthy instance (503 otherwise), with
+each instance's state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+log = logging.getLogger("pdhal_vllm.router")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+POLICIES = ("error", "recompute")
+
+
+class RouterError(RuntimeError):
+    """An instance failed a request: its HTTP status (502 when it gave none) and why."""
+
+    def __init__(self, status: int, why: str):
+        super().__init__(why)
+        self.status = status
+
+
+@dataclass
+class Instance:
+    """One vLLM server behind the router."""
+
+    url: str
+    messager: str | None = None  # a prefill instance's cache messager, HOST:PORT
+    in_flight: int = 0
+    healthy: bool = True
+    why: str = ""  # the last failure, while unhealthy
+
+    def failed(self, why: str) -> None:
+        if self.healthy:
+            log.warning(
+                "%s failed: %s; no new requests until its health check passes", self.url, why
+            )
+        self.healthy, self.why = False, why
+
+    def state(self) -> dict:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "why": self.why,
+        }
+
+
+def _instance(text: str, kind: str) -> Instance:
+    url, _, messager = text.partition("=")
+    if not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"a {kind} instance is http(s)://HOST:PORT, got {url!r}")
+    if kind == "prefill" and not messager:
+        raise argparse.ArgumentTypeError(
+            f"a prefill instance is URL=MESSAGER (its messager's HOST:PORT), got {text!r}"
+        )
+    return Instance(url.rstrip("/"), messager or None)
+
+
+class Router:
+    """Pairs each request's prefill and decode (see the module docstring)."""
+
+    def __init__(
+        self,
+        prefills: list[Instance],
+        decodes: list[Instance],
+        *,
+        on_prefill_failure: str = "error",
+        timeout: float = 300.0,
+        health_interval: float = 2.0,
+    ):
+        if not prefills or not decodes:
+            raise ValueError("the router needs at least one prefill and one decode instance")
+        if on_prefill_failure not in POLICIES:
+            raise ValueError(
+                f"on_prefill_failure must be one of {POLICIES}, got {on_prefill_failure!r}"
+            )
+        self.prefills, self.decodes = prefills, decodes
+        self.policy, self.timeout, self.health_interval = (
+            on_prefill_failure,
+            timeout,
+            health_interval,
+        )
+        self._session: ClientSession | None = None
+        self._health: asyncio.Task | None = None
+
+    # ---- the app --------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        for route in ROUTES:
+            app.router.add_post(route, self._handle)
+        app.router.add_get("/health", self._health_page)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app) -> None:
+        self._session = ClientSession(timeout=ClientTimeout(total=self.timeout))
+        self._health = asyncio.create_task(self._check_health())
+
+    async def _stop(self, _app) -> None:
+        self._health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._health
+        await self._session.close()
+
+    async def _health_page(self, _request) -> web.Response:
+        pools = {"prefill": self.prefills, "decode": self.decodes}
+        ok = all(any(i.healthy for i in pool) for pool in pools.values())
+        body = {kind: [i.state() for i in pool] for kind, pool in pools.items()}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _check_health(self) -> None:
+        while True:
+            for instance in self.prefills + self.decodes:
+                try:
+                    async with self._session.get(
+                        f"{instance.url}/health", timeout=ClientTimeout(total=self.health_interval)
+                    ) as answer:
+                        if answer.status == 200:
+                            instance.healthy, instance.why = True, ""
+                        else:
+                            instance.failed(f"its health check answered {answer.status}")
+                except (ClientError, asyncio.TimeoutError) as e:
+                    instance.failed(f"its health check failed: {type(e).__name__}: {e}")
+            await asyncio.sleep(self.health_interval)
+
+    # ---- one request ----------------------------------------------------------------
+
+    @staticmethod
+    def _pick(pool: list[Instance], kind: str) -> Instance:
+        healthy = [i for i in pool if i.healthy]
+        if not healthy:
+            raise RouterError(
+                503, f"no healthy {kind} instance: " + "; ".join(f"{i.url}: {i.why}" for i in pool)
+            )
+        return min(healthy, key=lambda i: i.in_flight)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        try:
+            prefill, decode = (
+                self._pick(self.prefills, "prefill"),
+                self._pick(self.decodes, "decode"),
+            )
+        except RouterError as e:
+            return _error(e.status, str(e))
+        tid = f"pdhal-{uuid.uuid4().hex}"
+        to_prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        to_prefill |= {
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "pdhal_transfer_id": tid},
+        }
+        if "max_completion_tokens" in to_prefill:
+            to_prefill["max_completion_tokens"] = 1
+        to_decode = body | {
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "pdhal_transfer_id": tid,
+                "pdhal_messager": prefill.messager,
+            }
+        }
+        prefilled = asyncio.create_task(self._prefill(prefill, request.path, to_prefill))
+        decoding = asyncio.create_task(self._first_bytes(decode, request.path, to_decode))
+        await asyncio.wait([prefilled, decoding], return_when=asyncio.FIRST_COMPLETED)
+        if not decoding.done() and prefilled.exception() is not None:
+            await _cancel(decoding)  # the client has no byte yet: the policy decides
+            return await self._prefill_failed(request, body, prefill, prefilled.exception())
+        try:
+            answer, first = await decoding
+        except RouterError as e:
+            await _cancel(prefilled)  # the messager fails the transfer nobody claims
+            return _error(e.status, f"decode instance {decode.url}: {e}")
+        if answer.status != 200:
+            await _cancel(prefilled)
+        try:
+            return await self._relay(request, answer, first, decode)
+        finally:
+            with contextlib.suppress(RouterError, asyncio.CancelledError):
+                await prefilled  # done by now: the first token needed its KV
+
+    async def _prefill(self, prefill: Instance, path: str, body: dict) -> None:
+        prefill.in_flight += 1
+        try:
+            async with self._session.post(prefill.url + path, json=body) as answer:
+                text = await answer.text()
+                if answer.status != 200:
+                    raise RouterError(answer.status, f"answered {answer.status}: {text[:300]}")
+        except (ClientError, asyncio.TimeoutError) as e:
+            prefill.failed(f"{type(e).__name__}: {e}")
+            raise RouterError(502, f"{type(e).__name__}: {e}") from None
+        finally:
+            prefill.in_flight -= 1
+
+    async def _first_bytes(self, decode: Instance, path: str, body: dict):
+        """The decode instance's response and the first bytes of its body (a first token
+        comes only once its KV landed). It counts as in flight until _relay is done."""
+        decode.in_flight += 1
+        answer = None
+        try:
+            answer = await self._session.post(decode.url + path, json=body)
+            return answer, await answer.content.readany()
+        except BaseException as e:  # cancelled: closing the connection aborts vLLM's request
+            if answer is not None:
+                answer.close()
+            decode.in_flight -= 1
+            if isinstance(e, (ClientError, asyncio.TimeoutError)):
+                decode.failed(f"{type(e).__name__}: {e}")
+                raise RouterError(502, f"{type(e).__name__}: {e}") from None
+            raise
+
+    async def _relay(self, request, answer, first: bytes, decode: Instance) -> web.StreamResponse:
+        """The decode instance's answer to the client, chunk by chunk as it comes."""
+        try:
+            out = web.StreamResponse(status=answer.status)
+            out.content_type = answer.content_type
+            await out.prepare(request)
+            await out.write(first)
+            async for chunk in answer.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+        except (ClientError, asyncio.TimeoutError) as e:
+            decode.failed(f"{type(e).__name__}: {e}")
+            raise  # the client's connection is cut: its answer is incomplete, never wrong
+        finally:
+            answer.release()
+            decode.in_flight -= 1
+
+    async def _prefill_failed(self, request, body: dict, prefill: Instance, error):
+        why = f"prefill instance {prefill.url}: {error}"
+        if self.policy == "error":
+            return _error(getattr(error, "status", 502), why)
+        log.warning("%s; recomputing on a decode instance", why)
+        try:
+            decode = self._pick(self.decodes, "decode")
+            answer, first = await self._first_bytes(decode, request.path, body)
+        except RouterError as e:
+            return _error(e.status, f"{why}; and the recompute failed: {e}")
+        return await self._relay(request, answer, first, decode)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "pdhal_router_error", "code": status}},
+        status=status,
+    )
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, RouterError):
+        await task
+
+
+async def _serve(router: Router, host: str, port: int) -> None:
+    """Serve until cancelled (SIGINT, SIGTERM); print the address once listening (port 0:
+    any free port)."""
+    runner = web.AppRunner(router.app())
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    print(f"pdhal-vllm router listening on http://{host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdhal_vllm.router", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0: any free port")
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL=MESSAGER",
+        type=lambda t: _instance(t, "prefill"),
+        help="a prefill instance and its messager",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        type=lambda t: _instance(t, "decode"),
+        help="a decode instance",
+    )
+    parser.add_argument("--on-prefill-failure", choices=POLICIES, default="error")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
+    parser.add_argument("--health-interval", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
+    router = Router(
+        args.prefill,
+        args.decode,
+        on_prefill_failure=args.on_prefill_failure,
+        timeout=args.timeout,
+        health_interval=args.health_interval,
+    )
+    asyncio.run(_serve(router, args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""A stand-in OpenAI server for the router's tests: `python fake_openai.py NAME MODE LOG [PORT]`.
+
+It answers /v1/completions and /v1/chat/completions (JSON, or server-sent events when the
+request streams) with text naming itself, and /health with 200. It appends each request's
+body, and each request a client gave up on, to LOG as JSON lines. MODE: "ok"; "fail" (500 to
+every completion); "slow" (each completion waits 30 s before its first byte, so it stays in
+flight). It prints its port once listening (port 0: any free one)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from aiohttp import web
+
+NAME, MODE, LOG = sys.argv[1], sys.argv[2], sys.argv[3]
+PORT = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+
+
+def note(**entry) -> None:
+    with open(LOG, "a") as f:
+        f.write(json.dumps(entry | {"server": NAME}) + "\n")
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    note(event="request", path=request.path, body=body)
+    if MODE == "fail":
+        return web.json_response({"error": {"message": f"{NAME} fails"}}, status=500)
+    try:
+        if MODE == "slow":
+            await asyncio.sleep(30)
+        text = f"from {NAME}"
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": text}], "server": NAME})
+        out = web.StreamResponse()
+        out.content_type = "text/event-stream"
+        await out.prepare(request)
+        for word in text.split():
+            await out.write(f"data: {json.dumps({'choices': [{'text': word}]})}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+    except asyncio.CancelledError:  # the client closed its connection
+        note(event="cancelled", path=request.path, body=body)
+        raise
+
+
+async def health(_request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def main() -> None:
+    app = web.Application()
+    app.router.add_post("/v1/completions", completion)
+    app.router.add_post("/v1/chat/completions", completion)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", PORT)
+    await site.start()
+    print(runner.addresses[0][1], flush=True)
+    await asyncio.Event().wait()
+
+
+asyncio.run(main())

@@ -1,0 +1,255 @@
+"""The router (`python -m pdhal_vllm.router`) in front of stand-in OpenAI servers, each its
+own process (fake_openai.py): what each side is sent, what the client gets, the pick of the
+least-loaded healthy instance, a failing prefill under both policies, an instance that dies
+and comes back. The router against real `vllm serve` instances is in test_serve.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+FAKE = os.path.join(os.path.dirname(__file__), "fake_openai.py")
+
+
+class Server:
+    """A process printing its port on its first line."""
+
+    def __init__(self, *command: str):
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert line, f"{command} exited ({self.proc.wait()}) before it listened"
+        self.port = int(line.rsplit(":", 1)[-1].strip().rstrip("/"))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+
+
+class Fleet:
+    """Stand-in instances and a router in front of them."""
+
+    def __init__(self, tmp_path):
+        self.tmp, self.servers, self.log = tmp_path, [], tmp_path / "requests.jsonl"
+        self.log.touch()
+
+    def fake(self, name: str, mode: str = "ok", port: int = 0) -> Server:
+        server = Server(sys.executable, FAKE, name, mode, str(self.log), str(port))
+        self.servers.append(server)
+        return server
+
+    def router(self, prefills, decodes, *extra: str) -> Server:
+        args = [f"--prefill={p.url}=127.0.0.1:{47000 + i}" for i, p in enumerate(prefills)]
+        args += [f"--decode={d.url}" for d in decodes]
+        server = Server(
+            sys.executable,
+            "-m",
+            "pdhal_vllm.router",
+            "--port",
+            "0",
+            "--health-interval",
+            "0.2",
+            *args,
+            *extra,
+        )
+        self.servers.append(server)
+        return server
+
+    def seen(self, event: str = "request") -> list[dict]:
+        lines = self.log.read_text().splitlines()
+        return [e for e in map(json.loads, lines) if e["event"] == event]
+
+    def stop(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    f = Fleet(tmp_path)
+    yield f
+    f.stop()
+
+
+def post(router: Server, path: str, body, timeout: float = 30) -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        router.url + path, data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def until(condition, bound: float = 20.0):
+    deadline = time.monotonic() + bound
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.05)
+    return value
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_request_goes_to_a_prefill_and_a_decode_paired_by_one_id(fleet, path, stream):
+    prefill, decode = fleet.fake("p0"), fleet.fake("d0")
+    router = fleet.router([prefill], [decode])
+    body = {"model": "m", "prompt": "hi", "max_tokens": 8, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    status, answer = post(router, path, body)
+    assert status == 200
+    if stream:  # the decode instance's events, byte for byte
+        assert answer == (
+            b'data: {"choices": [{"text": "from"}]}\n\n'
+            b'data: {"choices": [{"text": "d0"}]}\n\n'
+            b"data: [DONE]\n\n"
+        )
+    else:
+        assert json.loads(answer)["server"] == "d0"
+    sent = {e["server"]: e for e in until(lambda: len(fleet.seen()) == 2 and fleet.seen())}
+    to_prefill, to_decode = sent["p0"]["body"], sent["d0"]["body"]
+    assert sent["p0"]["path"] == sent["d0"]["path"] == path
+    assert to_prefill["max_tokens"] == 1 and "stream" not in to_prefill
+    assert "stream_options" not in to_prefill
+    tid = to_prefill["kv_transfer_params"]["pdhal_transfer_id"]
+    assert to_prefill["kv_transfer_params"] == {"do_remote_decode": True, "pdhal_transfer_id": tid}
+    assert to_decode["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "pdhal_transfer_id": tid,
+        "pdhal_messager": "127.0.0.1:47000",
+    }
+    assert {k: v for k, v in to_decode.items() if k != "kv_transfer_params"} == body
+
+
+def test_a_request_goes_to_the_least_loaded_instances(fleet):
+    """d0 holds a request (it answers after 30 s): the next two go to d1, each paired with
+    a prefill, the two prefills taking turns only by load (both idle: the first listed)."""
+    prefills = [fleet.fake("p0"), fleet.fake("p1")]
+    slow, fast = fleet.fake("d0", "slow"), fleet.fake("d1")
+    router = fleet.router(prefills, [slow, fast])
+    held = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import urllib.request as u; u.urlopen(u.Request("
+            f"'{router.url}/v1/completions', data=b'{{\"prompt\": \"x\"}}', headers="
+            f"{{'Content-Type': 'application/json'}}), timeout=60)",
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        until(lambda: any(e["server"] == "d0" for e in fleet.seen()))
+        for _ in range(2):
+            status, answer = post(router, "/v1/completions", {"prompt": "y", "max_tokens": 2})
+            assert status == 200 and json.loads(answer)["server"] == "d1"
+    finally:
+        held.kill()
+        held.wait()
+    decodes = [e["server"] for e in fleet.seen() if e["server"].startswith("d")]
+    assert decodes == ["d0", "d1", "d1"]
+    # the held request's prefill answered at once: p0 was idle again each time
+    assert [e["server"] for e in fleet.seen() if e["server"].startswith("p")] == ["p0"] * 3
+
+
+@pytest.mark.parametrize("policy", ["error", "recompute"])
+def test_a_failing_prefill_cancels_the_decode_and_the_policy_answers(fleet, policy):
+    """The decode request is cancelled before the client got a byte; "error": a 502 naming
+    the prefill instance; "recompute": the client's request again on a decode instance,
+    without transfer params."""
+    prefill, decode = fleet.fake("p0", "fail"), fleet.fake("d0", "slow")
+    router = fleet.router([prefill], [decode], "--on-prefill-failure", policy)
+    body = {"prompt": "z", "max_tokens": 3}
+    if policy == "error":
+        status, answer = post(router, "/v1/completions", body)
+        assert status == 500  # the prefill instance's own status
+        message = json.loads(answer)["error"]["message"]
+        assert f"prefill instance {prefill.url}: answered 500" in message and "p0 fails" in message
+    else:
+        fleet.servers.remove(decode)
+        decode.stop()  # the slow one: a fast decode instance takes the recompute
+        fast = fleet.fake("d1")
+        router.stop()
+        router = fleet.router([prefill], [fast], "--on-prefill-failure", policy)
+        status, answer = post(router, "/v1/completions", body)
+        assert status == 200 and json.loads(answer)["server"] == "d1"
+        recomputed = [e["body"] for e in fleet.seen() if e["server"] == "d1"]
+        assert recomputed[-1] == body  # no transfer params: it prefills itself
+    if policy == "error":
+        cancelled = until(lambda: fleet.seen("cancelled"))
+        assert [e["server"] for e in cancelled] == ["d0"]
+
+
+def test_a_dead_instance_gets_no_request_until_it_is_back(fleet):
+    prefill, d0, d1 = fleet.fake("p0"), fleet.fake("d0"), fleet.fake("d1")
+    router = fleet.router([prefill], [d0, d1])
+    d0.proc.kill()
+    d0.proc.wait()
+
+    def health():  # 200 or 503, each with every instance's state
+        try:
+            with urllib.request.urlopen(router.url + "/health", timeout=10) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+            return json.loads(e.read())
+
+    states = until(lambda: (h := health()) and not h["decode"][0]["healthy"] and h)
+    assert "health check failed" in states["decode"][0]["why"]
+    for _ in range(3):
+        status, answer = post(router, "/v1/completions", {"prompt": "w"})
+        assert status == 200 and json.loads(answer)["server"] == "d1"
+    d1.proc.kill()
+    d1.proc.wait()
+    until(lambda: not any(d["healthy"] for d in health()["decode"]))
+    status, answer = post(router, "/v1/completions", {"prompt": "w"})
+    assert status == 503 and "no healthy decode instance" in json.loads(answer)["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        urllib.request.urlopen(router.url + "/health", timeout=10)
+    assert failed.value.code == 503
+    fleet.fake("d0", port=d0.port)  # back, where the router knows it
+    until(lambda: health()["decode"][0]["healthy"])
+    status, answer = post(router, "/v1/completions", {"prompt": "w"})
+    assert status == 200 and json.loads(answer)["server"] == "d0"
+
+
+def test_a_body_that_is_not_a_json_object_is_refused(fleet):
+    router = fleet.router([fleet.fake("p0")], [fleet.fake("d0")])
+    for body in (b"not json", b"[1, 2]"):
+        status, answer = post(router, "/v1/completions", body)
+        assert status == 400 and b"must be a JSON object" in answer
+    assert fleet.seen() == []
+
+
+def test_bad_instances_on_the_command_line_are_refused():
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdhal_vllm.router",
+            "--prefill",
+            "http://h:1",
+            "--decode",
+            "http://h:2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "a prefill instance is URL=MESSAGER" in run.stderr
