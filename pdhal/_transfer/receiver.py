@@ -5,6 +5,7 @@ when the deadline passes; nothing waits on it)."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import threading
 import time
@@ -53,7 +54,10 @@ class KVReceiver:
             ops.host_free(self._status)
             raise
         self._lock = threading.Lock()
-        self._free = list(range(slots - 1, -1, -1))
+        # first in, first out: a slot given up on (its deadline passed) is handed out again
+        # as late as can be, so a stalled prefill side's late write to it meets its own
+        # generation's request, or a slot nobody reads
+        self._free = collections.deque(range(slots))
         self._generations = [0] * slots
         self._expected: dict[str, _Expected] = {}
         self._ended: list[Outcome] = []
@@ -86,7 +90,7 @@ class KVReceiver:
                     f"all {len(self._generations)} status slots are expected: raise slots, or "
                     f"poll() for the outcomes of the requests in flight"
                 )
-            slot = self._free.pop()
+            slot = self._free.popleft()
             self._generations[slot] = generation = (self._generations[slot] + 1) % (1 << 56)
             self._expected[request_id] = _Expected(
                 slot, generation, time.monotonic() + timeout, timeout, layerwise

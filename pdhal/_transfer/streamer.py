@@ -43,10 +43,11 @@ log = logging.getLogger("pdhal")
 @dataclass(eq=False)
 class _Request:
     id: str
-    src_blocks: list[int]
-    prompt_tokens: int
+    src_blocks: list[int]  # of the prompt's blocks from `cached` on (more may come)
+    prompt_tokens: int  # of the prompt, those that go (the decode side may need fewer)
     added: float
     layers: int
+    blocks: int  # the blocks that go: from `cached` to the last of prompt_tokens
     cached: int = 0  # the prompt's first blocks, on the decode side already
     dest: Destination | None = None
     dst_blocks: list[int] = field(default_factory=list)
@@ -65,7 +66,6 @@ class _Request:
 
     def __post_init__(self):
         self.ready, self.sent, self.landed = [0] * self.layers, [0] * self.layers, [0] * self.layers
-        self.blocks = len(self.src_blocks)
         self.unsent_layers = self.layers
 
     @property
@@ -74,11 +74,20 @@ class _Request:
         return self.failed is not None or self.reported
 
     def sendable(self, layer: int, block_tokens: int) -> int:
-        """Blocks of `layer` that may go: the full ones, the last partial one once whole."""
+        """Blocks of `layer` that may go: the full ones, the last partial one once whole,
+        of those whose source blocks are known."""
         tokens = self.ready[layer]
         if tokens >= self.prompt_tokens:
-            return self.blocks
-        return min(max(tokens // block_tokens - self.cached, 0), self.blocks)
+            return min(self.blocks, len(self.src_blocks))
+        return min(max(tokens // block_tokens - self.cached, 0), self.blocks, len(self.src_blocks))
+
+    def reshape(self, tokens: int, cached: int, block_tokens: int) -> None:
+        """Send only the first `tokens` of the prompt, from block `cached` on (the decode
+        side's needs, before anything was sent)."""
+        self.src_blocks = self.src_blocks[cached - self.cached :]
+        self.prompt_tokens, self.cached = tokens, cached
+        self.blocks = -(-tokens // block_tokens) - cached
+        del self.src_blocks[self.blocks :]
 
     def mark_sent(self, layer: int, blocks: int) -> None:
         self.sent[layer] = blocks
@@ -192,37 +201,80 @@ class KVStreamer:
         """A request whose KV is (or will be) in `src_blocks` of the prefill caches, its
         prompt `prompt_tokens` long; failed if no destination is set within claim_timeout.
         `cached_blocks`: the prompt's first blocks, which the decode side has already (a
-        prefix it cached): not sent, and not in `src_blocks`."""
+        prefix it cached): not sent, and not in `src_blocks`. `src_blocks` may be the first
+        of them only (an engine that allocates a chunked prompt's blocks chunk by chunk):
+        add_blocks gives the rest."""
         self._open()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
-        src = list(src_blocks)
         tokens = _count(prompt_tokens, "prompt_tokens", 1)
         cached = _count(cached_blocks, "cached_blocks")
         whole = -(-tokens // self.block_tokens)
-        if cached >= whole or len(src) != whole - cached:
+        if cached >= whole:
             raise InvalidArgumentError(
-                f"request {request_id!r}: a prompt of {tokens} tokens in blocks of "
-                f"{self.block_tokens} ({cached} cached) needs {whole - cached} blocks, got "
-                f"{len(src)}"
+                f"request {request_id!r}: {cached} cached blocks leave nothing of a prompt of "
+                f"{tokens} tokens in blocks of {self.block_tokens} to send"
             )
-        block_runs(src, src)  # the ids are ids
-        if max(src) >= self._src_blocks:
-            raise InvalidArgumentError(
-                f"request {request_id!r}: source block {max(src)} is outside the prefill "
-                f"caches' {self._src_blocks} blocks"
-            )
+        src = self._source_blocks(request_id, src_blocks, whole - cached, 0)
         with self._lock:
             if request_id in self._requests:
                 raise InvalidArgumentError(f"request {request_id!r} was added already")
             self._requests[request_id] = _Request(
-                request_id, src, tokens, time.monotonic(), self.layout.num_layers, cached
+                request_id,
+                src,
+                tokens,
+                time.monotonic(),
+                self.layout.num_layers,
+                whole - cached,
+                cached,
             )
 
-    def set_destination(self, request_id: str, dest: Destination, dst_blocks, ticket) -> None:
+    def add_blocks(self, request_id: str, src_blocks) -> None:
+        """More of `request_id`'s source blocks, after those it has: the layers they make
+        sendable go at once (if its destination is known)."""
+        self._open()
+        with self._lock:
+            request = self._live(request_id)
+            have = len(request.src_blocks)
+            src = self._source_blocks(request_id, src_blocks, request.blocks, have)
+            request.src_blocks += src
+            dest = request.dest
+        if dest is not None:
+            self._send_ready(request)
+
+    def _source_blocks(self, request_id: str, blocks, needed: int, have: int) -> list[int]:
+        """`blocks` as source block ids, checked: ids within the caches, at most `needed`
+        with the `have` given before."""
+        src = list(blocks)
+        if have + len(src) > needed:
+            raise InvalidArgumentError(
+                f"request {request_id!r} needs {needed} source blocks; {have} given, then "
+                f"{len(src)} more"
+            )
+        block_runs(src, src)  # the ids are ids
+        if src and max(src) >= self._src_blocks:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: source block {max(src)} is outside the prefill "
+                f"caches' {self._src_blocks} blocks"
+            )
+        return src
+
+    def set_destination(
+        self,
+        request_id: str,
+        dest: Destination,
+        dst_blocks,
+        ticket,
+        *,
+        tokens: int | None = None,
+        cached_blocks: int | None = None,
+    ) -> None:
         """Where `request_id` goes: blocks `dst_blocks` of `dest`'s caches, its outcome to
         the status slot of `ticket` (the decode side's expect()). The layers ready already
-        go at once."""
+        go at once. What the decode side needs, if it says: only the prompt's first
+        `tokens` (vLLM's decode computes the last prompt token itself), from block
+        `cached_blocks` on (a prefix it cached, at least add_request's); `dst_blocks` are
+        the blocks from there to the last of those tokens."""
         self._open()
         if not isinstance(dest, Destination) or dest not in self._destinations.values():
             raise InvalidArgumentError(
@@ -245,13 +297,39 @@ class KVStreamer:
             request = self._live(request_id)
             if request.dest is not None:
                 raise InvalidArgumentError(f"request {request_id!r} has a destination already")
-            block_runs(request.src_blocks, dst)  # they pair up
+            need = request.prompt_tokens if tokens is None else _count(tokens, "tokens", 1)
+            skip = (
+                request.cached if cached_blocks is None else _count(cached_blocks, "cached_blocks")
+            )
+            if not request.cached <= skip < -(-need // self.block_tokens) or (
+                need > request.prompt_tokens
+            ):
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: its decode side needs {need} tokens from block "
+                    f"{skip} on; the prompt has {request.prompt_tokens} tokens from block "
+                    f"{request.cached} on, and something must be left to send"
+                )
+            wanted = -(-need // self.block_tokens) - skip
+            if len(dst) != wanted:
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: {need} tokens from block {skip} on are {wanted} "
+                    f"destination blocks, got {len(dst)}"
+                )
+            block_runs(dst, dst)  # the ids are ids
             if dst and max(dst) >= dest.planner.dst_blocks:
                 raise InvalidArgumentError(
                     f"request {request_id!r}: destination block {max(dst)} is outside the "
                     f"decode caches' {dest.planner.dst_blocks} blocks"
                 )
+            request.reshape(need, skip, self.block_tokens)  # nothing of it went yet
             request.dest, request.dst_blocks, request.ticket = dest, dst, dict(ticket)
+        self._send_ready(request)
+        self._settle(request)
+
+    def _send_ready(self, request: _Request) -> None:
+        """Send what of `request` is sendable and was not sent, layer by layer."""
+        with self._lock:
+            dest = request.dest
             layers = [
                 layer
                 for layer in range(request.layers)
@@ -260,7 +338,6 @@ class KVStreamer:
         now = time.monotonic_ns()
         for layer in layers:
             self._send(dest, layer, [request], now)
-        self._settle(request)
 
     def _live(self, request_id: str) -> _Request:
         request = self._requests.get(request_id)

@@ -108,8 +108,53 @@ def test_a_prefix_the_decode_side_cached_is_not_sent(decode, streamer):
         landed and landed_blocks(dump, 2) == expected(6) and landed_blocks(dump, 3) == expected(7)
     )
     assert landed_blocks(dump, 0) == [[0] * CACHES] * LAYERS
-    with pytest.raises(pdhal.InvalidArgumentError, match="2 cached\\) needs 2 blocks, got 3"):
+    with pytest.raises(pdhal.InvalidArgumentError, match="needs 2 source blocks; 0 given, then 3"):
         streamer.add_request("q", [0, 1, 2], 16, cached_blocks=2)
+
+
+def test_source_blocks_may_come_chunk_by_chunk(decode, streamer):
+    """vLLM allocates a chunked prompt's blocks as its chunks are scheduled: a request may
+    be added with its first blocks, the rest given by add_blocks, each layer's blocks going
+    as soon as both their tokens and their ids are there."""
+    dest = streamer.connect(decode.described)
+    streamer.add_request("c", [4], 12)  # 3 blocks of 4 tokens; the first one's id only
+    streamer.set_destination("c", dest, [1, 2, 3], decode.expect("c"))
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("c", 8)])  # two full blocks' tokens, one block's id
+    assert [r.nbytes for r in streamer.metrics.layers()] == [CACHES * BLOCK_BYTES] * LAYERS
+    streamer.add_blocks("c", [5])  # the second block goes at once, every layer
+    assert len(streamer.metrics.layers()) == 2 * LAYERS
+    streamer.add_blocks("c", [6])
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("c", 12)])
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("c", True)]
+    landed, _, dump, _ = decode.wait("c")
+    assert landed
+    for src, dst in ((4, 1), (5, 2), (6, 3)):
+        assert landed_blocks(dump, dst) == expected(src)
+
+
+def test_the_decode_side_may_need_fewer_tokens_and_have_a_prefix(decode, streamer):
+    """The prefill side added the whole prompt (9 tokens: 3 blocks) before its decode side
+    said what it needs: 8 tokens (vLLM's decode computes the last one itself), and it has
+    the first block cached: only the second block goes, and the request lands without the
+    third."""
+    streamer.add_request("f", [1, 2, 3], 9)
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("f", 9)])
+    streamer.set_destination(
+        "f",
+        streamer.connect(decode.described),
+        [6],
+        decode.expect("f"),
+        tokens=8,
+        cached_blocks=1,
+    )
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("f", True)]
+    landed, _, dump, _ = decode.wait("f")
+    assert landed and landed_blocks(dump, 6) == expected(2)
+    assert all(landed_blocks(dump, b) == [[0] * CACHES] * LAYERS for b in range(BLOCKS) if b != 6)
+    assert streamer.metrics.snapshot()["bytes_landed"] == LAYERS * CACHES * BLOCK_BYTES
 
 
 def test_requests_of_one_step_coalesce_into_runs_consecutive_on_both_sides(decode, streamer):
@@ -261,8 +306,10 @@ def test_bad_requests_are_refused_with_what_was_expected(decode, streamer):
     """Everything a request is given is checked when it is given, so a bad one never fails
     the requests sent with it."""
     bad = pdhal.InvalidArgumentError
-    with pytest.raises(bad, match="needs 3 blocks, got 2"):
-        streamer.add_request("short", [0, 1], 10)
+    with pytest.raises(bad, match="needs 3 source blocks; 0 given, then 4 more"):
+        streamer.add_request("long", [0, 1, 2, 3], 10)
+    with pytest.raises(bad, match="4 cached blocks leave nothing of a prompt of 10 tokens"):
+        streamer.add_request("cached", [], 10, cached_blocks=4)
     with pytest.raises(bad, match="source block 8 is outside the prefill caches' 8 blocks"):
         streamer.add_request("far", [8], 4)
     with pytest.raises(bad, match="request_id must be a non-empty str"):
@@ -284,8 +331,14 @@ def test_bad_requests_are_refused_with_what_was_expected(decode, streamer):
         streamer.set_destination("ok", dest, [0], {"slot": "x", "generation": 1})
     with pytest.raises(bad, match="slot 8 is outside the receiver's 8 slots"):
         streamer.set_destination("ok", dest, [0], dict(ticket, slot=8))
-    with pytest.raises(bad, match="must pair up, got 1 and 2"):
+    with pytest.raises(bad, match="4 tokens from block 0 on are 1 destination blocks, got 2"):
         streamer.set_destination("ok", dest, [0, 1], ticket)
+    with pytest.raises(bad, match="needs 5 tokens from block 0 on; the prompt has 4 tokens"):
+        streamer.set_destination("ok", dest, [0], ticket, tokens=5)
+    with pytest.raises(bad, match="needs 4 tokens from block 1 on"):
+        streamer.set_destination("ok", dest, [], ticket, cached_blocks=1)
+    with pytest.raises(bad, match="needs 1 source blocks; 1 given, then 1 more"):
+        streamer.add_blocks("ok", [3])
     with pytest.raises(bad, match="destination block 9 is outside the decode caches' 8"):
         streamer.set_destination("ok", dest, [9], ticket)
     with pytest.raises(bad, match="unknown"):
@@ -315,13 +368,18 @@ def test_a_request_id_used_again_sends_its_own_blocks_and_its_slot_holds_no_old_
     nothing of its last request (the reason of a failure there)."""
     dest = streamer.connect(decode.described)
     streamer.add_request("r", [0, 1], 8)
-    streamer.set_destination("r", dest, [2, 3], decode.expect("r"))
+    first = decode.expect("r")
+    streamer.set_destination("r", dest, [2, 3], first)
     streamer.layer_ready(0, [("r", 8)])
     streamer.fail("r", "first try given up")
     assert outcomes_until(streamer, 1)[0].reason == "first try given up"
     assert decode.wait("r")[1] == "first try given up"
     streamer.add_request("r", [4, 5], 8)
-    ticket = decode.expect("r")  # the same slot, cleared, with the next generation
+    # a slot that came free is handed out after every other one (8 slots)
+    others = [decode.expect(f"pad{i}")["slot"] for i in range(7)]
+    assert first["slot"] not in others
+    ticket = decode.expect("r")  # the same slot, with the next generation
+    assert ticket["slot"] == first["slot"] and ticket["generation"] > first["generation"]
     streamer.set_destination("r", dest, [6, 7], ticket)
     for layer in range(LAYERS):
         streamer.layer_ready(layer, [("r", 8)])
