@@ -43,12 +43,13 @@ log = logging.getLogger("pdhal")
 @dataclass(eq=False)
 class _Request:
     id: str
-    src_blocks: list[int]  # of the prompt's blocks from `cached` on (more may come)
+    given: list[int]  # source blocks of the prompt from block `base` on (more may come)
     prompt_tokens: int  # of the prompt, those that go (the decode side may need fewer)
     added: float
     layers: int
     blocks: int  # the blocks that go: from `cached` to the last of prompt_tokens
     cached: int = 0  # the prompt's first blocks, on the decode side already
+    base: int = 0  # add_request's cached blocks (`given` starts after them)
     dest: Destination | None = None
     dst_blocks: list[int] = field(default_factory=list)
     ticket: dict | None = None
@@ -67,6 +68,8 @@ class _Request:
     def __post_init__(self):
         self.ready, self.sent, self.landed = [0] * self.layers, [0] * self.layers, [0] * self.layers
         self.unsent_layers = self.layers
+        self.base = self.cached
+        self.needed = self.blocks  # source blocks from `base` to the prompt's end
 
     @property
     def ended(self) -> bool:
@@ -77,17 +80,21 @@ class _Request:
         """Blocks of `layer` that may go: the full ones, the last partial one once whole,
         of those whose source blocks are known."""
         tokens = self.ready[layer]
+        known = min(self.blocks, max(len(self.given) - (self.cached - self.base), 0))
         if tokens >= self.prompt_tokens:
-            return min(self.blocks, len(self.src_blocks))
-        return min(max(tokens // block_tokens - self.cached, 0), self.blocks, len(self.src_blocks))
+            return known
+        return min(max(tokens // block_tokens - self.cached, 0), known)
+
+    def source(self, first: int, end: int) -> list[int]:
+        """The source block ids of blocks [first, end) of those that go."""
+        skip = self.cached - self.base
+        return self.given[skip + first : skip + end]
 
     def reshape(self, tokens: int, cached: int, block_tokens: int) -> None:
         """Send only the first `tokens` of the prompt, from block `cached` on (the decode
         side's needs, before anything was sent)."""
-        self.src_blocks = self.src_blocks[cached - self.cached :]
         self.prompt_tokens, self.cached = tokens, cached
         self.blocks = -(-tokens // block_tokens) - cached
-        del self.src_blocks[self.blocks :]
 
     def mark_sent(self, layer: int, blocks: int) -> None:
         self.sent[layer] = blocks
@@ -235,9 +242,8 @@ class KVStreamer:
         self._open()
         with self._lock:
             request = self._live(request_id)
-            have = len(request.src_blocks)
-            src = self._source_blocks(request_id, src_blocks, request.blocks, have)
-            request.src_blocks += src
+            src = self._source_blocks(request_id, src_blocks, request.needed, len(request.given))
+            request.given += src
             dest = request.dest
         if dest is not None:
             self._send_ready(request)
@@ -419,7 +425,7 @@ class KVStreamer:
         if runs is None:
             src, dst = [], []
             for request, first, end in spans:
-                src += request.src_blocks[first:end]
+                src += request.source(first, end)
                 dst += request.dst_blocks[first:end]
             runs = block_runs(src, dst)  # ids checked when the request and its destination came
             with self._lock:

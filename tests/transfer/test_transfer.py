@@ -155,6 +155,19 @@ def test_the_decode_side_may_need_fewer_tokens_and_have_a_prefix(decode, streame
     assert landed and landed_blocks(dump, 6) == expected(2)
     assert all(landed_blocks(dump, b) == [[0] * CACHES] * LAYERS for b in range(BLOCKS) if b != 6)
     assert streamer.metrics.snapshot()["bytes_landed"] == LAYERS * CACHES * BLOCK_BYTES
+    # a prefix the decode side has, of a request whose source blocks are not all known yet
+    streamer.add_request("g", [0], 12)
+    streamer.set_destination(
+        "g", streamer.connect(decode.described), [4, 5], decode.expect("g"), cached_blocks=1
+    )
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("g", 12)])
+    assert len(streamer.metrics.layers()) == LAYERS  # only f's: g's blocks are not known
+    streamer.add_blocks("g", [4, 7])  # blocks 1 and 2 of the prompt: 1 -> 4, 2 -> 5
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("g", True)]
+    landed, _, dump, _ = decode.wait("g")
+    assert landed and landed_blocks(dump, 4) == expected(4)
+    assert landed_blocks(dump, 5) == expected(7)
 
 
 def test_requests_of_one_step_coalesce_into_runs_consecutive_on_both_sides(decode, streamer):
