@@ -3,26 +3,31 @@
 Prefill instance (kv_role "kv_producer"), per step that stores KV: the worker opens a pdhal
 step, sends the step's table (request, transfer id, block ids, token range) to its cache
 messager, and after each attention layer's save_kv_layer posts that layer's pdhal signal.
-The messager (`python -m pdhal_vllm.messager`, another process) wakes on the signal and
-writes the layer's blocks into the decode instance's cache while the next layers compute.
-A finished request's blocks stay allocated until the messager reports them written.
+The messager (`python -m pdhal_vllm.messager`, another process) drives a
+pdhal.transfer.KVStreamer from the tables and signals: it writes the layer's blocks into
+the decode instance's cache while the next layers compute. A finished request's blocks stay
+allocated until the messager reports its transfer ended (landed or failed).
 
-Decode instance (kv_role "kv_consumer"): a request whose kv_transfer_params say
-do_remote_prefill is matched for its prompt tokens; once vLLM allocated its blocks, the
-worker asks the messager named in its params for them ("want") and counts each layer that
-lands. With load_mode "async" (default) the request waits in WAITING_FOR_REMOTE_KVS and is
-scheduled in the step after its last layer landed; with "sync" it is scheduled at once and
-each attention layer waits, in wait_for_layer_load, for that layer only. A load that fails
-(messager or prefill gone, a write failed, load_timeout_s passed) is reported to vLLM as a
-failed receive: kv_load_failure_policy "recompute" recomputes the request, "fail" fails it.
-Nothing is decoded on a partial cache.
+Decode instance (kv_role "kv_consumer"): the worker holds a pdhal.transfer.KVReceiver over
+vLLM's KV cache (transport "shm" or "mooncake", from the extra config). A request whose
+kv_transfer_params say do_remote_prefill is matched for its prompt tokens; once vLLM
+allocated its blocks, the worker expects it in the receiver and sends the messager named in
+its params the ticket and the blocks ("want"; the receiver's description goes once, in the
+connection's hello). Its outcome is read from the receiver's status slot (receiver.poll()),
+never from a message. With load_mode "async" (default) the request waits in
+WAITING_FOR_REMOTE_KVS and is scheduled in the step after it landed; with "sync" it is
+scheduled at once and each attention layer waits, in wait_for_layer_load, for that layer
+only (receiver.layers_landed). A load that fails (messager or prefill gone, a write failed,
+load_timeout_s passed) is reported to vLLM as a failed receive: kv_load_failure_policy
+"recompute" recomputes the request, "fail" fails it. Nothing is decoded on a partial cache.
 
 Requests are paired by kv_transfer_params["pdhal_transfer_id"] (the same on both sides, set
 by whoever routes the request), and the decode side needs "pdhal_messager" (HOST:PORT of
 the prefill rank's messager) unless the connector's extra config names one.
 
-The KV cache must be memory the messager can read: the connector places vLLM's KV cache
-allocation in pdhal host memory (get_mem_pool_context) and shares it with set_data_ipc.
+The KV cache must be memory the transports can reach: the connector places vLLM's KV cache
+allocation in pdhal host memory (get_mem_pool_context); the prefill worker shares it with
+the messager (set_data_ipc), the decode worker's receiver makes it reachable.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from pdhal import ops
-from pdhal_vllm.transport import DecodeEndpoint
+from pdhal import InvalidArgumentError, PdhalError, TransferError, ops
+from pdhal.transfer import CacheLayout, CacheSpec, KVReceiver
 from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, connect
 
 if TYPE_CHECKING:
@@ -297,24 +302,28 @@ class _Scheduler:
 
 # ---- worker side --------------------------------------------------------------------------
 
+#: The longest sleep between two looks at a layer's progress (sync loads).
+LAYER_POLL_S = 1e-3
 
-@dataclass
+
+@dataclass(eq=False)
 class _Load:
+    """A decode request's KV on its way: its outcome is read from the KV receiver."""
+
     req: str
     tid: str
     sync: bool
-    layers: int
     blocks: list[int]
-    deadline: float
-    landed: list[bool] = field(default_factory=list)
+    cached: int  # the prompt's first blocks, in this cache already (a prefix it cached)
+    link: _MessagerLink | None = None
+    layers: int = 0  # layers known to have landed, from the first
+    landed: bool = False
     error: str | None = None
-
-    def __post_init__(self):
-        self.landed = [False] * self.layers
+    flagged: bool = False  # sync: its blocks were reported as load errors
 
     @property
     def done(self) -> bool:
-        return self.error is not None or all(self.landed)
+        return self.landed or self.error is not None
 
 
 def _answer(conn, address: str, timeout: float = 30.0) -> tuple:
@@ -328,7 +337,8 @@ def _answer(conn, address: str, timeout: float = 30.0) -> tuple:
 
 
 class _MessagerLink:
-    """A decode worker's connection to one messager, with the thread that reads it."""
+    """A decode worker's connection to one messager: wants go out on it; nothing comes back
+    but a refusal. Its thread notices the connection drop, which fails the loads it carried."""
 
     def __init__(self, worker: _Worker, address: str):
         self.address = address
@@ -339,8 +349,7 @@ class _MessagerLink:
             {
                 "role": "decode",
                 "pid": os.getpid(),
-                "endpoint": worker.endpoint.describe(),
-                "layers": worker.layout,
+                "described": worker.receiver.describe(),
                 "block_size": worker.block_size,
             },
         )
@@ -349,6 +358,7 @@ class _MessagerLink:
             raise ConnectorError(f"the messager at {address} refused this decode worker: {payload}")
         self.lock = threading.Lock()
         self.alive = True
+        self.refusal: str | None = None
         threading.Thread(target=self._read, name="pdhal-vllm-link", daemon=True).start()
 
     def send(self, *message) -> None:
@@ -361,13 +371,15 @@ class _MessagerLink:
                 message = self.conn.recv()
             except (EOFError, OSError, TypeError):  # TypeError: closed under us (shutdown)
                 break
-            self.worker.on_message(self, message)
+            if message[0] == "error":
+                self.refusal = message[1]
         self.alive = False
         if self.worker.closing:
             return
-        self.worker.on_link_lost(
-            self, f"the messager at {self.address} is gone (its connection closed)"
-        )
+        why = f"the messager at {self.address} is gone (its connection closed)"
+        if self.refusal:
+            why = f"the messager at {self.address} dropped this decode worker: {self.refusal}"
+        self.worker.on_link_lost(self, why)
 
 
 class _Worker:
@@ -387,9 +399,11 @@ class _Worker:
         self.key = auth_key(self.extra.get("auth_key"))
         self.buffers: list = []  # (host buffer, tensor) of the KV cache allocation
         self.layer_index: dict[str, int] = {}
-        self.layout: list[list[int]] = []
+        self.layout: list[list[int]] = []  # per layer: offset, stride, block bytes, blocks
         self.cv = threading.Condition()
-        self.loads: dict[str, _Load] = {}  # decode: req id -> load
+        # decode
+        self.receiver: KVReceiver | None = None
+        self.loads: dict[str, _Load] = {}  # req id -> load, until it is reported
         self.links: dict[str, _MessagerLink] = {}
         self.load_error_blocks: set[int] = set()
         self.step_loads: list[_Load] = []
@@ -413,7 +427,7 @@ class _Worker:
     def allocation_context(self):
         """vLLM allocates the whole KV cache as one int8 CPU tensor (allocate_kv_cache):
         while vLLM allocates it, that allocation comes from pdhal.ops.host_alloc, so the
-        messager can map it (set_data_ipc) and Mooncake can register it."""
+        messager can map it (set_data_ipc) and a transport can reach it."""
         buffers = self.buffers
 
         @contextlib.contextmanager
@@ -466,7 +480,9 @@ class _Worker:
                 )
             size = t.element_size()
             self.layer_index[name] = index
-            self.layout.append([t.data_ptr() - base, t.stride(0) * size, block.numel() * size])
+            self.layout.append(
+                [t.data_ptr() - base, t.stride(0) * size, block.numel() * size, t.shape[0]]
+            )
         self.num_layers = len(names)
         logger.info(
             "pdhal connector: %d layers, KV cache %s (%d bytes) in pdhal memory, block %d bytes",
@@ -505,14 +521,22 @@ class _Worker:
                 target=self._read_messager, name="pdhal-vllm-messager", daemon=True
             ).start()
         if self.o.is_consumer:
-            self.endpoint = DecodeEndpoint(
-                self.extra["transport"],
-                whole,
-                buf.nbytes,
-                self.cache_name,
-                self.extra.get("mooncake_host", "127.0.0.1"),
-                self.extra.get("mooncake_protocol", "tcp"),
-            )
+            # the mooncake transport reads its address and protocol from the environment
+            for key, var in (
+                ("mooncake_host", "PDHAL_MOONCAKE_HOST"),
+                ("mooncake_protocol", "PDHAL_MOONCAKE_PROTOCOL"),
+            ):
+                if self.extra.get(key):
+                    os.environ[var] = str(self.extra[key])
+            layout = CacheLayout([buf], [[CacheSpec(0, *layer)] for layer in self.layout])
+            try:
+                self.receiver = KVReceiver(
+                    layout, self.cache_name, transport_name=self.extra["transport"]
+                )
+            except PdhalError as exc:
+                raise ConnectorError(
+                    f"the decode worker cannot receive over {self.extra['transport']!r}: {exc}"
+                ) from None
 
     def _messager_address(self) -> str:
         address = self.extra.get("messager")
@@ -602,6 +626,8 @@ class _Worker:
     # ---- decode: loads -------------------------------------------------------------------
 
     def start_load(self, meta: PdhalConnectorMetadata) -> None:
+        """Expect each new load in the receiver and ask its messager for it. In sync mode,
+        and with a trace, the prefill side also reports each layer as it lands."""
         self.step_loads = []
         if not meta.loads:
             return
@@ -611,59 +637,78 @@ class _Worker:
                 spec["req"],
                 spec["tid"],
                 spec["sync"],
-                self.num_layers,
                 spec["blocks"],
-                time.monotonic() + timeout,
+                spec["first_token"] // self.block_size,
             )
             with self.cv:
                 self.loads[load.req] = load
             if load.sync:
                 self.step_loads.append(load)
             try:
+                ticket = self.receiver.expect(
+                    load.req, timeout=timeout, layerwise=load.sync or self.trace.on
+                )
                 link = self.links.get(spec["messager"])
                 if link is None or not link.alive:
                     link = self.links[spec["messager"]] = _MessagerLink(self, spec["messager"])
+                load.link = link
                 link.send(
-                    "want", {k: spec[k] for k in ("tid", "blocks", "first_token", "num_tokens")}
+                    "want",
+                    {
+                        "tid": load.tid,
+                        "ticket": ticket,
+                        "blocks": load.blocks,
+                        "num_tokens": spec["num_tokens"],
+                        "cached_blocks": load.cached,
+                    },
                 )
                 self.trace("want", tid=load.tid, req=load.req)
-            except (ConnectorError, OSError) as exc:
+            except (ConnectorError, OSError, PdhalError) as exc:
                 self._fail(load, str(exc))
 
-    def on_message(self, link: _MessagerLink, message: tuple) -> None:
-        kind = message[0]
+    def _progress(self, load: _Load) -> None:
+        """Read how many layers of `load` landed (the receiver's status slot), ending it
+        once they all did or it failed."""
+        if load.done:
+            return
+        try:
+            layers = self.receiver.layers_landed(load.req)
+        except TransferError as exc:
+            self._fail(load, str(exc))
+            return
+        except InvalidArgumentError:
+            return  # its outcome went to poll() already: results() ends it
+        self._advance(load, layers)
+
+    def _advance(self, load: _Load, layers: int) -> None:
         with self.cv:
-            load = (
-                next((x for x in self.loads.values() if x.tid == message[1]), None)
-                if kind in ("landed", "failed")
-                else None
-            )
-            if load is None:
+            if load.done or layers <= load.layers:
                 return
-            if kind == "landed":
-                load.landed[message[2]] = True
-                self.trace("landed", tid=load.tid, layer=message[2])
-                if all(load.landed) and self.trace_blocks:
-                    self._trace_landed(load)
-            else:
-                load.error = message[2]
+            for layer in range(load.layers, layers):
+                self.trace("landed", tid=load.tid, layer=layer)
+            load.layers = layers
+            if layers == self.num_layers:
+                load.landed = True
             self.cv.notify_all()
-        if kind == "failed":
-            logger.error("pdhal connector: loading request %s failed: %s", load.req, message[2])
-            self.trace("load_failed", tid=load.tid, error=message[2])
+        if load.landed and self.trace_blocks:
+            self._trace_landed(load)
 
     def _trace_landed(self, load: _Load) -> None:
         whole = self.buffers[0][0]
-        for layer, (off, stride, nbytes) in enumerate(self.layout):
-            for i, block in enumerate(load.blocks):
-                start = off + block * stride
-                view = whole.as_numpy(np.uint8, (whole.nbytes,))[start : start + nbytes]
-                self.trace("block", tid=load.tid, layer=layer, i=i, crc=zlib.crc32(view))
+        view = whole.as_numpy(np.uint8, (whole.nbytes,))
+        for layer, (off, stride, nbytes, _) in enumerate(self.layout):
+            for i in range(load.cached, len(load.blocks)):
+                start = off + load.blocks[i] * stride
+                crc = zlib.crc32(view[start : start + nbytes])
+                self.trace("block", tid=load.tid, layer=layer, i=i, crc=crc)
 
     def on_link_lost(self, link: _MessagerLink, why: str) -> None:
+        """The messager `link` went to is gone: what landed before stays landed, the rest
+        fails now (nothing more can come), not after the load timeout."""
         with self.cv:
-            lost = [x for x in self.loads.values() if not x.done]
-        for load in lost:  # a load from a live link elsewhere is not this link's: all one link
+            lost = [x for x in self.loads.values() if x.link is link and not x.done]
+        for load in lost:
+            self._progress(load)
             self._fail(load, why)
 
     def _fail(self, load: _Load, why: str) -> None:
@@ -676,39 +721,49 @@ class _Worker:
         self.trace("load_failed", tid=load.tid, error=why)
 
     def wait_layer(self, layer_name: str) -> None:
+        """Sync loads: return once layer `layer_name` of each of this step's loads is in the
+        cache, or its load failed (its blocks then go to vLLM as load errors)."""
         if not self.step_loads:
             return
         index = self.layer_index[layer_name]
-        with self.cv:
-            for load in self.step_loads:
-                while not (load.error or load.landed[index]):
-                    left = load.deadline - time.monotonic()
-                    if left <= 0:
-                        load.error = f"layer {index} did not land within the load timeout"
-                        break
-                    self.cv.wait(left)
-                if load.error:
-                    first = 0
-                    self.load_error_blocks.update(load.blocks[first:])
+        for load in self.step_loads:
+            nap = 50e-6
+            while not load.done and load.layers <= index:
+                self._progress(load)
+                if load.done or load.layers > index:
+                    break
+                time.sleep(nap)  # bounded: the receiver fails the load by its timeout
+                nap = min(2 * nap, LAYER_POLL_S)
+            if load.error is not None and not load.flagged:
+                load.flagged = True
+                self.load_error_blocks.update(load.blocks[load.cached :])
 
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
-        now = time.monotonic()
+        if self.receiver is not None:
+            for outcome in self.receiver.poll():
+                load = self.loads.get(outcome.request_id)
+                if load is None:
+                    continue  # ended here already (its messager went)
+                if outcome.landed:
+                    self._advance(load, self.num_layers)
+                else:
+                    self._fail(load, outcome.reason)
+            if self.trace.on:  # each layer of an async load as it lands
+                with self.cv:
+                    pending = [x for x in self.loads.values() if not x.done]
+                for load in pending:
+                    self._progress(load)
         with self.cv:
             for req, load in list(self.loads.items()):
-                if not load.done and now > load.deadline:
-                    load.error = (
-                        f"its KV did not fully arrive within {self.extra['load_timeout_s']} s"
-                    )
-                    logger.error("pdhal connector: loading request %s failed: %s", req, load.error)
-                    self.trace("load_failed", tid=load.tid, error=load.error)
-                if load.done:
-                    del self.loads[req]
-                    if load.sync:
-                        continue  # reported per layer, through load_errors
-                    out.finished_recving.add(req)
-                    if load.error:
-                        out.failed_recving.add(req)
+                if not load.done:
+                    continue
+                del self.loads[req]
+                if load.sync:
+                    continue  # reported per layer, through load_errors
+                out.finished_recving.add(req)
+                if load.error is not None:
+                    out.failed_recving.add(req)
             # prefill: a finished request is released once its transfer is written or failed
             self.finished_reqs |= finished_req_ids
             stored = {req: tid for tid, req in self.req_of.items()}
@@ -735,3 +790,6 @@ class _Worker:
         if self.messager is not None:
             with contextlib.suppress(OSError):
                 self.messager.close()
+        if self.receiver is not None:
+            with contextlib.suppress(PdhalError):
+                self.receiver.close()

@@ -1,21 +1,29 @@
 """The cache messager of one prefill rank: `python -m pdhal_vllm.messager --listen HOST:PORT`.
 
-It reads the prefill worker's layer signals through pdhal (a futex wait, never a sleep loop)
-and, for every request the decode side has asked for, writes each finished layer's blocks
-into the decode instance's KV cache (shm on one host, Mooncake across hosts), then tells the
-decode worker that the layer landed. Block ids come from the connector: the prefill worker
-sends each step's table (request, transfer id, its blocks, the tokens the step wrote) before
-the step's first layer signal; a decode worker sends the blocks it allocated ("want").
+Configuration around pdhal.transfer.KVStreamer, one per prefill worker: the streamer sends
+each layer's blocks into the decode workers' caches (--transport: shm on one host, mooncake
+across hosts), and this process only says what to send. The prefill worker sends each
+step's table (request, transfer id, its blocks, the tokens the step wrote) before the
+step's first layer signal: a request becomes the streamer's when its table first names all
+its blocks, and the table and the layer signals (read through pdhal: a futex wait, never a
+sleep loop) drive the streamer through pdhal.transfer.PerQueryFeed. A decode worker sends
+its KV receiver's description once (hello), then per request its ticket and the blocks it
+allocated ("want"): the request's destination, with the tokens it needs (in sync mode one
+less: it computes the last prompt token itself) and the prompt blocks it has cached. Each
+outcome the streamer reports is told to the prefill worker, which then frees the blocks;
+the decode worker reads its own in its receiver's status slots.
 
-Failures are reported, never waited on: a dead prefill worker (pdhal sees its channel's lock
-drop) fails its unfinished transfers to the decode side; a dead decode worker (its connection
-drops, or a write to it fails) fails its transfers to the prefill side, which frees the
-blocks; a transfer nobody claims within --claim-timeout is failed to both.
+Failures end transfers, never wait on them: a dead prefill worker (pdhal sees its channel's
+lock drop) aborts the streamer, which fails every unfinished transfer to its decode side; a
+decode worker that is gone (its connection closed, its process gone, a write to it failed)
+has its transfers failed to the prefill side; a transfer no decode worker claims within
+--claim-timeout is failed to the prefill side.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import queue
 import signal
@@ -27,24 +35,31 @@ import zlib
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 
-from pdhal import ops
-from pdhal._errors import PdhalError, ProducerDiedError, SignalTimeoutError
-from pdhal_vllm.transport import MooncakeEngine, MooncakeWriter, ShmWriter, coalesce
+from pdhal import PdhalError, ProducerDiedError, SignalTimeoutError, ops
+from pdhal.transfer import CacheLayout, CacheSpec, KVStreamer, PerQueryFeed
 from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, parse_address
 
-FAULT_VAR = "PDHAL_VLLM_MESSAGER_FAULT"  # tests: "exit-after-layers:N" dies mid-transfer
+#: tests: "exit-after-layers:N" exits (status 3) once the streamer has landed N layer submits
+FAULT_VAR = "PDHAL_VLLM_MESSAGER_FAULT"
+TRANSPORTS = ("shm", "mooncake")
+#: Transfer ids of ended transfers kept, so a later table entry of one is not sent again.
+ENDED = 10000
 
 
 @dataclass
 class Peer:
-    """A connected worker: its connection and its cache layout."""
+    """A connected worker: its connection and its hello (a decode worker's has its KV
+    receiver's description)."""
 
     role: str
     conn: Connection
     hello: dict
     lock: threading.Lock = field(default_factory=threading.Lock)
     alive: bool = True
-    writer: object = None  # decode peers: the transport writer into its cache
+
+    @property
+    def pid(self):
+        return self.hello.get("pid")
 
     def send(self, *message) -> None:
         if not self.alive:
@@ -57,28 +72,29 @@ class Peer:
 
 
 @dataclass
-class Transfer:
-    """One request's KV, from the prefill cache to one decode cache."""
+class Added:
+    """A request the streamer has: its prompt's length, the source blocks given so far,
+    what its decode side needs once it asked (tokens; the prompt blocks it has cached), and
+    the tokens given per layer (for the trace)."""
 
-    tid: str
-    layers: int
-    created: float = field(default_factory=time.monotonic)
-    prompt_len: int = 0
-    src_blocks: list[int] = field(default_factory=list)
-    ready: list[int] = field(default_factory=list)  # tokens in the prefill cache, per layer
-    decode: Peer | None = None
-    want: dict | None = None
-    sent: list[int] = field(default_factory=list)  # blocks written, per layer
-    landed: list[bool] = field(default_factory=list)
+    prompt: int
+    blocks: list[int]
+    ready: list[int]
+    tokens: int = 0
+    cached: int = 0
 
-    def __post_init__(self):
-        self.fit(self.layers)
 
-    def fit(self, layers: int) -> None:
-        """Size the per-layer state (a want can come before the prefill said its layers)."""
-        if len(self.ready) != layers:
-            self.layers = layers
-            self.ready, self.sent, self.landed = [0] * layers, [0] * layers, [False] * layers
+class _Feed:
+    """The streamer as PerQueryFeed drives it: every layer handed to it is also traced and
+    checked against the planted fault."""
+
+    def __init__(self, messager: Messager, streamer: KVStreamer):
+        self.layout = streamer.layout
+        self._messager, self._streamer = messager, streamer
+
+    def layer_ready(self, layer: int, ready, signal_ns=None, *, step=None) -> None:
+        self._streamer.layer_ready(layer, ready, signal_ns, step=step)
+        self._messager.given(layer, ready)
 
 
 class Messager:
@@ -87,29 +103,30 @@ class Messager:
         listen: str,
         rank: int,
         key: bytes,
-        host: str,
-        protocol: str,
+        transport: str,
         claim_timeout: float,
         trace: str | None,
         trace_blocks: bool = False,
     ):
-        self.rank = rank
-        self.host, self.protocol = host, protocol
+        if transport not in TRANSPORTS:
+            raise ConnectorError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.rank, self.transport = rank, transport
         self.claim_timeout = claim_timeout
         self.trace = Tracer(trace)
         self.trace_blocks = bool(trace) and trace_blocks
         self.events: queue.Queue = queue.Queue()
         self.prefill: Peer | None = None
         self.src = None  # the prefill cache, mapped
-        self.src_base = 0
-        self.layout: list[list[int]] = []
+        self.layout: list[list[int]] = []  # per layer: offset, stride, block bytes, blocks
         self.block_size = 0
-        self.tables: dict[int, list] = {}  # step -> [entries, layers applied]
-        self.progress = (0, -1)
-        self.transfers: dict[str, Transfer] = {}
-        self.failed: dict[str, str] = {}  # transfer id -> why, the most recent failures
-        self.mooncake: MooncakeEngine | None = None
-        self.layers_written = 0
+        self.streamer: KVStreamer | None = None
+        self.feed: PerQueryFeed | None = None
+        self.added: dict[str, Added] = {}  # transfer id -> the request in the streamer
+        self.claimed: dict[str, Peer] = {}  # transfer id -> its decode worker
+        self.decodes: list[Peer] = []  # the decode workers connected
+        self.wants: dict[str, tuple[Peer, dict, float]] = {}  # not in the streamer yet
+        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._mark = 0  # trace: streamer.metrics.layers_since's cursor
         fault = os.environ.get(FAULT_VAR, "")
         self.exit_after = (
             int(fault.split(":")[1]) if fault.startswith("exit-after-layers:") else None
@@ -123,14 +140,19 @@ class Messager:
     def serve(self) -> None:
         threading.Thread(target=self._accept, name="pdhal-vllm-accept", daemon=True).start()
         print(f"pdhal-vllm messager rank {self.rank} listening on {self.address}", flush=True)
-        self.trace("listening", address=self.address)
+        self.trace("listening", address=self.address, transport=self.transport)
         while True:
+            busy = self.streamer is not None and self.streamer.pending()
             try:
-                event = self.events.get(timeout=0.5)
+                event = self.events.get(timeout=0.1 if busy else 0.5)
             except queue.Empty:
                 event = ("tick",)
             try:
                 self._handle(event)
+                if self.streamer is not None:
+                    self.streamer.poll()  # leases and dead peers; outcomes come as events
+                self._trace_layers()
+                self._check_fault()
             except (ConnectorError, PdhalError) as exc:
                 self._report(str(exc))
             except Exception:  # a bug: say so, and keep serving the other transfers
@@ -192,249 +214,272 @@ class Messager:
             self._hello(event[1])
         elif kind == "table":
             _, peer, step, entries = event
-            if peer is self.prefill:
-                self.tables[step] = [entries, -1]
+            if peer is self.prefill and self.feed is not None:
                 self.trace("table", step=step, tids=[e["tid"] for e in entries])
-                self._apply()
+                for entry in entries:
+                    self._add(entry)
+                self.feed.step(step, [(e["tid"], e["end"]) for e in entries])
         elif kind == "progress":
             _, peer, seen, t = event
-            if peer is self.prefill:
+            if peer is self.prefill and self.feed is not None:
                 self.trace("seen", step=seen[0], layer=seen[1], t=t)
-                self.progress = max(self.progress, tuple(seen))
-                self._apply()
+                self.feed.progress(tuple(seen), t)
+        elif kind == "outcome":
+            if event[1] is self.streamer:
+                self._outcome(event[2])
         elif kind == "want":
             self._want(event[1], event[2])
         elif kind == "gone":
-            self._gone(
-                event[1],
-                f"the {event[1].role} worker (pid {event[1].hello.get('pid')}) "
-                f"closed its connection",
-            )
+            peer = event[1]
+            self._gone(peer, f"the {peer.role} worker (pid {peer.pid}) closed its connection")
         elif kind == "prefill_died":
             self._gone(event[1], f"the prefill worker died: {event[2]}")
-        self._expire()
+        self._expire_wants()
 
     def _hello(self, peer: Peer) -> None:
         hello = peer.hello
-        self.trace("hello", role=peer.role, peer_pid=hello.get("pid"))
-        if peer.role == "prefill":
-            if self.prefill is not None and self.prefill.alive:
-                peer.send("error", "this messager already serves a prefill worker")
-                peer.conn.close()
+        self.trace("hello", role=peer.role, peer_pid=peer.pid)
+        if peer.role == "decode":
+            theirs = (hello.get("described") or {}).get("transport")
+            if theirs != self.transport:
+                self._refuse(
+                    peer,
+                    f"this messager streams over {self.transport} (its --transport); the "
+                    f"decode worker's KV receiver is on {theirs} (kv_connector_extra_config "
+                    f"'transport')",
+                )
                 return
-            try:
-                src = ops.share_external_data("uint8", hello["cache"], [hello["nbytes"]])
-            except (PdhalError, KeyError) as exc:
-                peer.send("error", f"the messager cannot map the prefill cache: {exc}")
-                peer.alive = False
-                raise ConnectorError(
-                    f"cannot map the prefill cache of pid {hello.get('pid')}: {exc}"
-                ) from None
-            self.prefill = peer
-            self.src = src
-            self.src_base = self.src.ctypes.data
-            self.layout = hello["layers"]
-            self.block_size = hello["block_size"]
-            self.tables.clear()
-            self.progress = (0, -1)
-            if self.mooncake is not None:
-                self.mooncake.register(self.src_base, hello["nbytes"])
-            for transfer in self.transfers.values():
-                transfer.fit(len(self.layout))
-            threading.Thread(
-                target=self._watch, args=(peer,), name="pdhal-vllm-reader", daemon=True
-            ).start()
-            peer.send("ready", {"address": self.address})
+            self.decodes.append(peer)
+            if self.streamer is None or self._connect(peer) is not None:  # not in a layer
+                peer.send("ready", {"address": self.address})
             return
-        try:  # a decode worker: open the transport into its cache now, once
-            describe = hello["endpoint"]
-            if describe["transport"] == "shm":
-                peer.writer = ShmWriter(describe)
-            else:
-                engine = self._mooncake()
-                peer.writer = MooncakeWriter(engine, describe)
-        except (ConnectorError, PdhalError, KeyError) as exc:
-            peer.send("error", f"the messager cannot reach this decode cache: {exc}")
-            peer.alive = False
-            self._report(f"cannot reach decode pid {hello.get('pid')}: {exc}")
+        if self.prefill is not None and self.prefill.alive:
+            self._refuse(peer, "this messager already serves a prefill worker")
             return
+        if self.prefill is not None:  # gone, its "gone" not handled yet
+            self._end_prefill(f"the prefill worker (pid {self.prefill.pid}) was replaced")
+        try:
+            src = ops.share_external_data("uint8", hello["cache"], [hello["nbytes"]])
+            layout = CacheLayout([src], [[CacheSpec(0, *layer)] for layer in hello["layers"]])
+            streamer = KVStreamer(
+                layout,
+                hello["block_size"],
+                transport_name=self.transport,
+                claim_timeout=self.claim_timeout,
+                on_outcome=lambda outcome: self.events.put(("outcome", streamer, outcome)),
+            )
+        except (PdhalError, KeyError, TypeError) as exc:
+            self._refuse(peer, f"the messager cannot stream from this prefill cache: {exc}")
+            return
+        self.prefill, self.src, self.streamer = peer, src, streamer
+        self.layout, self.block_size = hello["layers"], hello["block_size"]
+        self.feed = PerQueryFeed(_Feed(self, streamer))
+        self._mark = 0
+        threading.Thread(
+            target=self._watch, args=(peer,), name="pdhal-vllm-reader", daemon=True
+        ).start()
         peer.send("ready", {"address": self.address})
+        for decode in list(self.decodes):
+            self._connect(decode)
 
-    def _mooncake(self) -> MooncakeEngine:
-        if self.mooncake is None:
-            self.mooncake = MooncakeEngine(self.host, self.protocol)
-            if self.src is not None:
-                self.mooncake.register(self.src_base, self.src.nbytes)
-        return self.mooncake
+    def _connect(self, peer: Peer):
+        """The streamer's destination for decode worker `peer` (connected once: the streamer
+        keeps it), or None, and `peer` refused, if it cannot be reached."""
+        try:
+            return self.streamer.connect(peer.hello["described"])
+        except PdhalError as exc:
+            self._refuse(peer, f"the messager cannot reach its decode cache: {exc}")
+            return None
 
-    def _transfer(self, tid: str) -> Transfer:
-        transfer = self.transfers.get(tid)
-        if transfer is None:
-            transfer = self.transfers[tid] = Transfer(tid, len(self.layout) or 1)
-        return transfer
+    def _refuse(self, peer: Peer, why: str) -> None:
+        """Tell `peer` why it is not served, and drop its connection."""
+        peer.send("error", why)
+        peer.alive = False
+        if peer in self.decodes:
+            self.decodes.remove(peer)
+        peer.conn.close()
+        self._report(f"refused the {peer.role} worker (pid {peer.pid}): {why}")
+
+    # ---- requests and their destinations ----------------------------------------------
+
+    def _add(self, entry: dict) -> None:
+        """Give the streamer the request of a table entry, or the blocks its table names
+        that the streamer does not have yet (vLLM allocates a chunked prompt's blocks chunk
+        by chunk: each layer's blocks go once their tokens and their ids are there)."""
+        tid = entry["tid"]
+        if tid in self.ended:
+            return
+        prompt = entry["prompt_len"]
+        blocks = entry["blocks"][: -(-prompt // self.block_size)]  # the prompt's only
+        added = self.added.get(tid)
+        try:
+            if added is None:
+                self.streamer.add_request(tid, blocks, prompt)
+                self.added[tid] = Added(prompt, list(blocks), [0] * len(self.layout))
+                if tid in self.wants:  # the decode side asked first
+                    self._claim(tid)
+            elif len(blocks) > len(added.blocks):
+                self.streamer.add_blocks(tid, blocks[len(added.blocks) :])
+                added.blocks = list(blocks)
+        except PdhalError as exc:
+            why = f"the messager cannot stream it: {exc}"
+            if tid in self.added:
+                self.streamer.fail(tid, why)
+            else:
+                self._end(tid, False, why)
 
     def _want(self, peer: Peer, want: dict) -> None:
-        self.trace("want", tid=want["tid"], blocks=len(want["blocks"]))
-        if peer.writer is None:
-            peer.send("failed", want["tid"], "the messager has no transport into this cache")
+        tid = want["tid"]
+        self.trace("want", tid=tid, blocks=len(want["blocks"]), peer_pid=peer.pid)
+        if tid in self.claimed or tid in self.wants:
+            self._report(f"transfer {tid}: asked for twice; the second ask is ignored")
             return
-        transfer = self._transfer(want["tid"])
-        transfer.decode, transfer.want = peer, want
-        self._pump(transfer)
+        self.wants[tid] = (peer, want, time.monotonic())
+        if tid in self.added:  # the prefill side's table came first
+            self._claim(tid)
 
-    def _apply(self) -> None:
-        """Mark every layer the progress covers ready in its step's transfers, then ship."""
-        touched = {}
-        num_layers = len(self.layout)
-        for step in sorted(self.tables):
-            if step > self.progress[0]:
-                break
-            entries, applied = self.tables[step]
-            upto = self.progress[1] if step == self.progress[0] else num_layers - 1
-            for layer in range(applied + 1, upto + 1):
-                for entry in entries:
-                    if entry["tid"] in self.failed:  # its decode side is gone already
-                        if layer == 0 and self.prefill is not None:
-                            self.prefill.send("failed", entry["tid"], self.failed[entry["tid"]])
-                        continue
-                    transfer = self._transfer(entry["tid"])
-                    transfer.prompt_len = entry["prompt_len"]
-                    if len(entry["blocks"]) > len(transfer.src_blocks):
-                        transfer.src_blocks = entry["blocks"]
-                    transfer.ready[layer] = max(transfer.ready[layer], entry["end"])
-                    touched[transfer.tid] = transfer
-            self.tables[step][1] = max(applied, upto)
-            if upto == num_layers - 1:
-                del self.tables[step]
-        for transfer in touched.values():
-            self._pump(transfer)
-
-    def _pump(self, transfer: Transfer) -> None:
-        """Write every layer's newly ready blocks of `transfer`, if its decode side asked."""
-        want, decode = transfer.want, transfer.decode
-        if (
-            want is None
-            or not transfer.src_blocks
-            or transfer.tid not in self.transfers
-            or not self.layout
-        ):
-            return
-        transfer.fit(len(self.layout))
-        bs = self.block_size
-        dlayout = decode.hello["layers"]
-        if (
-            decode.hello["block_size"] != bs
-            or len(dlayout) != len(self.layout)
-            or any(d[2] != p[2] for d, p in zip(dlayout, self.layout))
-        ):
-            self._fail(
-                transfer,
-                f"the decode cache does not match the prefill cache (block "
-                f"size {decode.hello['block_size']} vs {bs}, layers "
-                f"{len(dlayout)} vs {len(self.layout)}, or block bytes)",
+    def _claim(self, tid: str) -> None:
+        """Set the destination of `tid`, in the streamer, from its decode side's want: the
+        tokens it needs (in sync mode one less: it computes the last prompt token itself)
+        from the first block it has not cached."""
+        peer, want, _ = self.wants.pop(tid)
+        added = self.added[tid]
+        if not peer.alive:
+            why = f"the decode worker (pid {peer.pid}) closed its connection"
+        elif peer.hello.get("block_size") != self.block_size:
+            why = (
+                f"the decode cache has blocks of {peer.hello.get('block_size')} tokens, the "
+                f"prefill cache of {self.block_size}"
             )
-            return
-        need = want["num_tokens"]
-        first = want["first_token"] // bs
-        for layer in range(len(self.layout)):
-            tokens = min(transfer.ready[layer], need)
-            whole = transfer.prompt_len > 0 and tokens >= min(transfer.prompt_len, need)
-            end = -(-tokens // bs) if whole else tokens // bs
-            start = max(transfer.sent[layer], first)
-            if end > start:
-                if end > len(want["blocks"]) or end > len(transfer.src_blocks):
-                    self._fail(
-                        transfer,
-                        f"transfer {transfer.tid} needs {end} blocks, the "
-                        f"decode side gave {len(want['blocks'])}, the prefill "
-                        f"{len(transfer.src_blocks)}",
-                    )
-                    return
-                p_off, p_stride, nbytes = self.layout[layer]
-                d_off, d_stride, _ = dlayout[layer]
-                runs = coalesce(
-                    [
-                        (
-                            p_off + transfer.src_blocks[i] * p_stride,
-                            d_off + want["blocks"][i] * d_stride,
-                            nbytes,
-                        )
-                        for i in range(start, end)
-                    ]
+        else:
+            tokens, cached = min(added.prompt, want["num_tokens"]), want["cached_blocks"]
+            blocks = want["blocks"][cached : -(-tokens // self.block_size)]
+            dest = self._connect(peer)  # refused: its loads fail as its connection drops
+            why = None if dest is not None else f"the messager cannot reach pid {peer.pid}"
+        if why is None:
+            try:
+                self.streamer.set_destination(
+                    tid, dest, blocks, want["ticket"], tokens=tokens, cached_blocks=cached
                 )
-                self.trace("read", tid=transfer.tid, layer=layer, first=start, end=end)
-                if self.trace_blocks:
-                    for i in range(start, end):
-                        src = self.src_base + p_off + transfer.src_blocks[i] * p_stride
-                        self.trace(
-                            "block",
-                            tid=transfer.tid,
-                            layer=layer,
-                            i=i,
-                            crc=zlib.crc32(
-                                self.src[src - self.src_base : src - self.src_base + nbytes]
-                            ),
-                        )
-                try:
-                    decode.writer.write(self.src_base, runs)
-                except (ConnectorError, OSError) as exc:
-                    self._fail(
-                        transfer,
-                        f"writing layer {layer} to the decode worker (pid "
-                        f"{decode.hello.get('pid')}) failed: {exc}",
-                    )
-                    return
-                transfer.sent[layer] = end if whole else tokens // bs
-                self.layers_written += 1
-                if self.exit_after is not None and self.layers_written >= self.exit_after:
-                    self.trace("fault", what="exit", layers=self.layers_written)
-                    os._exit(3)
-            if whole and not transfer.landed[layer] and transfer.sent[layer] >= end:
-                transfer.landed[layer] = True
-                self.trace("landed", tid=transfer.tid, layer=layer)
-                decode.send("landed", transfer.tid, layer)
-        if all(transfer.landed):
-            del self.transfers[transfer.tid]
-            self.trace("sent", tid=transfer.tid)
-            if self.prefill is not None:
-                self.prefill.send("sent", transfer.tid)
+            except PdhalError as exc:
+                why = str(exc)
+        if why is not None:
+            self.streamer.fail(tid, why)  # the decode side ends it by its load timeout
+            return
+        added.tokens, added.cached = tokens, cached
+        self.claimed[tid] = peer
+        if self.trace.on:  # the layers ready already went with the destination
+            now = time.monotonic_ns()
+            for layer, ready in enumerate(added.ready):
+                if ready:
+                    self.trace("read", tid=tid, layer=layer, t=now)
 
-    def _fail(self, transfer: Transfer, why: str) -> None:
-        self.transfers.pop(transfer.tid, None)
-        self.failed[transfer.tid] = why  # a later table entry of it fails at once
-        while len(self.failed) > 10000:
-            del self.failed[next(iter(self.failed))]
-        self._report(f"transfer {transfer.tid}: {why}")
-        if transfer.decode is not None:
-            transfer.decode.send("failed", transfer.tid, why)
+    def given(self, layer: int, ready) -> None:
+        """The streamer was given `layer` of `ready` (from the feed)."""
+        now = time.monotonic_ns()
+        for tid, tokens in ready:
+            added = self.added.get(tid)
+            if added is not None:
+                added.ready[layer] = max(added.ready[layer], tokens)
+                if tid in self.claimed:
+                    self.trace("read", tid=tid, layer=layer, t=now)
+        self._check_fault()
+
+    def _check_fault(self) -> None:
+        if self.exit_after is None or self.streamer is None:
+            return
+        landed = self.streamer.metrics.layers_landed
+        if landed >= self.exit_after:
+            self.trace("fault", what="exit", layers=landed)
+            os._exit(3)
+
+    # ---- outcomes -----------------------------------------------------------------------
+
+    def _outcome(self, outcome) -> None:
+        """A transfer ended (the streamer's on_outcome, through the event queue): tell the
+        prefill worker, which frees the blocks."""
+        added = self.added.pop(outcome.request_id, None)
+        self.claimed.pop(outcome.request_id, None)
+        if outcome.landed and self.trace_blocks and added is not None:
+            self._trace_source(outcome.request_id, added)
+        self._end(outcome.request_id, outcome.landed, outcome.reason)
+
+    def _end(self, tid: str, landed: bool, why: str) -> None:
+        self.ended[tid] = None
+        while len(self.ended) > ENDED:
+            self.ended.popitem(last=False)
+        if landed:
+            self.trace("sent", tid=tid)
+            if self.prefill is not None:
+                self.prefill.send("sent", tid)
+            return
+        self._report(f"transfer {tid}: {why}")
         if self.prefill is not None:
-            self.prefill.send("failed", transfer.tid, why)
+            self.prefill.send("failed", tid, why)
+
+    def _trace_layers(self) -> None:
+        """The streamer's per-layer numbers since the last call, as "landed" events."""
+        if not self.trace.on or self.streamer is None:
+            return
+        records, self._mark = self.streamer.metrics.layers_since(self._mark)
+        for record in records:
+            self.trace(
+                "landed" if record.landed else "layer_failed",
+                step=record.step,
+                layer=record.layer,
+                requests=record.requests,
+                nbytes=record.nbytes,
+                signal_ns=record.signal_ns,
+                submit_ns=record.submit_ns,
+                t=record.end_ns,
+            )
+
+    def _trace_source(self, tid: str, added: Added) -> None:
+        """crc32 of each block the transfer sent, in the prefill cache (which holds them
+        until the prefill worker hears the transfer ended)."""
+        for layer, (offset, stride, nbytes, _) in enumerate(self.layout):
+            for i in range(added.cached, -(-added.tokens // self.block_size)):
+                start = offset + added.blocks[i] * stride
+                crc = zlib.crc32(self.src[start : start + nbytes])
+                self.trace("block", tid=tid, layer=layer, i=i, crc=crc)
+
+    # ---- peers that go ------------------------------------------------------------------
 
     def _gone(self, peer: Peer, why: str) -> None:
         peer.alive = False
-        if peer.role == "prefill" and peer is self.prefill:
-            self.prefill = None
-            self.tables.clear()
-            for transfer in list(self.transfers.values()):
-                if not all(transfer.landed):
-                    self._fail(transfer, why)
-        elif peer.role == "decode":
-            for transfer in list(self.transfers.values()):
-                if transfer.decode is peer:
-                    self._fail(transfer, why)
+        if peer.role == "decode":
+            if peer in self.decodes:
+                self.decodes.remove(peer)
+            # held wants of it fail when their request comes; claimed ones fail now
+            for tid in [t for t, p in self.claimed.items() if p is peer]:
+                self.streamer.fail(tid, why)
+        elif peer is self.prefill:
+            self._end_prefill(why)
         self._report(why)
 
-    def _expire(self) -> None:
+    def _end_prefill(self, why: str) -> None:
+        """The prefill worker is gone: every transfer not ended fails to its decode side."""
+        streamer = self.streamer
+        streamer.abort(why)
+        streamer.close()
+        self._trace_layers()
+        if self.trace.on:
+            self.trace("metrics", **streamer.metrics.snapshot())
+        self.prefill = self.streamer = self.feed = self.src = None
+        self.added.clear()
+        self.claimed.clear()
+
+    def _expire_wants(self) -> None:
+        """Forget wants no prefill table named within claim_timeout (their decode side ends
+        them by its load timeout)."""
         now = time.monotonic()
-        for transfer in list(self.transfers.values()):
-            if now - transfer.created > self.claim_timeout and (
-                transfer.want is None or transfer.prompt_len == 0
-            ):
-                self._fail(
-                    transfer,
-                    f"not completed within {self.claim_timeout:.0f} s (no "
-                    f"decode asked for it, or no prefill produced it)",
-                )
+        for tid, (peer, _, since) in list(self.wants.items()):
+            if now - since > self.claim_timeout:
+                del self.wants[tid]
+                if peer.alive:
+                    self._report(
+                        f"transfer {tid}: no prefill table named it within {self.claim_timeout:g} s"
+                    )
 
     def _report(self, message: str) -> None:
         self.trace("error", error=message)
@@ -454,31 +499,48 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--rank", type=int, default=0, help="the prefill rank this messager serves")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="the address Mooncake advertises for this host"
+        "--transport",
+        choices=TRANSPORTS,
+        default="shm",
+        help="how the blocks reach the decode caches: shm (one host) or mooncake (the decode "
+        "workers' 'transport' must be the same)",
     )
-    parser.add_argument("--protocol", default="tcp", help="Mooncake's protocol (tcp, rdma)")
+    parser.add_argument(
+        "--host",
+        default=None,
+        help="mooncake: the address this host advertises (default: $PDHAL_MOONCAKE_HOST, "
+        "else 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--protocol",
+        default=None,
+        help="mooncake: tcp or rdma (default: $PDHAL_MOONCAKE_PROTOCOL, else tcp)",
+    )
     parser.add_argument(
         "--claim-timeout",
         type=float,
         default=120.0,
-        help="seconds a transfer may wait for its other side",
+        help="seconds a transfer may wait for a decode worker to ask for it",
     )
     parser.add_argument("--trace", default=None, help="append JSON-lines events to this file")
     parser.add_argument(
         "--trace-blocks",
         action="store_true",
-        help="with --trace: crc32 of every block read (tests; costly)",
+        help="with --trace: crc32 of every block sent (tests; costly)",
     )
     parser.add_argument("--auth-key", default=None, help="hex key (default: $PDHAL_VLLM_KEY)")
     args = parser.parse_args(argv)
+    if args.host:
+        os.environ["PDHAL_MOONCAKE_HOST"] = args.host
+    if args.protocol:
+        os.environ["PDHAL_MOONCAKE_PROTOCOL"] = args.protocol
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: pdhal cleans up
     try:
         messager = Messager(
             args.listen,
             args.rank,
             auth_key(args.auth_key),
-            args.host,
-            args.protocol,
+            args.transport,
             args.claim_timeout,
             args.trace,
             args.trace_blocks,

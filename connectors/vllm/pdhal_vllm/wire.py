@@ -1,7 +1,8 @@
 """The control connections: prefill worker -> messager, decode worker -> messager.
 
-Only block tables, transfer requests and completions go through them; KV bytes move through
-the transport (shm or Mooncake) and layer progress through pdhal. Every connection must
+Only block tables, the decode side's wants and the prefill side's completions go through
+them; KV bytes and the decode side's outcomes move through pdhal.transfer's transport (shm
+or Mooncake), layer progress through pdhal's signals. Every connection must
 prove it holds the deployment's key (multiprocessing's HMAC challenge), so nothing else on
 the network can join: the key is PDHAL_VLLM_KEY (hex) or the connector's `auth_key`.
 """

@@ -27,7 +27,7 @@ else:
 
     missing = [
         name
-        for name in ("vllm", "pdhal_vllm", "mooncake")
+        for name in ("vllm", "pdhal_vllm", "mooncake", "pdhal_mooncake")
         if importlib.util.find_spec(name) is None
     ]
     if missing:

@@ -1,10 +1,13 @@
 """A stand-in OpenAI server for the router's tests: `python fake_openai.py NAME MODE LOG [PORT]`.
 
 It answers /v1/completions and /v1/chat/completions (JSON, or server-sent events when the
-request streams) with text naming itself, and /health with 200. It appends each request's
-body, and each request a client gave up on, to LOG as JSON lines. MODE: "ok"; "fail" (500 to
-every completion); "slow" (each completion waits 30 s before its first byte, so it stays in
-flight). It prints its port once listening (port 0: any free one)."""
+request streams) with text naming itself, and /health with 200. As a vLLM instance of the
+pdhal connector would, a prefill request (do_remote_decode) notes its transfer id as
+prefilled when it answers, and a decode request (do_remote_prefill) answers only once its
+transfer id was noted (its KV landed). It appends each request's body, each prefill, and
+each request a client gave up on, to LOG as JSON lines. MODE: "ok"; "fail" (500 to every
+completion); "slow" (each completion waits 30 s first, so it stays in flight). It prints
+its port once listening (port 0: any free one)."""
 
 from __future__ import annotations
 
@@ -28,9 +31,14 @@ async def completion(request: web.Request) -> web.StreamResponse:
     note(event="request", path=request.path, body=body)
     if MODE == "fail":
         return web.json_response({"error": {"message": f"{NAME} fails"}}, status=500)
+    params = body.get("kv_transfer_params") or {}
     try:
         if MODE == "slow":
             await asyncio.sleep(30)
+        if params.get("do_remote_prefill"):
+            await prefilled(params["pdhal_transfer_id"])
+        if params.get("do_remote_decode"):
+            note(event="prefilled", tid=params["pdhal_transfer_id"])
         text = f"from {NAME}"
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": text}], "server": NAME})
@@ -45,6 +53,15 @@ async def completion(request: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError:  # the client closed its connection
         note(event="cancelled", path=request.path, body=body)
         raise
+
+
+async def prefilled(tid: str, bound: float = 30.0) -> None:
+    """Until a prefill noted `tid` in LOG."""
+    for _ in range(int(bound / 0.01)):
+        with open(LOG) as f:
+            if any(json.loads(line).get("tid") == tid for line in f):
+                return
+        await asyncio.sleep(0.01)
 
 
 async def health(_request) -> web.Response:

@@ -14,8 +14,9 @@ from pdhal.testing.reset import remove_leftovers
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_messager_dies_mid_transfer(cluster, plain_tokens, policy):
-    """The messager exits after writing two layer-blocks (the first requests' layer 0): the
-    decode cache holds part of their KV, and the decode instance must not use it."""
+    """The messager exits once its streamer landed two layer submits (layers 0 and 1 of the
+    step's requests): the decode cache holds part of their KV, and the decode instance must
+    not use it."""
     items = prompts()
     path = write_prompts(cluster, items)
     cluster.start_messager(env={"PDHAL_VLLM_MESSAGER_FAULT": "exit-after-layers:2"})

@@ -12,7 +12,7 @@ def run_pd(cluster, items, transport: str = "shm", *extra: str) -> tuple[dict, d
     sync mode the decode's first step waits for the KV: the prefill starts once the decode
     engine is up)."""
     path = write_prompts(cluster, items)
-    cluster.start_messager()
+    cluster.start_messager("--transport", transport)
     go = "decode.ready" if "sync" in extra else "decode.submitted"
     cluster.start(
         "decode",
@@ -105,4 +105,25 @@ def test_sync_load_waits_per_layer(cluster, plain_tokens):
     prefill, decode = run_pd(cluster, items, "shm", "--load-mode", "sync")
     for item, result in zip(items, decode["results"]):
         assert result["tokens"] == plain_tokens[tuple(item["tokens"])], item["tid"]
+    check_stream(cluster, items, sync=True)
+
+
+def test_decode_asked_last(cluster, plain_tokens):
+    """The decode instance asks only after the prefill instance computed every prompt (its
+    tables came first, so the messager gave the streamer the whole prompts): in sync mode it
+    needs one token less, which for the 65-token prompt is one block less, and gets exactly
+    that; the tokens are the plain run's."""
+    items = prompts(seed=1)
+    path = write_prompts(cluster, items)
+    cluster.start_messager()
+    cluster.start("prefill", path, "--submitted-file", cluster.path("prefill.submitted"))
+    cluster.wait_file("prefill.submitted")
+    cluster.start("decode", path, "--load-mode", "sync")
+    decode = cluster.wait("decode")
+    cluster.wait("prefill")
+    for item, result in zip(items, decode["results"]):
+        assert result["tokens"] == plain_tokens[tuple(item["tokens"])], item["tid"]
+    messager = cluster.trace("messager")
+    first_want = min(e["t"] for e in messager if e["kind"] == "want")
+    assert max(e["t"] for e in messager if e["kind"] == "table") < first_want
     check_stream(cluster, items, sync=True)
