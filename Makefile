@@ -170,8 +170,9 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.pdhal-vllm-installed
 VLLM_TORCH_INDEX ?=
 
+# (ibverbs first: the stamp's last check imports mooncake.engine, which links libibverbs)
 $(VLLM_STAMP): connectors/vllm/pyproject.toml transports/mooncake/pyproject.toml pyproject.toml \
-		setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py
+		setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py | ibverbs
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
 	$(VLLM_PY) -m pip install -q $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX)) \
@@ -187,3 +188,31 @@ test-vllm: $(VLLM_STAMP) ibverbs
 
 bench-vllm: $(VLLM_STAMP) ibverbs
 	$(VLLM_PY) bench/bench_vllm.py
+
+# ---- NIXL: pdhal-nixl (transports/nixl/) and its tests (transports/nixl/tests) -------------
+# `make test-nixl` runs the transport kit against the `nixl` transport twice, UCX over TCP
+# (the wire between hosts) then UCX's own choice (shared memory or CMA on one host), then
+# transports/nixl/tests (real processes, TCP; two network stacks when root). Its own venv
+# (.venv-nixl, ~350 MB). nixl 1.5.1 is a meta package that pulls
+# nixl-cu12 and nixl-cu13 (a 69 MB wheel each), and nixl-cu12 requires torch, which it never
+# imports to move host memory: the meta package and nixl-cu12 are installed with --no-deps,
+# numpy (their other need) beside them; `pip check` then names torch; NIXL runs without it.
+NIXL_VENV ?= .venv-nixl
+NIXL_PY := $(NIXL_VENV)/bin/python
+NIXL_STAMP := $(NIXL_VENV)/.pdhal-nixl-installed
+NIXL_VERSION ?= 1.5.1
+
+$(NIXL_STAMP): transports/nixl/pyproject.toml pyproject.toml setup.py csrc/*.c csrc/*.h \
+		pdhal/include/pdhal.h csrc/build_ffi.py
+	test -x $(NIXL_PY) || $(PYTHON) -m venv $(NIXL_VENV)
+	$(NIXL_PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
+	$(NIXL_PY) -m pip install -q -e . -e transports/nixl 'pytest>=8' 'numpy>=1.24'
+	$(NIXL_PY) -m pip install -q --no-deps 'nixl==$(NIXL_VERSION)' 'nixl-cu12==$(NIXL_VERSION)'
+	$(NIXL_PY) -c "from pdhal_nixl._transport import _bindings; _bindings()"
+	touch $@
+
+.PHONY: test-nixl
+test-nixl: $(NIXL_STAMP)
+	PDHAL_NIXL_UCX_TLS=tcp $(NIXL_PY) -m pytest -q -p no:cacheprovider --pdhal-transport nixl
+	$(NIXL_PY) -m pytest -q -p no:cacheprovider --pdhal-transport nixl
+	$(NIXL_PY) -m pytest -q -p no:cacheprovider transports/nixl/tests

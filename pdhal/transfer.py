@@ -25,6 +25,7 @@ from pdhal._transfer.contract import (
     RunChecker,
     Transport,
     region_bytes,
+    region_devices,
 )
 from pdhal._transfer.feeds import PerChunkFeed, PerQueryFeed
 from pdhal._transfer.layout import CacheLayout, CacheSpec, RunPlanner, block_runs
@@ -55,6 +56,7 @@ __all__ = [
     "TransferMetrics",
     "block_runs",
     "region_bytes",
+    "region_devices",
     "transport",
     "transports",
 ]

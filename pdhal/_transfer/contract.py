@@ -28,6 +28,12 @@ def region_bytes(regions: list) -> list[int]:
     return sizes
 
 
+def region_devices(regions: list) -> list[str]:
+    """Where each region lives: "cpu", "cuda:0", "xpu:1", ... ("unknown" for a bare
+    address), for a transport that registers host and device memory differently."""
+    return [memory_ref(region, f"region {i}").device for i, region in enumerate(regions)]
+
+
 class RunChecker:
     """What a Link's submit refuses before the first byte moves: a run outside the
     destination's regions (`regions`: their bytes), or read from outside the memory the

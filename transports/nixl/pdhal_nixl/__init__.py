@@ -1,0 +1,1 @@
+"""pdhal-nixl: the `nixl` transport of pdhal.transfer (NVIDIA NIXL, its UCX backend)."""
