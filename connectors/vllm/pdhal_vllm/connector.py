@@ -74,6 +74,9 @@ class PdhalConnectorMetadata(KVConnectorMetadata):
 
     stores: list[dict] = field(default_factory=list)
     loads: list[dict] = field(default_factory=list)
+    #: decode: transfers it needs none of (its prefix cache holds the prompt): told to
+    #: their messager at once, so the prefill side frees their blocks now
+    unneeded: list[dict] = field(default_factory=list)
 
 
 def _config(vllm_config: VllmConfig) -> dict:
@@ -175,6 +178,7 @@ class _Scheduler:
         self.o = owner
         self.stores: dict[str, dict] = {}  # prefill: req id -> transfer id, blocks, prompt
         self.new_loads: list[dict] = []
+        self.new_unneeded: list[dict] = []
         self.asked: set[str] = set()  # decode: req ids whose load was asked for (once)
         self.loading: set[str] = set()  # decode: req ids whose load has not ended
 
@@ -192,16 +196,15 @@ class _Scheduler:
                 f"without kv_transfer_params[{TRANSFER_ID!r}]"
             )
         count = len(request.prompt_token_ids or ()) - num_computed - (1 if self.o._sync else 0)
-        if count <= 0:
+        if count <= 0:  # its prefix cache has what it needs: the prefill side hears so now
+            self.asked.add(request.request_id)
+            self.new_unneeded.append(
+                {"tid": params[TRANSFER_ID], "messager": self._messager(request, params)}
+            )
             return 0, False
         return count, not self.o._sync
 
-    def allocated(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
-        if num_external <= 0 or not self.o.is_consumer:
-            return
-        params = request.kv_transfer_params or {}
-        prompt = len(request.prompt_token_ids or ())
-        total = prompt - (1 if self.o._sync else 0)
+    def _messager(self, request: Request, params: dict) -> str:
         messager = params.get(MESSAGER) or self.o._extra.get("messager")
         if not messager:
             raise ConnectorError(
@@ -209,6 +212,15 @@ class _Scheduler:
                 f"kv_transfer_params[{MESSAGER!r}] or the connector's "
                 f"`messager`)"
             )
+        return messager
+
+    def allocated(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        if num_external <= 0 or not self.o.is_consumer:
+            return
+        params = request.kv_transfer_params or {}
+        prompt = len(request.prompt_token_ids or ())
+        total = prompt - (1 if self.o._sync else 0)
+        messager = self._messager(request, params)
         self.asked.add(request.request_id)
         if not self.o._sync:  # a sync load ends within the step that scheduled it
             self.loading.add(request.request_id)
@@ -225,8 +237,8 @@ class _Scheduler:
         )
 
     def build(self, out: SchedulerOutput) -> PdhalConnectorMetadata:
-        meta = PdhalConnectorMetadata(loads=self.new_loads)
-        self.new_loads = []
+        meta = PdhalConnectorMetadata(loads=self.new_loads, unneeded=self.new_unneeded)
+        self.new_loads, self.new_unneeded = [], []
         if not self.o.is_producer:
             return meta
         for new in out.scheduled_new_reqs:
@@ -629,6 +641,12 @@ class _Worker:
         """Expect each new load in the receiver and ask its messager for it. In sync mode,
         and with a trace, the prefill side also reports each layer as it lands."""
         self.step_loads = []
+        for spec in meta.unneeded:
+            try:
+                self._link(spec["messager"]).send("unneeded", {"tid": spec["tid"]})
+                self.trace("unneeded", tid=spec["tid"])
+            except (ConnectorError, OSError) as exc:  # its claim timeout frees the blocks
+                logger.error("pdhal connector: %s", exc)
         if not meta.loads:
             return
         timeout = float(self.extra["load_timeout_s"])
@@ -648,10 +666,7 @@ class _Worker:
                 ticket = self.receiver.expect(
                     load.req, timeout=timeout, layerwise=load.sync or self.trace.on
                 )
-                link = self.links.get(spec["messager"])
-                if link is None or not link.alive:
-                    link = self.links[spec["messager"]] = _MessagerLink(self, spec["messager"])
-                load.link = link
+                link = load.link = self._link(spec["messager"])
                 link.send(
                     "want",
                     {
@@ -665,6 +680,13 @@ class _Worker:
                 self.trace("want", tid=load.tid, req=load.req)
             except (ConnectorError, OSError, PdhalError) as exc:
                 self._fail(load, str(exc))
+
+    def _link(self, address: str) -> _MessagerLink:
+        """The connection to the messager at `address`, opened once (again if it closed)."""
+        link = self.links.get(address)
+        if link is None or not link.alive:
+            link = self.links[address] = _MessagerLink(self, address)
+        return link
 
     def _progress(self, load: _Load) -> None:
         """Read how many layers of `load` landed (the receiver's status slot), ending it

@@ -110,7 +110,7 @@ def run(args) -> dict:
         max_model_len=args.max_model_len,
         dtype="bfloat16",
         seed=0,
-        enable_prefix_caching=False,
+        enable_prefix_caching=args.prefix_caching,
         kv_transfer_config=config,
     )
     init_s = time.monotonic() - t0
@@ -119,12 +119,20 @@ def run(args) -> dict:
     if args.wait_file:
         _wait_for(args.wait_file, args.wait_timeout, args.poll)
     results = {p["tid"]: {"tid": p["tid"], "tokens": [], "finish_reason": None} for p in prompts}
-    for p in prompts:
+    waiting = list(prompts)
+
+    def submit():
+        p = waiting.pop(0)
         results[p["tid"]]["submitted_ns"] = time.monotonic_ns()
         engine.add_request(p["tid"], TokensPrompt(prompt_token_ids=p["tokens"]), params(args, p))
+
+    while waiting and not (args.sequential and engine.has_unfinished_requests()):
+        submit()
     steps = 0
     deadline = time.monotonic() + args.timeout
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or waiting:
+        if waiting and not engine.has_unfinished_requests():  # --sequential: the next one
+            submit()
         outputs = engine.step()
         steps += 1
         now = time.monotonic_ns()
@@ -182,6 +190,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix cache on")
+    parser.add_argument(
+        "--sequential", action="store_true", help="submit each prompt once the last finished"
+    )
     parser.add_argument("--trace", default=None, help="JSON-lines events to PREFIX.ROLE.jsonl")
     parser.add_argument(
         "--trace-blocks",

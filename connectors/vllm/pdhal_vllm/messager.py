@@ -125,6 +125,7 @@ class Messager:
         self.claimed: dict[str, Peer] = {}  # transfer id -> its decode worker
         self.decodes: list[Peer] = []  # the decode workers connected
         self.wants: dict[str, tuple[Peer, dict, float]] = {}  # not in the streamer yet
+        self.unneeded: set[str] = set()  # ended because their decode side needs none of it
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._mark = 0  # trace: streamer.metrics.layers_since's cursor
         fault = os.environ.get(FAULT_VAR, "")
@@ -229,6 +230,8 @@ class Messager:
                 self._outcome(event[2])
         elif kind == "want":
             self._want(event[1], event[2])
+        elif kind == "unneeded":
+            self._want(event[1], {"tid": event[2]["tid"], "unneeded": True})
         elif kind == "gone":
             peer = event[1]
             self._gone(peer, f"the {peer.role} worker (pid {peer.pid}) closed its connection")
@@ -330,7 +333,7 @@ class Messager:
 
     def _want(self, peer: Peer, want: dict) -> None:
         tid = want["tid"]
-        self.trace("want", tid=tid, blocks=len(want["blocks"]), peer_pid=peer.pid)
+        self.trace("want", tid=tid, blocks=len(want.get("blocks", ())), peer_pid=peer.pid)
         if tid in self.claimed or tid in self.wants:
             self._report(f"transfer {tid}: asked for twice; the second ask is ignored")
             return
@@ -344,6 +347,10 @@ class Messager:
         from the first block it has not cached."""
         peer, want, _ = self.wants.pop(tid)
         added = self.added[tid]
+        if want.get("unneeded"):  # its prefix cache has it: the prefill side frees it now
+            self.unneeded.add(tid)
+            self.streamer.fail(tid, "its decode side needs none of it (cached there)")
+            return
         if not peer.alive:
             why = f"the decode worker (pid {peer.pid}) closed its connection"
         elif peer.hello.get("block_size") != self.block_size:
@@ -400,6 +407,10 @@ class Messager:
         prefill worker, which frees the blocks."""
         added = self.added.pop(outcome.request_id, None)
         self.claimed.pop(outcome.request_id, None)
+        if outcome.request_id in self.unneeded:  # not a failure: nothing was to go
+            self.unneeded.discard(outcome.request_id)
+            self._end(outcome.request_id, True, "")
+            return
         if outcome.landed and self.trace_blocks and added is not None:
             self._trace_source(outcome.request_id, added)
         self._end(outcome.request_id, outcome.landed, outcome.reason)
@@ -468,6 +479,7 @@ class Messager:
         self.prefill = self.streamer = self.feed = self.src = None
         self.added.clear()
         self.claimed.clear()
+        self.unneeded.clear()
 
     def _expire_wants(self) -> None:
         """Forget wants no prefill table named within claim_timeout (their decode side ends

@@ -127,3 +127,44 @@ def test_decode_asked_last(cluster, plain_tokens):
     first_want = min(e["t"] for e in messager if e["kind"] == "want")
     assert max(e["t"] for e in messager if e["kind"] == "table") < first_want
     check_stream(cluster, items, sync=True)
+
+
+def test_a_prompt_the_decode_side_has_cached_frees_the_prefill_blocks_at_once(
+    cluster, plain_tokens
+):
+    """load_mode sync, prefix caching on the decode side: the same 65-token prompt twice,
+    one after the other. The second time the decode side's cache holds all of it but the
+    last token, which it computes itself, so it needs nothing: it says so at once, and the
+    messager ends the transfer (as sent, not failed) instead of holding the prefill's blocks
+    until the claim timeout (100 s here, past the prefill instance's 60 s)."""
+    tokens = prompts(seed=1)[2]["tokens"]  # 65 tokens: 2 full blocks and 1 token
+    items = [{"tid": "first", "tokens": tokens}, {"tid": "again", "tokens": tokens}]
+    path = write_prompts(cluster, items)
+    cluster.start_messager("--claim-timeout", "100")
+    cluster.start(
+        "decode",
+        path,
+        "--load-mode",
+        "sync",
+        "--prefix-caching",
+        "--sequential",
+        "--ready-file",
+        cluster.path("decode.ready"),
+    )
+    cluster.start(
+        "prefill",
+        path,
+        "--sequential",
+        "--timeout",
+        "60",
+        "--wait-file",
+        cluster.path("decode.ready"),
+    )
+    decode = cluster.wait("decode")
+    cluster.wait("prefill")  # its blocks came free: it did not wait for the claim timeout
+    for result in decode["results"]:
+        assert result["tokens"] == plain_tokens[tuple(tokens)], result["tid"]
+    assert [e["tid"] for e in cluster.trace("decode0") if e["kind"] == "unneeded"] == ["again"]
+    messager = cluster.trace("messager")
+    assert sorted(e["tid"] for e in messager if e["kind"] == "sent") == ["again", "first"]
+    assert not [e for e in messager if e["kind"] == "error" and "again" in e["error"]]
