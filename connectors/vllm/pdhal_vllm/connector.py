@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+import pdhal
 from pdhal import InvalidArgumentError, PdhalError, TransferError, ops
 from pdhal.transfer import CacheLayout, CacheSpec, KVReceiver
 from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, connect
@@ -439,8 +440,16 @@ class _Worker:
     def allocation_context(self):
         """vLLM allocates the whole KV cache as one int8 CPU tensor (allocate_kv_cache):
         while vLLM allocates it, that allocation comes from pdhal.ops.host_alloc, so the
-        messager can map it (set_data_ipc) and a transport can reach it."""
+        messager can map it (set_data_ipc) and a transport can reach it. First, what a
+        killed instance left in this namespace goes (its KV cache can be gigabytes)."""
         buffers = self.buffers
+        removed, _ = pdhal.cleanup(pdhal.namespace())
+        if removed:
+            logger.info(
+                "pdhal connector: removed %d segment(s) dead processes left: %s",
+                len(removed),
+                ", ".join(removed),
+            )
 
         @contextlib.contextmanager
         def context():

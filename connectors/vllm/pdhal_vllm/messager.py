@@ -35,6 +35,7 @@ import zlib
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 
+import pdhal
 from pdhal import PdhalError, ProducerDiedError, SignalTimeoutError, ops
 from pdhal.transfer import CacheLayout, CacheSpec, KVStreamer, PerQueryFeed
 from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, parse_address
@@ -44,6 +45,9 @@ FAULT_VAR = "PDHAL_VLLM_MESSAGER_FAULT"
 TRANSPORTS = ("shm", "mooncake")
 #: Transfer ids of ended transfers kept, so a later table entry of one is not sent again.
 ENDED = 10000
+#: After a worker went, how long (s) its segments are looked for, and how often: a worker
+#: vLLM killed outright (its default shutdown) cannot remove its KV cache segment itself.
+RECLAIM_S, RECLAIM_EVERY_S = 10.0, 0.5
 
 
 @dataclass
@@ -128,6 +132,8 @@ class Messager:
         self.unneeded: set[str] = set()  # ended because their decode side needs none of it
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._mark = 0  # trace: streamer.metrics.layers_since's cursor
+        self._reclaim_until = time.monotonic() + RECLAIM_S  # and at start: a killed run's
+        self._next_reclaim = 0.0
         fault = os.environ.get(FAULT_VAR, "")
         self.exit_after = (
             int(fault.split(":")[1]) if fault.startswith("exit-after-layers:") else None
@@ -154,6 +160,7 @@ class Messager:
                     self.streamer.poll()  # leases and dead peers; outcomes come as events
                 self._trace_layers()
                 self._check_fault()
+                self._reclaim()
             except (ConnectorError, PdhalError) as exc:
                 self._report(str(exc))
             except Exception:  # a bug: say so, and keep serving the other transfers
@@ -456,8 +463,26 @@ class Messager:
 
     # ---- peers that go ------------------------------------------------------------------
 
+    def _reclaim(self) -> None:
+        """For a while after a worker went: remove the segments of this namespace whose
+        process is dead (its KV cache, its channels), as `pdhal cleanup` would."""
+        now = time.monotonic()
+        if now > self._reclaim_until or now < self._next_reclaim:
+            return
+        self._next_reclaim = now + RECLAIM_EVERY_S
+        removed, _ = pdhal.cleanup(pdhal.namespace())
+        if removed:
+            self.trace("reclaimed", paths=removed)
+            print(
+                f"pdhal-vllm messager: removed {len(removed)} segment(s) a dead worker left: "
+                f"{', '.join(removed)}",
+                file=sys.stderr,
+                flush=True,
+            )
+
     def _gone(self, peer: Peer, why: str) -> None:
         peer.alive = False
+        self._reclaim_until = time.monotonic() + RECLAIM_S
         if peer.role == "decode":
             if peer in self.decodes:
                 self.decodes.remove(peer)

@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import prompts, write_prompts
 
-from pdhal.testing.reset import remove_leftovers
+from pdhal.testing.reset import remove_leftovers, segments_of
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
@@ -67,6 +67,8 @@ def test_decode_killed(cluster, namespace):
     assert any(f"decode worker (pid {decode.pid}) closed its connection" in e for e in errors)
     assert "transfer r0-0 failed" in cluster.log("prefill", 400)
     assert cluster.procs["messager"].poll() is None  # still serving
+    # what the killed decode left (its KV cache) the messager removed, no manual step
+    assert [e for e in cluster.trace("messager") if e["kind"] == "reclaimed"]
+    assert not [name for name in segments_of(namespace) if f".{decode.pid}." in name]
     cluster.stop()
-    left = remove_leftovers(namespace)  # the killed decode's KV cache: `pdhal cleanup` does this
-    assert left and all(f".{decode.pid}." in name for name in left), left
+    assert remove_leftovers(namespace) == []
