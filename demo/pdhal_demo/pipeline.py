@@ -21,7 +21,7 @@ from pdhal_demo.plan import Plan
 from pdhal_demo.report import Timeline, summarize
 
 SILENCE_TIMEOUT_S = 120.0  # no event from any process for this long: report a hang
-REPORT_GRACE_S = 10.0  # after a process dies, how long the others get to report it
+REPORT_GRACE_S = 5.0  # after a process dies, how long the others get to report it
 REMOTE_WAIT_S = 300.0  # how long to wait for a decoder started by hand
 
 

@@ -182,7 +182,10 @@ def test_a_lost_link_or_decoder_is_reported_within_seconds_and_never_verified(ho
     finally:
         run.close()
     assert code == 1, err
-    assert reported < 20, err  # transfer timeout 5 s, control keepalive 5 s, grace 10 s
+    # the control link's keepalive 5 s, the others' grace to report it 5 s (Mooncake's TCP
+    # calls a write done once the local socket took it: the cut link fills the buffers
+    # before any transfer stalls)
+    assert reported < 20, err
     assert "every byte verified" not in out and "verified" not in out.lower(), out
     if fault == "cut the link":
         assert (

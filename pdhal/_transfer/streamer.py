@@ -34,6 +34,8 @@ from pdhal._transfer.plugins import transport
 
 #: How often layer_ready looks for expired leases and dead peers (poll() always does).
 CHECK_S = 0.05
+#: The shortest wait for a submit whose stall_timeout passed while it queued: one look.
+MIN_WAIT_S = 1e-3
 #: Plans (a step's runs) kept; older ones are planned again if asked for.
 PLANS = 1024
 
@@ -484,11 +486,13 @@ class KVStreamer:
     # ---- completion -----------------------------------------------------------------
 
     def _complete(self, dest: Destination) -> None:
-        """`dest`'s completion thread: each of its submits in order, waited for; a retired
-        destination's link is closed after its last."""
+        """`dest`'s completion thread: each of its submits in order, waited for until
+        stall_timeout after it was submitted (the submits queued behind a stalled one do
+        not each wait it again); a retired destination's link is closed after its last."""
         while (send := dest.queue.get()) is not None:
             try:
-                send.batch.wait(self.stall_timeout)
+                left = send.submit_ns / 1e9 + self.stall_timeout - time.monotonic()
+                send.batch.wait(max(left, MIN_WAIT_S))
                 reason = None
             except Exception as e:  # TransferError, or a transport's bug: the send failed
                 reason = _why(e)

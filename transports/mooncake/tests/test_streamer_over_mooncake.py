@@ -6,6 +6,8 @@ mooncake`.)"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import pdhal
@@ -71,9 +73,14 @@ def test_every_block_lands_through_mooncake(streamer):
 def test_a_stopped_decode_process_fails_by_the_stall_timeout_then_one_is_served(
     impatient, namespace
 ):
-    """SIGSTOP the decode process: the request fails on the prefill side after
-    stall_timeout (its blocks may be freed); a second decode process is served meanwhile;
-    the stopped one, once it runs again, ends the request exactly once."""
+    """SIGSTOP the decode process: a second decode process is served meanwhile, and the
+    stopped one, once it runs again, ends the request exactly once. On the prefill side the
+    request fails after stall_timeout, or lands: Mooncake's TCP transport calls a write
+    complete once its bytes are in the local socket (ClientSession::writeBody in
+    tcp_transport.cpp marks it COMPLETED when its async_write returns, with no word from
+    the target), so writes that fit the kernel's buffers "complete" into a stopped process
+    (seen in a CI rehearsal under load). Either way the decode side decodes only on every
+    byte."""
     stopped, other = Decode("mc-stopped", "mooncake"), Decode("mc-other", "mooncake")
     try:
         ticket = stopped.expect("s", timeout=2.0)
@@ -86,7 +93,8 @@ def test_a_stopped_decode_process_fails_by_the_stall_timeout_then_one_is_served(
         _send(impatient, other, "o", [3], [3])
         ended = {o.request_id: o for o in outcomes_until(impatient, 2)}
         assert ended["o"].landed and other.wait("o")[0]
-        assert not ended["s"].landed and "did not land within 1 s" in ended["s"].reason
+        if not ended["s"].landed:
+            assert re.search(r"did not land within [\d.]+ s", ended["s"].reason)
         stopped.resume()
         # Its writes were in the kernel's buffers: once it runs they land, and their status
         # after them. The decode side ends once: landed with every byte, or by its deadline.

@@ -6,6 +6,8 @@ nixl`.)"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import pdhal
@@ -86,7 +88,8 @@ def test_a_stopped_decode_process_fails_by_the_stall_timeout_then_one_is_served(
         _send(impatient, other, "o", [3], [3])
         ended = {o.request_id: o for o in outcomes_until(impatient, 2)}
         assert ended["o"].landed and other.wait("o")[0]
-        assert not ended["s"].landed and "did not land within 1 s" in ended["s"].reason
+        assert not ended["s"].landed
+        assert re.search(r"did not land within [\d.]+ s", ended["s"].reason)
         stopped.resume()
         # Its writes stalled in UCX (TCP: the stopped side's UCX must take them in): once it
         # runs they may land, or the streamer's closed link dropped them. The decode side
