@@ -1,7 +1,7 @@
 """The P/D router: an OpenAI-compatible front that sends each request to a prefill and a
 decode instance at once, paired by a transfer id.
 
-    python -m pdhal_vllm.router --port 8000 \\
+    pdhal-vllm-router --port 8000 \\
         --prefill http://127.0.0.1:8100=127.0.0.1:47100 --decode http://127.0.0.1:8200
 
 `--prefill URL=MESSAGER` (the instance's messager, HOST:PORT) and `--decode URL` may each be
@@ -309,7 +309,7 @@ async def _serve(router: Router, host: str, port: int) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pdhal_vllm.router", description=__doc__.split("\n\n")[0]
+        prog="pdhal-vllm-router", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: any free port")
