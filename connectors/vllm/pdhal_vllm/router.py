@@ -308,9 +308,7 @@ async def _serve(router: Router, host: str, port: int) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pdhal-vllm-router", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="pdhal-vllm-router", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: any free port")
     parser.add_argument(
