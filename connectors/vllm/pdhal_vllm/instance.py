@@ -108,6 +108,11 @@ def run(args) -> dict:
         enforce_eager=True,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
+        **(
+            {"max_num_batched_tokens": args.max_num_batched_tokens}
+            if args.max_num_batched_tokens
+            else {}
+        ),
         dtype="bfloat16",
         seed=0,
         enable_prefix_caching=args.prefix_caching,
@@ -191,6 +196,12 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix cache on")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens a step may compute (a prompt longer than this is prefilled in chunks)",
+    )
     parser.add_argument(
         "--sequential", action="store_true", help="submit each prompt once the last finished"
     )

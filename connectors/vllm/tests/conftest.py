@@ -40,6 +40,7 @@ PY = sys.executable
 LAYERS = 4
 PROMPT_LENS = (40, 100, 65)  # 2, 4 and 3 blocks of 32 tokens
 MAX_TOKENS = 8
+LONG_PROMPT_LENS = (300,)  # chunked prefill: several steps of 64 tokens
 
 
 def prompts(lens=PROMPT_LENS, seed: int = 0) -> list[dict]:
@@ -195,7 +196,7 @@ def plain_tokens(tmp_path_factory, model_dir) -> dict[tuple, list[int]]:
     """Greedy tokens of a plain vLLM run (no connector), by prompt tokens."""
     root = tmp_path_factory.mktemp("plain")
     c = Cluster(root, model_dir, secrets.token_hex(16))
-    every = prompts() + prompts(seed=1)
+    every = prompts() + prompts(seed=1) + prompts(LONG_PROMPT_LENS, seed=2)
     with open(c.path("prompts.json"), "w") as f:
         json.dump(every, f)
     c.start("plain", c.path("prompts.json"))

@@ -4,7 +4,7 @@ a decode vLLM instance, which then decodes exactly what a plain run decodes."""
 from __future__ import annotations
 
 import pytest
-from conftest import LAYERS, MAX_TOKENS, prompts, write_prompts
+from conftest import LAYERS, LONG_PROMPT_LENS, MAX_TOKENS, prompts, write_prompts
 
 
 def run_pd(cluster, items, transport: str = "shm", *extra: str) -> tuple[dict, dict]:
@@ -48,12 +48,13 @@ def check_stream(cluster, items, sync: bool = False) -> None:
         assert [e["layer"] for e in signals if e["step"] == step] == list(range(LAYERS))
     posted = {(e["step"], e["layer"]): e["t"] for e in signals}
     seen = [e for e in messager if e["kind"] == "seen"]
-    tables = {e["step"]: e for e in messager if e["kind"] == "table"}
-    step_of = {tid: step for step, e in tables.items() for tid in e["tids"]}
+    tables = [e for e in messager if e["kind"] == "table"]
     reads = [e for e in messager if e["kind"] == "read"]
     assert reads
     for read in reads:
-        step = step_of[read["tid"]]
+        # the step it was read for: the newest table naming it (a chunked prompt is in
+        # several steps' tables)
+        step = max(e["step"] for e in tables if read["tid"] in e["tids"] and e["t"] <= read["t"])
         # the read follows a wake-up that covered this layer, which followed its post
         covering = [
             s
@@ -168,3 +169,41 @@ def test_a_prompt_the_decode_side_has_cached_frees_the_prefill_blocks_at_once(
     messager = cluster.trace("messager")
     assert sorted(e["tid"] for e in messager if e["kind"] == "sent") == ["again", "first"]
     assert not [e for e in messager if e["kind"] == "error" and "again" in e["error"]]
+
+
+def test_a_chunked_prefill_streams_each_chunk_s_blocks_as_they_fill(cluster, plain_tokens):
+    """A 300-token prompt on a prefill instance that computes 64 tokens a step: its
+    blocks go out chunk by chunk (vLLM allocates them chunk by chunk too), in the steps
+    before the last, not all with the last; the decode's tokens are the plain run's, every
+    block byte for byte where the prefill wrote it."""
+    items = prompts(LONG_PROMPT_LENS, seed=2)
+    path = write_prompts(cluster, items)
+    cluster.start_messager()
+    cluster.start(
+        "decode",
+        path,
+        "--submitted-file",
+        cluster.path("decode.submitted"),
+    )
+    cluster.start(
+        "prefill",
+        path,
+        "--max-num-batched-tokens",
+        "64",
+        "--wait-file",
+        cluster.path("decode.submitted"),
+    )
+    decode = cluster.wait("decode")
+    cluster.wait("prefill")
+    [result] = decode["results"]
+    assert result["tokens"] == plain_tokens[tuple(items[0]["tokens"])]
+    messager = cluster.trace("messager")
+    steps = sorted({e["step"] for e in messager if e["kind"] == "table"})
+    assert len(steps) >= 5  # 300 tokens, 64 a step
+    sent = {}
+    for e in messager:
+        if e["kind"] == "landed":
+            sent[e["step"]] = sent.get(e["step"], 0) + e["nbytes"]
+    early = sum(n for step, n in sent.items() if step != steps[-1])
+    assert early > sum(sent.values()) / 2, sent  # most of it before the last chunk
+    check_stream(cluster, items)
