@@ -188,8 +188,7 @@ def test_a_lost_link_or_decoder_is_reported_within_seconds_and_never_verified(ho
     assert reported < 20, err
     assert "every byte verified" not in out and "verified" not in out.lower(), out
     if fault == "cut the link":
-        assert (
-            "did not complete in time: the link to the decode side or the decode side is gone"
-        ) in err or "decoder exited (disconnected)" in err, err
+        stalled = "did not land within" in err and "the link or the destination is gone" in err
+        assert stalled or "decoder exited (disconnected)" in err, err
     else:
         assert "the decoder exited (disconnected)" in err, err

@@ -112,7 +112,7 @@ class MooncakeBatch(Batch):
             if time.monotonic() > deadline:  # a stall may pass: the link stays usable
                 self._failed = (
                     f"a write of {self.nbytes} bytes to {self._link.target} did not land "
-                    f"within {timeout:g} s: the link or the destination is gone or stalled"
+                    f"within {timeout:.3g} s: the link or the destination is gone or stalled"
                 )
                 raise TransferError(self._failed)
             time.sleep(nap)

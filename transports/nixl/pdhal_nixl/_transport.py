@@ -297,7 +297,7 @@ class NixlBatch(Batch):
                         self._handle = None
                     self._failed = (
                         f"a write of {self.nbytes} bytes to {self._link.target} did not land "
-                        f"within {timeout:g} s: the link or the destination is gone or stalled"
+                        f"within {timeout:.3g} s: the link or the destination is gone or stalled"
                     )
                 raise TransferError(self._failed)
             time.sleep(nap)
