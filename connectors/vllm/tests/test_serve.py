@@ -1,9 +1,10 @@
-"""vLLM as its users run it: `vllm serve` processes (API server, engine core and worker each
-their own process; started as `python -m pdhal_vllm.vllm_cli serve`, vLLM's own CLI, whose
-`vllm` script cannot start with vLLM's CPU build), a messager, the router in front, and
-vLLM's own `vllm bench serve` client on its random dataset. Beside them a plain server (no
-connector) gives the reference outputs. The last test stops the servers as their users
-do (SIGTERM, vLLM's default shutdown force-killing its workers) and counts /dev/shm."""
+"""vLLM as its users run it, over shm and over Mooncake: `vllm serve` processes (API
+server, engine core and worker each their own process; started as `python -m
+pdhal_vllm.vllm_cli serve`, vLLM's own CLI, whose `vllm` script cannot start with vLLM's CPU
+build), a messager, the router in front, and vLLM's own `vllm bench serve` client on its
+random dataset. Beside them a plain server (no connector) gives the reference outputs. The
+last test stops the servers as their users do (SIGTERM, vLLM's default shutdown
+force-killing its workers) and counts /dev/shm."""
 
 from __future__ import annotations
 
@@ -37,17 +38,17 @@ def free_port() -> int:
 class Served:
     """The servers, each with its port and log."""
 
-    def __init__(self, root, model: str):
+    def __init__(self, root, model: str, transport: str):
         self.cluster = Cluster(root, model, os.urandom(16).hex())
-        self.namespace = f"serve{os.getpid()}"
+        self.namespace = f"serve{os.getpid()}{transport}"
         env = self.cluster.env
         env |= {"PDHAL_NAMESPACE": self.namespace, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         self.model, self.urls, self.procs = model, {}, {}
-        messager = self.cluster.start_messager()
+        messager = self.cluster.start_messager("--transport", transport)
         for role, config in (
             ("plain", None),
             ("prefill", {"kv_role": "kv_producer", "extra": {"messager": messager}}),
-            ("decode", {"kv_role": "kv_consumer", "extra": {"transport": "shm"}}),
+            ("decode", {"kv_role": "kv_consumer", "extra": {"transport": transport}}),
         ):
             self._serve(role, config)
         for role in self.urls:
@@ -176,9 +177,9 @@ class Served:
         self.cluster.stop()
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, model_dir):
-    s = Served(tmp_path_factory.mktemp("serve"), model_dir)
+@pytest.fixture(scope="module", params=["shm", "mooncake"])
+def served(request, tmp_path_factory, model_dir):
+    s = Served(tmp_path_factory.mktemp("serve"), model_dir, request.param)
     yield s
     s.stop()
     remove_leftovers(s.namespace)
