@@ -307,6 +307,10 @@ def te_bench_under_compute() -> float | None:
         load.wait()
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def main() -> dict:
     shm = phase("shm", with_floor=True)
     floor = shm["wake_floor_us"]
@@ -317,11 +321,13 @@ def main() -> dict:
     result = {
         "shm_vs_memcpy_under_compute": shm["memmoved_s"] / shm["streamed_s"],
         "mooncake_vs_te_bench_under_compute": None,
-        "signal_to_submit_vs_floor": statistics.median(shm["signal_to_submit_us"])
-        / statistics.median(floor),
-        "signal_to_submit_us_p50": statistics.median(shm["signal_to_submit_us"]),
+        # None when no wake found the reader idle (a loaded machine, or BENCH_SMOKE's few)
+        "signal_to_submit_vs_floor": _median(shm["signal_to_submit_us"]) / _median(floor)
+        if shm["signal_to_submit_us"] and floor
+        else None,
+        "signal_to_submit_us_p50": _median(shm["signal_to_submit_us"]),
         "signal_to_submit_all_layers_us_p50": statistics.median(shm["signal_to_submit_all_us"]),
-        "wake_floor_us_p50": statistics.median(floor),
+        "wake_floor_us_p50": _median(floor),
         "wake_floor_threads_us_p50": statistics.median(threads_floor),
         "signal_to_wake_us_p50": statistics.median(shm["signal_to_wake_us"]),
         "exposed_transfer_ms": statistics.median(shm["exposed_ms"]),
