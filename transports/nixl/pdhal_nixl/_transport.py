@@ -520,7 +520,5 @@ class NixlTransport(Transport):
     def connect(self, described: dict, sources: list[tuple[int, int]]) -> Link:
         try:
             return NixlLink(self._the_agent(), described, sources)
-        except KeyError as e:
-            raise InvalidArgumentError(f"not a nixl endpoint's description: {e}") from None
-        except (TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise InvalidArgumentError(f"not a nixl endpoint's description: {e}") from None
