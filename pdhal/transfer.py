@@ -28,6 +28,7 @@ from pdhal._transfer.contract import (
     region_devices,
 )
 from pdhal._transfer.feeds import PerChunkFeed, PerQueryFeed
+from pdhal._transfer.heads import HeadShard, head_shards, rank_heads
 from pdhal._transfer.layout import CacheLayout, CacheSpec, RunPlanner, block_runs
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome
@@ -42,6 +43,7 @@ __all__ = [
     "CacheSpec",
     "Destination",
     "Endpoint",
+    "HeadShard",
     "KVReceiver",
     "KVStreamer",
     "LayerRecord",
@@ -55,7 +57,9 @@ __all__ = [
     "Transport",
     "TransferMetrics",
     "block_runs",
+    "head_shards",
     "region_bytes",
+    "rank_heads",
     "region_devices",
     "transport",
     "transports",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pdhal._errors import InvalidArgumentError
 from pdhal._memory.blocks import block_bytes_of, resolve
 from pdhal._protocol.names import validate_index
+from pdhal._transfer.heads import HeadShard
 
 #: The longest timeout pdhal.transfer takes (a day): beyond it, a bound means nothing.
 LONGEST_S = 86400.0
@@ -32,16 +33,31 @@ def seconds(value: object, what: str) -> float:
 @dataclass(frozen=True)
 class CacheSpec:
     """One cache of one layer: block b is at `offset + b * stride` of region `region`,
-    `block_bytes` long, for b in [0, blocks)."""
+    `block_bytes` long, for b in [0, blocks). `heads` > 1: a block is that many equal
+    parts, one per KV head, in head order (head-major), so it can be split by head for a
+    tensor-parallel peer (pdhal.transfer.head_shards)."""
 
     region: int
     offset: int
     stride: int
     block_bytes: int
     blocks: int
+    heads: int = 1
 
     def to_json(self) -> list[int]:
-        return [self.region, self.offset, self.stride, self.block_bytes, self.blocks]
+        return [self.region, self.offset, self.stride, self.block_bytes, self.blocks, self.heads]
+
+    def head_view(self, first: int, count: int) -> CacheSpec:
+        """Heads [first, first + count) of every block."""
+        per_head = self.block_bytes // self.heads
+        return CacheSpec(
+            self.region,
+            self.offset + first * per_head,
+            self.stride,
+            count * per_head,
+            self.blocks,
+            count,
+        )
 
     @classmethod
     def from_json(cls, words) -> CacheSpec:
@@ -81,6 +97,11 @@ class CacheLayout:
                 f"layer {layer}: blocks of {spec.block_bytes} bytes every {spec.stride} bytes, "
                 f"{spec.blocks} of them: need 1 <= block bytes <= stride and blocks >= 1"
             )
+        if spec.heads < 1 or spec.block_bytes % spec.heads:
+            raise InvalidArgumentError(
+                f"layer {layer}: blocks of {spec.block_bytes} bytes cannot hold {spec.heads} "
+                f"equal heads: need heads >= 1 dividing the block bytes"
+            )
         end = spec.offset + (spec.blocks - 1) * spec.stride + spec.block_bytes
         if spec.offset < 0 or end > self.regions[spec.region][1]:
             raise InvalidArgumentError(
@@ -115,23 +136,59 @@ class CacheLayout:
             "layers": [[spec.to_json() for spec in caches] for caches in self.layers],
         }
 
-    def check_peer(self, peer: dict) -> list[list[CacheSpec]]:
+    def head_view(self, first: int, count: int) -> CacheLayout:
+        """The same regions, every cache restricted to heads [first, first + count)."""
+        return CacheLayout(self.memory, _head_view(self.layers, first, count, "here"))
+
+    def check_peer(self, peer: dict, heads: HeadShard | None = None) -> list[list[CacheSpec]]:
         """A peer's described layers, checked to pair with these cache by cache: as many
-        layers and caches, blocks of the same bytes."""
+        layers and caches, blocks of the same bytes. With `heads`, the shard's heads of
+        each (this side's and the peer's) must pair: a head the same bytes on both."""
         layers = [[CacheSpec.from_json(w) for w in caches] for caches in peer["layers"]]
-        if [len(c) for c in layers] != [len(c) for c in self.layers]:
+        if heads is not None:
+            mine = _head_view(self.layers, heads.src_first, heads.count, "here")
+            layers = _head_view(layers, heads.dst_first, heads.count, "on the peer")
+            return CacheLayout._pair(mine, layers, heads.count)
+        return CacheLayout._pair(self.layers, layers)
+
+    @staticmethod
+    def _pair(ours, layers, heads: int = 0) -> list[list[CacheSpec]]:
+        if [len(c) for c in layers] != [len(c) for c in ours]:
             raise InvalidArgumentError(
                 f"the peer's cache has {len(layers)} layers of {[len(c) for c in layers]} "
-                f"caches, this side {len(self.layers)} of {[len(c) for c in self.layers]}"
+                f"caches, this side {len(ours)} of {[len(c) for c in ours]}"
             )
-        for layer, (mine, theirs) in enumerate(zip(self.layers, layers)):
+        for layer, (mine, theirs) in enumerate(zip(ours, layers)):
             for index, (a, b) in enumerate(zip(mine, theirs)):
-                if a.block_bytes != b.block_bytes:
+                if a.block_bytes == b.block_bytes:
+                    continue
+                if heads:
                     raise InvalidArgumentError(
-                        f"layer {layer} cache {index}: blocks of {a.block_bytes} bytes here, "
-                        f"{b.block_bytes} on the peer"
+                        f"layer {layer} cache {index}: a head's part of a block is "
+                        f"{a.block_bytes // heads} bytes here, {b.block_bytes // heads} on "
+                        f"the peer (head size, block tokens or dtype differ)"
                     )
+                raise InvalidArgumentError(
+                    f"layer {layer} cache {index}: blocks of {a.block_bytes} bytes here, "
+                    f"{b.block_bytes} on the peer"
+                )
         return layers
+
+
+def _head_view(layers, first: int, count: int, where: str) -> list[list[CacheSpec]]:
+    """`layers` with every cache restricted to heads [first, first + count); refused
+    where a cache does not hold those heads."""
+    for layer, caches in enumerate(layers):
+        for index, spec in enumerate(caches):
+            if not (0 <= first and 1 <= count and first + count <= spec.heads):
+                raise InvalidArgumentError(
+                    f"layer {layer} cache {index} holds {spec.heads} head(s) {where}: it has "
+                    f"no heads [{first}, {first + count}) (a tensor-parallel transfer needs "
+                    f"head-major caches with CacheSpec.heads counted)"
+                )
+    if all(first == 0 and count == spec.heads for caches in layers for spec in caches):
+        return [list(caches) for caches in layers]  # every head: the whole blocks
+    return [[spec.head_view(first, count) for spec in caches] for caches in layers]
 
 
 def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pdhal._errors import ClosedHandleError, InvalidArgumentError, TransferError
 from pdhal._transfer import mailbox
 from pdhal._transfer.destination import Destination, Send, StatusBuffers
+from pdhal._transfer.heads import HeadShard
 from pdhal._transfer.layout import CacheLayout, RunPlanner, block_runs, seconds
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome
@@ -153,10 +154,14 @@ class KVStreamer:
 
     # ---- destinations and requests --------------------------------------------------
 
-    def connect(self, described: dict) -> Destination:
+    def connect(self, described: dict, *, heads: HeadShard | None = None) -> Destination:
         """The decode side `described` (a KVReceiver's describe()), connected once: its
-        layout is checked to pair with this one cache by cache."""
+        layout is checked to pair with this one cache by cache. `heads`: only that shard's
+        KV heads go there (a decode rank of another tensor-parallel split; head_shards),
+        both sides' heads checked to pair before anything moves."""
         self._open()
+        if heads is not None and not isinstance(heads, HeadShard):
+            raise InvalidArgumentError(f"heads must be a HeadShard, got {heads!r}")
         if not isinstance(described, dict):
             raise InvalidArgumentError(
                 f"described must be a receiver's describe(), got {described!r}"
@@ -168,12 +173,15 @@ class KVStreamer:
             raise InvalidArgumentError(
                 f"described lacks {', '.join(missing)}: pass a KVReceiver's describe()"
             )
-        key = json.dumps(described, sort_keys=True, default=str)
+        key = json.dumps([described, heads and vars(heads)], sort_keys=True, default=str)
         with self._lock:
             known = self._destinations.get(key)
         if known is not None and known.link.problem() is None:
             return known
-        layers = self.layout.check_peer(described["layout"])
+        layers = self.layout.check_peer(described["layout"], heads)
+        source = (
+            self.layout if heads is None else self.layout.head_view(heads.src_first, heads.count)
+        )
         status_region = _count(described["status_region"], "status_region")
         if status_region >= len(described["regions"]):
             raise InvalidArgumentError(
@@ -186,7 +194,7 @@ class KVStreamer:
         )
         dest = Destination(
             link,
-            RunPlanner(self.layout, layers),
+            RunPlanner(source, layers),
             status_region,
             _count(described["status_slots"], "status_slots", 1),
             self._window,

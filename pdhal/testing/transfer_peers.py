@@ -39,13 +39,17 @@ import json, sys
 import numpy as np
 import pdhal
 from pdhal import ops, transfer
-L, C, B, BB = {LAYERS}, {CACHES}, {BLOCKS}, {BLOCK_BYTES}
+L, C, B = {LAYERS}, {CACHES}, {BLOCKS}
+HEADS, BB = int(sys.argv[3]), int(sys.argv[4])
 buffers = [[ops.host_alloc(B * BB) for _ in range(C)] for _ in range(L)]
 caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
 for row in caches:
     for c in row:
         c[:] = 0
-layout = transfer.CacheLayout.from_caches(caches)
+layout = transfer.CacheLayout(
+    [b for row in buffers for b in row],
+    [[transfer.CacheSpec(l * C + c, 0, BB, BB, B, HEADS) for c in range(C)] for l in range(L)],
+)
 receiver = transfer.KVReceiver(layout, sys.argv[1], transport_name=sys.argv[2], slots=8)
 say = lambda *m: print(json.dumps(m), flush=True)
 say("described", receiver.describe())
@@ -60,6 +64,8 @@ for line in sys.stdin:
             say("layers", receiver.layers_landed(command[1]), dump())
         except pdhal.PdhalError as e:
             say("layers", None, f"{{type(e).__name__}}: {{e}}")
+    elif command[0] == "read":
+        say("bytes", caches[command[1]][command[2]][command[3]].tolist())
     elif command[0] == "wait":
         outcome = receiver.wait(command[1])
         uniform = all(len(set(caches[l][c][b].tolist())) == 1
@@ -79,12 +85,19 @@ class Decode:
     """A decode process holding a KVReceiver, driven by lines of JSON."""
 
     def __init__(
-        self, name: str = "decode", transport: str = "shm", prefix=(), env: dict | None = None
+        self,
+        name: str = "decode",
+        transport: str = "shm",
+        prefix=(),
+        env: dict | None = None,
+        *,
+        heads: int = 1,
+        block_bytes: int = BLOCK_BYTES,
     ):
         """`prefix`: a command to run it under (another network namespace); `env`: its
-        environment (default: this one's)."""
+        environment (default: this one's); `heads`: KV heads per block (CacheSpec.heads)."""
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-c", DECODE, name, transport],
+            [*prefix, sys.executable, "-c", DECODE, name, transport, str(heads), str(block_bytes)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -111,6 +124,11 @@ class Decode:
         """(receiver.layers_landed, the dump as wait() gives it), or (None, the error)."""
         self.send("layers", request_id)
         return self.read("layers")
+
+    def block(self, layer: int, cache: int, block: int) -> list[int]:
+        """Every byte of one block of its caches."""
+        self.send("read", layer, cache, block)
+        return self.read("bytes")[0]
 
     def wait(self, request_id: str):
         """(landed, reason, first byte of each block per layer and cache, blocks uniform)."""
