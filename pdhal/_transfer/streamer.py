@@ -599,6 +599,12 @@ class KVStreamer:
                 if request.failed is None and not request.reported:
                     request.failed = str(e)
 
+    def __contains__(self, request_id: object) -> bool:
+        """Whether `request_id` was added and has not ended."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            return request is not None and not request.ended
+
     def fail(self, request_id: str, reason: str) -> None:
         """End `request_id` as failed with `reason`, on both sides (the decode side reads it
         in its status slot, or by its deadline if the link is gone), once nothing of it is

@@ -23,7 +23,13 @@ load_timeout_s passed) is reported to vLLM as a failed receive: kv_load_failure_
 
 Requests are paired by kv_transfer_params["pdhal_transfer_id"] (the same on both sides, set
 by whoever routes the request), and the decode side needs "pdhal_messager" (HOST:PORT of
-the prefill rank's messager) unless the connector's extra config names one.
+the prefill rank 0's messager) unless the connector's extra config names one.
+
+Tensor parallelism: each prefill rank has its messager (rank r on rank 0's port + r); the
+ranks of each side split the KV heads (vLLM's CPU cache is head-major: [blocks, heads, ...]),
+which may split differently on the two sides (prefill TP 2, decode TP 1, ...). A decode rank
+expects one part per prefill rank that holds heads it holds, each in its own ticket, from
+that rank's messager; its load lands once every part did.
 
 The KV cache must be memory the transports can reach: the connector places vLLM's KV cache
 allocation in pdhal host memory (get_mem_pool_context); the prefill worker shares it with
@@ -36,7 +42,6 @@ import contextlib
 import os
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +57,8 @@ from vllm.logger import init_logger
 
 import pdhal
 from pdhal import InvalidArgumentError, PdhalError, TransferError, ops
-from pdhal.transfer import CacheLayout, CacheSpec, KVReceiver
-from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, connect
+from pdhal.transfer import CacheLayout, CacheSpec, KVReceiver, head_shards, rank_heads
+from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, connect, head_crcs
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -315,21 +320,40 @@ class _Scheduler:
 
 # ---- worker side --------------------------------------------------------------------------
 
+
+def rank_address(rank0: str, rank: int) -> str:
+    """The messager of prefill rank `rank`: one per rank, on ports in a row from rank 0's."""
+    host, _, port = rank0.rpartition(":")
+    return f"{host}:{int(port) + rank}"
+
+
 #: The longest sleep between two looks at a layer's progress (sync loads).
 LAYER_POLL_S = 1e-3
 
 
 @dataclass(eq=False)
+class _Part:
+    """The heads of a load that one prefill rank sends, in a receiver request of its own."""
+
+    link: _MessagerLink | None = None  # the prefill rank's messager, once asked
+    layers: int = 0  # layers landed, from the first
+    error: str | None = None
+
+
+@dataclass(eq=False)
 class _Load:
-    """A decode request's KV on its way: its outcome is read from the KV receiver."""
+    """A decode request's KV on its way, as one part per prefill rank sending heads this
+    rank holds (one part without tensor parallelism). It ends once every part ended, so no
+    write of a part still on its way meets blocks vLLM already gave to another request:
+    landed if every part landed, failed otherwise."""
 
     req: str
     tid: str
     sync: bool
     blocks: list[int]
     cached: int  # the prompt's first blocks, in this cache already (a prefix it cached)
-    link: _MessagerLink | None = None
-    layers: int = 0  # layers known to have landed, from the first
+    parts: dict[str, _Part] = field(default_factory=dict)  # by its receiver request id
+    layers: int = 0  # layers known to have landed in every part, from the first
     landed: bool = False
     error: str | None = None
     flagged: bool = False  # sync: its blocks were reported as load errors
@@ -337,6 +361,11 @@ class _Load:
     @property
     def done(self) -> bool:
         return self.landed or self.error is not None
+
+
+def part_id(req: str, prefill_rank: int) -> str:
+    """The receiver's request for the heads of `req` that prefill rank `prefill_rank` sends."""
+    return f"{req}@{prefill_rank}"
 
 
 def _answer(conn, address: str, timeout: float = 30.0) -> tuple:
@@ -362,6 +391,9 @@ class _MessagerLink:
             {
                 "role": "decode",
                 "pid": os.getpid(),
+                "rank": worker.rank,
+                "ranks": worker.ranks,
+                "kv_heads": worker.kv_heads,
                 "described": worker.receiver.describe(),
                 "block_size": worker.block_size,
             },
@@ -369,6 +401,8 @@ class _MessagerLink:
         kind, payload = _answer(self.conn, address)
         if kind != "ready":
             raise ConnectorError(f"the messager at {address} refused this decode worker: {payload}")
+        #: the tensor parallelism of the prefill instance it serves a rank of
+        self.prefill_ranks = int(payload.get("prefill_ranks", 1))
         self.lock = threading.Lock()
         self.alive = True
         self.refusal: str | None = None
@@ -401,22 +435,31 @@ class _Worker:
         self.extra = owner._extra
         self.block_size = owner._block_size
         try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
 
             self.rank = get_tensor_model_parallel_rank()
+            self.ranks = get_tensor_model_parallel_world_size()
         except Exception:  # noqa: BLE001 - not initialised: a single-rank engine
-            self.rank = 0
+            self.rank, self.ranks = 0, 1
+        self.kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        #: the first of the KV heads this rank holds (of all the model's)
+        self.head0 = rank_heads(self.kv_heads, self.ranks, self.rank).start
         self.trace = Tracer(self._trace_path())
         #: tests: crc32 of every block where it is written and where it lands (costly)
         self.trace_blocks = self.trace.on and bool(self.extra.get("trace_blocks"))
         self.key = auth_key(self.extra.get("auth_key"))
         self.buffers: list = []  # (host buffer, tensor) of the KV cache allocation
         self.layer_index: dict[str, int] = {}
-        self.layout: list[list[int]] = []  # per layer: offset, stride, block bytes, blocks
+        #: per layer: offset, stride, block bytes, blocks, KV heads of this rank
+        self.layout: list[list[int]] = []
         self.cv = threading.Condition()
         # decode
         self.receiver: KVReceiver | None = None
         self.loads: dict[str, _Load] = {}  # req id -> load, until it is reported
+        self.load_of: dict[str, _Load] = {}  # receiver's id (a part) -> its load
         self.links: dict[str, _MessagerLink] = {}
         self.load_error_blocks: set[int] = set()
         self.step_loads: list[_Load] = []
@@ -491,6 +534,7 @@ class _Worker:
         buf, whole = self.buffers[0]
         base = buf.address
         names = sorted(kv_caches, key=lambda n: extract_layer_index(n))
+        heads = len(rank_heads(self.kv_heads, self.ranks, self.rank))
         for index, name in enumerate(names):
             t = kv_caches[name]
             block = t[0]
@@ -499,10 +543,15 @@ class _Worker:
                     f"layer {name}: a block is not contiguous (shape "
                     f"{tuple(t.shape)}, strides {t.stride()})"
                 )
+            if t.dim() != 4 or t.shape[1] != heads:
+                raise ConnectorError(
+                    f"layer {name}: the KV cache is {tuple(t.shape)}; the pdhal connector "
+                    f"needs it head-major, [blocks, {heads} KV heads of this rank, ...]"
+                )
             size = t.element_size()
             self.layer_index[name] = index
             self.layout.append(
-                [t.data_ptr() - base, t.stride(0) * size, block.numel() * size, t.shape[0]]
+                [t.data_ptr() - base, t.stride(0) * size, block.numel() * size, t.shape[0], heads]
             )
         self.num_layers = len(names)
         logger.info(
@@ -525,6 +574,8 @@ class _Worker:
                     "role": "prefill",
                     "pid": os.getpid(),
                     "rank": self.rank,
+                    "ranks": self.ranks,
+                    "kv_heads": self.kv_heads,
                     "cache": self.cache_name,
                     "nbytes": buf.nbytes,
                     "layers": self.layout,
@@ -566,8 +617,7 @@ class _Worker:
                 "a prefill instance needs kv_connector_extra_config "
                 "['messager'] = 'HOST:PORT' of its cache messager"
             )
-        host, _, port = address.rpartition(":")
-        return f"{host}:{int(port) + self.rank}"  # one messager per rank, ports in a row
+        return rank_address(address, self.rank)
 
     # ---- prefill: signals ----------------------------------------------------------------
 
@@ -608,13 +658,12 @@ class _Worker:
                 self.sent[store["tid"]] = "the cache messager is gone"
 
     def _trace_blocks(self, meta, index: int, kv_layer) -> None:
-        bs = self.block_size
+        bs, heads = self.block_size, self.layout[index][4]
         for store in meta.stores:
             for i in range(store["start"] // bs, -(-store["end"] // bs)):
                 data = kv_layer[store["blocks"][i]].contiguous().view(torch.uint8).numpy()
-                self.trace(
-                    "block", tid=store["tid"], layer=index, i=i, crc=zlib.crc32(data.tobytes())
-                )
+                crcs = head_crcs(data, heads)
+                self.trace("block", tid=store["tid"], layer=index, i=i, head0=self.head0, crcs=crcs)
 
     def end_step(self) -> None:
         self.meta = None
@@ -647,18 +696,19 @@ class _Worker:
     # ---- decode: loads -------------------------------------------------------------------
 
     def start_load(self, meta: PdhalConnectorMetadata) -> None:
-        """Expect each new load in the receiver and ask its messager for it. In sync mode,
-        and with a trace, the prefill side also reports each layer as it lands."""
+        """Expect each new load in the receiver, a part per prefill rank that sends this
+        rank heads, and ask each part's messager for it. In sync mode, and with a trace,
+        the prefill side also reports each layer as it lands."""
         self.step_loads = []
         for spec in meta.unneeded:
             try:
-                self._link(spec["messager"]).send("unneeded", {"tid": spec["tid"]})
+                for rank in self._sources(spec["messager"]):
+                    link = self._link(rank_address(spec["messager"], rank))
+                    link.send("unneeded", {"tid": spec["tid"]})
                 self.trace("unneeded", tid=spec["tid"])
-            except (ConnectorError, OSError) as exc:  # its claim timeout frees the blocks
+            except (ConnectorError, OSError, PdhalError) as exc:
+                # its claim timeout frees the blocks
                 logger.error("pdhal connector: %s", exc)
-        if not meta.loads:
-            return
-        timeout = float(self.extra["load_timeout_s"])
         for spec in meta.loads:
             load = _Load(
                 spec["req"],
@@ -672,23 +722,50 @@ class _Worker:
             if load.sync:
                 self.step_loads.append(load)
             try:
-                ticket = self.receiver.expect(
-                    load.req, timeout=timeout, layerwise=load.sync or self.trace.on
-                )
-                link = load.link = self._link(spec["messager"])
-                link.send(
-                    "want",
-                    {
-                        "tid": load.tid,
-                        "ticket": ticket,
-                        "blocks": load.blocks,
-                        "num_tokens": spec["num_tokens"],
-                        "cached_blocks": load.cached,
-                    },
-                )
-                self.trace("want", tid=load.tid, req=load.req)
+                sources = self._sources(spec["messager"])
             except (ConnectorError, OSError, PdhalError) as exc:
-                self._fail(load, str(exc))
+                load.parts[load.req] = _Part()
+                self._end_part(load, load.req, str(exc))
+                continue
+            for rank in sources:
+                with self.cv:
+                    load.parts[part_id(load.req, rank)] = _Part()
+            for rank in sources:
+                self._ask(load, spec, rank)
+
+    def _sources(self, messager: str) -> list[int]:
+        """The prefill ranks that send this rank KV heads, for the prefill instance whose
+        rank 0's messager is at `messager` (its answer says the instance's TP)."""
+        ranks = self._link(messager).prefill_ranks
+        shards = head_shards(self.kv_heads, ranks, self.ranks)
+        return sorted(src for src, dst in shards if dst == self.rank)
+
+    def _ask(self, load: _Load, spec: dict, rank: int) -> None:
+        """Expect the part of `load` that prefill rank `rank` sends; ask its messager."""
+        pid = part_id(load.req, rank)
+        part = load.parts[pid]
+        try:
+            ticket = self.receiver.expect(
+                pid,
+                timeout=float(self.extra["load_timeout_s"]),
+                layerwise=load.sync or self.trace.on,
+            )
+            with self.cv:
+                self.load_of[pid] = load
+            part.link = self._link(rank_address(spec["messager"], rank))
+            part.link.send(
+                "want",
+                {
+                    "tid": load.tid,
+                    "ticket": ticket,
+                    "blocks": load.blocks,
+                    "num_tokens": spec["num_tokens"],
+                    "cached_blocks": load.cached,
+                },
+            )
+            self.trace("want", tid=load.tid, req=load.req, rank=rank)
+        except (ConnectorError, OSError, PdhalError) as exc:
+            self._end_part(load, pid, str(exc))
 
     def _link(self, address: str) -> _MessagerLink:
         """The connection to the messager at `address`, opened once (again if it closed)."""
@@ -698,58 +775,82 @@ class _Worker:
         return link
 
     def _progress(self, load: _Load) -> None:
-        """Read how many layers of `load` landed (the receiver's status slot), ending it
-        once they all did or it failed."""
+        """Read how many layers of each part of `load` landed (the receiver's status
+        slots), ending the parts that failed."""
         if load.done:
             return
-        try:
-            layers = self.receiver.layers_landed(load.req)
-        except TransferError as exc:
-            self._fail(load, str(exc))
-            return
-        except InvalidArgumentError:
-            return  # its outcome went to poll() already: results() ends it
-        self._advance(load, layers)
+        for pid, part in list(load.parts.items()):
+            if part.error is not None or part.layers == self.num_layers:
+                continue
+            try:
+                layers = self.receiver.layers_landed(pid)
+            except TransferError as exc:
+                self._end_part(load, pid, str(exc))
+                continue
+            except InvalidArgumentError:
+                continue  # its outcome went to poll() already: results() ends it
+            self._part_landed(load, pid, layers)
 
-    def _advance(self, load: _Load, layers: int) -> None:
+    def _part_landed(self, load: _Load, pid: str, layers: int) -> None:
         with self.cv:
-            if load.done or layers <= load.layers:
+            part = load.parts[pid]
+            part.layers = max(part.layers, layers)
+            self._settle(load)
+
+    def _end_part(self, load: _Load, pid: str, why: str) -> None:
+        """Part `pid` of `load` failed: nothing more of it lands."""
+        with self.cv:
+            part = load.parts[pid]
+            if part.error is not None or part.layers == self.num_layers:
                 return
-            for layer in range(load.layers, layers):
-                self.trace("landed", tid=load.tid, layer=layer)
-            load.layers = layers
-            if layers == self.num_layers:
+            part.error = why
+            self._settle(load)
+        logger.error("pdhal connector: loading request %s failed: %s", load.req, why)
+        self.trace("load_failed", tid=load.tid, error=why)
+
+    def _settle(self, load: _Load) -> None:
+        """What the parts of `load` say of it: the layers landed in all of them; ended once
+        every part ended. Called under self.cv."""
+        if load.done:
+            return
+        layers = min(p.layers for p in load.parts.values())
+        for layer in range(load.layers, layers):
+            self.trace("landed", tid=load.tid, layer=layer)
+        load.layers = max(load.layers, layers)
+        parts = load.parts.values()
+        if all(p.error is not None or p.layers == self.num_layers for p in parts):
+            errors = [p.error for p in parts if p.error is not None]
+            if errors:
+                load.error = "; ".join(errors)
+            else:
                 load.landed = True
-            self.cv.notify_all()
-        if load.landed and self.trace_blocks:
-            self._trace_landed(load)
+                if self.trace_blocks:
+                    self._trace_landed(load)
+        self.cv.notify_all()
 
     def _trace_landed(self, load: _Load) -> None:
         whole = self.buffers[0][0]
         view = whole.as_numpy(np.uint8, (whole.nbytes,))
-        for layer, (off, stride, nbytes, _) in enumerate(self.layout):
+        for layer, (off, stride, nbytes, _, heads) in enumerate(self.layout):
             for i in range(load.cached, len(load.blocks)):
                 start = off + load.blocks[i] * stride
-                crc = zlib.crc32(view[start : start + nbytes])
-                self.trace("block", tid=load.tid, layer=layer, i=i, crc=crc)
+                crcs = head_crcs(view[start : start + nbytes], heads)
+                self.trace("block", tid=load.tid, layer=layer, i=i, head0=self.head0, crcs=crcs)
 
     def on_link_lost(self, link: _MessagerLink, why: str) -> None:
-        """The messager `link` went to is gone: what landed before stays landed, the rest
-        fails now (nothing more can come), not after the load timeout."""
+        """The messager `link` went to is gone: what landed of its parts before stays
+        landed, the rest fails now (nothing more can come), not after the load timeout."""
         with self.cv:
-            lost = [x for x in self.loads.values() if x.link is link and not x.done]
-        for load in lost:
+            lost = [
+                (load, pid)
+                for load in self.loads.values()
+                if not load.done
+                for pid, part in load.parts.items()
+                if part.link is link
+            ]
+        for load, pid in lost:
             self._progress(load)
-            self._fail(load, why)
-
-    def _fail(self, load: _Load, why: str) -> None:
-        with self.cv:
-            if load.done:
-                return
-            load.error = why
-            self.cv.notify_all()
-        logger.error("pdhal connector: loading request %s failed: %s", load.req, why)
-        self.trace("load_failed", tid=load.tid, error=why)
+            self._end_part(load, pid, why)
 
     def wait_layer(self, layer_name: str) -> None:
         """Sync loads: return once layer `layer_name` of each of this step's loads is in the
@@ -773,13 +874,13 @@ class _Worker:
         out = KVConnectorTransferResults()
         if self.receiver is not None:
             for outcome in self.receiver.poll():
-                load = self.loads.get(outcome.request_id)
+                load = self.load_of.pop(outcome.request_id, None)
                 if load is None:
                     continue  # ended here already (its messager went)
                 if outcome.landed:
-                    self._advance(load, self.num_layers)
+                    self._part_landed(load, outcome.request_id, self.num_layers)
                 else:
-                    self._fail(load, outcome.reason)
+                    self._end_part(load, outcome.request_id, outcome.reason)
             if self.trace.on:  # each layer of an async load as it lands
                 with self.cv:
                     pending = [x for x in self.loads.values() if not x.done]
@@ -790,6 +891,8 @@ class _Worker:
                 if not load.done:
                     continue
                 del self.loads[req]
+                for pid in load.parts:
+                    self.load_of.pop(pid, None)
                 if load.sync:
                     continue  # reported per layer, through load_errors
                 out.finished_recving.add(req)

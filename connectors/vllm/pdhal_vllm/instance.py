@@ -113,8 +113,9 @@ def run(args) -> dict:
             if args.max_num_batched_tokens
             else {}
         ),
-        dtype="bfloat16",
+        dtype=args.dtype,
         seed=0,
+        tensor_parallel_size=args.tp,
         enable_prefix_caching=args.prefix_caching,
         kv_transfer_config=config,
     )
@@ -193,6 +194,10 @@ def main(argv=None) -> int:
         "--storage", default="/tmp/pdhal-vllm-example", help="the example connector's folder"
     )
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--dtype", default="bfloat16", help="the model's and the KV cache's")
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor parallelism (worker processes of their own)"
+    )
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix cache on")

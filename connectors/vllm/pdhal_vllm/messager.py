@@ -13,6 +13,13 @@ less: it computes the last prompt token itself) and the prompt blocks it has cac
 outcome the streamer reports is told to the prefill worker, which then frees the blocks;
 the decode worker reads its own in its receiver's status slots.
 
+Tensor parallelism (--prefill-tp P, --decode-tp D; one messager per prefill rank, listening
+on consecutive ports): the ranks of each side split the KV heads (pdhal.transfer.head_shards),
+and this rank sends each decode rank the heads both hold, as a part of its own in the
+streamer ("TID@DECODE_RANK"), into that rank's own ticket. A transfer ends for the prefill
+worker once every part ended: landed if all did. A worker whose split does not match is
+refused at its hello, a decode cache whose heads do not pair at its first request.
+
 Failures end transfers, never wait on them: a dead prefill worker (pdhal sees its channel's
 lock drop) aborts the streamer, which fails every unfinished transfer to its decode side; a
 decode worker that is gone (its connection closed, its process gone, a write to it failed)
@@ -31,14 +38,20 @@ import sys
 import threading
 import time
 import traceback
-import zlib
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 
 import pdhal
 from pdhal import PdhalError, ProducerDiedError, SignalTimeoutError, ops
-from pdhal.transfer import CacheLayout, CacheSpec, KVStreamer, PerQueryFeed
-from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, parse_address
+from pdhal.transfer import (
+    CacheLayout,
+    CacheSpec,
+    KVStreamer,
+    PerQueryFeed,
+    head_shards,
+    rank_heads,
+)
+from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, head_crcs, parse_address
 
 #: tests: "exit-after-layers:N" exits (status 3) once the streamer has landed N layer submits
 FAULT_VAR = "PDHAL_VLLM_MESSAGER_FAULT"
@@ -77,15 +90,27 @@ class Peer:
 
 @dataclass
 class Added:
-    """A request the streamer has: its prompt's length, the source blocks given so far,
-    what its decode side needs once it asked (tokens; the prompt blocks it has cached), and
-    the tokens given per layer (for the trace)."""
+    """A request the streamer has, as one part per decode rank it sends heads to: its
+    prompt's length, the source blocks given so far, what its decode side needs once it
+    asked (tokens; the prompt blocks it has cached), the tokens given per layer (for the
+    trace), the parts not ended and why the failed ones failed."""
 
     prompt: int
     blocks: list[int]
     ready: list[int]
+    parts: set[str]
     tokens: int = 0
     cached: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def part_id(tid: str, decode_rank: int) -> str:
+    """The streamer's request for the heads of transfer `tid` that go to `decode_rank`."""
+    return f"{tid}@{decode_rank}"
+
+
+def tid_of(part: str) -> str:
+    return part.rpartition("@")[0]
 
 
 class _Feed:
@@ -97,7 +122,9 @@ class _Feed:
         self._messager, self._streamer = messager, streamer
 
     def layer_ready(self, layer: int, ready, signal_ns=None, *, step=None) -> None:
-        self._streamer.layer_ready(layer, ready, signal_ns, step=step)
+        added = self._messager.added
+        parts = [(p, tokens) for tid, tokens in ready if tid in added for p in added[tid].parts]
+        self._streamer.layer_ready(layer, parts, signal_ns, step=step)
         self._messager.given(layer, ready)
 
 
@@ -111,10 +138,18 @@ class Messager:
         claim_timeout: float,
         trace: str | None,
         trace_blocks: bool = False,
+        prefill_ranks: int = 1,
+        decode_ranks: int | None = None,
     ):
         if transport not in TRANSPORTS:
             raise ConnectorError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if not 0 <= rank < prefill_ranks:
+            raise ConnectorError(f"--rank must be in [0, {prefill_ranks}) (--prefill-tp)")
         self.rank, self.transport = rank, transport
+        self.prefill_ranks = prefill_ranks
+        self.decode_ranks = decode_ranks or prefill_ranks
+        self.shards: dict = {}  # decode rank -> the HeadShard this rank sends it
+        self.kv_heads = 0  # the model's, from the prefill worker's hello
         self.claim_timeout = claim_timeout
         self.trace = Tracer(trace)
         self.trace_blocks = bool(trace) and trace_blocks
@@ -126,10 +161,10 @@ class Messager:
         self.streamer: KVStreamer | None = None
         self.feed: PerQueryFeed | None = None
         self.added: dict[str, Added] = {}  # transfer id -> the request in the streamer
-        self.claimed: dict[str, Peer] = {}  # transfer id -> its decode worker
+        self.claimed: dict[str, Peer] = {}  # part -> its decode worker
         self.decodes: list[Peer] = []  # the decode workers connected
-        self.wants: dict[str, tuple[Peer, dict, float]] = {}  # not in the streamer yet
-        self.unneeded: set[str] = set()  # ended because their decode side needs none of it
+        self.wants: dict[str, tuple[Peer, dict, float]] = {}  # by part, not claimed yet
+        self.unneeded: set[str] = set()  # parts ended because their decode side needs none
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._mark = 0  # trace: streamer.metrics.layers_since's cursor
         self._reclaim_until = time.monotonic() + RECLAIM_S  # and at start: a killed run's
@@ -146,7 +181,11 @@ class Messager:
 
     def serve(self) -> None:
         threading.Thread(target=self._accept, name="pdhal-vllm-accept", daemon=True).start()
-        print(f"pdhal-vllm messager rank {self.rank} listening on {self.address}", flush=True)
+        print(
+            f"pdhal-vllm messager rank {self.rank} of {self.prefill_ranks} listening on "
+            f"{self.address}",
+            flush=True,
+        )
         self.trace("listening", address=self.address, transport=self.transport)
         while True:
             busy = self.streamer is not None and self.streamer.pending()
@@ -249,6 +288,18 @@ class Messager:
     def _hello(self, peer: Peer) -> None:
         hello = peer.hello
         self.trace("hello", role=peer.role, peer_pid=peer.pid)
+        ranks = self.decode_ranks if peer.role == "decode" else self.prefill_ranks
+        if hello.get("ranks", 1) != ranks or (
+            peer.role == "prefill" and hello["rank"] != self.rank
+        ):
+            flag = "--decode-tp" if peer.role == "decode" else "--rank, --prefill-tp"
+            self._refuse(
+                peer,
+                f"this messager serves {peer.role} rank(s) of tensor parallelism {ranks} "
+                f"({flag}); the {peer.role} worker is rank {hello.get('rank', 0)} of "
+                f"{hello.get('ranks', 1)}",
+            )
+            return
         if peer.role == "decode":
             theirs = (hello.get("described") or {}).get("transport")
             if theirs != self.transport:
@@ -260,8 +311,9 @@ class Messager:
                 )
                 return
             self.decodes.append(peer)
-            if self.streamer is None or self._connect(peer) is not None:  # not in a layer
-                peer.send("ready", {"address": self.address})
+            if self.streamer is not None:
+                self._connect(peer)  # one that cannot be reached is refused
+            peer.send("ready", self._ready())  # (nothing goes to a refused one)
             return
         if self.prefill is not None and self.prefill.alive:
             self._refuse(peer, "this messager already serves a prefill worker")
@@ -269,6 +321,7 @@ class Messager:
         if self.prefill is not None:  # gone, its "gone" not handled yet
             self._end_prefill(f"the prefill worker (pid {self.prefill.pid}) was replaced")
         try:
+            shards = head_shards(hello["kv_heads"], self.prefill_ranks, self.decode_ranks)
             src = ops.share_external_data("uint8", hello["cache"], [hello["nbytes"]])
             layout = CacheLayout([src], [[CacheSpec(0, *layer)] for layer in hello["layers"]])
             streamer = KVStreamer(
@@ -283,20 +336,41 @@ class Messager:
             return
         self.prefill, self.src, self.streamer = peer, src, streamer
         self.layout, self.block_size = hello["layers"], hello["block_size"]
+        self.kv_heads = hello["kv_heads"]
+        self.shards = {d: shard for (r, d), shard in shards.items() if r == self.rank}
         self.feed = PerQueryFeed(_Feed(self, streamer))
         self._mark = 0
         threading.Thread(
             target=self._watch, args=(peer,), name="pdhal-vllm-reader", daemon=True
         ).start()
-        peer.send("ready", {"address": self.address})
+        peer.send("ready", self._ready())
         for decode in list(self.decodes):
             self._connect(decode)
 
+    def _ready(self) -> dict:
+        """The answer to a hello: where this is, and the tensor-parallel splits it serves."""
+        return {
+            "address": self.address,
+            "prefill_ranks": self.prefill_ranks,
+            "decode_ranks": self.decode_ranks,
+        }
+
     def _connect(self, peer: Peer):
-        """The streamer's destination for decode worker `peer` (connected once: the streamer
-        keeps it), or None, and `peer` refused, if it cannot be reached."""
+        """The streamer's destination for decode worker `peer`, sent the heads its rank
+        gets from this one (connected once: the streamer keeps it), or None, and `peer`
+        refused, if it cannot be reached or its heads do not pair with these."""
+        rank = peer.hello.get("rank", 0)
+        if rank not in self.shards:
+            return None  # a decode rank holding none of this rank's heads: nothing to send
+        if peer.hello.get("kv_heads") != self.kv_heads:
+            self._refuse(
+                peer,
+                f"the decode model has {peer.hello.get('kv_heads')} KV heads, the prefill "
+                f"model {self.kv_heads}",
+            )
+            return None
         try:
-            return self.streamer.connect(peer.hello["described"])
+            return self.streamer.connect(peer.hello["described"], heads=self.shards[rank])
         except PdhalError as exc:
             self._refuse(peer, f"the messager cannot reach its decode cache: {exc}")
             return None
@@ -322,41 +396,56 @@ class Messager:
         prompt = entry["prompt_len"]
         blocks = entry["blocks"][: -(-prompt // self.block_size)]  # the prompt's only
         added = self.added.get(tid)
+        parts = [part_id(tid, d) for d in sorted(self.shards)]
+        if not parts:  # its heads are replicated: another prefill rank sends them
+            self._end(tid, True, "")
+            return
         try:
             if added is None:
-                self.streamer.add_request(tid, blocks, prompt)
-                self.added[tid] = Added(prompt, list(blocks), [0] * len(self.layout))
-                if tid in self.wants:  # the decode side asked first
-                    self._claim(tid)
+                for part in parts:
+                    self.streamer.add_request(part, blocks, prompt)
+                self.added[tid] = Added(prompt, list(blocks), [0] * len(self.layout), set(parts))
+                for part in parts:
+                    if part in self.wants:  # its decode rank asked first
+                        self._claim(part)
             elif len(blocks) > len(added.blocks):
-                self.streamer.add_blocks(tid, blocks[len(added.blocks) :])
+                for part in added.parts:
+                    self.streamer.add_blocks(part, blocks[len(added.blocks) :])
                 added.blocks = list(blocks)
         except PdhalError as exc:
             why = f"the messager cannot stream it: {exc}"
-            if tid in self.added:
-                self.streamer.fail(tid, why)
-            else:
-                self._end(tid, False, why)
+            if tid not in self.added:
+                self.added[tid] = Added(prompt, list(blocks), [0] * len(self.layout), set())
+            for part in parts:
+                if part in self.streamer:
+                    self.streamer.fail(part, why)
+                else:
+                    self._part_ended(part, False, why)
 
     def _want(self, peer: Peer, want: dict) -> None:
         tid = want["tid"]
+        part = part_id(tid, peer.hello.get("rank", 0))
         self.trace("want", tid=tid, blocks=len(want.get("blocks", ())), peer_pid=peer.pid)
-        if tid in self.claimed or tid in self.wants:
-            self._report(f"transfer {tid}: asked for twice; the second ask is ignored")
+        if part in self.claimed or part in self.wants:
+            self._report(f"transfer {part}: asked for twice; the second ask is ignored")
             return
-        self.wants[tid] = (peer, want, time.monotonic())
+        self.wants[part] = (peer, want, time.monotonic())
         if tid in self.added:  # the prefill side's table came first
-            self._claim(tid)
+            self._claim(part)
 
-    def _claim(self, tid: str) -> None:
-        """Set the destination of `tid`, in the streamer, from its decode side's want: the
+    def _claim(self, part: str) -> None:
+        """Set the destination of `part`, in the streamer, from its decode rank's want: the
         tokens it needs (in sync mode one less: it computes the last prompt token itself)
         from the first block it has not cached."""
-        peer, want, _ = self.wants.pop(tid)
+        peer, want, _ = self.wants.pop(part)
+        tid = tid_of(part)
         added = self.added[tid]
+        if peer.hello.get("rank", 0) not in self.shards:  # it gets no heads from this rank
+            self._report(f"transfer {part}: that decode rank gets no heads from rank {self.rank}")
+            return
         if want.get("unneeded"):  # its prefix cache has it: the prefill side frees it now
-            self.unneeded.add(tid)
-            self.streamer.fail(tid, "its decode side needs none of it (cached there)")
+            self.unneeded.add(part)
+            self.streamer.fail(part, "its decode side needs none of it (cached there)")
             return
         if not peer.alive:
             why = f"the decode worker (pid {peer.pid}) closed its connection"
@@ -373,15 +462,15 @@ class Messager:
         if why is None:
             try:
                 self.streamer.set_destination(
-                    tid, dest, blocks, want["ticket"], tokens=tokens, cached_blocks=cached
+                    part, dest, blocks, want["ticket"], tokens=tokens, cached_blocks=cached
                 )
             except PdhalError as exc:
                 why = str(exc)
         if why is not None:
-            self.streamer.fail(tid, why)  # the decode side ends it by its load timeout
+            self.streamer.fail(part, why)  # the decode side ends it by its load timeout
             return
         added.tokens, added.cached = tokens, cached
-        self.claimed[tid] = peer
+        self.claimed[part] = peer
         if self.trace.on:  # the layers ready already went with the destination
             now = time.monotonic_ns()
             for layer, ready in enumerate(added.ready):
@@ -395,7 +484,7 @@ class Messager:
             added = self.added.get(tid)
             if added is not None:
                 added.ready[layer] = max(added.ready[layer], tokens)
-                if tid in self.claimed:
+                if any(part in self.claimed for part in added.parts):
                     self.trace("read", tid=tid, layer=layer, t=now)
         self._check_fault()
 
@@ -410,17 +499,31 @@ class Messager:
     # ---- outcomes -----------------------------------------------------------------------
 
     def _outcome(self, outcome) -> None:
-        """A transfer ended (the streamer's on_outcome, through the event queue): tell the
-        prefill worker, which frees the blocks."""
-        added = self.added.pop(outcome.request_id, None)
-        self.claimed.pop(outcome.request_id, None)
-        if outcome.request_id in self.unneeded:  # not a failure: nothing was to go
-            self.unneeded.discard(outcome.request_id)
-            self._end(outcome.request_id, True, "")
+        """A part ended (the streamer's on_outcome, through the event queue)."""
+        part = outcome.request_id
+        self.claimed.pop(part, None)
+        if part in self.unneeded:  # not a failure: nothing was to go
+            self.unneeded.discard(part)
+            self._part_ended(part, True, "")
+        else:
+            self._part_ended(part, outcome.landed, outcome.reason)
+
+    def _part_ended(self, part: str, landed: bool, why: str) -> None:
+        """Once every part of its transfer ended, tell the prefill worker, which frees the
+        blocks: landed if every part landed."""
+        tid = tid_of(part)
+        added = self.added.get(tid)
+        if added is None:
             return
-        if outcome.landed and self.trace_blocks and added is not None:
-            self._trace_source(outcome.request_id, added)
-        self._end(outcome.request_id, outcome.landed, outcome.reason)
+        added.parts.discard(part)
+        if not landed:
+            added.failures.append(why)
+        if added.parts:
+            return
+        del self.added[tid]
+        if not added.failures and self.trace_blocks:
+            self._trace_source(tid, added)
+        self._end(tid, not added.failures, "; ".join(added.failures))
 
     def _end(self, tid: str, landed: bool, why: str) -> None:
         self.ended[tid] = None
@@ -453,13 +556,14 @@ class Messager:
             )
 
     def _trace_source(self, tid: str, added: Added) -> None:
-        """crc32 of each block the transfer sent, in the prefill cache (which holds them
-        until the prefill worker hears the transfer ended)."""
-        for layer, (offset, stride, nbytes, _) in enumerate(self.layout):
+        """crc32 of each head of each block the transfer sent, in the prefill cache (which
+        holds them until the prefill worker hears the transfer ended)."""
+        head0 = rank_heads(self.kv_heads, self.prefill_ranks, self.rank).start
+        for layer, (offset, stride, nbytes, _, heads) in enumerate(self.layout):
             for i in range(added.cached, -(-added.tokens // self.block_size)):
                 start = offset + added.blocks[i] * stride
-                crc = zlib.crc32(self.src[start : start + nbytes])
-                self.trace("block", tid=tid, layer=layer, i=i, crc=crc)
+                crcs = head_crcs(self.src[start : start + nbytes], heads)
+                self.trace("block", tid=tid, layer=layer, i=i, head0=head0, crcs=crcs)
 
     # ---- peers that go ------------------------------------------------------------------
 
@@ -487,8 +591,8 @@ class Messager:
             if peer in self.decodes:
                 self.decodes.remove(peer)
             # held wants of it fail when their request comes; claimed ones fail now
-            for tid in [t for t, p in self.claimed.items() if p is peer]:
-                self.streamer.fail(tid, why)
+            for part in [t for t, p in self.claimed.items() if p is peer]:
+                self.streamer.fail(part, why)
         elif peer is self.prefill:
             self._end_prefill(why)
         self._report(why)
@@ -503,6 +607,7 @@ class Messager:
             self.trace("metrics", **streamer.metrics.snapshot())
         self.prefill = self.streamer = self.feed = self.src = None
         self.added.clear()
+        self.shards = {}
         self.claimed.clear()
         self.unneeded.clear()
 
@@ -510,12 +615,13 @@ class Messager:
         """Forget wants no prefill table named within claim_timeout (their decode side ends
         them by its load timeout)."""
         now = time.monotonic()
-        for tid, (peer, _, since) in list(self.wants.items()):
+        for part, (peer, _, since) in list(self.wants.items()):
             if now - since > self.claim_timeout:
-                del self.wants[tid]
+                del self.wants[part]
                 if peer.alive:
                     self._report(
-                        f"transfer {tid}: no prefill table named it within {self.claim_timeout:g} s"
+                        f"transfer {part}: no prefill table named it within "
+                        f"{self.claim_timeout:g} s"
                     )
 
     def _report(self, message: str) -> None:
@@ -535,6 +641,19 @@ def main(argv=None) -> int:
         help="HOST:PORT for the workers' control connections (port 0: any, printed at start)",
     )
     parser.add_argument("--rank", type=int, default=0, help="the prefill rank this messager serves")
+    parser.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        help="the prefill instance's tensor parallelism (one messager per rank, on ports in a "
+        "row from rank 0's)",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=int,
+        default=None,
+        help="the decode instances' tensor parallelism (default: --prefill-tp)",
+    )
     parser.add_argument(
         "--transport",
         choices=TRANSPORTS,
@@ -581,6 +700,8 @@ def main(argv=None) -> int:
             args.claim_timeout,
             args.trace,
             args.trace_blocks,
+            args.prefill_tp,
+            args.decode_tp,
         )
     except (ConnectorError, OSError) as exc:
         print(f"pdhal-vllm messager: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+import zlib
 from multiprocessing.connection import Client, Connection
 
 KEY_VAR = "PDHAL_VLLM_KEY"
@@ -92,3 +93,11 @@ def read_trace(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def head_crcs(block, heads: int) -> list[int]:
+    """crc32 of each of a head-major block's `heads` equal parts (tests: the bytes of each
+    KV head, wherever the tensor-parallel split of a side put it)."""
+    data = memoryview(block).cast("B")
+    size = len(data) // heads
+    return [zlib.crc32(data[h * size : (h + 1) * size]) for h in range(heads)]

@@ -8,10 +8,12 @@ error, never a skip.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +40,7 @@ else:
 
 PY = sys.executable
 LAYERS = 4
+KV_HEADS = 4  # the tiny Llama's
 PROMPT_LENS = (40, 100, 65)  # 2, 4 and 3 blocks of 32 tokens
 MAX_TOKENS = 8
 LONG_PROMPT_LENS = (300,)  # chunked prefill: several steps of 64 tokens
@@ -81,8 +84,13 @@ class Cluster:
     def path(self, name: str) -> str:
         return str(self.root / name)
 
-    def start_messager(self, *extra: str, env: dict | None = None) -> str:
-        log = open(self.path("messager.log"), "w")
+    def start_messager(
+        self, *extra: str, env: dict | None = None, rank: int = 0, listen: str = "127.0.0.1:0"
+    ) -> str:
+        """The messager of prefill rank `rank` (named "messager", then "messager1", ...);
+        rank 0's address is the one the instances are given."""
+        name = f"messager{rank or ''}"
+        log = open(self.path(f"{name}.log"), "w")
         proc = subprocess.Popen(
             [
                 PY,
@@ -90,9 +98,11 @@ class Cluster:
                 "-m",
                 "pdhal_vllm.messager",
                 "--listen",
-                "127.0.0.1:0",
+                listen,
+                "--rank",
+                str(rank),
                 "--trace",
-                self.path("trace.messager.jsonl"),
+                self.path(f"trace.{name}.jsonl"),
                 "--trace-blocks",
                 *extra,
             ],
@@ -101,11 +111,13 @@ class Cluster:
             stderr=log,
             text=True,
         )
-        self.procs["messager"] = proc
+        self.procs[name] = proc
         line = proc.stdout.readline()
-        assert "listening on" in line, f"messager did not start: {line!r} {self.log('messager')}"
-        self.messager_address = line.split()[-1]
-        return self.messager_address
+        assert "listening on" in line, f"{name} did not start: {line!r} {self.log(name)}"
+        address = line.split()[-1]
+        if rank == 0:
+            self.messager_address = address
+        return address
 
     def start(self, role: str, prompt_file: str, *extra: str) -> subprocess.Popen:
         log = open(self.path(f"{role}.log"), "w")
@@ -153,7 +165,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.path(name)):
             for role, proc in self.procs.items():
-                if proc.poll() is not None and role != "messager":
+                if proc.poll() is not None and not role.startswith("messager"):
                     pytest.fail(
                         f"the {role} exited ({proc.returncode}) before {name}:\n{self.log(role)}"
                     )
@@ -191,19 +203,51 @@ def cluster(tmp_path, model_dir):
     c.stop()
 
 
-@pytest.fixture(scope="session")
-def plain_tokens(tmp_path_factory, model_dir) -> dict[tuple, list[int]]:
-    """Greedy tokens of a plain vLLM run (no connector), by prompt tokens."""
-    root = tmp_path_factory.mktemp("plain")
-    c = Cluster(root, model_dir, secrets.token_hex(16))
-    every = prompts() + prompts(seed=1) + prompts(LONG_PROMPT_LENS, seed=2)
+def plain_run(root, model: str, items: list[dict], *extra: str) -> dict[tuple, list[int]]:
+    """Greedy tokens of a plain vLLM run (no connector) of `items`, by prompt tokens."""
+    c = Cluster(root, model, secrets.token_hex(16))
     with open(c.path("prompts.json"), "w") as f:
-        json.dump(every, f)
-    c.start("plain", c.path("prompts.json"))
+        json.dump(items, f)
+    c.start("plain", c.path("prompts.json"), *extra)
     result = c.wait("plain")
     c.stop()
-    by_tid = {p["tid"]: tuple(p["tokens"]) for p in every}
+    by_tid = {p["tid"]: tuple(p["tokens"]) for p in items}
     return {by_tid[r["tid"]]: r["tokens"] for r in result["results"]}
+
+
+@pytest.fixture(scope="session")
+def plain_tokens(tmp_path_factory, model_dir) -> dict[tuple, list[int]]:
+    """Greedy tokens of a plain vLLM run, by prompt tokens."""
+    every = prompts() + prompts(seed=1) + prompts(LONG_PROMPT_LENS, seed=2)
+    return plain_run(tmp_path_factory.mktemp("plain"), model_dir, every)
+
+
+def free_ports(count: int = 1) -> int:
+    """A port p of 127.0.0.1 such that p .. p + count - 1 are free now."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + count > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(first, first + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+
+
+def head_crcs(events: list[dict]) -> dict[tuple, int]:
+    """(transfer, layer, block index, KV head of the model) -> crc32 of that head's part of
+    the block, from a trace's "block" events (the last one recorded)."""
+    return {
+        (e["tid"], e["layer"], e["i"], e["head0"] + h): crc
+        for e in events
+        if e["kind"] == "block"
+        for h, crc in enumerate(e["crcs"])
+    }
 
 
 def write_prompts(cluster: Cluster, items: list[dict]) -> str:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 
 import pytest
-from conftest import PY, Cluster
+from conftest import PY, Cluster, free_ports
 
 from pdhal.testing.reset import remove_leftovers, segments_of
 
@@ -27,12 +26,6 @@ PROMPTS = [
     "0123456789 abcdefghijklmnopqrstuvwxyz",
 ]
 MAX_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
@@ -74,7 +67,7 @@ class Served:
         self.urls["router"] = line.split()[-1]
 
     def _serve(self, role: str, config: dict | None) -> None:
-        port = free_port()
+        port = free_ports()
         args = [
             PY,
             "-m",

@@ -4,7 +4,15 @@ a decode vLLM instance, which then decodes exactly what a plain run decodes."""
 from __future__ import annotations
 
 import pytest
-from conftest import LAYERS, LONG_PROMPT_LENS, MAX_TOKENS, prompts, write_prompts
+from conftest import (
+    KV_HEADS,
+    LAYERS,
+    LONG_PROMPT_LENS,
+    MAX_TOKENS,
+    head_crcs,
+    prompts,
+    write_prompts,
+)
 
 
 def run_pd(cluster, items, transport: str = "shm", *extra: str) -> tuple[dict, dict]:
@@ -29,11 +37,6 @@ def run_pd(cluster, items, transport: str = "shm", *extra: str) -> tuple[dict, d
     decode = cluster.wait("decode")
     prefill = cluster.wait("prefill")
     return prefill, decode
-
-
-def block_crcs(events: list[dict]) -> dict[tuple, int]:
-    """(transfer, layer, block index) -> crc32 of the block, the last one recorded."""
-    return {(e["tid"], e["layer"], e["i"]): e["crc"] for e in events if e["kind"] == "block"}
 
 
 def check_stream(cluster, items, sync: bool = False) -> None:
@@ -66,13 +69,14 @@ def check_stream(cluster, items, sync: bool = False) -> None:
     for item in items:  # the layers of a transfer land in order, each once
         landed = [e["layer"] for e in decode if e["kind"] == "landed" and e["tid"] == item["tid"]]
         assert landed == list(range(LAYERS)), (item["tid"], landed)
-    written, read_, held = block_crcs(prefill), block_crcs(messager), block_crcs(decode)
+    written, read_, held = head_crcs(prefill), head_crcs(messager), head_crcs(decode)
     # sync: the decode side computes the last prompt token itself, so it loads one less
     blocks = {
-        (item["tid"], layer, i)
+        (item["tid"], layer, i, head)
         for item in items
         for layer in range(LAYERS)
         for i in range(-(-(len(item["tokens"]) - sync) // 32))
+        for head in range(KV_HEADS)
     }
     assert set(read_) == blocks and set(written) >= blocks
     assert read_ == {k: written[k] for k in blocks}

@@ -1,0 +1,122 @@
+"""Tensor parallelism on both sides and between them: a prefill instance of TP P (a messager
+per rank, on consecutive ports) streams into a decode instance of TP D, each side's ranks
+worker processes of their own. Each decode rank holds KV heads [d * H / D, (d + 1) * H / D)
+and must receive exactly those, from whichever prefill ranks hold them; the bytes of every
+head of every block are compared where the prefill wrote them, where its messager read them
+and where the decode side holds them, and the tokens are a plain run's. The model runs in
+float32 here: in bfloat16 the ranks' partial sums round differently than one rank's whole
+sums, and the tiny model's greedy tokens already differ between plain TP 1 and TP 2 runs."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import (
+    KV_HEADS,
+    LAYERS,
+    free_ports,
+    head_crcs,
+    plain_run,
+    prompts,
+    write_prompts,
+)
+
+from pdhal.transfer import rank_heads
+
+# vLLM binds each CPU worker to a NUMA node of its own by default and refuses to start TP 2
+# on a machine with one node (as here): each rank's threads are left unbound instead.
+UNBOUND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+ITEMS = prompts()[:2]  # 40 and 100 tokens: 2 and 4 blocks
+FLOAT32 = ("--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def plain_float32(tmp_path_factory, model_dir) -> dict[tuple, list[int]]:
+    return plain_run(tmp_path_factory.mktemp("plain32"), model_dir, ITEMS, *FLOAT32)
+
+
+def start_messagers(cluster, prefill_tp: int, decode_tp: int, base: int) -> None:
+    for rank in range(prefill_tp):
+        cluster.start_messager(
+            "--prefill-tp",
+            str(prefill_tp),
+            "--decode-tp",
+            str(decode_tp),
+            rank=rank,
+            listen=f"127.0.0.1:{base + rank}",
+        )
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 2), (2, 1), (1, 2)])
+def test_each_decode_rank_receives_exactly_its_heads(cluster, plain_float32, prefill_tp, decode_tp):
+    cluster.env |= UNBOUND
+    items = ITEMS
+    path = write_prompts(cluster, items)
+    start_messagers(cluster, prefill_tp, decode_tp, free_ports(prefill_tp))
+    cluster.start(
+        "decode",
+        path,
+        "--tp",
+        str(decode_tp),
+        *FLOAT32,
+        "--submitted-file",
+        cluster.path("decode.submitted"),
+    )
+    cluster.start(
+        "prefill",
+        path,
+        "--tp",
+        str(prefill_tp),
+        *FLOAT32,
+        "--wait-file",
+        cluster.path("decode.submitted"),
+    )
+    decode = cluster.wait("decode", timeout=400)
+    cluster.wait("prefill", timeout=400)
+    for item, result in zip(items, decode["results"]):
+        assert result["tokens"] == plain_float32[tuple(item["tokens"])], item["tid"]
+
+    blocks = {
+        (item["tid"], layer, i)
+        for item in items
+        for layer in range(LAYERS)
+        for i in range(-(-len(item["tokens"]) // 32))
+    }
+    every = {(*block, head) for block in blocks for head in range(KV_HEADS)}
+    written = {}
+    for rank in range(prefill_tp):
+        mine = head_crcs(cluster.trace(f"prefill{rank}"))
+        assert {k[3] for k in mine} == set(rank_heads(KV_HEADS, prefill_tp, rank))
+        written |= mine
+    read = {}
+    for rank in range(prefill_tp):
+        read |= head_crcs(cluster.trace(f"messager{rank or ''}"))
+    assert set(read) == every
+    assert read == {k: written[k] for k in every}
+    for rank in range(decode_tp):
+        held = head_crcs(cluster.trace(f"decode{rank}"))
+        heads = set(rank_heads(KV_HEADS, decode_tp, rank))
+        assert {k[3] for k in held} == heads, rank  # this rank's heads, no other
+        assert held == {k: read[k] for k in every if k[3] in heads}, rank
+        landed = {}
+        for e in cluster.trace(f"decode{rank}"):
+            if e["kind"] == "landed":
+                landed.setdefault(e["tid"], []).append(e["layer"])
+        assert landed == {item["tid"]: list(range(LAYERS)) for item in items}, rank
+
+
+def test_a_decode_instance_of_another_split_is_refused_with_the_reason(cluster):
+    """The messagers serve decode TP 2; a decode instance of TP 1 asks: refused at its
+    hello, with both splits named; its requests fail (policy fail), nothing is decoded on
+    a cache the prefill side never wrote."""
+    items = prompts()[:1]
+    path = write_prompts(cluster, items)
+    cluster.start_messager("--decode-tp", "2")
+    cluster.start("decode", path, "--timeout", "60")
+    decode = cluster.wait("decode")
+    assert [r["finish_reason"] for r in decode["results"]] == ["error"]
+    why = (
+        "serves decode rank(s) of tensor parallelism 2 (--decode-tp); the decode worker is "
+        "rank 0 of 1"
+    )
+    assert why in cluster.log("decode", 400)
+    assert why in cluster.log("messager", 400)
