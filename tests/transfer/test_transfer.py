@@ -292,10 +292,13 @@ def test_a_request_nobody_claims_fails_by_its_lease():
 def test_a_failure_the_prefill_side_reports_reaches_the_decode_side_with_its_reason(
     decode, streamer
 ):
+    assert "f" not in streamer
     streamer.add_request("f", [0, 1], 8)
+    assert "f" in streamer  # added, not ended
     streamer.set_destination("f", streamer.connect(decode.described), [0, 1], decode.expect("f"))
     streamer.layer_ready(0, [("f", 8)])
     streamer.fail("f", "the prefill worker died: ProducerDiedError")
+    assert "f" not in streamer
     assert outcomes_until(streamer, 1) == [
         transfer.Outcome("f", False, "the prefill worker died: ProducerDiedError")
     ]
