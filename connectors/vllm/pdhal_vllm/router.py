@@ -15,11 +15,22 @@ When the prefill instance fails (an HTTP error, a dropped connection, `--timeout
 decode request is cancelled before it answers, and `--on-prefill-failure` says what the
 client gets: `error` (HTTP 502 naming the instance and the reason) or `recompute` (the
 client's request again, on a decode instance, without transfer params: it prefills
-itself). An instance that fails a request or its health check (`GET /health`, every
-`--health-interval` s) gets no new request until it passes one again. A decode instance's
-own error (a failed KV load under kv_load_failure_policy "fail") goes to the client as is.
+itself). While no prefill instance is healthy, every request meets that policy at once
+(recompute: the decode instances serve alone). An instance that fails a request or its
+health check (`GET /health`, every `--health-interval` s) gets no new request until it
+passes one again. A decode instance's own error (a failed KV load under
+kv_load_failure_policy "fail") goes to the client as is.
 `GET /health` answers 200 while every pool has a healthy instance (503 otherwise), with
 each instance's state.
+
+`--sequential` sends the decode request only once the prefill instance answered, for
+connectors whose decode side must find the whole KV there when it first looks (vLLM's
+ExampleConnector: a decode scheduled mid-prefill finds the prompt's folder but not every
+layer's file); pdhal's decode side waits for the layers itself, so it does not need it.
+`--trace FILE` appends a JSON line per request step (CLOCK_MONOTONIC ns `t`, the transfer
+id `tid`): "received" (the request's body read), "forwarded" (prefill request sent; the
+decode request too unless sequential), "prefilled" (the prefill instance answered),
+"first" (the decode instance's first bytes), "done" (relayed to the end).
 """
 
 from __future__ import annotations
@@ -30,10 +41,13 @@ import contextlib
 import json
 import logging
 import signal
+import time
 import uuid
 from dataclasses import dataclass
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+from pdhal_vllm.wire import Tracer
 
 log = logging.getLogger("pdhal_vllm.router")
 
@@ -97,6 +111,8 @@ class Router:
         on_prefill_failure: str = "error",
         timeout: float = 300.0,
         health_interval: float = 2.0,
+        sequential: bool = False,
+        trace: str | None = None,
     ):
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode instance")
@@ -110,6 +126,8 @@ class Router:
             timeout,
             health_interval,
         )
+        self.sequential = sequential
+        self.trace = Tracer(trace)
         self._session: ClientSession | None = None
         self._health: asyncio.Task | None = None
 
@@ -125,7 +143,14 @@ class Router:
         return app
 
     async def _start(self, _app) -> None:
-        self._session = ClientSession(timeout=ClientTimeout(total=self.timeout))
+        # A new connection per request: a request sent on a kept-alive connection to a
+        # vLLM server (uvicorn) right after its last answer was seen to sit unserved until
+        # the connection closed (60-120 s here, under load; the race of uvicorn's issue
+        # 748, the last request's disconnect watch taking the next one's body), so none
+        # is kept.
+        self._session = ClientSession(
+            timeout=ClientTimeout(total=self.timeout), connector=TCPConnector(force_close=True)
+        )
         self._health = asyncio.create_task(self._check_health())
 
     async def _stop(self, _app) -> None:
@@ -171,15 +196,17 @@ class Router:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None
+        received = time.monotonic_ns()
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         try:
-            prefill, decode = (
-                self._pick(self.prefills, "prefill"),
-                self._pick(self.decodes, "decode"),
-            )
+            decode = self._pick(self.decodes, "decode")
         except RouterError as e:
             return _error(e.status, str(e))
+        try:
+            prefill = self._pick(self.prefills, "prefill")
+        except RouterError as e:  # every prefill instance down: the policy decides
+            return await self._prefill_failed(request, body, str(e), e.status)
         tid = f"pdhal-{uuid.uuid4().hex}"
         to_prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         to_prefill |= {
@@ -195,30 +222,40 @@ class Router:
                 "pdhal_messager": prefill.messager,
             }
         }
-        prefilled = asyncio.create_task(self._prefill(prefill, request.path, to_prefill))
+        self.trace("received", tid=tid, t=received)
+        self.trace("forwarded", tid=tid)
+        prefilled = asyncio.create_task(self._prefill(prefill, request.path, to_prefill, tid))
+        if self.sequential:  # the decode once the prefill answered
+            with contextlib.suppress(RouterError):
+                await prefilled
+            if prefilled.exception() is not None:
+                return await self._prefill_failed(request, body, *_failure(prefill, prefilled))
         decoding = asyncio.create_task(self._first_bytes(decode, request.path, to_decode))
         await asyncio.wait([prefilled, decoding], return_when=asyncio.FIRST_COMPLETED)
         if not decoding.done() and prefilled.exception() is not None:
             await _cancel(decoding)  # the client has no byte yet: the policy decides
-            return await self._prefill_failed(request, body, prefill, prefilled.exception())
+            return await self._prefill_failed(request, body, *_failure(prefill, prefilled))
         try:
             answer, first = await decoding
         except RouterError as e:
             await _cancel(prefilled)  # the messager fails the transfer nobody claims
             return _error(e.status, f"decode instance {decode.url}: {e}")
+        self.trace("first", tid=tid, status=answer.status)
         if answer.status != 200:
             await _cancel(prefilled)
         try:
             return await self._relay(request, answer, first, decode)
         finally:
+            self.trace("done", tid=tid)
             with contextlib.suppress(RouterError, asyncio.CancelledError):
                 await prefilled  # done by now: the first token needed its KV
 
-    async def _prefill(self, prefill: Instance, path: str, body: dict) -> None:
+    async def _prefill(self, prefill: Instance, path: str, body: dict, tid: str) -> None:
         prefill.in_flight += 1
         try:
             async with self._session.post(prefill.url + path, json=body) as answer:
                 text = await answer.text()
+                self.trace("prefilled", tid=tid, status=answer.status)
                 if answer.status != 200:
                     raise RouterError(answer.status, f"answered {answer.status}: {text[:300]}")
         except (ClientError, asyncio.TimeoutError) as e:
@@ -262,10 +299,9 @@ class Router:
             answer.release()
             decode.in_flight -= 1
 
-    async def _prefill_failed(self, request, body: dict, prefill: Instance, error):
-        why = f"prefill instance {prefill.url}: {error}"
+    async def _prefill_failed(self, request, body: dict, why: str, status: int):
         if self.policy == "error":
-            return _error(getattr(error, "status", 502), why)
+            return _error(status, why)
         log.warning("%s; recomputing on a decode instance", why)
         try:
             decode = self._pick(self.decodes, "decode")
@@ -273,6 +309,12 @@ class Router:
         except RouterError as e:
             return _error(e.status, f"{why}; and the recompute failed: {e}")
         return await self._relay(request, answer, first, decode)
+
+
+def _failure(prefill: Instance, prefilled: asyncio.Task) -> tuple[str, int]:
+    """Why the prefill request failed, and the HTTP status to answer with."""
+    error = prefilled.exception()
+    return f"prefill instance {prefill.url}: {error}", getattr(error, "status", 502)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -330,6 +372,14 @@ def main(argv=None) -> int:
     parser.add_argument("--on-prefill-failure", choices=POLICIES, default="error")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
     parser.add_argument("--health-interval", type=float, default=2.0)
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="send the decode request only once the prefill answered (vLLM's ExampleConnector)",
+    )
+    parser.add_argument(
+        "--trace", default=None, help="append a JSON line per request step to this file"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     router = Router(
@@ -338,6 +388,8 @@ def main(argv=None) -> int:
         on_prefill_failure=args.on_prefill_failure,
         timeout=args.timeout,
         health_interval=args.health_interval,
+        sequential=args.sequential,
+        trace=args.trace,
     )
     asyncio.run(_serve(router, args.host, args.port))
     return 0

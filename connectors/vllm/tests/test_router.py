@@ -223,6 +223,51 @@ def test_a_dead_instance_gets_no_request_until_it_is_back(fleet):
     assert status == 200 and json.loads(answer)["server"] == "d0"
 
 
+@pytest.mark.parametrize("policy", ["error", "recompute"])
+def test_with_every_prefill_instance_down_the_policy_answers_at_once(fleet, policy):
+    """ "recompute": the decode instances serve alone (the client's request as it came, no
+    transfer params); "error": 503 naming the prefill instance and why it is down."""
+    prefill, decode = fleet.fake("p0"), fleet.fake("d0")
+    router = fleet.router([prefill], [decode], "--on-prefill-failure", policy)
+    prefill.proc.kill()
+    prefill.proc.wait()
+    body = {"prompt": "v", "max_tokens": 2}
+
+    def prefill_down():
+        try:
+            urllib.request.urlopen(router.url + "/health", timeout=10)
+        except urllib.error.HTTPError as e:
+            return e.code == 503 and not json.loads(e.read())["prefill"][0]["healthy"]
+        return False
+
+    until(prefill_down)
+    status, answer = post(router, "/v1/completions", body)
+    if policy == "recompute":
+        assert status == 200 and json.loads(answer)["server"] == "d0"
+        # the decode instance was asked once, as the client asked: nothing was cancelled
+        assert [e["body"] for e in fleet.seen() if e["server"] == "d0"] == [body]
+        assert fleet.seen("cancelled") == []
+    else:
+        message = json.loads(answer)["error"]["message"]
+        assert status == 503 and f"no healthy prefill instance: {prefill.url}" in message
+        assert fleet.seen() == []
+
+
+def test_sequential_sends_the_decode_once_the_prefill_answered_and_the_trace_says_so(fleet):
+    prefill, decode = fleet.fake("p0"), fleet.fake("d0")
+    trace = fleet.tmp / "router.jsonl"
+    router = fleet.router([prefill], [decode], "--sequential", "--trace", str(trace))
+    status, answer = post(router, "/v1/completions", {"prompt": "u", "max_tokens": 2})
+    assert status == 200 and json.loads(answer)["server"] == "d0"
+    events = [json.loads(line) for line in fleet.log.read_text().splitlines()]
+    order = [(e["server"], e["event"]) for e in events]
+    assert order.index(("p0", "prefilled")) < order.index(("d0", "request")), order
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [e["kind"] for e in steps] == ["received", "forwarded", "prefilled", "first", "done"]
+    assert len({e["tid"] for e in steps}) == 1
+    assert [e["t"] for e in steps] == sorted(e["t"] for e in steps)
+
+
 def test_a_body_that_is_not_a_json_object_is_refused(fleet):
     router = fleet.router([fleet.fake("p0")], [fleet.fake("d0")])
     for body in (b"not json", b"[1, 2]"):
