@@ -38,11 +38,13 @@ the messager (set_data_ipc), the decode worker's receiver makes it reachable.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
 import time
 from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -327,6 +329,13 @@ def rank_address(rank0: str, rank: int) -> str:
     return f"{host}:{int(port) + rank}"
 
 
+#: Decode: how long a messager that refuses connections is retried, in the engine's step
+#: (a messager that is down fails the loads that need it, never stalls the others).
+LINK_CONNECT_S = 2.0
+#: Prefill: how many transfers failed for want of a messager its successor is told of.
+UNSENT_KEPT = 4096
+#: Prefill: how often a restarted messager is looked for, once this rank's went.
+MESSAGER_RETRY_S = 1.0
 #: The longest sleep between two looks at a layer's progress (sync loads).
 LAYER_POLL_S = 1e-3
 
@@ -397,6 +406,7 @@ class _MessagerLink:
                 "described": worker.receiver.describe(),
                 "block_size": worker.block_size,
             },
+            timeout=LINK_CONNECT_S,
         )
         kind, payload = _answer(self.conn, address)
         if kind != "ready":
@@ -420,6 +430,8 @@ class _MessagerLink:
                 break
             if message[0] == "error":
                 self.refusal = message[1]
+            elif message[0] == "unserved":
+                self.worker.on_unserved(self, message[1]["tid"], message[1]["why"])
         self.alive = False
         if self.worker.closing:
             return
@@ -469,6 +481,8 @@ class _Worker:
         self.sent: dict[str, str | None] = {}  # transfer id -> None (written) or the error
         self.req_of: dict[str, str] = {}  # transfer id -> request id, for stored requests
         self.finished_reqs: set[str] = set()
+        #: transfers failed while no messager was there (the newest UNSENT_KEPT)
+        self.unsent: collections.deque[str] = collections.deque(maxlen=UNSENT_KEPT)
         self.closing = False
 
     def _trace_path(self) -> str | None:
@@ -566,32 +580,9 @@ class _Worker:
             ops.set_data_ipc(whole, self.cache_name)
             # the channel exists, with an opening step, before the messager attaches
             ops.open_shm_and_get_meta_signal(self.rank, 0)
-            address = self._messager_address()
-            self.messager = connect(
-                address,
-                self.key,
-                {
-                    "role": "prefill",
-                    "pid": os.getpid(),
-                    "rank": self.rank,
-                    "ranks": self.ranks,
-                    "kv_heads": self.kv_heads,
-                    "cache": self.cache_name,
-                    "nbytes": buf.nbytes,
-                    "layers": self.layout,
-                    "block_size": self.block_size,
-                },
-            )
-            kind, payload = _answer(self.messager, address)
-            if kind != "ready":
-                raise ConnectorError(
-                    f"the messager at {address} refused this prefill worker: {payload}"
-                )
-            self.messager_alive = True
+            self.messager_alive = False
             self.send_lock = threading.Lock()
-            threading.Thread(
-                target=self._read_messager, name="pdhal-vllm-messager", daemon=True
-            ).start()
+            self._connect_messager(timeout=30.0)
         if self.o.is_consumer:
             # the mooncake transport reads its address and protocol from the environment
             for key, var in (
@@ -619,6 +610,45 @@ class _Worker:
             )
         return rank_address(address, self.rank)
 
+    def _connect_messager(self, timeout: float) -> None:
+        """Say hello to this rank's messager (the KV cache, its layout), and read what it
+        reports on a thread of its own. `timeout`: how long one that refuses connections
+        is retried (one that accepted has 30 s to answer)."""
+        address = self._messager_address()
+        conn = connect(
+            address,
+            self.key,
+            {
+                "role": "prefill",
+                "pid": os.getpid(),
+                "rank": self.rank,
+                "ranks": self.ranks,
+                "kv_heads": self.kv_heads,
+                "cache": self.cache_name,
+                "nbytes": self.buffers[0][0].nbytes,
+                "layers": self.layout,
+                "block_size": self.block_size,
+                # their decode side may ask the new messager for them: it answers at once
+                "failed": list(self.unsent),
+            },
+            timeout=timeout,
+        )
+        try:
+            kind, payload = _answer(conn, address)
+        except ConnectorError:
+            conn.close()  # else it would hold the messager for this worker: closed, it is free
+            raise
+        if kind != "ready":
+            conn.close()
+            raise ConnectorError(
+                f"the messager at {address} refused this prefill worker: {payload}"
+            )
+        with self.send_lock:
+            self.messager, self.messager_alive = conn, True
+        threading.Thread(
+            target=self._read_messager, args=(conn,), name="pdhal-vllm-messager", daemon=True
+        ).start()
+
     # ---- prefill: signals ----------------------------------------------------------------
 
     def save_layer(self, meta: PdhalConnectorMetadata, layer_name: str, kv_layer) -> None:
@@ -644,18 +674,22 @@ class _Worker:
         self.meta = ops.open_shm_and_get_meta_signal(self.rank, 0)
         for store in meta.stores:
             self.req_of[store["tid"]] = store["req"]
+        # not a later chunk of a request that ended (failed while no messager was there)
         table = [
-            {k: s[k] for k in ("tid", "blocks", "start", "end", "prompt_len")} for s in meta.stores
+            {k: s[k] for k in ("tid", "blocks", "start", "end", "prompt_len")}
+            for s in meta.stores
+            if s["tid"] not in self.sent
         ]
         try:
             with self.send_lock:
                 self.messager.send(("table", self.meta.step, table))
         except OSError:
             self.messager_alive = False
-        self.trace("table", step=self.meta.step, tids=[s["tid"] for s in meta.stores])
+        self.trace("table", step=self.meta.step, tids=[s["tid"] for s in table])
         if not self.messager_alive:
-            for store in meta.stores:
-                self.sent[store["tid"]] = "the cache messager is gone"
+            with self.cv:
+                for store in meta.stores:
+                    self._messager_gone(store["tid"])
 
     def _trace_blocks(self, meta, index: int, kv_layer) -> None:
         bs, heads = self.block_size, self.layout[index][4]
@@ -668,10 +702,13 @@ class _Worker:
     def end_step(self) -> None:
         self.meta = None
 
-    def _read_messager(self) -> None:
+    def _read_messager(self, conn) -> None:
+        """What the messager on `conn` reports: each transfer's end. Once it is gone, the
+        transfers it had not ended are released as failed, and its successor (a messager
+        restarted at the same address) is looked for every MESSAGER_RETRY_S."""
         while True:
             try:
-                message = self.messager.recv()
+                message = conn.recv()
             except (EOFError, OSError, TypeError):
                 break
             if message[0] in ("sent", "failed"):
@@ -691,7 +728,23 @@ class _Worker:
         self.trace("error", error="messager gone")
         with self.cv:
             for tid in self.req_of:
-                self.sent.setdefault(tid, "the cache messager is gone")
+                if tid not in self.sent:
+                    self._messager_gone(tid)
+        while not self.closing:
+            time.sleep(MESSAGER_RETRY_S)
+            try:
+                self._connect_messager(timeout=MESSAGER_RETRY_S)
+            except (ConnectorError, OSError, EOFError, AuthenticationError):
+                continue  # not back yet
+            logger.warning("pdhal connector: rank %d's cache messager is back", self.rank)
+            self.trace("messager_back")
+            return
+
+    def _messager_gone(self, tid: str) -> None:
+        """Transfer `tid` failed for want of a messager: its blocks are released, and the
+        next messager is told, so a decode rank that asks it for `tid` hears so at once."""
+        self.sent[tid] = "the cache messager is gone"
+        self.unsent.append(tid)
 
     # ---- decode: loads -------------------------------------------------------------------
 
@@ -836,6 +889,19 @@ class _Worker:
                 start = off + load.blocks[i] * stride
                 crcs = head_crcs(view[start : start + nbytes], heads)
                 self.trace("block", tid=load.tid, layer=layer, i=i, head0=self.head0, crcs=crcs)
+
+    def on_unserved(self, link: _MessagerLink, tid: str, why: str) -> None:
+        """The messager at `link` will not send its part of transfer `tid`."""
+        with self.cv:
+            parts = [
+                (load, pid)
+                for load in self.loads.values()
+                if load.tid == tid
+                for pid, part in load.parts.items()
+                if part.link is link
+            ]
+        for load, pid in parts:
+            self._end_part(load, pid, f"the messager at {link.address} will not send it: {why}")
 
     def on_link_lost(self, link: _MessagerLink, why: str) -> None:
         """The messager `link` went to is gone: what landed of its parts before stays

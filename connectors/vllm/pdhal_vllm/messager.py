@@ -165,7 +165,8 @@ class Messager:
         self.decodes: list[Peer] = []  # the decode workers connected
         self.wants: dict[str, tuple[Peer, dict, float]] = {}  # by part, not claimed yet
         self.unneeded: set[str] = set()  # parts ended because their decode side needs none
-        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: transfer id -> "" (sent) or why it failed, for the last ENDED transfers
+        self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._mark = 0  # trace: streamer.metrics.layers_since's cursor
         self._reclaim_until = time.monotonic() + RECLAIM_S  # and at start: a killed run's
         self._next_reclaim = 0.0
@@ -338,6 +339,8 @@ class Messager:
         self.layout, self.block_size = hello["layers"], hello["block_size"]
         self.kv_heads = hello["kv_heads"]
         self.shards = {d: shard for (r, d), shard in shards.items() if r == self.rank}
+        for tid in hello.get("failed", ()):  # while no messager was there
+            self._ended(tid, "the cache messager was gone (restarted since)")
         self.feed = PerQueryFeed(_Feed(self, streamer))
         self._mark = 0
         threading.Thread(
@@ -432,6 +435,8 @@ class Messager:
         self.wants[part] = (peer, want, time.monotonic())
         if tid in self.added:  # the prefill side's table came first
             self._claim(part)
+        elif self.ended.get(tid):  # failed before it asked (a messager restart, ...)
+            self._unserved(part, self.ended[tid])
 
     def _claim(self, part: str) -> None:
         """Set the destination of `part`, in the streamer, from its decode rank's want: the
@@ -526,9 +531,7 @@ class Messager:
         self._end(tid, not added.failures, "; ".join(added.failures))
 
     def _end(self, tid: str, landed: bool, why: str) -> None:
-        self.ended[tid] = None
-        while len(self.ended) > ENDED:
-            self.ended.popitem(last=False)
+        self._ended(tid, "" if landed else why or "failed")
         if landed:
             self.trace("sent", tid=tid)
             if self.prefill is not None:
@@ -537,6 +540,22 @@ class Messager:
         self._report(f"transfer {tid}: {why}")
         if self.prefill is not None:
             self.prefill.send("failed", tid, why)
+
+    def _ended(self, tid: str, why: str) -> None:
+        """Remember that `tid` ended (`why` "": sent), and answer a decode rank that still
+        waits for a part of it: nothing more of it comes."""
+        self.ended[tid] = why
+        while len(self.ended) > ENDED:
+            self.ended.popitem(last=False)
+        for part in [p for p in self.wants if tid_of(p) == tid]:
+            self._unserved(part, why or "it ended before its decode side asked")
+
+    def _unserved(self, part: str, why: str) -> None:
+        """Tell the decode worker that asked for `part` it will not come (it fails the load
+        now, not at its load timeout)."""
+        peer, _, _ = self.wants.pop(part)
+        self._report(f"transfer {part}: not served: {why}")
+        peer.send("unserved", {"tid": tid_of(part), "why": why})
 
     def _trace_layers(self) -> None:
         """The streamer's per-layer numbers since the last call, as "landed" events."""
@@ -615,14 +634,9 @@ class Messager:
         """Forget wants no prefill table named within claim_timeout (their decode side ends
         them by its load timeout)."""
         now = time.monotonic()
-        for part, (peer, _, since) in list(self.wants.items()):
+        for part, (_, _, since) in list(self.wants.items()):
             if now - since > self.claim_timeout:
-                del self.wants[part]
-                if peer.alive:
-                    self._report(
-                        f"transfer {part}: no prefill table named it within "
-                        f"{self.claim_timeout:g} s"
-                    )
+                self._unserved(part, f"no prefill table named it within {self.claim_timeout:g} s")
 
     def _report(self, message: str) -> None:
         self.trace("error", error=message)
