@@ -145,9 +145,9 @@ class Router:
     async def _start(self, _app) -> None:
         # A new connection per request: a request sent on a kept-alive connection to a
         # vLLM server (uvicorn) right after its last answer was seen to sit unserved until
-        # the connection closed (60-120 s here, under load; the race of uvicorn's issue
-        # 748, the last request's disconnect watch taking the next one's body), so none
-        # is kept.
+        # the connection closed (60-120 s here, under load; a race like the one uvicorn's
+        # issue 748 describes, the last request's disconnect watch taking the next one's
+        # body), so none is kept.
         self._session = ClientSession(
             timeout=ClientTimeout(total=self.timeout), connector=TCPConnector(force_close=True)
         )

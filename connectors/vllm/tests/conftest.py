@@ -85,7 +85,11 @@ class Cluster:
         return str(self.root / name)
 
     def start_messager(
-        self, *extra: str, env: dict | None = None, rank: int = 0, listen: str = "127.0.0.1:0"
+        self,
+        *extra: str,
+        env: dict | None = None,
+        rank: int = 0,
+        listen: str = "127.0.0.1:0",
     ) -> str:
         """The messager of prefill rank `rank` (named "messager", then "messager1", ...);
         rank 0's address is the one the instances are given."""
@@ -115,7 +119,7 @@ class Cluster:
         line = proc.stdout.readline()
         assert "listening on" in line, f"{name} did not start: {line!r} {self.log(name)}"
         address = line.split()[-1]
-        if rank == 0:
+        if name == "messager":
             self.messager_address = address
         return address
 

@@ -1,0 +1,249 @@
+"""`vllm serve` processes as their users run them, for the tests: a prefill and decode
+servers with the pdhal connector (API server, engine core and worker each their own process;
+started as `python -m pdhal_vllm.vllm_cli serve`, vLLM's own CLI, whose `vllm` script cannot
+start with vLLM's CPU build), the prefill server's messager, an optional plain server, and
+the router in front. Each server is a process group of its own, so a test can kill one
+whole, as a machine or a container dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+from conftest import PY, Cluster, free_ports
+
+from pdhal.testing.reset import segments_of
+
+MAX_TOKENS = 8
+
+
+class Served:
+    """The servers, each with its URL and log: "prefill" and its messager ("messager", on
+    a port of its own that a restarted one takes again), "decode", "decode1", ... and
+    "plain"; all in one pdhal namespace. Each server's worker runs one unbound torch thread
+    (vLLM's CPU build otherwise binds every server's OpenMP threads to the same cores,
+    where they spin-wait on each other: steps of 15-40 s were seen here with four servers
+    on two cores)."""
+
+    def __init__(
+        self,
+        root,
+        model: str,
+        transport: str,
+        *,
+        decodes: int = 1,
+        plain: bool = True,
+        router_args: tuple[str, ...] = (),
+        hosts=None,
+    ):
+        """`hosts` (pdhal.testing.netns.TwoHosts): the last decode server runs in the
+        other network namespace, as on another host (Mooncake across the veth pair)."""
+        self.cluster = Cluster(root, model, os.urandom(16).hex())
+        self.namespace = f"serve{os.getpid()}{transport}{decodes}"
+        self.cluster.env |= {
+            "PDHAL_NAMESPACE": self.namespace,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+        }
+        self.model, self.transport = model, transport
+        self.urls: dict[str, str] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.hosts = hosts
+        here = hosts.prefill_ip if hosts else "127.0.0.1"
+        self.messager = f"{here}:{free_ports()}"
+        self.router: subprocess.Popen | None = None
+        try:
+            self._start(decodes, plain, router_args)
+        except BaseException:
+            self.stop()  # what started: no server outlives a failed start
+            raise
+
+    def _start(self, decodes: int, plain: bool, router_args) -> None:
+        decoders = [f"decode{i or ''}" for i in range(decodes)]
+        self.start_messager()
+        if plain:
+            self._serve("plain", None)
+        self._serve("prefill", {"kv_role": "kv_producer", "extra": {"messager": self.messager}})
+        for role in decoders:
+            extra = {"transport": self.transport}
+            there = self.hosts is not None and role == decoders[-1]
+            if there:
+                extra["mooncake_host"] = self.hosts.decode_ip
+            self._serve(role, {"kv_role": "kv_consumer", "extra": extra}, there)
+        for role in self.urls:
+            self.wait_healthy(role)
+        router_log = open(self.cluster.path("router.log"), "w")
+        self.router = subprocess.Popen(
+            [
+                PY,
+                "-m",
+                "pdhal_vllm.router",
+                "--port",
+                "0",
+                f"--prefill={self.urls['prefill']}={self.messager}",
+                *(f"--decode={self.urls[r]}" for r in decoders),
+                *router_args,
+            ],
+            env=self.cluster.env,
+            stdout=subprocess.PIPE,
+            stderr=router_log,
+            text=True,
+        )
+        line = self.router.stdout.readline()
+        assert "listening on" in line, line + self.log("router")
+        self.urls["router"] = line.split()[-1]
+
+    def start_messager(self) -> None:
+        """(Re)start the prefill server's messager, at its address."""
+        host = ("--host", self.hosts.prefill_ip) if self.hosts else ()
+        self.cluster.start_messager("--transport", self.transport, *host, listen=self.messager)
+
+    def _serve(self, role: str, config: dict | None, there: bool = False) -> None:
+        port = free_ports()
+        args = [
+            PY,
+            "-m",
+            "pdhal_vllm.vllm_cli",
+            "serve",
+            self.model,
+            "--port",
+            str(port),
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--dtype",
+            "bfloat16",
+            "--no-enable-prefix-caching",
+        ]
+        if config is not None:
+            args += [
+                "--kv-transfer-config",
+                json.dumps(
+                    {
+                        "kv_connector": "PdhalConnector",
+                        "kv_connector_module_path": "pdhal_vllm.connector",
+                        "kv_role": config["kv_role"],
+                        "kv_load_failure_policy": "fail",
+                        "kv_connector_extra_config": config["extra"]
+                        | {"trace": self.cluster.path("trace")},
+                    }
+                ),
+            ]
+        if there:
+            args = [*self.hosts.there_prefix, *args]
+        log = open(self.cluster.path(f"{role}.log"), "w")
+        self.procs[role] = subprocess.Popen(
+            args,
+            env=self.cluster.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        host = self.hosts.decode_ip if there else "127.0.0.1"
+        self.urls[role] = f"http://{host}:{port}"
+
+    def wait_healthy(self, role: str, bound: float = 600) -> None:
+        deadline = time.monotonic() + bound
+        while True:
+            assert self.procs[role].poll() is None, f"{role} exited:\n{self.log(role)}"
+            try:
+                with urllib.request.urlopen(self.urls[role] + "/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"{role} not up in {bound} s:\n{self.log(role)}"
+            time.sleep(1)
+
+    def log(self, role: str) -> str:
+        return self.cluster.log(role, 60)
+
+    def complete(
+        self, role: str, prompt: str, stream: bool = False, max_tokens: int = MAX_TOKENS
+    ) -> str:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+        }
+        request = urllib.request.Request(
+            self.urls[role] + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            raw = answer.read().decode()
+        if not stream:
+            return json.loads(raw)["choices"][0]["text"]
+        events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", raw
+        return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+    def attempt(self, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
+        """("ok", text) or ("error", why) of one request through the router."""
+        try:
+            return "ok", self.complete("router", prompt, max_tokens=max_tokens)
+        except urllib.error.HTTPError as e:
+            return "error", f"HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
+        except (OSError, ValueError, KeyError, AssertionError) as e:
+            return "error", f"{type(e).__name__}: {e}"
+
+    def metric(self, role: str, name: str, **labels: str) -> float:
+        """The sum of a metric's samples in `role`'s /metrics with these labels."""
+        with urllib.request.urlopen(self.urls[role] + "/metrics", timeout=30) as answer:
+            text = answer.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name + "{"):
+                continue
+            head, value = line.rsplit(" ", 1)
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def kill(self, role: str) -> None:
+        """SIGKILL server `role` whole: its API server, engine core and workers."""
+        proc = self.procs[role]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+    def stop(self) -> None:
+        every = [p for p in (self.router, *self.procs.values()) if p is not None]
+        for proc in every:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in every:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for proc in self.procs.values():  # what a server's group may have left
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._wait_reclaimed()
+        self.cluster.stop()
+
+    def _wait_reclaimed(self, bound: float = 30.0) -> None:
+        """Until the messager removed what the servers' force-killed workers left (it looks
+        for 10 s after a worker's connection drops), before it stops too."""
+        messager = self.cluster.procs.get("messager")
+        deadline = time.monotonic() + bound
+        while messager is not None and messager.poll() is None and time.monotonic() < deadline:
+            if all(f".{messager.pid}." in name for name in segments_of(self.namespace)):
+                return
+            time.sleep(0.2)
