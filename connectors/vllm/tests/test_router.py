@@ -262,7 +262,12 @@ def test_sequential_sends_the_decode_once_the_prefill_answered_and_the_trace_say
     events = [json.loads(line) for line in fleet.log.read_text().splitlines()]
     order = [(e["server"], e["event"]) for e in events]
     assert order.index(("p0", "prefilled")) < order.index(("d0", "request")), order
-    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+
+    def traced():  # "done" is written once the answer went, maybe after the client read it
+        lines = [json.loads(line) for line in trace.read_text().splitlines()]
+        return lines if lines and lines[-1]["kind"] == "done" else None
+
+    steps = until(traced)
     assert [e["kind"] for e in steps] == ["received", "forwarded", "prefilled", "first", "done"]
     assert len({e["tid"] for e in steps}) == 1
     assert [e["t"] for e in steps] == sorted(e["t"] for e in steps)
