@@ -8,6 +8,11 @@ holds at once and waits for the ops holding it. Work an op queued on a device st
 as use until it ran: before it lets go, the op marks its extents with the stream
 (mark_queued) and records that stream's fence, and whoever frees waits for the fences of the
 streams its extent was marked with (RuntimeBackend.wait_queued) before the memory goes.
+
+An object that keeps an address for its whole life (a CacheLayout a KVStreamer copies from)
+pins the extent instead (`pin`): a free of pinned memory is refused (MemoryPinnedError,
+naming who pins it), not waited for, since a pin may last as long as the process. Pins do
+not hold: ops on pinned memory run as on any other.
 """
 
 from __future__ import annotations
@@ -16,13 +21,18 @@ import bisect
 import logging
 import threading
 
-from pdhal._errors import ClosedHandleError
+from pdhal._errors import ClosedHandleError, InvalidArgumentError
+
+
+class MemoryPinnedError(InvalidArgumentError):
+    """A free, close or unmap of memory that an object naming it for its whole life (a
+    KVStreamer's cache layout) still pins: close that object first."""
 
 
 class Extent:
     """One range of memory pdhal knows: [start, start + nbytes) on `device`."""
 
-    __slots__ = ("start", "nbytes", "device", "what", "holders", "retired", "streams")
+    __slots__ = ("start", "nbytes", "device", "what", "holders", "retired", "streams", "pins")
 
     def __init__(self, start: int, nbytes: int, device: str, what: str):
         self.start = start
@@ -32,6 +42,7 @@ class Extent:
         self.holders = 0  # ops using it now
         self.retired = False  # freed (or being freed): no op may start on it
         self.streams: set[object] = set()  # (device, stream) keys that had work queued on it
+        self.pins: list[str] = []  # who pins it (one entry per pin): no free while any
 
     def __repr__(self) -> str:
         return f"Extent({self.what}, {self.start:#x}, nbytes={self.nbytes}, {self.device})"
@@ -81,12 +92,16 @@ def retire(extent: Extent | int) -> set[object]:
     """Take `extent` (or every range registered at that start address) out of use before
     its memory goes: new holds are refused from now on, and this returns once no op holds
     it. Returns the streams that had work queued on it, for the caller to wait for (see the
-    module's docstring). Idempotent."""
+    module's docstring). Idempotent. MemoryPinnedError, retiring nothing, while one of them
+    is pinned."""
     with _lock:
         if isinstance(extent, int):
             current = _extents.get(extent)
+            _refuse_pinned(_replaced.get(extent, []) + ([current] if current else []))
             retiring = _replaced.pop(extent, []) + ([current] if current else [])
         else:
+            current = _extents.get(extent.start) is extent
+            _refuse_pinned([extent] + (_replaced.get(extent.start, []) if current else []))
             retiring = [extent]
             shadowed = _replaced.get(extent.start, [])
             if extent in shadowed:
@@ -104,6 +119,40 @@ def retire(extent: Extent | int) -> set[object]:
                 busy = ", ".join(f"{one} ({one.holders} ops)" for one in retiring if one.holders)
                 log.warning("a free has waited %.0f s for ops using %s", STILL_WAITING_S, busy)
         return {stream for one in retiring for stream in one.streams}
+
+
+def _refuse_pinned(retiring: list[Extent]) -> None:
+    """MemoryPinnedError if one of `retiring` (what a retire would take) is pinned; with
+    _lock held."""
+    for one in retiring:
+        if one.pins:
+            owners = sorted(set(one.pins))
+            them = "it" if len(one.pins) == 1 else "them"
+            raise MemoryPinnedError(
+                f"cannot free {one.what} at {one.start:#x}: held by {', '.join(owners)}: "
+                f"close {them} first"
+            )
+
+
+def pin(extents, owner: str) -> list[Extent]:
+    """Pin each of `extents` (None entries and repeats skipped) for `owner` (who to name in
+    a refused free): until unpin, retire() refuses them. The pinned ones, for unpin().
+    ClosedHandleError, pinning none, if one is retired."""
+    pinned = list(dict.fromkeys(extent for extent in extents if extent is not None))
+    with _lock:
+        for extent in pinned:
+            if extent.retired:
+                raise ClosedHandleError(f"{extent.what} at {extent.start:#x} was freed")
+        for extent in pinned:
+            extent.pins.append(owner)
+    return pinned
+
+
+def unpin(pinned: list[Extent], owner: str) -> None:
+    """Undo pin(`pinned`, `owner`) (once per pin: the caller makes a second call harmless)."""
+    with _lock:
+        for extent in pinned:
+            extent.pins.remove(owner)
 
 
 def mark_queued(held: list[Extent], stream: object) -> None:

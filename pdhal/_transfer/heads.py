@@ -16,31 +16,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdhal._errors import InvalidArgumentError
+from pdhal._transfer.checks import integer
+
+#: The most KV heads, and tensor-parallel ranks, a split takes (head_shards pairs every
+#: source rank with every destination rank: beyond this the numbers are not a model's).
+MOST = 1 << 16
 
 
 @dataclass(frozen=True)
 class HeadShard:
     """`count` heads from head `src_first` of a source rank's caches to head `dst_first`
-    of a destination rank's (first heads counted within each rank)."""
+    of a destination rank's (first heads counted within each rank). Checked when made:
+    ints (numpy ints converted), firsts >= 0, count >= 1; InvalidArgumentError otherwise."""
 
     src_first: int
     dst_first: int
     count: int
 
+    def __post_init__(self) -> None:
+        for field, least in (("src_first", 0), ("dst_first", 0), ("count", 1)):
+            value = integer(getattr(self, field), f"HeadShard.{field}", least, MOST)
+            object.__setattr__(self, field, value)  # frozen: set once, converted
+
 
 def rank_heads(heads: int, ranks: int, rank: int) -> range:
     """The KV heads (of all `heads`) tensor-parallel rank `rank` of `ranks` holds."""
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-        raise InvalidArgumentError(f"heads must be an int >= 1, got {heads!r}")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise InvalidArgumentError(f"ranks must be an int >= 1, got {ranks!r}")
+    heads, ranks = integer(heads, "heads", 1, MOST), integer(ranks, "ranks", 1, MOST)
     if heads % ranks and ranks % heads:
         raise InvalidArgumentError(
             f"{heads} KV heads do not split over {ranks} tensor-parallel ranks: the heads "
             f"must be a multiple of the ranks, or the ranks of the heads"
         )
-    if not isinstance(rank, int) or not 0 <= rank < ranks:
-        raise InvalidArgumentError(f"rank must be an int in [0, {ranks}), got {rank!r}")
+    rank = integer(rank, "rank", 0, ranks - 1)
     if heads >= ranks:
         share = heads // ranks
         return range(rank * share, (rank + 1) * share)
@@ -51,6 +58,9 @@ def head_shards(heads: int, src_ranks: int, dst_ranks: int) -> dict[tuple[int, i
     """{(source rank, destination rank): the heads it sends}, for `heads` KV heads split
     over `src_ranks` on the source side and `dst_ranks` on the destination side. Each head
     a destination rank holds comes from the first source rank that holds it."""
+    heads = integer(heads, "heads", 1, MOST)
+    src_ranks = integer(src_ranks, "src_ranks", 1, MOST)
+    dst_ranks = integer(dst_ranks, "dst_ranks", 1, MOST)
     src = [rank_heads(heads, src_ranks, r) for r in range(src_ranks)]
     out: dict[tuple[int, int], HeadShard] = {}
     for d in range(dst_ranks):

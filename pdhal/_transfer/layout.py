@@ -8,26 +8,24 @@ when the stride is the block size."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 from pdhal._errors import InvalidArgumentError
+from pdhal._memory import extents as _extents
 from pdhal._memory.blocks import block_bytes_of, resolve
 from pdhal._protocol.names import validate_index
+from pdhal._transfer.checks import integer, name
+from pdhal._transfer.checks import seconds as seconds  # re-exported: streamer, receiver
 from pdhal._transfer.heads import HeadShard
 
-#: The longest timeout pdhal.transfer takes (a day): beyond it, a bound means nothing.
-LONGEST_S = 86400.0
 #: The most layers a layout may have (a status slot counts the layers landed in 16 bits).
 MOST_LAYERS = 0xFFFF
-
-
-def seconds(value: object, what: str) -> float:
-    """`value` as a timeout in seconds: a number > 0 and at most a day."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgumentError(f"{what} must be a number of seconds, got {value!r}")
-    if not 0 < value <= LONGEST_S:
-        raise InvalidArgumentError(f"{what} must be in (0, {LONGEST_S:g}] seconds, got {value!r}")
-    return float(value)
+#: The most caches one layer may have (K and V per rank; a peer's description is bounded).
+MOST_CACHES = 0xFFFF
+#: The least each CacheSpec field may be (region and offset may be 0; the rest count).
+_LEAST = {"region": 0, "offset": 0, "stride": 1, "block_bytes": 1, "blocks": 1, "heads": 1}
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,11 @@ class CacheSpec:
     """One cache of one layer: block b is at `offset + b * stride` of region `region`,
     `block_bytes` long, for b in [0, blocks). `heads` > 1: a block is that many equal
     parts, one per KV head, in head order (head-major), so it can be split by head for a
-    tensor-parallel peer (pdhal.transfer.head_shards)."""
+    tensor-parallel peer (pdhal.transfer.head_shards).
+
+    Every field is checked when the spec is made (by a caller or from a peer's
+    description): an int (numpy ints converted), region and offset >= 0, the others >= 1,
+    block_bytes <= stride, heads dividing block_bytes; InvalidArgumentError otherwise."""
 
     region: int
     offset: int
@@ -43,6 +45,23 @@ class CacheSpec:
     block_bytes: int
     blocks: int
     heads: int = 1
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = integer(
+                getattr(self, field.name), f"CacheSpec.{field.name}", _LEAST[field.name]
+            )
+            object.__setattr__(self, field.name, value)  # frozen: set once, converted
+        if self.block_bytes > self.stride:
+            raise InvalidArgumentError(
+                f"CacheSpec.block_bytes {self.block_bytes} is more than CacheSpec.stride "
+                f"{self.stride}: blocks would overlap (need block_bytes <= stride)"
+            )
+        if self.block_bytes % self.heads:
+            raise InvalidArgumentError(
+                f"CacheSpec.heads {self.heads} does not divide CacheSpec.block_bytes "
+                f"{self.block_bytes}: a block cannot hold that many equal heads"
+            )
 
     def to_json(self) -> list[int]:
         return [self.region, self.offset, self.stride, self.block_bytes, self.blocks, self.heads]
@@ -60,61 +79,116 @@ class CacheSpec:
         )
 
     @classmethod
-    def from_json(cls, words) -> CacheSpec:
-        return cls(*(int(w) for w in words))
+    def from_json(cls, words, what: str = "a cache spec") -> CacheSpec:
+        """The spec to_json wrote: [region, offset, stride, block_bytes, blocks(, heads)],
+        from a peer (untrusted): InvalidArgumentError naming `what` if it is anything else."""
+        if not isinstance(words, (list, tuple)) or not 5 <= len(words) <= 6:
+            raise InvalidArgumentError(
+                f"{what} must be [region, offset, stride, block_bytes, blocks, heads], "
+                f"got {words!r}"
+            )
+        try:
+            return cls(*words)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"{what}: {e}") from e
+
+
+def _rows(layers: object, what: str) -> list[list]:
+    """`layers` as a list of lists (list or tuple at each level), bounded in size; an
+    InvalidArgumentError naming `what` for any other shape."""
+    if not isinstance(layers, (list, tuple)):
+        raise InvalidArgumentError(f"{what} must be a list of layers, got {layers!r}")
+    if not layers:
+        raise InvalidArgumentError(f"{what} must have at least one layer")
+    if len(layers) > MOST_LAYERS:
+        raise InvalidArgumentError(
+            f"{what}: a cache layout has at most {MOST_LAYERS} layers, got {len(layers)}"
+        )
+    rows = []
+    for layer, caches in enumerate(layers):
+        if not isinstance(caches, (list, tuple)):
+            raise InvalidArgumentError(
+                f"{what}: layer {layer} must be a list of caches, got {caches!r}"
+            )
+        if not caches:
+            raise InvalidArgumentError(f"{what}: layer {layer} has no cache (need at least one)")
+        if len(caches) > MOST_CACHES:
+            raise InvalidArgumentError(
+                f"{what}: layer {layer} has {len(caches)} caches, at most {MOST_CACHES}"
+            )
+        rows.append(list(caches))
+    return rows
 
 
 class CacheLayout:
     """Regions (memory pdhal can name: tensors, arrays, pdhal buffers) and, per layer, its
-    caches."""
+    caches.
+
+    The layout keeps each region's object (`memory`): memory Python owns (a numpy array, a
+    torch or Paddle tensor) lives as long as the layout. Memory pdhal hands out (host_alloc,
+    a shared buffer, a registered range) is freed explicitly; an object that copies from
+    the layout for its whole life pins it (`pin`), and a free meanwhile is refused."""
 
     def __init__(self, regions: list, layers: list[list[CacheSpec]]):
+        if not isinstance(regions, (list, tuple)) or not regions:
+            raise InvalidArgumentError(
+                f"regions must be a non-empty list of memory (tensors, arrays, pdhal "
+                f"buffers), got {regions!r}"
+            )
         #: The memory objects, for a transport to register or share.
         self.memory = list(regions)
         #: (address, bytes) of each region.
         self.regions = []
+        # The pdhal memory each region lies in (what pin() pins): a region's own extent, or
+        # the one an array over pdhal memory (HostBuffer.as_numpy) lies in.
+        self._extents = []
         for index, region in enumerate(self.memory):
             ref = resolve(region, f"region {index}")
             self.regions.append((ref.address, ref.nbytes))
-        self.layers = [list(caches) for caches in layers]
-        if not self.layers or any(not caches for caches in self.layers):
-            raise InvalidArgumentError("a cache layout needs at least one cache in every layer")
-        if len(self.layers) > MOST_LAYERS:
-            raise InvalidArgumentError(
-                f"a cache layout has at most {MOST_LAYERS} layers, got {len(self.layers)}"
-            )
+            extent = ref.extent or _extents.find(ref.address)
+            if extent is not None and (
+                extent.device == ref.device
+                and ref.address + ref.nbytes <= extent.start + extent.nbytes
+            ):
+                self._extents.append(extent)
+        self.layers = _rows(layers, "layers")
+        sizes = [n for _, n in self.regions]
         for layer, caches in enumerate(self.layers):
-            for spec in caches:
-                self._check(layer, spec)
+            for index, spec in enumerate(caches):
+                if not isinstance(spec, CacheSpec):
+                    raise InvalidArgumentError(
+                        f"layers[{layer}][{index}] must be a CacheSpec, got {spec!r}"
+                    )
+                _fits(spec, sizes, f"layer {layer}'s cache", "the layout")
+        self._pin_lock = threading.Lock()
 
-    def _check(self, layer: int, spec: CacheSpec) -> None:
-        if not 0 <= spec.region < len(self.regions):
-            raise InvalidArgumentError(
-                f"layer {layer} names region {spec.region}; the layout has {len(self.regions)}"
-            )
-        if spec.block_bytes < 1 or spec.stride < spec.block_bytes or spec.blocks < 1:
-            raise InvalidArgumentError(
-                f"layer {layer}: blocks of {spec.block_bytes} bytes every {spec.stride} bytes, "
-                f"{spec.blocks} of them: need 1 <= block bytes <= stride and blocks >= 1"
-            )
-        if spec.heads < 1 or spec.block_bytes % spec.heads:
-            raise InvalidArgumentError(
-                f"layer {layer}: blocks of {spec.block_bytes} bytes cannot hold {spec.heads} "
-                f"equal heads: need heads >= 1 dividing the block bytes"
-            )
-        end = spec.offset + (spec.blocks - 1) * spec.stride + spec.block_bytes
-        if spec.offset < 0 or end > self.regions[spec.region][1]:
-            raise InvalidArgumentError(
-                f"layer {layer}'s cache ends at byte {end} of region {spec.region}, which "
-                f"holds {self.regions[spec.region][1]}"
-            )
+    def pin(self, owner: str) -> Callable[[], None]:
+        """Refuse to free the pdhal memory of this layout's regions (host_free, close,
+        unset_data_ipc: MemoryPinnedError naming `owner`) until the returned callable is
+        called; ops on that memory go on as before. For an object that copies from or into
+        the layout for its whole life (KVStreamer, KVReceiver): pin in its constructor,
+        unpin in close(). Calling the unpin twice is harmless; thread-safe.
+        ClosedHandleError if a region's memory was freed already."""
+        owner = name(owner, "owner")
+        pinned = _extents.pin(self._extents, owner)
+        done = False
+
+        def unpin() -> None:
+            nonlocal done
+            with self._pin_lock:
+                if done:
+                    return
+                done = True
+            _extents.unpin(pinned, owner)
+
+        return unpin
 
     @classmethod
     def from_caches(cls, layers) -> CacheLayout:
         """The layout of `layers`: per layer, a list of [blocks, ...] caches (tensors,
         arrays, pdhal buffers), each its own region."""
         regions, specs = [], []
-        for layer, caches in enumerate(layers):
+        for layer, caches in enumerate(_rows(layers, "layers")):
             row = []
             for index, cache in enumerate(caches):
                 what = f"layer {layer} cache {index}"
@@ -138,13 +212,46 @@ class CacheLayout:
 
     def head_view(self, first: int, count: int) -> CacheLayout:
         """The same regions, every cache restricted to heads [first, first + count)."""
+        first, count = integer(first, "first"), integer(count, "count", 1)
         return CacheLayout(self.memory, _head_view(self.layers, first, count, "here"))
 
     def check_peer(self, peer: dict, heads: HeadShard | None = None) -> list[list[CacheSpec]]:
-        """A peer's described layers, checked to pair with these cache by cache: as many
-        layers and caches, blocks of the same bytes. With `heads`, the shard's heads of
-        each (this side's and the peer's) must pair: a head the same bytes on both."""
-        layers = [[CacheSpec.from_json(w) for w in caches] for caches in peer["layers"]]
+        """A peer's described layout (its describe(): untrusted), checked to pair with this
+        one cache by cache: as many layers and caches, blocks of the same bytes, each cache
+        inside the region size the peer gives. With `heads`, the shard's heads of each (this
+        side's and the peer's) must pair: a head the same bytes on both. Its layers, or
+        InvalidArgumentError saying what is wrong."""
+        if heads is not None and not isinstance(heads, HeadShard):
+            raise InvalidArgumentError(f"heads must be a HeadShard or None, got {heads!r}")
+        if not isinstance(peer, dict):
+            raise InvalidArgumentError(
+                f"the peer's layout must be a CacheLayout.describe() dict, got {peer!r}"
+            )
+        missing = [key for key in ("regions", "layers") if key not in peer]
+        if missing:
+            raise InvalidArgumentError(
+                f"the peer's layout lacks {', '.join(map(repr, missing))} (got the keys "
+                f"{sorted(map(str, peer))}): it must be a CacheLayout.describe()"
+            )
+        sizes = peer["regions"]
+        if not isinstance(sizes, (list, tuple)) or not sizes:
+            raise InvalidArgumentError(
+                f"the peer's layout 'regions' must be a non-empty list of sizes, got {sizes!r}"
+            )
+        sizes = [
+            integer(n, f"the peer's layout region {index}'s size") for index, n in enumerate(sizes)
+        ]
+        rows = _rows(peer["layers"], "the peer's layout 'layers'")
+        CacheLayout._pair_shape(self.layers, rows)
+        layers = []
+        for layer, caches in enumerate(rows):
+            row = []
+            for index, words in enumerate(caches):
+                what = f"the peer's layer {layer} cache {index}"
+                spec = CacheSpec.from_json(words, what)
+                _fits(spec, sizes, what, "the peer's layout")
+                row.append(spec)
+            layers.append(row)
         if heads is not None:
             mine = _head_view(self.layers, heads.src_first, heads.count, "here")
             layers = _head_view(layers, heads.dst_first, heads.count, "on the peer")
@@ -152,12 +259,16 @@ class CacheLayout:
         return CacheLayout._pair(self.layers, layers)
 
     @staticmethod
-    def _pair(ours, layers, heads: int = 0) -> list[list[CacheSpec]]:
+    def _pair_shape(ours, layers) -> None:
         if [len(c) for c in layers] != [len(c) for c in ours]:
             raise InvalidArgumentError(
                 f"the peer's cache has {len(layers)} layers of {[len(c) for c in layers]} "
                 f"caches, this side {len(ours)} of {[len(c) for c in ours]}"
             )
+
+    @staticmethod
+    def _pair(ours, layers, heads: int = 0) -> list[list[CacheSpec]]:
+        CacheLayout._pair_shape(ours, layers)
         for layer, (mine, theirs) in enumerate(zip(ours, layers)):
             for index, (a, b) in enumerate(zip(mine, theirs)):
                 if a.block_bytes == b.block_bytes:
@@ -173,6 +284,18 @@ class CacheLayout:
                     f"{b.block_bytes} on the peer"
                 )
         return layers
+
+
+def _fits(spec: CacheSpec, sizes: list[int], what: str, where: str) -> None:
+    """`spec`'s region is one of `sizes` (the bytes of each region of `where`), and its
+    blocks end within it."""
+    if spec.region >= len(sizes):
+        raise InvalidArgumentError(f"{what} names region {spec.region}; {where} has {len(sizes)}")
+    end = spec.offset + (spec.blocks - 1) * spec.stride + spec.block_bytes
+    if end > sizes[spec.region]:
+        raise InvalidArgumentError(
+            f"{what} ends at byte {end} of region {spec.region}, which holds {sizes[spec.region]}"
+        )
 
 
 def _head_view(layers, first: int, count: int, where: str) -> list[list[CacheSpec]]:

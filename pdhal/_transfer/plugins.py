@@ -9,6 +9,7 @@ from importlib import metadata
 
 from pdhal._backends import plugins
 from pdhal._errors import InvalidArgumentError, TransportLoadError
+from pdhal._transfer.checks import name as _name
 from pdhal._transfer.contract import Transport
 
 ENTRY_POINT_GROUP = "pdhal.transports"
@@ -33,6 +34,7 @@ def names() -> list[str]:
 
 def transport(name: str) -> Transport:
     """The process's transport `name`; a plugin is imported and validated on first use."""
+    name = _name(name, "a transport name")
     with _lock:
         found = _instances.get(name)
         if found is not None:

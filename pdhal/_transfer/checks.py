@@ -1,0 +1,77 @@
+"""Every value that crosses pdhal.transfer's API, checked once at the call that brings it.
+
+A caller's ids, counts, block lists, tickets and timeouts, and a peer's descriptions, are
+turned here into plain Python values (an int is anything with __index__ but a bool: numpy
+integers included) or refused with an InvalidArgumentError naming the argument, the value
+and what was expected. Nothing unchecked is carried into a later layer or another request's
+send, so a bad value fails only the call that gave it."""
+
+from __future__ import annotations
+
+import math
+
+from pdhal._errors import InvalidArgumentError
+
+#: The longest timeout pdhal.transfer takes (a day): beyond it, a bound means nothing.
+LONGEST_S = 86400.0
+#: The largest block id, offset or byte count accepted (2^48: beyond any real memory).
+LARGEST = 1 << 48
+
+
+def integer(value: object, what: str, low: int = 0, high: int = LARGEST) -> int:
+    """`value` as an int in [low, high]; anything with __index__ but a bool."""
+    expected = f"an int >= {low}" if high == LARGEST else f"an int in [{low}, {high}]"
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise InvalidArgumentError(f"{what} must be {expected}, got {value!r}")
+    number = value.__index__()
+    if not low <= number <= high:
+        raise InvalidArgumentError(f"{what} must be {expected}, got {number}")
+    return number
+
+
+def seconds(value: object, what: str) -> float:
+    """`value` as a timeout in seconds: a real number > 0 and at most a day."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise InvalidArgumentError(f"{what} must be a number of seconds, got {value!r}")
+    if not 0 < value <= LONGEST_S:
+        raise InvalidArgumentError(f"{what} must be in (0, {LONGEST_S:g}] seconds, got {value!r}")
+    return float(value)
+
+
+def flag(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be a bool, got {value!r}")
+    return value
+
+
+def name(value: object, what: str) -> str:
+    """A non-empty str (a request id, a reason)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(f"{what} must be a non-empty str, got {value!r}")
+    return value
+
+
+def block_ids(
+    values: object, what: str, limit: int, where: str = "caches", *, unique: bool = False
+) -> list[int]:
+    """`values` (any iterable of ints: a list, a numpy array, a range) as a list of ints in
+    [0, limit) (`where`: whose blocks, for the message); `unique`: no id twice (two blocks
+    of one request written to one place would lose one of them)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise InvalidArgumentError(f"{what} must be a list of block ids, got {values!r}")
+    ids = []
+    for index, value in enumerate(values):
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+            raise InvalidArgumentError(
+                f"{what}[{index}] must be a block id (an int), got {value!r}"
+            )
+        number = value.__index__()
+        if not 0 <= number < limit:
+            raise InvalidArgumentError(
+                f"{what}[{index}] is block {number}, outside the {where}' {limit} blocks"
+            )
+        ids.append(number)
+    if unique and len(set(ids)) != len(ids):
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise InvalidArgumentError(f"{what} names block(s) {twice} more than once")
+    return ids
