@@ -175,7 +175,7 @@ def format_text(info: dict) -> str:
             lines.append(f"           {key}: {_text(value)}")
     lines.append("transports:")
     for t in info["transports"]:
-        detail = f"  {t['error']}" if "error" in t else ""
+        detail = f"  {t['error']}" if "error" in t else f"  completion at {t['completion']}"
         lines.append(f"  {t['name']:<8} {t['status']:<12} {t['source']}{detail}")
     f = info["segment_folder"]
     if "error" in f:

@@ -5,19 +5,26 @@ A transport plugin returns a Transport (entry-point group `pdhal.transports`, ho
 the source side the endpoint's `describe()` (JSON-able); the source side opens a Link to it
 (`connect`) and submits runs, each (source address, destination region, offset in that
 region, bytes). A Batch is one submit: it completes, or fails with the reason, exactly once.
-The transport conformance kit (`pytest --pdhal-transport NAME`) checks every promise here.
+A transport declares how it knows a batch completed (Transport.completion): at the target,
+the bytes in the destination's memory, or only locally; pdhal's "landed" needs the first
+(require_target_completion). The transport conformance kit (`pytest --pdhal-transport
+NAME`) checks every promise here, that one under load.
 """
 
 from __future__ import annotations
 
 import bisect
+import operator
 from typing import ClassVar
 
 from pdhal._errors import InvalidArgumentError, TransferError
 from pdhal._inputs.tensors import memory_ref
+from pdhal._transfer.checks import LARGEST, integer
 
 #: One copy: (source address, destination region index, byte offset in it, bytes).
 Run = tuple[int, int, int, int]
+#: The largest address a run may read from (64 bits: device memory's too).
+ADDRESS_MAX = (1 << 64) - 1
 
 
 def region_bytes(regions: list) -> list[int]:
@@ -35,32 +42,126 @@ def region_devices(regions: list) -> list[str]:
 
 
 class RunChecker:
-    """What a Link's submit refuses before the first byte moves: a run outside the
-    destination's regions (`regions`: their bytes), or read from outside the memory the
-    link was given to copy from (`sources`: (address, bytes))."""
+    """What a Link's submit refuses before the first byte moves: a run that is not four
+    ints (InvalidArgumentError naming the run and the field: anything with __index__ but a
+    bool is an int, numpy integers included), of fewer than 1 byte or at a negative offset
+    (the same), outside the destination's regions (`regions`: their bytes, from the peer's
+    description: checked here, so a garbage description is refused at connect) or read from
+    outside the memory the link was given to copy from (`sources`: (address, bytes)); those
+    two are TransferErrors, as a peer that went away is."""
 
     def __init__(self, regions: list[int], sources: list[tuple[int, int]]):
-        self.regions = list(regions)
-        self._sources = sorted((int(a), int(a) + int(n)) for a, n in sources)
+        self.regions = _numbers(regions, "the destination's regions", "(its bytes)")
+        spans = []
+        if isinstance(sources, (str, bytes)) or not hasattr(sources, "__iter__"):
+            raise InvalidArgumentError(
+                f"sources must be a list of (address, bytes), got {sources!r}"
+            )
+        for index, span in enumerate(sources):
+            what = f"sources[{index}]"
+            if not isinstance(span, (tuple, list)) or len(span) != 2:
+                raise InvalidArgumentError(f"{what} must be (address, bytes), got {span!r}")
+            start = integer(span[0], f"{what}'s address", 0, ADDRESS_MAX)
+            spans.append((start, start + integer(span[1], f"{what}'s bytes")))
+        self._sources = sorted(spans)
         self._starts = [a for a, _ in self._sources]
 
-    def check(self, runs: list[Run]) -> None:
-        sizes, starts, sources = self.regions, self._starts, self._sources
+    def check(self, runs: list[Run]) -> list[Run]:
+        """`runs`, every field of every run checked; submit copies the runs this returns (a
+        caller's numpy integers made ints, a caller's iterator read once)."""
+        if type(runs) is not list and type(runs) is not tuple:
+            if isinstance(runs, (str, bytes)) or not hasattr(runs, "__iter__"):
+                raise InvalidArgumentError(f"runs must be a list of runs, got {runs!r}")
+            runs = list(runs)
+        sizes, starts, sources, count = self.regions, self._starts, self._sources, len(self.regions)
+        is_int, kind = int, type  # locals: this loop is on the per-layer path
         low = high = 0  # the source range the last run was in: runs come grouped by cache
-        for src, region, offset, nbytes in runs:
-            if not 0 <= region < len(sizes) or offset < 0 or offset + nbytes > sizes[region]:
-                raise TransferError(
-                    f"a run of {nbytes} bytes at offset {offset} of region {region} is outside "
-                    f"the destination ({len(sizes)} regions of {sizes} bytes)"
+        try:
+            for src, region, offset, nbytes in runs:
+                # plain ints in bounds, else the slow path names what is wrong (a bool is
+                # refused there: the type is compared, not isinstance)
+                if not (
+                    kind(src) is is_int
+                    and kind(region) is is_int
+                    and kind(offset) is is_int
+                    and kind(nbytes) is is_int
+                    and 0 <= region < count
+                    and 0 <= offset
+                    and 0 < nbytes
+                    and offset + nbytes <= sizes[region]
+                ):
+                    break
+                if not (low <= src and src + nbytes <= high):
+                    at = bisect.bisect_right(starts, src) - 1
+                    low, high = sources[at] if at >= 0 else (0, 0)
+                    if not low <= src or src + nbytes > high:
+                        break
+            else:
+                return runs
+        except (TypeError, ValueError):  # a run that is not four values
+            pass
+        return self._checked(runs)
+
+    def _checked(self, runs: list | tuple) -> list[Run]:
+        """The slow path: `runs` as plain ints (numpy's integers made ints), or the first
+        wrong field named (checks.integer)."""
+        sizes, out = self.regions, []
+        for index, run in enumerate(runs):
+            if not isinstance(run, (tuple, list)) or len(run) != 4:
+                raise InvalidArgumentError(
+                    f"run {index} must be (source address, region, offset, bytes), got {run!r}"
                 )
-            if not (low <= src and src + nbytes <= high):
-                at = bisect.bisect_right(starts, src) - 1
-                low, high = sources[at] if at >= 0 else (0, 0)
-                if not low <= src or src + nbytes > high:
-                    raise TransferError(
-                        f"a run's source [{src:#x}, +{nbytes}) is outside the memory this link "
-                        f"was given to copy from"
-                    )
+            fields = []
+            for value, field, low, high in zip(run, _FIELDS, _LOWS, _HIGHS):
+                if type(value) is not int and type(value) is not bool:
+                    try:  # numpy's integers, without building a name for each
+                        value = operator.index(value)
+                    except TypeError:
+                        pass  # named below
+                if type(value) is not int or not low <= value <= high:
+                    value = integer(value, f"run {index}'s {field}", low, high)
+                fields.append(value)
+            src, region, offset, nbytes = fields
+            if region >= len(sizes) or offset + nbytes > sizes[region]:
+                raise TransferError(
+                    f"run {index}, of {nbytes} bytes at offset {offset} of region {region}, "
+                    f"is outside the destination ({len(sizes)} regions of {sizes} bytes)"
+                )
+            at = bisect.bisect_right(self._starts, src) - 1
+            first, end = self._sources[at] if at >= 0 else (0, 0)
+            if not first <= src or src + nbytes > end:
+                raise TransferError(
+                    f"run {index}'s source [{src:#x}, +{nbytes}) is outside the memory this "
+                    f"link was given to copy from"
+                )
+            out.append((src, region, offset, nbytes))
+        return out
+
+
+#: A run's fields, as _checked names them, and the least and most each may be.
+_FIELDS = ("source address", "region", "offset", "bytes")
+_LOWS = (0, 0, 0, 1)
+_HIGHS = (ADDRESS_MAX, LARGEST, LARGEST, LARGEST)
+
+
+def described_numbers(described: dict, key: str, count: int | None = None) -> list[int]:
+    """The ints listed under `key` in a peer's description (region addresses or sizes),
+    `count` of them where given: InvalidArgumentError naming the key otherwise."""
+    values = _numbers(described.get(key), f"the description's {key}", "", ADDRESS_MAX)
+    if count is not None and len(values) != count:
+        raise InvalidArgumentError(
+            f"the description's {key} lists {len(values)} values for {count} regions"
+        )
+    return values
+
+
+def _numbers(values: object, what: str, each: str = "", high: int = LARGEST) -> list[int]:
+    if not isinstance(values, (list, tuple)):
+        raise InvalidArgumentError(f"{what} must be a list of ints, got {values!r}")
+    return [
+        integer(v, f"{what}[{i}]{' ' + each if each else ''}", 0, high)
+        for i, v in enumerate(values)
+    ]
 
 
 class Batch:
@@ -84,8 +185,11 @@ class Link:
     regions: list[int]
 
     def submit(self, runs: list[Run]) -> Batch:
-        """Start the copies; TransferError if they cannot be started (a dead peer, a run
-        outside a region or outside the memory registered on this side). Runs in flight
+        """Start the copies; InvalidArgumentError for a run that is not four ints, of at
+        least 1 byte, at an offset >= 0 (naming the run and the field); TransferError if they
+        cannot be started (a dead peer, a run outside a region or outside the memory
+        registered on this side). Either before the first byte moves: a RunChecker's
+        check(runs), whose runs (plain ints) are the ones to copy. Runs in flight
         together (of one submit, or of submits not yet landed) must not overlap in the
         destination: the order they land in is the transport's. A submit made after
         another landed lands after it."""
@@ -115,6 +219,14 @@ class Transport:
 
     #: The name plugins register under ("shm", "mooncake", ...).
     name: ClassVar[str] = ""
+    #: How a Batch knows it is done, one of COMPLETIONS. "target": only once every byte of
+    #: its runs is in the destination's memory, so that a run submitted after it is done (the
+    #: streamer's "landed" word) cannot be read there before them. "local": once this side
+    #: handed the bytes on (a socket's buffer, a send queue), which they may still be in.
+    #: A transport that does not say is taken at the weaker word: "local", which the
+    #: streamer refuses (require_target_completion); the transport kit proves "target"
+    #: under load.
+    completion: ClassVar[str] = "local"
 
     def endpoint(self, regions: list, name: str) -> Endpoint:
         """Make `regions` (memory objects pdhal knows: tensors, host buffers) reachable
@@ -125,3 +237,29 @@ class Transport:
         """A Link to the endpoint `described`, copying from `sources` ((address, bytes) of
         this side's memory, registered with the transport here)."""
         raise NotImplementedError
+
+
+#: The values of Transport.completion, the promise first.
+COMPLETIONS = ("target", "local")
+
+
+def require_target_completion(transport: Transport) -> None:
+    """Refuse a transport whose batches are done before their bytes are in the
+    destination's memory (TransferError naming it and what it declares): a word written
+    once they are done, as "landed" is, could be read there before the bytes."""
+    declared = getattr(transport, "completion", None)
+    if declared == "target":
+        return
+    name = getattr(transport, "name", "") or type(transport).__qualname__
+    why = (
+        "reports a batch done once it is handed on here, before its bytes are in the "
+        "destination's memory"
+        if declared == "local"
+        else f"does not declare one of {', '.join(map(repr, COMPLETIONS))}"
+    )
+    raise TransferError(
+        f"transport {name!r} declares completion {declared!r} (Transport.completion): it "
+        f"{why}, so a 'landed' word written after a batch is done could be read before the "
+        f"batch's bytes; use a transport whose completion is 'target' (shm's is), or make "
+        f"{name!r} know completion at the target and declare it"
+    )

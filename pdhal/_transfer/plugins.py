@@ -71,8 +71,12 @@ def _load(name: str) -> Transport:
 
 
 def describe() -> list[dict]:
-    """Each transport: its name, where it comes from, and whether it loads (`pdhal info`)."""
-    out = [{"name": name, "source": "built in", "status": "ok"} for name in sorted(_builtin())]
+    """Each transport: its name, where it comes from, whether it loads, and how it knows a
+    write completed (`pdhal info`; KVStreamer takes only "target")."""
+    out = [
+        {"name": name, "source": "built in", "status": "ok", "completion": kind.completion}
+        for name, kind in sorted(_builtin().items())
+    ]
     for name, ep in sorted(_entry_points().items()):
         if name in _builtin():
             continue
@@ -83,7 +87,7 @@ def describe() -> list[dict]:
             "status": "ok",
         }
         try:
-            transport(name)
+            entry["completion"] = transport(name).completion
         except (TransportLoadError, InvalidArgumentError) as e:
             entry["status"], entry["error"] = "broken", str(e)
         out.append(entry)

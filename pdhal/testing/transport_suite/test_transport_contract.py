@@ -1,8 +1,10 @@
 """The transport contract (pdhal.transfer.Transport), checked against a destination in
 another process: every byte of many runs lands where it was sent, later submits land over
-earlier ones, a run outside the destination is refused with nothing written, a dead peer
-is reported, a stopped one never hangs a wait past its timeout, and connecting and closing
-leaves nothing behind."""
+earlier ones, a run outside the destination or not made of ints is refused with nothing
+written, a garbage description is refused at connect, a dead peer is reported, a stopped
+one never hangs a wait past its timeout, and connecting and closing leaves nothing behind.
+The completion a transport declares is one pdhal knows, and "target" is proved under load:
+a marker written once a batch is done is never read before the batch's bytes."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import numpy as np
 import pytest
 
 import pdhal
-from pdhal import TransferError
+from pdhal import InvalidArgumentError, TransferError
+from pdhal.transfer import COMPLETIONS, Transport, require_target_completion
 
 
 def _source(nbytes: int, seed: int) -> np.ndarray:
@@ -86,6 +89,129 @@ def test_a_run_outside_the_destination_fails_and_writes_nothing(
         assert dest.digests() == [_digest(np.zeros(4096, np.uint8))], "a refused submit wrote"
     finally:
         link.close()
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (lambda a: (a, 0, 0, -16), "bytes"),
+        (lambda a: (a, 0, 0, 0), "bytes"),
+        (lambda a: (a, 0, 16.0, 16), "offset"),
+        (lambda a: (a, False, 0, 16), "region"),
+        (lambda a: (None, 0, 0, 16), "source address"),
+        (lambda a: (a, 0, -16, 16), "offset"),
+        (lambda a: (a, 0, np.float64(16), 16), "offset"),
+        (lambda a: (a, 0, 16), None),
+        (lambda a: a, None),
+    ],
+    ids=["negative", "zero", "float", "bool", "none", "offset", "np-float", "three", "int"],
+)
+def test_a_run_of_bad_fields_is_refused_and_nothing_is_written(transport, destination, bad, field):
+    """A run that is not four ints (anything with __index__ but a bool), at least 1 byte at
+    an offset >= 0, is refused naming the run and the field, the good run before it unsent."""
+    dest = destination([4096])
+    source = _source(4096, seed=12)
+    link = transport.connect(dest.described, [(source.ctypes.data, source.nbytes)])
+    try:
+        good = (source.ctypes.data, 0, 0, 16)
+        what = f"run 1's {field}" if field else "run 1 must be"
+        with pytest.raises(InvalidArgumentError, match=what):
+            link.submit([good, bad(source.ctypes.data)]).wait(30.0)
+        assert dest.digests() == [_digest(np.zeros(4096, np.uint8))], "a refused submit wrote"
+        link.submit([good]).wait(30.0)  # the link is still good
+        assert link.problem() is None
+    finally:
+        link.close()
+
+
+def test_numpy_integers_are_ints_in_a_run(transport, destination):
+    dest = destination([4096])
+    source = _source(4096, seed=13)
+    link = transport.connect(dest.described, [(source.ctypes.data, source.nbytes)])
+    try:
+        run = (np.uint64(source.ctypes.data), np.int32(0), np.int64(0), np.int16(4096))
+        link.submit([run]).wait(30.0)
+        assert dest.digests() == [_digest(source)]
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize(
+    "regions",
+    [[-1], ["4096"], [True], [4096.0], None, 4096],
+    ids=["negative", "str", "bool", "float", "none", "int"],
+)
+def test_a_description_of_garbage_regions_is_refused_at_connect(transport, destination, regions):
+    dest = destination([4096])
+    source = _source(4096, seed=14)
+    with pytest.raises(InvalidArgumentError, match="regions"):
+        transport.connect(dict(dest.described, regions=regions), [(source.ctypes.data, 4096)])
+
+
+def test_the_transport_declares_how_it_knows_completion(transport):
+    """Transport.completion is one pdhal knows; require_target_completion passes it if it
+    is "target", else refuses it naming it, as it does a transport that declares nothing."""
+    assert transport.completion in COMPLETIONS, (
+        f"{transport.name} declares {transport.completion!r}"
+    )
+    if transport.completion == "target":
+        require_target_completion(transport)
+    else:
+        with pytest.raises(TransferError, match=f"transport {transport.name!r} declares"):
+            require_target_completion(transport)
+
+    class Silent(Transport):
+        name = "silent"
+
+    with pytest.raises(TransferError, match="transport 'silent' declares completion 'local'"):
+        require_target_completion(Silent())
+
+
+#: The load of the test below: requests of AREA bytes each, written in SUBMITS submits of
+#: RUNS runs in flight together, then their marker (8 bytes) in a submit of its own.
+AREA, REQUESTS, SUBMITS, RUNS = 16 << 20, 96, 4, 4
+
+
+def test_a_marker_written_once_a_batch_is_done_never_overtakes_its_bytes(
+    transport, watching_destination, busy_cpu
+):
+    """Completion at the target, under load: REQUESTS requests of AREA bytes, a CPU kept
+    busy meanwhile. Each request's data goes in SUBMITS submits in flight
+    together; once they are all done, a marker word goes in a submit of its own (as the
+    streamer writes "landed"). The destination spins on the marker and checks every byte of
+    the request's data at once: a byte not there yet means a batch was reported done before
+    its bytes were in the destination's memory. (Two data areas, used in turn, so that the
+    destination checks one while the next request is written to the other.)"""
+    if transport.completion != "target":
+        pytest.skip(f"{transport.name} declares completion {transport.completion!r}")
+    dest = watching_destination(AREA, REQUESTS, bound=60.0)
+    words = np.arange(AREA // 8, dtype=np.uint64)
+    data, marks = np.empty(AREA // 8, np.uint64), np.zeros(2, np.uint64)
+    sources = [(data.ctypes.data, data.nbytes), (marks.ctypes.data, marks.nbytes)]
+    link = transport.connect(dest.described, sources)
+    chunk = AREA // (SUBMITS * RUNS)
+    verdicts = []
+    try:
+        for k in range(REQUESTS):
+            slot, mark = k % 2, k + 1
+            if k >= 2:  # area `slot` was request k - 2's: its check is over
+                verdicts.append(dest.verdict())
+            data[:] = words + np.uint64(mark << 40)
+            runs = [(data.ctypes.data + at, slot, at, chunk) for at in range(0, AREA, chunk)]
+            batches = [link.submit(runs[i : i + RUNS]) for i in range(0, len(runs), RUNS)]
+            for batch in batches:
+                batch.wait(60.0)
+            marks[slot] = mark
+            link.submit([(marks.ctypes.data + 8 * slot, 2, 8 * slot, 8)]).wait(60.0)
+        verdicts += [dest.verdict() for _ in range(min(2, REQUESTS))]
+        dest.close()
+    finally:
+        link.close()
+    early = [v for v in verdicts if v["missing"] != 0]
+    assert not early, (
+        f"{len(early)} of {REQUESTS} requests' markers were read before their bytes were there "
+        f"(a batch reported done before its bytes were in the destination's memory): {early[:5]}"
+    )
 
 
 def test_a_source_outside_the_memory_given_is_refused(transport, destination):

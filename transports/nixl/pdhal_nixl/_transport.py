@@ -49,6 +49,7 @@ from pdhal.transfer import (
     Link,
     RunChecker,
     Transport,
+    described_numbers,
     region_bytes,
     region_devices,
 )
@@ -311,15 +312,15 @@ class NixlLink(Link):
     def __init__(self, agent: _Agent, described: dict, sources: list[tuple[int, int]]):
         self._agent = agent
         self.target = str(described["agent"])
-        self._addresses = [int(a) for a in described["addresses"]]
-        self.regions = [int(n) for n in described["regions"]]
+        self._runs = RunChecker(described["regions"], sources)  # sizes checked, and sources
+        self.regions = self._runs.regions
+        self._addresses = described_numbers(described, "addresses")
         metadata = base64.b64decode(described["metadata"], validate=True)
         if len(self._addresses) != len(self.regions) or not self.regions:
             raise InvalidArgumentError(
                 f"a nixl endpoint's description has {len(self._addresses)} addresses for "
                 f"{len(self.regions)} regions"
             )
-        self._runs = RunChecker(self.regions, sources)
         self._keys: list[int] = []
         self._orphans: list[int] = []  # requests given up by a wait, not yet ended by UCX
         self._lock = threading.Lock()
@@ -437,7 +438,7 @@ class NixlLink(Link):
     def submit(self, runs) -> Batch:
         if self._broken:
             raise TransferError(self._broken)
-        self._runs.check(runs)  # every run, before the first is written
+        runs = self._runs.check(runs)  # every run, before the first is written
         if self._orphans:
             self._reap()
         if not runs:
@@ -503,6 +504,11 @@ class NixlEndpoint(Endpoint):
 
 class NixlTransport(Transport):
     name = "nixl"
+    #: NIXL's UCX backend follows each request's writes with ucp_ep_flush_nbx and keeps the
+    #: request in progress until the flush completes (src/plugins/ucx/ucx_backend.cpp,
+    #: sendXferRange; ucx_utils.cpp, flushEp): UCX completes a flush once every put before
+    #: it completed at the remote side, over any of its transports (tcp acknowledges puts).
+    completion = "target"
 
     def __init__(self):
         self._agent: _Agent | None = None
