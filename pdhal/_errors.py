@@ -37,6 +37,11 @@ class ClosedHandleError(PdhalError, ValueError):
     """A handle was used after close() (or after destroy)."""
 
 
+class MemoryPinnedError(InvalidArgumentError):
+    """A free, close or unmap of memory that an object naming it for its whole life (a
+    KVStreamer's or KVReceiver's cache layout) still pins: close that object first."""
+
+
 class UnsupportedError(PdhalError, NotImplementedError):
     """The active backend or its runtime version does not offer this operation."""
 

@@ -147,6 +147,7 @@ def check_copy(dst, dst_block_ids, src, src_block_ids, block_bytes: int) -> None
     side's extent), copying nothing: an op made of several copies (K then V, one layer after
     another) checks them all first, so a bad argument of the last leaves the first unmade."""
     d, s, dst_ids, src_ids, block_bytes = _plan(dst, dst_block_ids, src, src_block_ids, block_bytes)
+    _extents.release(_extents.hold([d.extent, s.extent]))  # freed memory: refused, as there
     for side, ref, ids in (("destination", d, dst_ids), ("source", s, src_ids)):
         blocks = ref.nbytes // block_bytes
         if ids and (min(ids) < 0 or max(ids) >= blocks):

@@ -21,12 +21,7 @@ import bisect
 import logging
 import threading
 
-from pdhal._errors import ClosedHandleError, InvalidArgumentError
-
-
-class MemoryPinnedError(InvalidArgumentError):
-    """A free, close or unmap of memory that an object naming it for its whole life (a
-    KVStreamer's cache layout) still pins: close that object first."""
+from pdhal._errors import ClosedHandleError, MemoryPinnedError
 
 
 class Extent:

@@ -1,23 +1,41 @@
 """The decode side of layer-wise transfers: its caches made reachable through a transport,
 and the outcome of every request it expects, read from its status slots, each bounded by a
 deadline (a prefill side, messager or link that dies or stalls ends the request as failed
-when the deadline passes; nothing waits on it)."""
+when the deadline passes; nothing waits on it).
+
+No write after give-up: a request failed by its deadline is reported at once, but its
+blocks (and its status slot) stay held until the prefill side can no longer write them:
+until its own end of the request arrives in the slot (the prefill side writes that word
+last, after every data write of it settled, and ends the request by the ticket's timeout
+at the latest), or the engine says it is gone (release()). freed() names them then."""
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import errno
+import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 from pdhal import ops
-from pdhal._errors import InvalidArgumentError, TransferError
-from pdhal._protocol.names import validate_name
-from pdhal._transfer import mailbox
-from pdhal._transfer.layout import CacheLayout, seconds
+from pdhal._errors import ChannelBusyError, ClosedHandleError, InvalidArgumentError, TransferError
+from pdhal._protocol.names import namespace, validate_name
+from pdhal._transfer import checks, mailbox
+from pdhal._transfer.layout import CacheLayout
 from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import transport
+
+CLOSED = "the receiver was closed"
+
+#: The (namespace, name) of this process's open receivers. An endpoint name is unique on its
+#: host: a transport refuses one another process serves, and this refuses one served here
+#: (over any transport), since a second receiver of one name would be handed the first
+#: one's transfers.
+_open_names: set[tuple[str, str]] = set()
+_names_lock = threading.Lock()
 
 
 @dataclass
@@ -31,16 +49,36 @@ class _Expected:
 
 class KVReceiver:
     """Expect requests into `layout`'s caches; describe() is what the prefill side connects
-    to (JSON-able), expect() the ticket it sends with each request's destination blocks."""
+    to (JSON-able), expect() the ticket it sends with each request's destination blocks.
+
+    Thread-safe. close() ends it: every call after it (or blocked in wait() while it ran)
+    raises ClosedHandleError("the receiver was closed"), and close() itself returns the
+    outcomes not reported yet, so that each expected request is reported exactly once."""
 
     def __init__(
         self, layout: CacheLayout, name: str, *, transport_name: str = "shm", slots: int = 256
     ):
         validate_name(name, "name")
-        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1 << 16:
-            raise InvalidArgumentError(f"slots must be an int in [1, 65536], got {slots!r}")
+        if not isinstance(layout, CacheLayout):
+            raise InvalidArgumentError(f"layout must be a CacheLayout, got {layout!r}")
+        slots = checks.integer(slots, "slots", 1, 1 << 16)
+        key = (namespace(), name)
+        with _names_lock:
+            if key in _open_names:
+                raise ChannelBusyError(
+                    errno.EBUSY,
+                    f"a KVReceiver named {name!r} is open in this process (pid {os.getpid()}) "
+                    f"already: close it first, or pick another name (an endpoint name is "
+                    f"unique on its host)",
+                )
+            _open_names.add(key)
+        self._key = key
         self.layout = layout
-        self._status = ops.host_alloc(slots * mailbox.SLOT_BYTES)
+        try:
+            self._status = ops.host_alloc(slots * mailbox.SLOT_BYTES)
+        except BaseException:
+            self._forget_name()
+            raise
         ctypes.memset(self._status.address, 0, slots * mailbox.SLOT_BYTES)
         self._view = memoryview(
             (ctypes.c_char * (slots * mailbox.SLOT_BYTES)).from_address(self._status.address)
@@ -52,23 +90,46 @@ class KVReceiver:
         except BaseException:
             self._view.release()
             ops.host_free(self._status)
+            self._forget_name()
             raise
+        self._unpin = layout.pin("KVReceiver")  # no free of the caches it serves
+        # A token naming this receiver in its description and in every ticket: a prefill
+        # side refuses a ticket sent to another receiver's destination.
+        self._token = uuid.uuid4().hex
+        # Guards everything below and the status view: close() releases the view under it,
+        # so no reader is inside the view then.
         self._lock = threading.Lock()
+        self._closed = False
+        self._woken = threading.Event()  # set by close(): wakes every wait() at once
         # first in, first out: a slot given up on (its deadline passed) is handed out again
         # as late as can be, so a stalled prefill side's late write to it meets its own
         # generation's request, or a slot nobody reads
         self._free = collections.deque(range(slots))
         self._generations = [0] * slots
         self._expected: dict[str, _Expected] = {}
+        self._held: dict[str, _Expected] = {}  # failed by their deadline, still writable
         self._ended: list[Outcome] = []
+        self._freed: list[str] = []  # held ones let go since the last freed()
+
+    def _forget_name(self) -> None:
+        with _names_lock:
+            _open_names.discard(self._key)
+
+    def _check_open(self) -> None:
+        """ClosedHandleError once close() ran (under the lock)."""
+        if self._closed:
+            raise ClosedHandleError(CLOSED)
 
     def describe(self) -> dict:
-        """The transport's description, the layout (block sizes, blocks per cache) and the
-        status region's index."""
+        """The transport's description, the layout (block sizes, blocks per cache), the
+        status region's index and this receiver's token ("receiver", as in its tickets)."""
+        with self._lock:
+            self._check_open()
         out = self._endpoint.describe()
         out["layout"] = self.layout.describe()
         out["status_region"] = len(self.layout.memory)
         out["status_slots"] = len(self._generations)
+        out["receiver"] = self._token
         return out
 
     def expect(self, request_id: str, timeout: float, *, layerwise: bool = False) -> dict:
@@ -76,15 +137,25 @@ class KVReceiver:
         s): the ticket the prefill side needs with its destination blocks. `layerwise`: the
         prefill side also reports each layer as it lands (layers_landed), for a decode side
         that computes layer by layer while the rest arrives; it costs a status write per
-        layer."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
-        timeout = seconds(timeout, "timeout")
-        if not isinstance(layerwise, bool):
-            raise InvalidArgumentError(f"layerwise must be a bool, got {layerwise!r}")
+        layer.
+
+        The ticket (JSON-able) holds "request" (`request_id`), "receiver" (this receiver's
+        token, as in describe()), "slot", "generation", "layerwise" and "timeout" (the
+        prefill side ends the request, and writes nothing more of it, once that long
+        passed since it was given the ticket); a prefill side refuses it for another
+        request or another receiver's destination."""
+        request_id = checks.name(request_id, "request_id")
+        timeout = checks.seconds(timeout, "timeout")
+        layerwise = checks.flag(layerwise, "layerwise")
         with self._lock:
+            self._check_open()
             if request_id in self._expected:
                 raise InvalidArgumentError(f"request {request_id!r} is expected already")
+            if request_id in self._held:
+                raise InvalidArgumentError(
+                    f"request {request_id!r}'s blocks are still held (its prefill side may "
+                    f"still write them): expect it again once freed() names it, or release() it"
+                )
             if not self._free:
                 raise InvalidArgumentError(
                     f"all {len(self._generations)} status slots are expected: raise slots, or "
@@ -97,34 +168,79 @@ class KVReceiver:
             )
         return {
             "request": request_id,
+            "receiver": self._token,
             "slot": slot,
             "generation": generation,
             "layerwise": layerwise,
+            "timeout": timeout,
         }
 
+    def _read(self, e: _Expected) -> tuple[int, str]:
+        offset = e.slot * mailbox.SLOT_BYTES
+        return mailbox.read(self._view[offset : offset + mailbox.SLOT_BYTES], e.generation)
+
     def _scan(self) -> None:
-        """Move every request that ended to self._ended (under the lock)."""
+        """Move every request that ended to self._ended, and every held one whose prefill
+        side ended it to self._freed (under the lock, while open)."""
         now = time.monotonic()
         for request_id, e in list(self._expected.items()):
-            offset = e.slot * mailbox.SLOT_BYTES
-            state, reason = mailbox.read(
-                self._view[offset : offset + mailbox.SLOT_BYTES], e.generation
-            )
+            state, reason = self._read(e)
             if state == mailbox.PENDING and now < e.deadline:
                 continue
-            if state == mailbox.PENDING:
-                reason = (
-                    f"nothing landed within {e.timeout:g} s: the prefill side, its messager "
-                    f"or the link died or stalled"
-                )
-            self._ended.append(Outcome(request_id, state == mailbox.LANDED, reason))
             del self._expected[request_id]
-            self._free.append(e.slot)
+            if state != mailbox.PENDING:
+                self._ended.append(Outcome(request_id, state == mailbox.LANDED, reason))
+                self._free.append(e.slot)
+                continue
+            reason = (
+                f"nothing landed within {e.timeout:g} s: the prefill side, its messager or "
+                f"the link died or stalled"
+            )
+            self._ended.append(Outcome(request_id, False, reason, blocks_free=False))
+            self._held[request_id] = e  # its slot too: a late word finds it
+        for request_id, e in list(self._held.items()):
+            if self._read(e)[0] != mailbox.PENDING:  # the prefill side's last write of it
+                self._let_go(request_id)
+
+    def _let_go(self, request_id: str) -> None:
+        e = self._held.pop(request_id)
+        self._free.append(e.slot)
+        self._freed.append(request_id)
+
+    def freed(self) -> list[str]:
+        """The requests failed by their deadline (Outcome.blocks_free False) whose blocks
+        may go back to the allocator now, named once each: their prefill side ended them
+        (every write of theirs has landed), or release() said it is gone."""
+        with self._lock:
+            self._check_open()
+            self._scan()
+            out, self._freed = self._freed, []
+        return out
+
+    def held(self) -> list[str]:
+        """The requests failed by their deadline whose blocks are still held."""
+        with self._lock:
+            self._check_open()
+            self._scan()
+            return list(self._held)
+
+    def release(self, request_id: str) -> None:
+        """The engine knows `request_id`'s prefill side can no longer write its blocks (its
+        process is gone, or its link closed and its registration revoked): let them go
+        (freed() names it). A held request only; one not held is an InvalidArgumentError."""
+        request_id = checks.name(request_id, "request_id")
+        with self._lock:
+            self._check_open()
+            self._scan()
+            if request_id not in self._held:
+                raise InvalidArgumentError(f"request {request_id!r} is not held")
+            self._let_go(request_id)
 
     def poll(self) -> list[Outcome]:
         """The requests that ended and were not reported yet: landed, failed (with the
         prefill side's reason), or failed by their deadline."""
         with self._lock:
+            self._check_open()
             self._scan()
             ended, self._ended = self._ended, []
         return ended
@@ -134,7 +250,9 @@ class KVReceiver:
         lands for a layerwise ticket (else 0), all of them once it landed. Raises
         TransferError with the reason once it failed, InvalidArgumentError if it is not
         expected (or poll() reported it already)."""
+        request_id = checks.name(request_id, "request_id")
         with self._lock:
+            self._check_open()
             self._scan()
             for outcome in self._ended:
                 if outcome.request_id == request_id:
@@ -153,19 +271,52 @@ class KVReceiver:
 
     def wait(self, request_id: str, poll_interval: float = 0.001) -> Outcome:
         """Poll until `request_id` ended (by its deadline at the latest); the outcomes of
-        other requests met meanwhile stay for poll()."""
+        other requests met meanwhile stay for poll(). ClosedHandleError if the receiver is
+        closed meanwhile."""
+        request_id = checks.name(request_id, "request_id")
+        poll_interval = checks.seconds(poll_interval, "poll_interval")
         while True:
             with self._lock:
+                self._check_open()
                 self._scan()
                 for index, outcome in enumerate(self._ended):
                     if outcome.request_id == request_id:
                         return self._ended.pop(index)
-                if request_id not in self._expected:
+                e = self._expected.get(request_id)
+                if e is None:
                     raise InvalidArgumentError(f"request {request_id!r} is not expected")
-            time.sleep(poll_interval)
+                # The slot is written by the prefill side through a transport (a remote
+                # write into this memory), which wakes nobody here: so this polls, never
+                # sleeping past the request's deadline; close() wakes it at once.
+                pause = min(poll_interval, max(0.0, e.deadline - time.monotonic()))
+            self._woken.wait(pause)  # outside the lock: poll() and the others go on
 
-    def close(self) -> None:
-        """Stop serving: the endpoint goes, the expected requests are forgotten."""
-        self._endpoint.close()
-        self._view.release()
-        ops.host_free(self._status)
+    def close(self) -> list[Outcome]:
+        """Stop serving: the endpoint goes and the status memory is freed. Returns the
+        outcomes not reported yet (the last poll()): those that ended, and every request
+        still expected, failed with "the receiver was closed" (a prefill side still sending
+        to it learns of the endpoint's end from its transport). Every later call, and a
+        wait() blocked meanwhile, raises ClosedHandleError. Idempotent: again, it returns
+        []."""
+        with self._lock:
+            if self._closed:
+                return []
+            self._scan()
+            ended = self._ended + [Outcome(r, False, CLOSED) for r in self._expected]
+            self._ended, self._expected = [], {}
+            self._closed = True
+            self._woken.set()
+        self._unpin()
+        try:
+            self._endpoint.close()
+        finally:
+            self._view.release()
+            ops.host_free(self._status)
+            self._forget_name()
+        return ended
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -2,17 +2,32 @@
 region through pdhal's shared memory (set_data_ipc); a link maps them (get_data_ptr_ipc)
 and copies with memmove, so a submit has landed when it returns. A peer is alive while its
 process is: the endpoint's pid and start time are in its description (a recycled pid is
-another process)."""
+another process).
+
+An endpoint name is unique on the host: a name a live endpoint serves, in this process or
+another, is refused (ChannelBusyError naming it). A link checks its peer's description (its
+types, and each region's size against what the name really maps to) before the first byte
+moves, and unmaps the peer's regions when the last link to them in this process closes."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import select
 import threading
 
 from pdhal import ops
-from pdhal._errors import InvalidArgumentError, PdhalError, TransferError
+from pdhal._errors import (
+    ChannelBusyError,
+    ClosedHandleError,
+    InvalidArgumentError,
+    PdhalError,
+    TransferError,
+)
+from pdhal._memory import extents as _extents
+from pdhal._protocol.names import namespace, validate_name
+from pdhal._transfer import checks
 from pdhal._transfer.contract import (
     Batch,
     Endpoint,
@@ -41,16 +56,69 @@ class _Landed(Batch):
         return None
 
 
+#: The (namespace, name) of each endpoint this process serves. set_data_ipc refuses a name
+#: another live process publishes, but replaces this process's own record: without this, a
+#: second endpoint of one name would take the first one's regions from under it.
+_serving: set[tuple[str, str]] = set()
+#: How many of this process's links map each (namespace, published name): the last to close
+#: unmaps it (a reconnection opens its new link before the old one closes).
+_mapped: dict[tuple[str, str], int] = {}
+_lock = threading.Lock()
+
+
+def _map(name: str, timeout: float) -> int:
+    """The address of the region published as `name`, mapped for one more link."""
+    key = (namespace(), name)
+    with _lock:
+        _mapped[key] = _mapped.get(key, 0) + 1
+    try:
+        return ops.get_data_ptr_ipc(None, name, timeout)
+    except BaseException:
+        _unmap(name)
+        raise
+
+
+def _unmap(name: str) -> None:
+    """One link less maps `name`; the last one unmaps it (under the lock, so that a link
+    mapping it meanwhile maps it afresh)."""
+    key = (namespace(), name)
+    with _lock:
+        left = _mapped.pop(key) - 1
+        if left:
+            _mapped[key] = left
+        else:
+            ops.unset_data_ipc(None, name, True, False)
+
+
 class ShmEndpoint(Endpoint):
     """Each region published as NAME.r<i> in pdhal's shared memory."""
 
     def __init__(self, regions: list, name: str):
+        validate_name(name, "name")
         self._sizes = region_bytes(regions)
         self._names: list[str] = []
+        self._key = None
+        key = (namespace(), name)
+        with _lock:
+            if key in _serving:
+                raise ChannelBusyError(
+                    errno.EBUSY,
+                    f"the endpoint name {name!r} is served already by this process (pid "
+                    f"{os.getpid()}): close that endpoint first, or pick another name",
+                )
+            _serving.add(key)
+        self._key = key
         try:
             for index, region in enumerate(regions):
                 shared = f"{name}.r{index}"
-                ops.set_data_ipc(region, shared)
+                try:
+                    ops.set_data_ipc(region, shared)
+                except ChannelBusyError as e:
+                    raise ChannelBusyError(
+                        errno.EBUSY,
+                        f"the endpoint name {name!r} is served already by another live "
+                        f"process on this host ({e}): pick another name",
+                    ) from None
                 self._names.append(shared)
         except BaseException:
             self.close()
@@ -69,6 +137,43 @@ class ShmEndpoint(Endpoint):
     def close(self) -> None:
         while self._names:
             ops.unset_data_ipc(None, self._names.pop(), False, True)
+        with _lock:
+            if self._key is not None:
+                _serving.discard(self._key)
+                self._key = None
+
+
+def _checked(described: object) -> tuple[int, str, list[str], list[int]]:
+    """(pid, start time, names, region sizes) of a peer's description: InvalidArgumentError
+    naming what is wrong with it (a peer's word is checked like a caller's)."""
+    if not isinstance(described, dict):
+        raise InvalidArgumentError(f"an shm description must be a dict, got {described!r}")
+    missing = [key for key in ("pid", "started", "names", "regions") if key not in described]
+    if missing:
+        raise InvalidArgumentError(f"the shm description lacks {', '.join(missing)}")
+    # a pid is at most PID_MAX_LIMIT (2^22) on Linux
+    pid = checks.integer(described["pid"], "the description's pid", 1, 1 << 22)
+    started = described["started"]
+    if not isinstance(started, str) or not started.isdigit():
+        raise InvalidArgumentError(
+            f"the description's started must be a process start time (a str of digits), "
+            f"got {started!r}"
+        )
+    names, sizes = described["names"], described["regions"]
+    for what, value in (("names", names), ("regions", sizes)):
+        if not isinstance(value, list):
+            raise InvalidArgumentError(f"the description's {what} must be a list, got {value!r}")
+    if len(names) != len(sizes):
+        raise InvalidArgumentError(
+            f"the description names {len(names)} regions but sizes {len(sizes)}"
+        )
+    for index, name in enumerate(names):
+        validate_name(name, f"the description's names[{index}]")
+    sizes = [
+        checks.integer(size, f"the description's regions[{index}] (its bytes)")
+        for index, size in enumerate(sizes)
+    ]
+    return pid, started, list(names), sizes
 
 
 class ShmLink(Link):
@@ -77,11 +182,13 @@ class ShmLink(Link):
     its start time), or through /proc where pidfds are missing."""
 
     def __init__(self, described: dict, sources: list[tuple[int, int]], timeout: float):
-        self._pid, self._started = described["pid"], described["started"]
-        self._runs = RunChecker(described["regions"], sources)
-        self.regions = list(described["regions"])
+        self._pid, self._started, names, sizes = _checked(described)
+        self._runs = RunChecker(sizes, sources)
+        self.regions = sizes
         self._names: list[str] = []
-        self._bases: list[int] = []
+        # each region's address and extent (held while copying into it), as one value: a
+        # close swaps it whole, so a submit reads both of one mapping
+        self._targets: tuple[list[int], list[_extents.Extent]] = ([], [])
         self._pidfd, self._exit, self._exit_lock = -1, None, threading.Lock()
         try:
             self._pidfd = os.pidfd_open(self._pid)
@@ -93,9 +200,21 @@ class ShmLink(Link):
         try:
             if _start_time(self._pid) != self._started:
                 raise TransferError(f"the destination process (pid {self._pid}) is gone")
-            for name in described["names"]:
-                self._bases.append(ops.get_data_ptr_ipc(None, name, timeout))
+            for index, name in enumerate(names):
+                base = _map(name, timeout)
                 self._names.append(name)
+                # the runs are bounded by the described sizes: each must be what the name
+                # really maps to, or a lying peer would have this process copy past it
+                extent = _extents.find(base)
+                real = extent.nbytes if extent is not None and extent.start == base else None
+                if real != sizes[index]:
+                    raise InvalidArgumentError(
+                        f"the description's region {index} ({name!r}) is {sizes[index]} bytes, "
+                        f"but what it maps to is "
+                        f"{'of unknown size' if real is None else f'{real} bytes'}"
+                    )
+                self._targets[0].append(base)
+                self._targets[1].append(extent)
         except BaseException:
             self.close()
             raise
@@ -112,17 +231,27 @@ class ShmLink(Link):
         why = self.problem()
         if why is not None:
             raise TransferError(why)
-        self._runs.check(runs)  # every run, before the first byte moves
-        bases, memmove = self._bases, ctypes.memmove
-        for src, region, offset, nbytes in runs:
-            memmove(bases[region] + offset, src, nbytes)
+        runs = self._runs.check(runs)  # every run, before the first byte moves
+        (bases, extents), memmove = self._targets, ctypes.memmove
+        if len(bases) != len(self.regions):
+            raise TransferError("the link was closed")
+        try:  # a close meanwhile unmaps the regions only once these copies are done
+            held = _extents.hold(extents)
+        except ClosedHandleError:
+            raise TransferError("the link was closed") from None
+        try:
+            for src, region, offset, nbytes in runs:
+                memmove(bases[region] + offset, src, nbytes)
+        finally:
+            _extents.release(held)
         return _Landed()
 
     def close(self) -> None:
-        """Unmap the destination's regions (their records stay: the endpoint's own)."""
-        self._bases = []
+        """Unmap the destination's regions (their records stay: the endpoint's own), once
+        no other link of this process maps them. Idempotent."""
+        self._targets = ([], [])
         while self._names:
-            ops.unset_data_ipc(None, self._names.pop(), True, False)
+            _unmap(self._names.pop())
         with self._exit_lock:
             if self._pidfd >= 0:
                 os.close(self._pidfd)
@@ -131,6 +260,9 @@ class ShmLink(Link):
 
 class ShmTransport(Transport):
     name = "shm"
+    #: A submit's memmove into the mapped destination has written every byte by the time
+    #: it returns: the batch is done at the target.
+    completion = "target"
 
     def __init__(self, connect_timeout: float = 10.0):
         self._timeout = connect_timeout
@@ -141,7 +273,7 @@ class ShmTransport(Transport):
     def connect(self, described: dict, sources: list[tuple[int, int]]) -> Link:
         try:
             return ShmLink(described, sources, self._timeout)
-        except (KeyError, TypeError) as e:
-            raise InvalidArgumentError(f"not an shm endpoint's description: {e}") from None
+        except InvalidArgumentError:  # a description that is wrong: it names what
+            raise
         except PdhalError as e:
             raise TransferError(f"cannot map the destination's memory: {e}") from None

@@ -47,6 +47,24 @@ def test_check_copy_refuses_what_copy_blocks_would_and_copies_nothing():
         blocks.check_copy(dst, [0], src, [0, 1], BLOCK)
 
 
+def test_check_copy_refuses_freed_memory_as_copy_blocks_does():
+    """A span named while its buffer lived, checked after the free: refused by the check as
+    by the copy (a check that passed would let an op's first copies go before the freed
+    one failed)."""
+    dst = ops.host_alloc(4 * BLOCK)
+    freed = ops.host_alloc(4 * BLOCK)
+    span = blocks.memory_span(freed.address)
+    ops.host_free(freed)
+    try:
+        for memory in (span, freed):
+            with pytest.raises(pdhal.ClosedHandleError, match="freed"):
+                blocks.check_copy(dst, [0], memory, [1], BLOCK)
+            with pytest.raises(pdhal.ClosedHandleError, match="freed"):
+                ops.copy_blocks(dst, [0], memory, [1], BLOCK)
+    finally:
+        ops.host_free(dst)
+
+
 def test_block_bytes_of_a_cache_is_its_bytes_over_its_blocks():
     assert blocks.block_bytes_of(np.zeros((5, 2, 8), dtype=np.float16)) == 32
     with pytest.raises(pdhal.InvalidArgumentError, match="must be a \\[blocks, ...\\] cache"):

@@ -120,9 +120,9 @@ def test_a_refused_retire_retires_nothing():
         base = buf.address
         again = _extents.register(base, BLOCK_BYTES, "cpu", "a second name")
         pinned = _extents.pin([buf._extent], "KVReceiver")
-        with pytest.raises(_extents.MemoryPinnedError, match="held by KVReceiver"):
+        with pytest.raises(pdhal.MemoryPinnedError, match="held by KVReceiver"):
             _extents.retire(base)
-        with pytest.raises(_extents.MemoryPinnedError, match="held by KVReceiver"):
+        with pytest.raises(pdhal.MemoryPinnedError, match="held by KVReceiver"):
             _extents.retire(again)
         assert not buf._extent.retired and not again.retired
         assert _extents.find(base) is again

@@ -171,7 +171,14 @@ def get_peer_mem_addr(ptr_or_tensor) -> int:
 
 # ---- sharing KV-cache buffers between processes --------------------------------------
 
-_imported: dict[str, _core.Segment] = {}  # mappings stay for the process's life, like CUDA IPC
+# What this process mapped of other processes' buffers. One mapping per buffer (a segment
+# path), shared by every name inside it; each name's extent bounds raw addresses into it.
+# unset_data_ipc(close_ipc=True) of a name retires its extents and drops the mapping once no
+# name in it is left; an array share_external_data returned holds the mapping itself (a
+# numpy view over unmapped memory would crash), so the mapping goes with the last of them.
+_imported: dict[str, _core.Segment] = {}  # path -> its mapping
+_imported_names: dict[str, list[tuple[str, _extents.Extent]]] = {}  # name -> (path, extent)
+_imported_lock = threading.Lock()
 
 
 def set_data_ipc(tensor, name: str) -> None:
@@ -205,17 +212,29 @@ def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
         raise UnsupportedError(
             f"the cpu backend maps shared buffers through numpy, which has no dtype {dtype}"
         ) from None
-    seg = _imported.get(record["path"])
+    path = record["path"]
+    seg = _imported.get(path)
     if seg is None:
-        seg = _imported.setdefault(
-            record["path"], _core.Segment.open(record["path"], _core.KIND_BUFFER, timeout)
+        opened = _core.Segment.open(path, _core.KIND_BUFFER, timeout)
+        with _imported_lock:
+            seg = _imported.setdefault(path, opened)
+    # the record is its publisher's word: what it names must lie inside what was mapped
+    offset, nbytes, size = record["offset"], record["nbytes"], len(seg.body())
+    if not all(type(n) is int for n in (offset, nbytes)) or not 0 <= offset <= size - nbytes:
+        raise InvalidArgumentError(
+            f"the record of {name!r} names bytes [{offset!r}, +{nbytes!r}) of a buffer of "
+            f"{size}: not what set_data_ipc shares"
         )
     # What was shared is the tensor, not the whole buffer behind it: an address inside the
     # mapping is bounded by the tensor's bytes.
-    _extents.register(
-        seg.body_address() + record["offset"], record["nbytes"], "cpu", f"shared buffer {name!r}"
-    )
-    view = memoryview(seg.body())[record["offset"] : record["offset"] + need]
+    address = seg.body_address() + offset
+    extent = _extents.register(address, nbytes, "cpu", f"shared buffer {name!r}")
+    with _imported_lock:
+        known = _imported_names.setdefault(name, [])
+        if not any(p == path and e is extent for p, e in known):
+            known.append((path, extent))
+    view = (ctypes.c_char * need).from_address(address)
+    view.segment = seg  # the array keeps the mapping: see _imported
     array = np.frombuffer(view, dtype=numpy_dtype).reshape(shape)
     if is_paddle_tensor(like):
         import paddle
@@ -231,10 +250,23 @@ def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
 
 
 def unset_data_ipc(tensor, name: str, close_ipc: bool = True, unlink_shm: bool = True) -> None:
-    """Stop sharing `name`: remove the record this process published (readers of the name
-    then get a clear error). The cpu backend keeps mappings it imported for the process's
-    life (a numpy view over an unmapped buffer would crash), so close_ipc changes nothing."""
-    _published.unset(name, unlink_shm)
+    """Stop sharing `name`: with unlink_shm, remove the record this process published
+    (readers of the name then get a clear error; another live publisher's is refused); with
+    close_ipc, unmap this process's import of it: ops using it finish first, later ones and
+    raw addresses into it are refused, and the mapping goes once no name in its buffer is
+    imported and no array share_external_data returned over it is left."""
+    _published.unset(name, unlink_shm)  # first: a refusal leaves the mapping as it was
+    if not close_ipc:
+        return
+    with _imported_lock:
+        forgotten = _imported_names.pop(name, [])
+    for _, extent in forgotten:
+        _extents.retire(extent)  # copies are done on return here: none can be queued
+    with _imported_lock:
+        still = {path for known in _imported_names.values() for path, _ in known}
+        for path, _ in forgotten:
+            if path not in still:
+                _imported.pop(path, None)  # unmapped with the last reference to it
 
 
 # ---- host registration and block copies ------------------------------------------------
