@@ -18,19 +18,22 @@ Transports are plugins (`shm` built in; entry-point group `pdhal.transports`, ho
 """
 
 from pdhal._transfer.contract import (
+    COMPLETIONS,
     Batch,
     Endpoint,
     Link,
     Run,
     RunChecker,
     Transport,
+    described_numbers,
     region_bytes,
     region_devices,
+    require_target_completion,
 )
 from pdhal._transfer.feeds import PerChunkFeed, PerQueryFeed
 from pdhal._transfer.heads import HeadShard, head_shards, rank_heads
 from pdhal._transfer.layout import CacheLayout, CacheSpec, RunPlanner, block_runs
-from pdhal._transfer.metrics import LayerRecord, TransferMetrics
+from pdhal._transfer.metrics import LayerRecord, RequestRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import names as transports
 from pdhal._transfer.plugins import transport
@@ -38,6 +41,7 @@ from pdhal._transfer.receiver import KVReceiver
 from pdhal._transfer.streamer import Destination, KVStreamer
 
 __all__ = [
+    "COMPLETIONS",
     "Batch",
     "CacheLayout",
     "CacheSpec",
@@ -51,16 +55,19 @@ __all__ = [
     "Outcome",
     "PerChunkFeed",
     "PerQueryFeed",
+    "RequestRecord",
     "Run",
     "RunChecker",
     "RunPlanner",
     "Transport",
     "TransferMetrics",
     "block_runs",
+    "described_numbers",
     "head_shards",
     "region_bytes",
     "rank_heads",
     "region_devices",
+    "require_target_completion",
     "transport",
     "transports",
 ]

@@ -9,6 +9,7 @@ send, so a bad value fails only the call that gave it."""
 from __future__ import annotations
 
 import math
+import operator
 
 from pdhal._errors import InvalidArgumentError
 
@@ -21,12 +22,23 @@ LARGEST = 1 << 48
 def integer(value: object, what: str, low: int = 0, high: int = LARGEST) -> int:
     """`value` as an int in [low, high]; anything with __index__ but a bool."""
     expected = f"an int >= {low}" if high == LARGEST else f"an int in [{low}, {high}]"
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+    number = _index(value)
+    if number is None:
         raise InvalidArgumentError(f"{what} must be {expected}, got {value!r}")
-    number = value.__index__()
     if not low <= number <= high:
         raise InvalidArgumentError(f"{what} must be {expected}, got {number}")
     return number
+
+
+def _index(value: object) -> int | None:
+    """`value` as an int if it is one (anything with __index__ but a bool), else None (a
+    numpy array of one element has __index__ too, and raises in it)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def seconds(value: object, what: str) -> float:
@@ -61,11 +73,11 @@ def block_ids(
         raise InvalidArgumentError(f"{what} must be a list of block ids, got {values!r}")
     ids = []
     for index, value in enumerate(values):
-        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        number = _index(value)
+        if number is None:
             raise InvalidArgumentError(
                 f"{what}[{index}] must be a block id (an int), got {value!r}"
             )
-        number = value.__index__()
         if not 0 <= number < limit:
             raise InvalidArgumentError(
                 f"{what}[{index}] is block {number}, outside the {where}' {limit} blocks"

@@ -1,56 +1,97 @@
-"""One decode side a streamer sends to: its link, how blocks become bytes there, and the
-machinery that keeps it apart from every other decode side: its own window of submits in
-flight, the sends waiting for that window, the thread that completes its submits in order,
-and the buffers its status words go out from."""
+"""One decode side a streamer sends to, as an active object: it owns its link, its window of
+writes in flight, the writes waiting for that window, the buffers its status words go out
+from, and two threads, one submitting its writes in order and one completing them in order.
+The streamer only hands it writes (put) and never waits on it, so no caller of the
+streamer (a layer signal, fail, abort, a messager's event loop) is held by a slow decode
+side, and every copy, the shm transport's memmove included, runs off the caller's thread.
+
+A write that fails, or has not landed stall_timeout after it was submitted, breaks the
+destination as a whole: every request sent to it so far fails (its decode side ends it by
+its own deadline), the writes still waiting are dropped, and the link is retired, closed
+once the writes on it settled. Nothing of the old link is used again (no status buffer a
+stalled write may still read), and the next request sent there connects anew: a stall that
+passes costs the requests in flight, never the ones after it.
+
+Why the completing thread waits on each write in turn rather than on a wake: a transport's
+Batch is a completion to poll or wait for (Mooncake's and NIXL's are polled); each wait is
+bounded by what is left of that write's own stall_timeout."""
 
 from __future__ import annotations
 
 import collections
 import ctypes
-import queue
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from pdhal._errors import TransferError
 from pdhal._transfer import mailbox
 from pdhal._transfer.contract import Batch, Link
 from pdhal._transfer.layout import RunPlanner
 
-#: Status words one destination may have going out at once.
-STATUS_BUFFERS = 64
+#: The shortest wait for a write whose stall_timeout passed while it queued: one look.
+MIN_WAIT_S = 1e-3
 
 
 @dataclass(eq=False)
-class Send:
-    """One layer's newly sendable blocks of some requests, to one destination."""
+class Write:
+    """One submit to a destination, from the moment it is put to when it settled."""
 
-    layer: int
-    items: list  # (request, blocks) it carries
-    copies: list  # the transport's runs
-    nbytes: int
-    signal_ns: int
-    step: int | None  # the engine's, if it said
+    epoch: int = 0  # the destination's link generation it was put in
     batch: Batch | None = None  # once submitted
     submit_ns: int = 0
+    failed: str | None = None  # why it could not be submitted; "" when dropped unsent
+    channel: _Channel | None = None
+
+
+@dataclass(eq=False)
+class Send(Write):
+    """One layer's newly sendable blocks of some requests."""
+
+    layer: int = 0
+    items: list = field(default_factory=list)  # (request, blocks) it carries
+    copies: list = field(default_factory=list)  # the transport's runs
+    nbytes: int = 0
+    signal_ns: int = 0
+    step: int | None = None  # the engine's, if it said
+
+
+@dataclass(eq=False)
+class StatusWrite(Write):
+    """Bytes into one request's status slot: a progress word, a failure's reason, or its
+    outcome word (`action`: the outcome it posts, None for progress)."""
+
+    request: object = None
+    at: int = 0  # offset in the slot
+    data: bytes = b""
+    action: object = None
+    then: bytes | None = None  # the outcome word, written once this reason landed
+    buffer: int = 0  # the status buffer it is copied from, once submitted
 
 
 class StatusBuffers:
-    """Source memory for status words: a buffer is never handed out again while a submit
-    that may still read it is unsettled (a wait that timed out poisons it for good)."""
+    """Source memory for status words, one buffer per write that may be in flight."""
 
-    def __init__(self, count: int = STATUS_BUFFERS):
+    def __init__(self, count: int):
         self._memory = (ctypes.c_char * (count * mailbox.SLOT_BYTES))()
         self.address, self.nbytes = ctypes.addressof(self._memory), count * mailbox.SLOT_BYTES
         self._free = collections.deque(range(count))
-        self._lock = threading.Lock()
 
-    def take(self) -> int | None:
-        """The address of a free buffer, or None when every one is in use or poisoned."""
-        with self._lock:
-            return self.address + self._free.popleft() * mailbox.SLOT_BYTES if self._free else None
+    def take(self) -> int:
+        return self.address + self._free.popleft() * mailbox.SLOT_BYTES
 
     def give_back(self, address: int) -> None:
-        with self._lock:
-            self._free.append((address - self.address) // mailbox.SLOT_BYTES)
+        self._free.append((address - self.address) // mailbox.SLOT_BYTES)
+
+
+class _Channel:
+    """One link to the decode side and the status buffers it copies from."""
+
+    def __init__(self, link: Link, status: StatusBuffers):
+        self.link, self.status = link, status
+        self.outstanding = 0  # writes submitted on it, not settled
+        self.retired = False  # no new writes; closed once the last settled
 
 
 class Destination:
@@ -58,19 +99,206 @@ class Destination:
 
     def __init__(
         self,
-        link: Link,
+        connect: Callable[[tuple[int, int]], Link],
         planner: RunPlanner,
         status_region: int,
         status_slots: int,
+        receiver: str,
         window: int,
-        status: StatusBuffers,
+        stall_timeout: float,
+        settled: Callable[[Destination, Write, str | None], None],
+        broken: Callable[[Destination, int, str], None],
     ):
-        self.link, self.planner = link, planner
-        self.status_region, self.status_slots, self.status = status_region, status_slots, status
-        #: Submits in flight at most (max_layers_in_flight).
-        self.window = threading.BoundedSemaphore(window)
-        self.backlog: collections.deque[Send] = collections.deque()  # waiting for the window
-        self.queue: queue.Queue[Send | None] = queue.Queue()  # in flight, for the thread
-        self.outstanding = 0  # queued for the completion thread, or being completed
-        self.thread: threading.Thread | None = None
-        self.retired = False  # no new sends; its thread closes the link after its last
+        """`connect(status source)`: a new link to the decode side; `settled(dest, write,
+        reason)`: a write landed (None), failed (its reason) or was dropped unsent ("");
+        `broken(dest, epoch, reason)`: every request put before `epoch` is to fail."""
+        self.planner, self.status_region, self.status_slots = planner, status_region, status_slots
+        self.receiver = receiver  # the receiver tickets for this decode side must name
+        self._connect, self._window, self._stall = connect, window, stall_timeout
+        self._settled, self._broken = settled, broken
+        self._cond = threading.Condition()
+        self._inbox: collections.deque[Write] = collections.deque()  # waiting for the window
+        self._submitted: collections.deque[Write] = collections.deque()  # in order
+        self._taken = 0  # window places held: being submitted, or submitted and unsettled
+        self._stopping = False
+        self._submitting_done = False
+        #: The link generation: a break starts the next one.
+        self.epoch = 0
+        self._channel: _Channel | None = self._open()  # a connect failure is the caller's
+        self._threads = [
+            threading.Thread(target=self._submit_loop, name="pdhal-transfer-submit", daemon=True),
+            threading.Thread(
+                target=self._complete_loop, name="pdhal-transfer-complete", daemon=True
+            ),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _open(self) -> _Channel:
+        status = StatusBuffers(self._window + 1)
+        return _Channel(self._connect((status.address, status.nbytes)), status)
+
+    # ---- what the streamer asks ---------------------------------------------------
+
+    def put(self, write: Write) -> None:
+        """Queue `write` behind those put before it (never blocks on the decode side)."""
+        with self._cond:
+            if not self._submitting_done:
+                write.epoch = self.epoch
+                self._inbox.append(write)
+                self._cond.notify_all()
+                return
+        write.failed = "the streamer was closed"
+        self._settled(self, write, write.failed)
+
+    def problem(self) -> str | None:
+        """Why the decode side looks gone (its link's problem()), or None."""
+        with self._cond:
+            channel = self._channel
+        if channel is None:
+            return None
+        try:
+            return channel.link.problem()
+        except Exception as e:  # a transport's bug: the link is not to be trusted
+            return f"the transport's problem() raised {type(e).__name__}: {e}"
+
+    def break_(self, reason: str, epoch: int | None = None) -> None:
+        """Fail every request put so far (of link generation `epoch`, if given: a late
+        failure of an older link's write breaks nothing new), drop the writes waiting, and
+        retire the link: the next write connects anew."""
+        with self._cond:
+            if epoch is not None and epoch != self.epoch:
+                return
+            ended, self.epoch = self.epoch, self.epoch + 1
+            channel, self._channel = self._channel, None
+            close = channel is not None and self._retire(channel)
+            dropped = list(self._inbox)
+            self._inbox.clear()
+        if close:
+            channel.link.close()
+        self._broken(self, ended + 1, reason)
+        for write in dropped:
+            write.failed = reason
+            self._settled(self, write, reason if isinstance(write, StatusWrite) else "")
+
+    def stop(self, deadline: float) -> bool:
+        """Settle what was put, then close the link; False if that did not end by
+        `deadline` (time.monotonic()): its threads are left to end on their own."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0))
+        if any(thread.is_alive() for thread in self._threads):
+            return False
+        with self._cond:
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.link.close()
+        return True
+
+    @staticmethod
+    def _retire(channel: _Channel) -> bool:
+        """Retire `channel` (under the lock); True when it is to be closed now."""
+        channel.retired = True
+        return channel.outstanding == 0
+
+    # ---- its threads ----------------------------------------------------------------
+
+    def _submit_loop(self) -> None:
+        """Submit each write in order as the window has room."""
+        while True:
+            with self._cond:
+                # once stopping, it ends when nothing is queued or in flight (a write
+                # settling may queue another: a failure's word after its reason)
+                while not (self._inbox and self._taken < self._window) and not (
+                    self._stopping and not self._inbox and not self._taken
+                ):
+                    self._cond.wait()
+                if not self._inbox:
+                    self._submitting_done = True
+                    self._cond.notify_all()
+                    return
+                write = self._inbox.popleft()
+                self._taken += 1
+            self._submit(write)
+            with self._cond:
+                self._submitted.append(write)
+                self._cond.notify_all()
+
+    def _submit(self, write: Write) -> None:
+        """Submit `write` on the current link (connecting anew after a break); a write no
+        live request needs is dropped, one that cannot be submitted failed."""
+        if isinstance(write, Send) and not any(r.live for r, _ in write.items):
+            write.failed = ""
+            return
+        with self._cond:
+            channel = self._channel
+        if channel is None:
+            try:
+                channel = self._open()
+            except Exception as e:
+                write.failed = f"the decode side cannot be reached again: {_why(e)}"
+                return
+            with self._cond:
+                if self._channel is None and write.epoch == self.epoch:
+                    self._channel = channel
+                else:  # broken again meanwhile: this link is not the current one
+                    channel.retired = True
+        if isinstance(write, StatusWrite):
+            write.buffer = channel.status.take()
+            ctypes.memmove(write.buffer, write.data, len(write.data))
+            offset = write.request.slot * mailbox.SLOT_BYTES + write.at
+            runs = [(write.buffer, self.status_region, offset, len(write.data))]
+        else:
+            runs = write.copies
+        write.submit_ns = time.monotonic_ns()
+        try:
+            write.batch = channel.link.submit(runs)
+        except Exception as e:  # TransferError, or a transport's bug
+            write.failed = _why(e)
+        with self._cond:
+            write.channel = channel
+            channel.outstanding += 1
+
+    def _complete_loop(self) -> None:
+        """Settle each submitted write in order: waited for until stall_timeout after it
+        was submitted (the writes behind a stalled one do not each wait it again)."""
+        while True:
+            with self._cond:
+                while not self._submitted and not self._submitting_done:
+                    self._cond.wait()
+                if not self._submitted:
+                    return
+                write = self._submitted[0]
+            reason = write.failed
+            if write.batch is not None:
+                left = write.submit_ns / 1e9 + self._stall - time.monotonic()
+                try:
+                    write.batch.wait(max(left, MIN_WAIT_S))
+                    reason = None
+                except Exception as e:  # TransferError, or a transport's bug
+                    reason = _why(e)
+            channel, close = write.channel, False
+            with self._cond:
+                if channel is not None:
+                    channel.outstanding -= 1
+                    close = channel.retired and channel.outstanding == 0
+            if isinstance(write, StatusWrite) and write.buffer and reason is None:
+                channel.status.give_back(write.buffer)  # one that failed may still be read
+            if close:
+                channel.link.close()
+            self._settled(self, write, reason)
+            if reason:
+                self.break_(reason, write.epoch)
+            with self._cond:  # its window place goes only now: what it queued is seen
+                self._submitted.popleft()
+                self._taken -= 1
+                self._cond.notify_all()
+
+
+def _why(error: Exception) -> str:
+    """A failure's reason: a TransferError's message, or what a transport's bug raised."""
+    if isinstance(error, TransferError):
+        return str(error)
+    return f"the transport failed: {type(error).__name__}: {error}"

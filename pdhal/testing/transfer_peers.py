@@ -71,6 +71,11 @@ for line in sys.stdin:
         uniform = all(len(set(caches[l][c][b].tolist())) == 1
                       for l in range(L) for c in range(C) for b in range(B))
         say("outcome", outcome.landed, outcome.reason, dump(), uniform)
+    elif command[0] == "outcome":
+        outcome = receiver.wait(command[1])
+        say("outcome", outcome.landed, outcome.reason, outcome.blocks_free)
+    elif command[0] == "freed":
+        say("freed", receiver.freed(), dump())
     elif command[0] == "exit":
         break
 receiver.close()
@@ -135,6 +140,16 @@ class Decode:
         self.send("wait", request_id)
         return self.read("outcome")
 
+    def outcome(self, request_id: str):
+        """(landed, reason, blocks_free) of `request_id`, once it ended."""
+        self.send("outcome", request_id)
+        return self.read("outcome")
+
+    def freed(self):
+        """(receiver.freed(), the dump as wait() gives it)."""
+        self.send("freed")
+        return self.read("freed")
+
     def close(self):
         if self.proc.poll() is None:
             self.send("exit")
@@ -175,6 +190,16 @@ def outcomes_until(streamer, count: int, bound: float = 60.0) -> list:
         assert time.monotonic() < deadline, f"only {got} of {count} outcomes"
         time.sleep(0.005)
     return got
+
+
+def layers_until(streamer, count: int, bound: float = 60.0) -> list:
+    """The streamer's layer records once `count` writes settled (their submits run on the
+    destination's threads, after layer_ready returned)."""
+    deadline = time.monotonic() + bound
+    while len(records := streamer.metrics.layers()) < count:
+        assert time.monotonic() < deadline, f"only {len(records)} of {count} layers settled"
+        time.sleep(0.002)
+    return records
 
 
 #: A prefill process holding a KVStreamer (over the transport argv[1], stall_timeout 2 s),

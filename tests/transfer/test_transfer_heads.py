@@ -91,33 +91,36 @@ def held_bytes(decode: Decode, rank: int, ranks: int, block: int, src_block: int
 def test_each_decode_rank_gets_exactly_its_heads_from_the_ranks_that_hold_them(
     prefill_ranks, decode_ranks
 ):
-    """Request "a" (source blocks 1, 2 on every prefill rank) goes to blocks 6, 3 on every
+    """Request "a" (source blocks 1, 2 on every prefill rank) goes to blocks 5, 6 on every
     decode rank, one ticket per shard; the other blocks stay zero. Before the last shard of
-    a decode rank lands, the heads other shards bring are still zero there."""
+    a decode rank lands, the heads other shards bring are still zero there. The blocks are
+    consecutive on both sides, so a shard into a rank holding more heads (2 -> 1) is a
+    strided destination: one run copied as one span would overwrite the other shard's
+    heads."""
     shards = transfer.head_shards(HEADS, prefill_ranks, decode_ranks)
     streamers = [rank_streamer(r, prefill_ranks) for r in range(prefill_ranks)]
     decodes = [rank_decode(d, decode_ranks) for d in range(decode_ranks)]
     try:
         for (r, d), shard in sorted(shards.items()):
             streamer, decode = streamers[r], decodes[d]
-            ticket = decode.expect(f"a@{r}")
+            ticket = decode.expect(f"a@{r}>{d}")  # one name for the part on both sides
             dest = streamer.connect(decode.described, heads=shard)
-            streamer.add_request(f"a@{d}", [1, 2], 2 * BLOCK_TOKENS)
-            streamer.set_destination(f"a@{d}", dest, [6, 3], ticket)
+            streamer.add_request(f"a@{r}>{d}", [1, 2], 2 * BLOCK_TOKENS)
+            streamer.set_destination(f"a@{r}>{d}", dest, [5, 6], ticket)
         for r, streamer in enumerate(streamers):
             mine = sorted(d for (q, d) in shards if q == r)
             for layer in range(LAYERS):
-                streamer.layer_ready(layer, [(f"a@{d}", 2 * BLOCK_TOKENS) for d in mine])
+                streamer.layer_ready(layer, [(f"a@{r}>{d}", 2 * BLOCK_TOKENS) for d in mine])
             landed = outcomes_until(streamer, len(mine))
-            assert sorted(o.request_id for o in landed if o.landed) == [f"a@{d}" for d in mine]
+            assert sorted(o.request_id for o in landed if o.landed) == [f"a@{r}>{d}" for d in mine]
             if r == 0 and (1, 0) in shards:  # decode rank 0 waits for rank 1's heads
-                assert not held_bytes(decodes[0], 0, decode_ranks, 6, 1)
+                assert not held_bytes(decodes[0], 0, decode_ranks, 5, 1)
         for d, decode in enumerate(decodes):
             for r in sorted(q for (q, e) in shards if e == d):
-                assert decode.wait(f"a@{r}")[0], f"shard {r} -> {d}"
-            assert held_bytes(decode, d, decode_ranks, 6, 1)
-            assert held_bytes(decode, d, decode_ranks, 3, 2)
-            assert all(held_bytes(decode, d, decode_ranks, b, None) for b in (0, 1, 2, 4, 5, 7))
+                assert decode.wait(f"a@{r}>{d}")[0], f"shard {r} -> {d}"
+            assert held_bytes(decode, d, decode_ranks, 5, 1)
+            assert held_bytes(decode, d, decode_ranks, 6, 2)
+            assert all(held_bytes(decode, d, decode_ranks, b, None) for b in (0, 1, 2, 3, 4, 7))
     finally:
         for streamer in streamers:
             streamer.close()

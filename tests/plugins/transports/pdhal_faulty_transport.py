@@ -1,10 +1,16 @@
 """Test-only: the shm transport with the faults a test names in PDHAL_FAULTY_TRANSPORT, a
-comma-separated list of "stall:N" (the Nth submit of each link never lands: its wait times
-out), "fail:N" (the Nth submit raises TransferError) and "delay:N" (the Nth submit's bytes
-are copied only when it is waited for, 0.1 s later), each for every link or, as
-"stall:N@NAME", for links to the endpoint NAME only; every other submit is shm's."""
+comma-separated list of "stall:N" (the Nth submit to an endpoint never lands: its wait times
+out), "stalls:N" (every submit from the Nth on stalls: a decode side that stopped
+answering), "fail:N" (the Nth submit raises TransferError), "delay:N" (the Nth submit's
+bytes are copied only when it is waited for, 0.1 s later) and "problem:N" (problem()
+raises from its Nth call on: a transport's bug), each for every endpoint or, as
+"stall:N@NAME", for the endpoint NAME only. Submits are counted per endpoint (its process
+and name), over every link to it: a link made anew after a fault goes on counting. Every
+other submit is shm's."""
 
+import collections
 import os
+import threading
 import time
 
 from pdhal import TransferError, hookimpl
@@ -33,19 +39,33 @@ class _Delayed(Batch):
         self._landed = True
 
 
+_counts: collections.Counter = collections.Counter()  # (endpoint, "submit"/"problem") -> calls
+_lock = threading.Lock()
+
+
 class FaultyLink(Link):
-    def __init__(self, link: Link, endpoint: str):
-        self._link, self.regions, self._submits = link, link.regions, 0
-        self._faults = {}
+    def __init__(self, link: Link, endpoint: str, pid: int):
+        self._link, self.regions, self._key = link, link.regions, (pid, endpoint)
+        self._faults, self._from = {}, {}
         for fault in filter(None, os.environ.get("PDHAL_FAULTY_TRANSPORT", "").split(",")):
             fault, _, only = fault.partition("@")
             kind, _, count = fault.partition(":")
             if not only or only == endpoint:
-                self._faults[int(count)] = kind
+                if kind in ("stalls", "problem"):
+                    self._from[kind] = int(count)
+                else:
+                    self._faults[int(count)] = kind
+
+    def _count(self, what: str) -> int:
+        with _lock:
+            _counts[self._key, what] += 1
+            return _counts[self._key, what]
 
     def submit(self, runs):
-        self._submits += 1
-        fault = self._faults.get(self._submits)
+        n = self._count("submit")
+        fault = self._faults.get(n)
+        if n >= self._from.get("stalls", n + 1):
+            fault = "stall"
         if fault == "fail":
             raise TransferError("injected failure")
         if fault == "stall":
@@ -55,6 +75,8 @@ class FaultyLink(Link):
         return self._link.submit(runs)
 
     def problem(self):
+        if self._count("problem") >= self._from.get("problem", float("inf")):
+            raise RuntimeError("injected: problem() has a bug")
         return self._link.problem()
 
     def close(self):
@@ -63,13 +85,14 @@ class FaultyLink(Link):
 
 class FaultyTransport(Transport):
     name = "faulty"
+    completion = "target"  # shm's, with faults
 
     def endpoint(self, regions, name):
         return transport("shm").endpoint(regions, name)
 
     def connect(self, described, sources):
         endpoint = described["names"][0].rsplit(".", 1)[0]  # NAME of NAME.r0
-        return FaultyLink(transport("shm").connect(described, sources), endpoint)
+        return FaultyLink(transport("shm").connect(described, sources), endpoint, described["pid"])
 
 
 @hookimpl
