@@ -22,8 +22,12 @@ tokens x 4 heads x 32 dims x fp32 = 32 KiB).
   of an idle reader (one new layer found: the reader was blocked when it came); a layer
   signalled while the messager still copied the one before waits behind it, which
   signal_to_submit_all_layers_us_p50 shows.
-- exposed_transfer_ms: p50 over requests of landed minus the end of the last layer's
-  compute (its signal time); layer_compute_ms: the worker's p50 layer time.
+- exposed_ms_p50 / exposed_ms_p99 (the headline; p99: the slow tail), overlap_efficiency_p50
+  / overlap_efficiency_p1 (p1: the low tail): per request, as pdhal.transfer defines them
+  (pdhal/_transfer/metrics.py), from the streamer's own records: landed minus the worker's
+  signal time of the last layer (layer_ready is given it), and the share of the request's
+  first submit -> landed before that signal; layer_compute_ms: the worker's p50 layer time.
+  gib_s (Mooncake) is over the transfers' busy time (the union of their submit -> landed).
 - mooncake_vs_te_bench_under_compute: the streamer over Mooncake (TCP, loopback; every step
   streamed) in GiB/s while it transfers, over Mooncake's own transfer_engine_bench with the
   same block size and batch, one thread, while a core computes.
@@ -161,17 +165,6 @@ def wake_floor() -> list[float]:
     return samples
 
 
-def busy_seconds(records) -> float:
-    """Seconds during which at least one of `records` (submit_ns, end_ns) was in flight."""
-    total, end = 0, 0
-    for r in sorted(records, key=lambda r: r.submit_ns):
-        start = max(r.submit_ns, end)
-        if r.end_ns > start:
-            total += r.end_ns - start
-        end = max(end, r.end_ns)
-    return total / 1e9
-
-
 def phase(transport_name: str, with_floor: bool) -> dict:
     """One run of the worker's steps through a streamer over `transport_name`; with_floor:
     every other step memmoves the same runs instead (shm: the floor it is judged by)."""
@@ -209,7 +202,7 @@ def phase(transport_name: str, with_floor: bool) -> dict:
             for layer in range(LAYERS)
         ]
     streamed_s = memmoved_s = 0.0
-    exposed, woken = [], []  # woken: (layer signalled last, when the reader returned)
+    woken = []  # (layer signalled last, when the reader returned)
     floor = []  # the same, woken from read() on the worker's pipe
     alone = set()  # (step, layer) that woke an idle messager, the only new layer it found
     reader = None
@@ -261,14 +254,13 @@ def phase(transport_name: str, with_floor: bool) -> dict:
             while len(ended) < REQUESTS:
                 ended += streamer.poll()
                 time.sleep(0.0001)
-            landed_at = time.monotonic_ns()  # every request's status is in its slot
             assert all(o.landed for o in ended), ended
             say(decode, json.dumps(["wait", ids]))
             assert all(json.loads(decode.stdout.readline()))
-            exposed.append((landed_at - int(times[LAYERS - 1])) / 1e6)
         say(worker)
     layer_ms = float(worker.stdout.readline())
     records = streamer.metrics.layers()
+    snapshot = streamer.metrics.snapshot()  # the streamed steps' requests, all in its window
     streamer.close()
     reader.close()
     os.close(floor_r)
@@ -277,6 +269,7 @@ def phase(transport_name: str, with_floor: bool) -> dict:
     for proc in (worker, decode):
         proc.wait(timeout=60)
     streamed_bytes = sum(r.nbytes for r in records)
+    busy = [(r.submit_ns, r.end_ns) for r in records]
     return {
         "streamed_s": streamed_s,
         "memmoved_s": memmoved_s,
@@ -286,10 +279,9 @@ def phase(transport_name: str, with_floor: bool) -> dict:
         "signal_to_submit_all_us": [(r.submit_ns - r.signal_ns) / 1e3 for r in records],
         "signal_to_wake_us": woken,
         "wake_floor_us": floor,
-        "exposed_ms": exposed,
         "layer_ms": layer_ms,
-        "gib_s": streamed_bytes / busy_seconds(records) / 2**30,
-        "snapshot": streamer.metrics.snapshot(),
+        "gib_s": streamed_bytes / (transfer.TransferMetrics.busy_ns(busy) / 1e9) / 2**30,
+        "snapshot": snapshot,
     }
 
 
@@ -307,6 +299,12 @@ def te_bench_under_compute() -> float | None:
         load.wait()
 
 
+def _headline(snapshot: dict) -> dict:
+    """Exposed transfer and overlap efficiency per request, as the streamer measured them."""
+    keys = ("exposed_ms_p50", "exposed_ms_p99", "overlap_efficiency_p50", "overlap_efficiency_p1")
+    return {k: snapshot[k] for k in keys}
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -319,6 +317,7 @@ def main() -> dict:
     load.kill()
     load.wait()
     result = {
+        **_headline(shm["snapshot"]),
         "shm_vs_memcpy_under_compute": shm["memmoved_s"] / shm["streamed_s"],
         "mooncake_vs_te_bench_under_compute": None,
         # None when no wake found the reader idle (a loaded machine, or BENCH_SMOKE's few)
@@ -330,7 +329,6 @@ def main() -> dict:
         "wake_floor_us_p50": _median(floor),
         "wake_floor_threads_us_p50": statistics.median(threads_floor),
         "signal_to_wake_us_p50": statistics.median(shm["signal_to_wake_us"]),
-        "exposed_transfer_ms": statistics.median(shm["exposed_ms"]),
         "layer_compute_ms": shm["layer_ms"],
         "bytes_per_layer": REQUESTS * BLOCKS_PER_REQUEST * 2 * BLOCK_BYTES,
         "layers": LAYERS,
@@ -347,7 +345,7 @@ def main() -> dict:
     result["te_bench_gib_s"] = reference
     if reference:
         result["mooncake_vs_te_bench_under_compute"] = mooncake["gib_s"] / reference
-    result["mooncake_exposed_transfer_ms"] = statistics.median(mooncake["exposed_ms"])
+    result.update({f"mooncake_{k}": v for k, v in _headline(mooncake["snapshot"]).items()})
     result["mooncake"] = mooncake["snapshot"]
     return result
 

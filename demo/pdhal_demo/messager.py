@@ -7,7 +7,7 @@ that). The streamer sends the blocks that became ready, up to --inflight layers 
 and ends each request exactly once; its outcome comes back on the streamer's completion
 thread (on_outcome), which tells the parent (a landed request's prefill blocks are free)
 or, on a failure, reports it and exits. The timeline's transfers are the streamer's own
-per-layer records.
+per-layer records, a request's first submit and landing its per-request record.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Messager:
         self.landed: set[int] = set()
         self.all_landed = threading.Event()
         self.offset = 0  # the channel step of plan step 0
-        self._mark, self._report = 0, threading.Lock()
+        self._mark, self._request_mark, self._report = 0, 0, threading.Lock()
 
     def prepare(self, index: int) -> None:
         """Before plan step `index`'s first layer: its requests that start here are added,
@@ -112,8 +112,21 @@ class Messager:
             self.all_landed.set()
 
     def report(self) -> None:
-        """Post the streamer's layer records made since the last report as "xfer" events."""
+        """Post the streamer's layer records made since the last report as "xfer" events,
+        its records of the requests that landed since as "landed" events."""
         with self._report:
+            ended, self._request_mark = self.streamer.metrics.requests_since(self._request_mark)
+            for r in ended:
+                if r.landed:
+                    self.out.post(
+                        "landed",
+                        {
+                            "rank": self.rank,
+                            "request": int(r.request_id),
+                            "first_submit": r.first_submit_ns,
+                            "end": r.end_ns,
+                        },
+                    )
             records, self._mark = self.streamer.metrics.layers_since(self._mark)
             for r in records:
                 if r.landed:

@@ -266,13 +266,15 @@ class Pipeline:
             self.timeline.step_start[m["rank"], m["step"]] = m["start"]
         elif kind == "layer":
             self.timeline.layer_end[m["rank"], m["step"], m["layer"]] = m["end"]
-            if "signal" in m:
+            if "signal" in m:  # posted right after the end was read
                 self.timeline.signal[m["rank"], m["step"], m["layer"]] = m["signal"]
+                self.timeline.signalled[m["rank"], m["step"], m["layer"]] = m["end"]
             if m["rank"] == 0:
                 self.progress.layer_computed(m["index"], m["layer"])
         elif kind == "signals":  # every layer's, after the forward pass (--signal-at-end)
             for layer in range(self.plan.model.layers):
                 self.timeline.signal[m["rank"], m["step"], layer] = m["at"]
+                self.timeline.signalled[m["rank"], m["step"], layer] = m["signalled"]
         elif kind == "fault":
             self.killed_at = m["at"]
             self.victim = "decoder" if m["victim"] == "decoder" else self.role(m["victim"], 0)
@@ -286,7 +288,9 @@ class Pipeline:
             self._maybe_hand_over(m["request"])
 
     def _on_messager(self, kind: str, m: dict) -> None:
-        if kind == "xfer":
+        if kind == "landed":  # before its "sent"
+            self.timeline.landed[m["rank"], m["request"]] = (m["first_submit"], m["end"])
+        elif kind == "xfer":
             self.timeline.transfers.append(m)
             if m["rank"] == 0:
                 self.progress.layer_sent(m["index"], m["layer"])

@@ -1,30 +1,34 @@
-"""What the demo measured: the timeline, overlap efficiency, throughput and time to first token.
+"""What the demo measured: the timeline, exposed transfer and overlap efficiency per request,
+throughput and time to first token.
 
 Every time is an integer of CLOCK_MONOTONIC nanoseconds (time.monotonic_ns), read on the
-prefill host: by the worker (a layer's end, read before its signal is posted), the messager
-(a transfer's start, read after the signal woke it, and its end, once the transport said the
-bytes are in the decode cache) and the parent (the start, and a request's insertion on decode).
-Integers keep the arithmetic exact, so the bounds below hold to the nanosecond.
+prefill host: by the worker (a layer's end and the time it signalled a layer, each read
+before its signal is posted), the messager (a transfer's start and end, and a request's
+first submit and landing: the streamer's own records) and the parent (the start, and a
+request's insertion on decode). Integers keep the arithmetic exact, so the bounds below hold
+to the nanosecond.
 
-Definitions (the README states them too):
-- transfer busy time: the union of the transfer intervals, time in which at least one
-  transfer was in flight (a sum of durations when transfers run one at a time);
-  transfer throughput: bytes moved / transfer busy time.
-- exposed transfer: the last transfer's end - the last layer's end. Every transfer starts
-  after its layer's end (causality: the worker reads the end before it posts the signal
-  that wakes the messager), so this is >= 0.
-- overlap efficiency: (ideal end - start) / (last transfer's end - start). The ideal end
-  replays the transfers in the order they started, each at the earliest of its layer's end
-  and the previous transfer's ideal end, for its own share of the busy time (the part of its
-  interval no earlier transfer covered). By causality every ideal end is <= the measured
-  end of the same transfers, so the efficiency is <= 1; it is 1 when no transfer waited
-  for anything but its layer.
+Definitions: pdhal.transfer's (pdhal/_transfer/metrics.py states them; the functions are
+TransferMetrics' static methods, imported here, not written again):
+- exposed transfer of a request (the headline): landed - its last layer's signal, the time
+  the *worker* read just before posting it (the messager only knows when it woke). Every
+  transfer starts after its layer's signal (causality: the worker reads the time before it
+  posts the signal that wakes the messager), so this is >= 0.
+- overlap efficiency of a request: the share of its first submit -> landed that lay before
+  that signal (~0 when every layer is signalled after the forward pass).
+- exposed_ms_p50 / exposed_ms_p99 (slow tail) and overlap_efficiency_p50 /
+  overlap_efficiency_p1 (low tail): nearest-rank percentiles over every request of the run
+  (and rank): with fewer than 100, p99 is the largest and p1 the smallest.
+- transfer busy time: the union of the transfer intervals (time in which at least one
+  transfer was in flight); transfer throughput: bytes moved / transfer busy time.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+
+from pdhal.transfer import TransferMetrics
 
 NS = 1_000_000_000
 
@@ -36,7 +40,11 @@ class Timeline:
     step_index: dict[tuple[int, int], int] = field(default_factory=dict)  # -> plan.steps[i]
     layer_end: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (rank, step, layer)
     signal: dict[tuple[int, int, int], int] = field(default_factory=dict)  # layer signal posted
+    # (rank, step, layer) -> the worker's time read just before it posted the layer's signal
+    signalled: dict[tuple[int, int, int], int] = field(default_factory=dict)
     transfers: list[dict] = field(default_factory=list)  # messager "xfer" events
+    # (rank, request) -> (first submit, landed): the streamer's record of the request
+    landed: dict[tuple[int, int], tuple[int | None, int]] = field(default_factory=dict)
     inserted: dict[int, int] = field(default_factory=dict)  # request -> on decode, ns
 
     def compute_intervals(self, rank: int = 0) -> list[tuple[int, int, int]]:
@@ -60,30 +68,10 @@ class Timeline:
 
     def busy(self, rank: int | None = None) -> int:
         """ns in which at least one transfer (of `rank`, or of any) was in flight."""
-        total, reach = 0, None
-        for x in self._by_start(rank):
-            lo = x["start"] if reach is None else max(x["start"], reach)
-            if x["end"] > lo:
-                total += x["end"] - lo
-            reach = x["end"] if reach is None else max(reach, x["end"])
-        return total
-
-    def ideal_end(self, rank: int | None = None) -> int:
-        """When the last transfer would end had each started at its layer's end (or once the
-        one before it ended), each taking its own share of the busy time."""
-        t, reach = self.start, None
-        for x in self._by_start(rank):
-            lo = x["start"] if reach is None else max(x["start"], reach)
-            share = max(0, x["end"] - lo)
-            t = max(t, self._layer_end_of(x)) + share
-            reach = x["end"] if reach is None else max(reach, x["end"])
-        return t
+        return TransferMetrics.busy_ns((x["start"], x["end"]) for x in self._by_start(rank))
 
     def measured_end(self, rank: int | None = None) -> int:
         return max(x["end"] for x in self._by_start(rank))
-
-    def overlap_efficiency(self, rank: int | None = None) -> float:
-        return (self.ideal_end(rank) - self.start) / (self.measured_end(rank) - self.start)
 
     def causality_violations(self) -> int:
         """Transfers that seem to start before their layer ended (0 unless a clock is off)."""
@@ -92,12 +80,6 @@ class Timeline:
     def start_lag(self, rank: int | None = None) -> int:
         """The longest a transfer (of `rank`) waited after its layer ended before it began."""
         return max(x["start"] - self._layer_end_of(x) for x in self._by_start(rank))
-
-    def exposed_transfer(self, rank: int | None = None) -> int:
-        last_layer = max(
-            end for (r, _, _), end in self.layer_end.items() if rank is None or r == rank
-        )
-        return self.measured_end(rank) - last_layer
 
 
 def _prefill_end(timeline: Timeline, plan) -> dict[int, int]:
@@ -109,6 +91,54 @@ def _prefill_end(timeline: Timeline, plan) -> dict[int, int]:
                 end = timeline.layer_end[rank, step, plan.model.layers - 1]
                 ends[c.request] = max(ends.get(c.request, end), end)
     return ends
+
+
+def _last_signal(timeline: Timeline, plan) -> dict[tuple[int, int], int]:
+    """(rank, request) -> when that rank's worker signalled the request's last layer (of
+    its last chunk)."""
+    last: dict[tuple[int, int], int] = {}
+    for (rank, step), index in timeline.step_index.items():
+        for c in plan.steps[index]:
+            if c.start + c.length == plan.request(c.request).prompt_len:
+                at = timeline.signalled.get((rank, step, plan.model.layers - 1))
+                if at is not None:
+                    last[rank, c.request] = at
+    return last
+
+
+def request_figures(timeline: Timeline, plan, rank: int | None = None) -> list[dict]:
+    """Per (rank, request) that landed: its exposed_ns and overlap_efficiency, as
+    pdhal.transfer defines them, from the streamer's record of the request (first submit,
+    landed) and the worker's own time for its last layer's signal."""
+    last = _last_signal(timeline, plan)
+    out = []
+    for (r, request), (first, landed) in sorted(timeline.landed.items()):
+        if rank is None or r == rank:
+            signal = last.get((r, request))
+            out.append(
+                {
+                    "rank": r,
+                    "request": request,
+                    "exposed_ns": TransferMetrics.exposed_ns(signal, landed),
+                    "overlap_efficiency": TransferMetrics.overlap_efficiency(first, signal, landed),
+                }
+            )
+    return out
+
+
+def overlap_figures(rows: list[dict]) -> dict:
+    """The percentiles of request_figures' rows, named as TransferMetrics.snapshot names
+    them: exposed_ms_p50, exposed_ms_p99 (slow tail), overlap_efficiency_p50,
+    overlap_efficiency_p1 (low tail); None where no request landed."""
+    exposed = [x["exposed_ns"] / 1e6 for x in rows if x["exposed_ns"] is not None]
+    overlap = [x["overlap_efficiency"] for x in rows if x["overlap_efficiency"] is not None]
+    p = TransferMetrics.percentile
+    return {
+        "exposed_ms_p50": p(exposed, 0.5),
+        "exposed_ms_p99": p(exposed, 0.99),
+        "overlap_efficiency_p50": p(overlap, 0.5),
+        "overlap_efficiency_p1": p(overlap, 0.01),
+    }
 
 
 def throughput_windows(timeline: Timeline, windows: int = 10) -> list[dict]:
@@ -143,7 +173,7 @@ def _ms(ns: float) -> float:
     return ns / 1e6
 
 
-def _rank(timeline: Timeline, rank: int, device) -> dict:
+def _rank(timeline: Timeline, plan, rank: int, device) -> dict:
     busy = timeline.busy(rank)
     moved = sum(x["bytes"] for x in timeline.transfers if x.get("rank", 0) == rank)
     return {
@@ -152,9 +182,8 @@ def _rank(timeline: Timeline, rank: int, device) -> dict:
         "bytes_moved": moved,
         "transfer_busy_s": busy / NS,
         "transfer_throughput_gib_s": moved / (busy / NS) / 2**30 if busy else 0.0,
-        "exposed_transfer_ms": _ms(timeline.exposed_transfer(rank)),
+        **overlap_figures(request_figures(timeline, plan, rank)),
         "max_start_lag_ms": _ms(timeline.start_lag(rank)),
-        "overlap_efficiency": timeline.overlap_efficiency(rank),
     }
 
 
@@ -168,9 +197,11 @@ def summarize(
     moved: bytes_moved (whole blocks), verified_bytes (rows of prompt tokens, every layer,
     K and V), transfer_throughput_gib_s. Times, in the unit their key ends in: compute_s,
     transfer_busy_s, wall_s (to the last byte), ttft_ms and ttft_after_prefill_ms (decode has
-    the request, from the start and from its prefill's end), exposed_transfer_ms (the last
-    byte after the last layer). overlap_efficiency (<= 1), causality_violations (0), ranks
-    (the same per tensor-parallel rank), throughput_windows (requests/s by tenths of the run,
+    the request, from the start and from its prefill's end). Per request, as pdhal.transfer
+    defines them (see the module): exposed_ms_p50, exposed_ms_p99 (slow tail),
+    overlap_efficiency_p50, overlap_efficiency_p1 (low tail), over every request and rank.
+    causality_violations (0), ranks (the same per tensor-parallel rank, with
+    max_start_lag_ms), throughput_windows (requests/s by tenths of the run,
     from 20 requests on), recycled_blocks. The verdict: bad_blocks, bad_tokens, tokens (per
     request: the first token, then those decoded), ok.
     """
@@ -191,7 +222,9 @@ def summarize(
         "steps": len(plan.steps),
         "tp": plan.tp,
         # per rank: its transfers alone (a slow rank shows here, and only in its own row)
-        "ranks": [_rank(timeline, rank, (devices or {}).get(rank)) for rank in range(plan.tp)],
+        "ranks": [
+            _rank(timeline, plan, rank, (devices or {}).get(rank)) for rank in range(plan.tp)
+        ],
         "prompt_tokens": sum(r.prompt_len for r in plan.requests),
         "bytes_moved": bytes_moved,
         "transfer_busy_s": busy / NS,
@@ -207,9 +240,8 @@ def summarize(
             "mean": _ms(statistics.fmean(after_prefill)),
             "max": _ms(max(after_prefill)),
         },
-        "overlap_efficiency": timeline.overlap_efficiency(),
-        # transfer time not hidden behind compute: last byte landed after the last layer ended
-        "exposed_transfer_ms": _ms(timeline.exposed_transfer()),
+        # per request (and rank): transfer left after its prefill, the share hidden behind it
+        **overlap_figures(request_figures(timeline, plan)),
         "causality_violations": timeline.causality_violations(),
         "throughput_windows": throughput_windows(timeline),
         "recycled_blocks": plan.recycles,
@@ -219,6 +251,19 @@ def summarize(
         "tokens": verification["tokens"],  # per request: the first token, then decoded ones
         "ok": not verification["bad_blocks"] and not verification["bad_tokens"],
     }
+
+
+def _overlap_line(s: dict) -> str:
+    """overlap_figures' four, as the summary and the plot print them."""
+
+    def num(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    return (
+        f"p50 {num(s['exposed_ms_p50'], '.1f')} ms, p99 {num(s['exposed_ms_p99'], '.1f')} ms; "
+        f"overlap efficiency p50 {num(s['overlap_efficiency_p50'], '.3f')}, "
+        f"p1 {num(s['overlap_efficiency_p1'], '.3f')}"
+    )
 
 
 def format_summary(s: dict) -> str:
@@ -238,9 +283,9 @@ def format_summary(s: dict) -> str:
         f"p50 {s['ttft_ms']['p50']:.0f} ms, max {s['ttft_ms']['max']:.0f} ms; after a "
         f"request's prefill ended: mean {s['ttft_after_prefill_ms']['mean']:.1f} ms, max "
         f"{s['ttft_after_prefill_ms']['max']:.1f} ms",
-        f"  compute {s['compute_s']:.2f} s, last byte at {s['wall_s']:.2f} s "
-        f"({s['exposed_transfer_ms']:.1f} ms after the last layer), "
-        f"overlap efficiency {s['overlap_efficiency']:.3f}",
+        f"  compute {s['compute_s']:.2f} s, last byte at {s['wall_s']:.2f} s",
+        f"  exposed transfer per request (landed after its last layer's signal): "
+        f"{_overlap_line(s)}",
     ]
     if s["throughput_windows"]:
         lines.append(
@@ -252,7 +297,7 @@ def format_summary(s: dict) -> str:
             lines.append(
                 f"  rank {r['rank']} (device {r['device']}): {r['bytes_moved'] / 2**20:.1f} "
                 f"MiB at {r['transfer_throughput_gib_s']:.2f} GiB/s, exposed transfer "
-                f"{r['exposed_transfer_ms']:.1f} ms, longest wait before a transfer "
+                f"{_overlap_line(r)}; longest wait before a transfer "
                 f"{r['max_start_lag_ms']:.1f} ms"
             )
     for r in s["rejected"]:
@@ -268,14 +313,15 @@ def format_summary(s: dict) -> str:
 
 
 #: `pdhal demo --json` prints one object (to_json); its version changes when a field's
-#: meaning does or one is removed (added fields keep it).
-SCHEMA_VERSION = 1
+#: meaning does or one is removed (added fields keep it). 2: overlap_efficiency and
+#: exposed_transfer_ms (whole-run figures) gave way to pdhal.transfer's per-request ones.
+SCHEMA_VERSION = 2
 
 
 def to_json(runs: list[dict]) -> dict:
     """What `pdhal demo --json` prints, as one JSON object:
 
-    {"pdhal_version": "0.1.0", "backend": "cpu", "schema_version": 1, "runs": [...]}
+    {"pdhal_version": "0.1.0", "backend": "cpu", "schema_version": 2, "runs": [...]}
 
     `backend` is the pdhal backend that ran (PDHAL_PLATFORM or the one selected), `runs` one
     summary (see summarize) per mode run, in the order run (per_query, then per_chunk).
@@ -436,8 +482,8 @@ def figure(runs: list[tuple]):
             f"{plan.model.layers} layers, {len(plan.steps)} "
             f"step{'s' if len(plan.steps) > 1 else ''}, signals {signals}"
             + (f", {plan.tp} tensor-parallel ranks" if plan.tp > 1 else "")
-            + f" — overlap efficiency {t.overlap_efficiency():.3f}, last byte "
-            f"{t.exposed_transfer() / 1e6:.1f} ms after the last layer",
+            + " — exposed transfer per request "
+            + _overlap_line(overlap_figures(request_figures(t, plan))),
             fontsize=10,
         )
     fig.suptitle(

@@ -186,7 +186,8 @@ def run(link, setup: dict) -> None:
         def after_layer(layer: int) -> None:
             # The layer's end is read before its signal: the messager may start its transfer
             # the moment the signal lands, and no transfer may seem to start before its
-            # layer was done (overlap efficiency <= 1 and exposed transfer >= 0 rest on it).
+            # layer was done (exposed transfer >= 0 rests on it). It is also the time the
+            # layer was signalled, from which a request's exposed transfer is measured.
             end = time.monotonic_ns()
             event = {"rank": rank, "step": channel_step, "index": index, "layer": layer, "end": end}
             if not plan.signal_at_end:
@@ -209,9 +210,18 @@ def run(link, setup: dict) -> None:
         out.post("step", {"rank": rank, "step": channel_step, "index": index, "start": started})
         first_tokens = model.forward(chunks, {rank: cache}, after_layer, group.reduce)
         if plan.signal_at_end:
+            signalled = time.monotonic_ns()  # read before the first signal, as above
             for layer in range(layers):
                 ops.signal_layer_ready(signal_of(layer))
-            out.post("signals", {"rank": rank, "step": channel_step, "at": time.monotonic_ns()})
+            out.post(
+                "signals",
+                {
+                    "rank": rank,
+                    "step": channel_step,
+                    "signalled": signalled,
+                    "at": time.monotonic_ns(),  # every one posted (the timeline's ticks)
+                },
+            )
         for request, token in first_tokens.items():
             out.post("first_token", {"rank": rank, "request": request, "token": token})
         out.flush()

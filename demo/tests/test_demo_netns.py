@@ -160,7 +160,7 @@ def test_remote_decoder_in_another_network_namespace_receives_every_byte(hosts):
         run.close()
     assert code == 0, err
     printed = json.loads(out)  # one object: the versions, and a summary per run
-    assert printed["schema_version"] == 1
+    assert printed["schema_version"] == 2
     [summary] = printed["runs"]
     assert summary["ok"] and summary["transport"] == "mooncake"
     assert summary["verified_bytes"] == sum([64, 100, 200, 333]) * 2 * 4 * 32768 // 64
