@@ -89,6 +89,15 @@ def lookup(name: str, timeout: float | None) -> dict:
         seg.close()
 
 
+def publisher(name: str) -> int:
+    """The pid of the live process that published `name` (SegmentError if none does)."""
+    seg = _core.Segment.open(_names.buffer_path(name), _core.KIND_BUFFER, 0, 0)
+    try:
+        return seg.creator_pid
+    finally:
+        seg.close()
+
+
 def unpublish_where(predicate) -> None:
     """Remove our records for which predicate(record) is true."""
     with _lock:

@@ -8,7 +8,6 @@ send, so a bad value fails only the call that gave it."""
 
 from __future__ import annotations
 
-import math
 import operator
 
 from pdhal._errors import InvalidArgumentError
@@ -17,16 +16,18 @@ from pdhal._errors import InvalidArgumentError
 LONGEST_S = 86400.0
 #: The largest block id, offset or byte count accepted (2^48: beyond any real memory).
 LARGEST = 1 << 48
+#: The largest time.monotonic_ns() value accepted (int64: its range).
+LATEST_NS = (1 << 63) - 1
 
 
 def integer(value: object, what: str, low: int = 0, high: int = LARGEST) -> int:
     """`value` as an int in [low, high]; anything with __index__ but a bool."""
-    expected = f"an int >= {low}" if high == LARGEST else f"an int in [{low}, {high}]"
     number = _index(value)
     if number is None:
+        expected = f"an int >= {low}" if high == LARGEST else f"an int in [{low}, {high}]"
         raise InvalidArgumentError(f"{what} must be {expected}, got {value!r}")
     if not low <= number <= high:
-        raise InvalidArgumentError(f"{what} must be {expected}, got {number}")
+        raise InvalidArgumentError(f"{what} must be an int in [{low}, {high}], got {number}")
     return number
 
 
@@ -43,10 +44,13 @@ def _index(value: object) -> int | None:
 
 def seconds(value: object, what: str) -> float:
     """`value` as a timeout in seconds: a real number > 0 and at most a day."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgumentError(f"{what} must be a number of seconds, got {value!r}")
+    # compared as it is: an int too large for a float (a peer's JSON) is out of range, not
+    # an OverflowError; NaN compares false
     if not 0 < value <= LONGEST_S:
-        raise InvalidArgumentError(f"{what} must be in (0, {LONGEST_S:g}] seconds, got {value!r}")
+        shown = value if isinstance(value, float) or abs(value) < 10**20 else "a huge int"
+        raise InvalidArgumentError(f"{what} must be in (0, {LONGEST_S:g}] seconds, got {shown}")
     return float(value)
 
 

@@ -36,7 +36,7 @@ def region_bytes(regions: list) -> list[int]:
 
 
 def region_devices(regions: list) -> list[str]:
-    """Where each region lives: "cpu", "cuda:0", "xpu:1", ... ("unknown" for a bare
+    """Where each region lives: "cpu", "gpu:0", "xpu:1", ... ("unknown" for a bare
     address), for a transport that registers host and device memory differently."""
     return [memory_ref(region, f"region {i}").device for i, region in enumerate(regions)]
 
@@ -227,6 +227,9 @@ class Transport:
     #: streamer refuses (require_target_completion); the transport kit proves "target"
     #: under load.
     completion: ClassVar[str] = "local"
+    #: The kinds of memory ("cpu", "gpu", "xpu": a device's name before its ":") its
+    #: endpoints serve and its links copy from; None: it does not say (nothing is checked).
+    memory: ClassVar[tuple[str, ...] | None] = None
 
     def endpoint(self, regions: list, name: str) -> Endpoint:
         """Make `regions` (memory objects pdhal knows: tensors, host buffers) reachable
@@ -237,6 +240,20 @@ class Transport:
         """A Link to the endpoint `described`, copying from `sources` ((address, bytes) of
         this side's memory, registered with the transport here)."""
         raise NotImplementedError
+
+
+def require_memory(transport: Transport, regions: list, what: str) -> None:
+    """Refuse `regions` (memory objects) of a kind `transport` does not move, naming the
+    first (InvalidArgumentError): shm's memmove from device memory would crash."""
+    kinds = getattr(transport, "memory", None)
+    if kinds is None:
+        return
+    for index, device in enumerate(region_devices(regions)):
+        if device.split(":")[0] not in kinds:
+            raise InvalidArgumentError(
+                f"{what} region {index} is {device} memory; transport {transport.name!r} moves "
+                f"{', '.join(kinds)} memory only"
+            )
 
 
 #: The values of Transport.completion, the promise first.

@@ -181,6 +181,10 @@ class Destination:
             write.failed = reason
             self._settled(self, write, reason if isinstance(write, StatusWrite) else "")
 
+    def runs_here(self) -> bool:
+        """Whether the caller is one of this destination's threads (a settle callback)."""
+        return threading.current_thread() in self._threads
+
     def stop(self, deadline: float) -> bool:
         """Settle what was put, then close the link; False if that did not end by
         `deadline` (time.monotonic()): its threads are left to end on their own."""

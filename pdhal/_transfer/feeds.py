@@ -11,18 +11,17 @@ from __future__ import annotations
 import time
 
 from pdhal._errors import InvalidArgumentError
-from pdhal._transfer.checks import LARGEST, integer, name
+from pdhal._transfer.checks import LARGEST, LATEST_NS, integer, name
 from pdhal._transfer.streamer import KVStreamer
 
 #: The largest signal time accepted (time.monotonic_ns() of any machine's uptime fits).
-_LATEST_NS = (1 << 63) - 1
 
 
 def _signal_ns(signal_ns: object) -> int:
     """`signal_ns` as when the signal was seen (time.monotonic_ns()); None: now."""
     if signal_ns is None:
         return time.monotonic_ns()
-    return integer(signal_ns, "signal_ns", 0, _LATEST_NS)
+    return integer(signal_ns, "signal_ns", 0, LATEST_NS)
 
 
 def _pair(value: object, what: str) -> tuple:

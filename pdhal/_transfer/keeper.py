@@ -35,6 +35,10 @@ class Deadlines:
             if self._heap[0][2] is job:  # the nearest now: wake the thread to sleep less
                 self._cond.notify()
 
+    def runs_here(self) -> bool:
+        """Whether the caller is this clock's thread (a job)."""
+        return threading.current_thread() is self._thread
+
     def close(self) -> None:
         """Stop; jobs not run yet never run. Not from a job."""
         with self._cond:

@@ -17,7 +17,6 @@ from pdhal._memory import extents as _extents
 from pdhal._memory.blocks import block_bytes_of, resolve
 from pdhal._protocol.names import validate_index
 from pdhal._transfer.checks import integer, name
-from pdhal._transfer.checks import seconds as seconds  # re-exported: streamer, receiver
 from pdhal._transfer.heads import HeadShard
 
 #: The most layers a layout may have (a status slot counts the layers landed in 16 bits).

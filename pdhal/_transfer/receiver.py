@@ -24,6 +24,7 @@ from pdhal import ops
 from pdhal._errors import ChannelBusyError, ClosedHandleError, InvalidArgumentError, TransferError
 from pdhal._protocol.names import namespace, validate_name
 from pdhal._transfer import checks, mailbox
+from pdhal._transfer.contract import require_memory
 from pdhal._transfer.layout import CacheLayout
 from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import transport
@@ -83,16 +84,20 @@ class KVReceiver:
         self._view = memoryview(
             (ctypes.c_char * (slots * mailbox.SLOT_BYTES)).from_address(self._status.address)
         ).cast("B")
+        self._unpin = None
         try:
+            require_memory(transport(transport_name), layout.memory, "the decode caches'")
+            self._unpin = layout.pin("KVReceiver")  # no free of the caches it serves
             self._endpoint = transport(transport_name).endpoint(
                 [*layout.memory, self._status], name
             )
         except BaseException:
+            if self._unpin is not None:
+                self._unpin()
             self._view.release()
             ops.host_free(self._status)
             self._forget_name()
             raise
-        self._unpin = layout.pin("KVReceiver")  # no free of the caches it serves
         # A token naming this receiver in its description and in every ticket: a prefill
         # side refuses a ticket sent to another receiver's destination.
         self._token = uuid.uuid4().hex
@@ -265,9 +270,12 @@ class KVReceiver:
             if not e.layerwise:
                 return 0
             offset = e.slot * mailbox.SLOT_BYTES
-            return mailbox.read_progress(
+            count = mailbox.read_progress(
                 self._view[offset : offset + mailbox.SLOT_BYTES], e.generation
             )
+            # a shared word is input: a prefill side writes at most num_layers - 1 there
+            # (the last layer's news is the outcome), so a larger count is no count at all
+            return count if count < self.layout.num_layers else 0
 
     def wait(self, request_id: str, poll_interval: float = 0.001) -> Outcome:
         """Poll until `request_id` ended (by its deadline at the latest); the outcomes of
@@ -294,15 +302,18 @@ class KVReceiver:
     def close(self) -> list[Outcome]:
         """Stop serving: the endpoint goes and the status memory is freed. Returns the
         outcomes not reported yet (the last poll()): those that ended, and every request
-        still expected, failed with "the receiver was closed" (a prefill side still sending
-        to it learns of the endpoint's end from its transport). Every later call, and a
-        wait() blocked meanwhile, raises ClosedHandleError. Idempotent: again, it returns
-        []."""
+        still expected, failed with "the receiver was closed" and blocks_free False (a
+        prefill side still sending to it learns of the endpoint's end from its transport,
+        and may write until then: give those blocks back only once it is gone). Every
+        later call, and a wait() blocked meanwhile, raises ClosedHandleError. Idempotent:
+        again, it returns []."""
         with self._lock:
             if self._closed:
                 return []
             self._scan()
-            ended = self._ended + [Outcome(r, False, CLOSED) for r in self._expected]
+            ended = self._ended + [
+                Outcome(r, False, CLOSED, blocks_free=False) for r in self._expected
+            ]
             self._ended, self._expected = [], {}
             self._closed = True
             self._woken.set()

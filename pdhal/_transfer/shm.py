@@ -26,7 +26,8 @@ from pdhal._errors import (
     TransferError,
 )
 from pdhal._memory import extents as _extents
-from pdhal._protocol.names import namespace, validate_name
+from pdhal._memory import published
+from pdhal._protocol.names import buffer_path, namespace, validate_name
 from pdhal._transfer import checks
 from pdhal._transfer.contract import (
     Batch,
@@ -135,12 +136,18 @@ class ShmEndpoint(Endpoint):
         }
 
     def close(self) -> None:
-        while self._names:
-            ops.unset_data_ipc(None, self._names.pop(), False, True)
-        with _lock:
-            if self._key is not None:
-                _serving.discard(self._key)
-                self._key = None
+        try:
+            while self._names:
+                name = self._names.pop()
+                try:
+                    ops.unset_data_ipc(None, name, False, True)
+                except InvalidArgumentError:  # unpublished by hand already: gone either way
+                    pass
+        finally:  # a name unset by hand meanwhile must not keep the endpoint's name taken
+            with _lock:
+                if self._key is not None:
+                    _serving.discard(self._key)
+                    self._key = None
 
 
 def _checked(described: object) -> tuple[int, str, list[str], list[int]]:
@@ -183,6 +190,7 @@ class ShmLink(Link):
 
     def __init__(self, described: dict, sources: list[tuple[int, int]], timeout: float):
         self._pid, self._started, names, sizes = _checked(described)
+        self._records: list[str] = []  # the first and last region's record files
         self._runs = RunChecker(sizes, sources)
         self.regions = sizes
         self._names: list[str] = []
@@ -213,8 +221,17 @@ class ShmLink(Link):
                         f"but what it maps to is "
                         f"{'of unknown size' if real is None else f'{real} bytes'}"
                     )
+                # ... and published by the described process, whose life is watched
+                publisher = published.publisher(name)
+                if publisher != self._pid:
+                    raise InvalidArgumentError(
+                        f"the description's region {index} ({name!r}) is published by pid "
+                        f"{publisher}, not by the described pid {self._pid}"
+                    )
                 self._targets[0].append(base)
                 self._targets[1].append(extent)
+            if names:
+                self._records = [buffer_path(names[0]), buffer_path(names[-1])]
         except BaseException:
             self.close()
             raise
@@ -225,7 +242,12 @@ class ShmLink(Link):
                 gone = bool(self._exit.poll(0))  # readable once the process exited
             else:
                 gone = _start_time(self._pid) != self._started
-        return f"the destination process (pid {self._pid}) is gone" if gone else None
+        if gone:
+            return f"the destination process (pid {self._pid}) is gone"
+        if self._records and not all(os.path.exists(path) for path in self._records):
+            # its endpoint closed (the receiver too): what it served may be reused there
+            return f"the destination (pid {self._pid}) closed its endpoint"
+        return None
 
     def submit(self, runs: list[Run]) -> Batch:
         why = self.problem()
@@ -263,8 +285,12 @@ class ShmTransport(Transport):
     #: A submit's memmove into the mapped destination has written every byte by the time
     #: it returns: the batch is done at the target.
     completion = "target"
+    #: memmove: host memory on both sides.
+    memory = ("cpu",)
 
-    def __init__(self, connect_timeout: float = 10.0):
+    def __init__(self, connect_timeout: float = 0.0):
+        """`connect_timeout`: how long a link waits for a described region's record (0: a
+        description is made once its regions are published, so none is waited for)."""
         self._timeout = connect_timeout
 
     def endpoint(self, regions: list, name: str) -> Endpoint:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from pdhal._errors import ClosedHandleError, InvalidArgumentError
 from pdhal._transfer import checks, mailbox
-from pdhal._transfer.contract import require_target_completion
+from pdhal._transfer.contract import require_memory, require_target_completion
 from pdhal._transfer.destination import Destination, Send, StatusWrite, Write
 from pdhal._transfer.heads import HeadShard
 from pdhal._transfer.keeper import Deadlines
@@ -81,6 +81,7 @@ class KVStreamer:
         self._on_outcome = on_outcome
         self._transport = transport(transport_name)
         require_target_completion(self._transport)  # a LANDED word never beats its bytes
+        require_memory(self._transport, layout.memory, "the prefill caches'")
         self._unpin = layout.pin("KVStreamer")  # no free of the caches while it copies
         self._src_blocks = min(spec.blocks for caches in layout.layers for spec in caches)
         self._lock = threading.RLock()
@@ -118,7 +119,7 @@ class KVStreamer:
             )
         try:
             key = json.dumps([described, heads and vars(heads)], sort_keys=True)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise InvalidArgumentError(f"described is not JSON-able data: {e}") from None
         with self._lock:
             known = self._destinations.get(key)
@@ -142,7 +143,20 @@ class KVStreamer:
                 f"described's status region holds {status_bytes} bytes, less than its "
                 f"{slots} slots of {mailbox.SLOT_BYTES}"
             )
-        layers = self.layout.check_peer(described["layout"], heads)
+        layout = described["layout"]
+        sizes = layout.get("regions") if isinstance(layout, dict) else None
+        if not isinstance(sizes, list) or status_region < len(sizes):
+            raise InvalidArgumentError(
+                f"described's layout must list its regions, before the status region "
+                f"{status_region}: got {sizes!r}"
+            )
+        if described["regions"][: len(sizes)] != sizes:
+            raise InvalidArgumentError(
+                f"described's layout claims regions of {sizes} bytes, its transport serves "
+                f"{described['regions'][: len(sizes)]}: a description must not claim more "
+                f"than it serves"
+            )
+        layers = self.layout.check_peer(layout, heads)
         source = (
             self.layout if heads is None else self.layout.head_view(heads.src_first, heads.count)
         )
@@ -294,14 +308,13 @@ class KVStreamer:
             self._watched.add(dest)
         if watch:
             self._clock.at(time.monotonic() + PEER_CHECK_S, lambda: self._check_peer(dest))
-        if deadline_s is not None:
-            self._clock.at(
-                time.monotonic() + deadline_s, lambda: self._ticket_expired(request, deadline_s)
-            )
+        self._clock.at(
+            time.monotonic() + deadline_s, lambda: self._ticket_expired(request, deadline_s)
+        )
         self._send_ready(request)
 
     @staticmethod
-    def _ticket(request_id: str, dest: Destination, ticket) -> tuple[int, int, bool, float | None]:
+    def _ticket(request_id: str, dest: Destination, ticket) -> tuple[int, int, bool, float]:
         """(slot, generation, layerwise, timeout) of `ticket`, checked to be the one
         `dest`'s receiver issued for `request_id`."""
         if not isinstance(ticket, dict):
@@ -321,9 +334,12 @@ class KVStreamer:
             ticket.get("generation"), "the ticket's generation", 1, GENERATIONS
         )
         layerwise = checks.flag(ticket.get("layerwise", False), "the ticket's layerwise")
-        timeout = ticket.get("timeout")
-        if timeout is not None:
-            timeout = checks.seconds(timeout, "the ticket's timeout")
+        if "timeout" not in ticket:
+            raise InvalidArgumentError(
+                "the ticket has no timeout: pass the receiver's expect() unchanged (the "
+                "prefill side ends a request by its decode side's deadline)"
+            )
+        timeout = checks.seconds(ticket["timeout"], "the ticket's timeout")
         return slot, generation, layerwise, timeout
 
     def _live(self, request_id: str) -> Request:
@@ -347,7 +363,9 @@ class KVStreamer:
         not given), from which the overlap numbers are measured; `step`: the engine's step,
         kept in the layer's metrics record."""
         signal_ns = (
-            time.monotonic_ns() if signal_ns is None else checks.integer(signal_ns, "signal_ns")
+            time.monotonic_ns()
+            if signal_ns is None
+            else checks.integer(signal_ns, "signal_ns", 0, checks.LATEST_NS)
         )
         self._open()
         if step is not None:
@@ -665,6 +683,13 @@ class KVStreamer:
         those wholly sent settle, tell each decode side (each write bounded by
         stall_timeout), and close every link: within 2 x stall_timeout (+1 s), after which
         what is left is reported failed without telling its decode side."""
+        with self._lock:
+            destinations = list(dict.fromkeys(self._destinations.values()))
+        if self._clock.runs_here() or any(d.runs_here() for d in destinations):
+            raise InvalidArgumentError(
+                "close() from one of the streamer's own threads (an on_outcome callback?) "
+                "would wait for itself: close it from another thread"
+            )
         with self._lock:
             if self._closed:
                 return

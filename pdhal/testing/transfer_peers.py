@@ -76,6 +76,8 @@ for line in sys.stdin:
         say("outcome", outcome.landed, outcome.reason, outcome.blocks_free)
     elif command[0] == "freed":
         say("freed", receiver.freed(), dump())
+    elif command[0] == "shut":  # close the receiver, the process lives on
+        say("shut", [[o.request_id, o.landed, o.blocks_free] for o in receiver.close()])
     elif command[0] == "exit":
         break
 receiver.close()
@@ -144,6 +146,12 @@ class Decode:
         """(landed, reason, blocks_free) of `request_id`, once it ended."""
         self.send("outcome", request_id)
         return self.read("outcome")
+
+    def shut(self) -> list:
+        """Close its receiver (the process lives on): [request, landed, blocks_free] of
+        each outcome close() returned."""
+        self.send("shut")
+        return self.read("shut")[0]
 
     def freed(self):
         """(receiver.freed(), the dump as wait() gives it)."""

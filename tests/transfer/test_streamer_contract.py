@@ -7,6 +7,7 @@ peers are kept by the streamer's own clock. The decode side is another process."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ import pytest
 import pdhal
 from pdhal import ops, transfer
 from pdhal._transfer import plugins as _transports
+from pdhal._transfer.shm import _start_time
 from pdhal.testing.fixtures import install_distributions
 from pdhal.testing.transfer_peers import (
     BLOCK_TOKENS,
@@ -478,3 +480,134 @@ def test_stalled_writes_in_flight_together_end_by_one_stall_timeout_not_one_each
         assert time.monotonic() - started < 7, "stalled writes waited one after another"
     finally:
         streamer.close()
+
+
+# ---- what an attack on the first version of this contract found --------------------------
+
+
+def test_a_receiver_closed_mid_transfer_is_written_no_more(decode, streamer):
+    """The decode process closes its receiver (and lives on) with "r" half sent: close()
+    reports "r" failed with blocks_free False (the prefill side may still write), the
+    prefill side fails "r" naming the closed endpoint, and the layers signalled after the
+    close never reach the decode caches."""
+    dest = streamer.connect(decode.described)
+    streamer.add_request("r", [0], 4)
+    streamer.set_destination("r", dest, [3], decode.expect("r"))
+    streamer.layer_ready(0, [("r", 4)])
+    deadline = time.monotonic() + 30
+    while decode.block(0, 0, 3)[0] != expected(0)[0][0]:
+        assert time.monotonic() < deadline, "layer 0 never landed"
+        time.sleep(0.005)
+    assert decode.shut() == [["r", False, False]]
+    streamer.layer_ready(1, [("r", 4)])
+    streamer.layer_ready(2, [("r", 4)])
+    [ended] = outcomes_until(streamer, 1)
+    assert not ended.landed and "closed its endpoint" in ended.reason
+    streamer.close()  # every write settled
+    assert decode.block(1, 0, 3) == [0] * 64 and decode.block(2, 1, 3) == [0] * 64
+
+
+def test_a_description_that_lies_is_refused_at_connect(decode, streamer):
+    """A layout claiming more than its transport serves, a pid that is not the publisher's,
+    names nobody publishes (refused at once, not after a wait), a description nested too
+    deep to compare: each refused at connect, naming it, before anything moves."""
+    good = decode.described
+    bigger = json.loads(json.dumps(good))
+    bigger["layout"]["regions"] = [2 * n for n in bigger["layout"]["regions"]]
+    for spec in (s for caches in bigger["layout"]["layers"] for s in caches):
+        spec[4] *= 2
+    with pytest.raises(pdhal.InvalidArgumentError, match="claims regions of .* serves"):
+        streamer.connect(bigger)
+    other = dict(good, pid=os.getpid(), started=_start_time(os.getpid()))
+    with pytest.raises(
+        pdhal.InvalidArgumentError, match="published by pid .* not by the described"
+    ):
+        streamer.connect(other)
+    ghost = dict(good, names=[n.replace("decode", "ghost") for n in good["names"]])
+    started = time.monotonic()
+    with pytest.raises(pdhal.TransferError):
+        streamer.connect(ghost)
+    assert time.monotonic() - started < 5, "connect waited for names nobody publishes"
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(pdhal.InvalidArgumentError, match="not JSON-able"):
+        streamer.connect(dict(good, extra=deep))
+    assert streamer.connect(good) is not None  # the truth still connects
+
+
+def test_tickets_without_a_deadline_and_engine_times_past_78_hours_are_handled(decode, streamer):
+    """A ticket without its timeout would let a request outlive its decode side's deadline:
+    refused. A huge timeout is a pdhal error, not OverflowError. A signal time from a host
+    up for more than 78 hours (2^48 ns) is a time like any other."""
+    dest = streamer.connect(decode.described)
+    streamer.add_request("r", [0], 4)
+    ticket = decode.expect("r")
+    with pytest.raises(pdhal.InvalidArgumentError, match="the ticket has no timeout"):
+        streamer.set_destination(
+            "r", dest, [0], {k: v for k, v in ticket.items() if k != "timeout"}
+        )
+    with pytest.raises(pdhal.InvalidArgumentError, match="the ticket's timeout must be in"):
+        streamer.set_destination("r", dest, [0], dict(ticket, timeout=10**400))
+    streamer.set_destination("r", dest, [0], ticket)
+    late = (1 << 48) + 12345
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("r", 4)], signal_ns=late)
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("r", True)]
+
+
+def test_close_from_on_outcome_is_refused_and_the_streamer_still_closes(decode):
+    """on_outcome runs on one of the streamer's threads: close() there would wait for
+    itself. It is refused (logged, as whatever on_outcome raises); close() from the caller
+    then ends everything and lets go of the caches' memory."""
+    refused = []
+
+    def on_outcome(outcome):
+        try:
+            streamer.close()
+        except pdhal.InvalidArgumentError as e:
+            refused.append(str(e))
+
+    buffers = [[ops.host_alloc(8 * 64) for _ in range(2)] for _ in range(LAYERS)]
+    for row in buffers:
+        for buffer in row:
+            buffer.as_numpy("uint8", (8 * 64,))[:] = 1
+    layout = transfer.CacheLayout.from_caches(
+        [[b.as_numpy("uint8", (8, 64)) for b in row] for row in buffers]
+    )
+    streamer = transfer.KVStreamer(layout, BLOCK_TOKENS, on_outcome=on_outcome)
+    streamer.add_request("r", [0], 4)
+    streamer.set_destination("r", streamer.connect(decode.described), [0], decode.expect("r"))
+    stream_whole(streamer, "r", 4)
+    deadline = time.monotonic() + 30
+    while not refused:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert "would wait for itself" in refused[0]
+    streamer.close()
+    for row in buffers:
+        for buffer in row:
+            ops.host_free(buffer)  # not pinned any more
+
+
+def test_device_memory_is_refused_by_a_host_only_transport():
+    """shm copies with memmove: a layout over device memory (here a stand-in naming its
+    device by __cuda_array_interface__) is refused when the streamer is made, not copied
+    from (a crash)."""
+
+    class DeviceArray:
+        def __init__(self, nbytes: int):
+            self._host = np.zeros(nbytes, np.uint8)  # an address that is not the device's
+            self.__cuda_array_interface__ = {
+                "shape": (nbytes,),
+                "typestr": "|u1",
+                "data": (self._host.ctypes.data, False),
+                "version": 3,
+            }
+
+    regions = [DeviceArray(8 * 64) for _ in range(LAYERS)]
+    layout = transfer.CacheLayout(
+        regions, [[transfer.CacheSpec(n, 0, 64, 64, 8)] for n in range(LAYERS)]
+    )
+    with pytest.raises(pdhal.InvalidArgumentError, match="region 0 is gpu.* memory; .* moves cpu"):
+        transfer.KVStreamer(layout, BLOCK_TOKENS)

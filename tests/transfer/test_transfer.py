@@ -544,7 +544,7 @@ def test_outcomes_can_go_to_a_callback_and_records_to_a_cursor(decode, caplog):
         assert heard == [transfer.Outcome("first", True), transfer.Outcome("second", True)]
         assert "on_outcome raised" in caplog.text and "a callback's own bug" in caplog.text
         assert streamer.poll() == [] and streamer.metrics.layers_since(mark) == ([], mark)
-        with pytest.raises(pdhal.InvalidArgumentError, match="step must be an int >= 0, got -1"):
+        with pytest.raises(pdhal.InvalidArgumentError, match=r"step must be an int in \[0, "):
             streamer.layer_ready(0, [], step=-1)
     finally:
         streamer.close()

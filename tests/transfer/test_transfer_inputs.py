@@ -15,7 +15,6 @@ import pytest
 import pdhal
 from pdhal import transfer
 from pdhal._transfer import checks
-from pdhal._transfer import layout as _layout
 
 BLOCKS, BLOCK_BYTES, LAYERS = 4, 64, 3
 GOOD = dict(region=0, offset=0, stride=64, block_bytes=64, blocks=4, heads=1)
@@ -159,11 +158,13 @@ def test_a_well_formed_peer_layout_pairs():
         layout.check_peer(peer, (0, 0, 1))
 
 
-def test_layout_seconds_is_the_checks_one():
-    """streamer.py and receiver.py import seconds from layout: the same function."""
-    assert _layout.seconds is checks.seconds
-    with pytest.raises(pdhal.InvalidArgumentError, match="timeout must be a number"):
-        _layout.seconds(math.nan, "timeout")
+def test_seconds_refuse_nan_and_ints_too_large_for_a_float():
+    """A timeout is a real number of seconds in (0, a day]: NaN, and an int a peer's JSON
+    may carry that no float holds, are refused naming the argument (not OverflowError)."""
+    for bad in (math.nan, 10**400, -(10**400), math.inf):
+        with pytest.raises(pdhal.InvalidArgumentError, match=r"timeout must be in \(0, 86400\]"):
+            checks.seconds(bad, "timeout")
+    assert checks.seconds(3, "timeout") == 3.0
 
 
 # ---- head splits -------------------------------------------------------------------------
