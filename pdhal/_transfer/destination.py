@@ -116,6 +116,9 @@ class Destination:
         self.receiver = receiver  # the receiver tickets for this decode side must name
         self._connect, self._window, self._stall = connect, window, stall_timeout
         self._settled, self._broken = settled, broken
+        #: Why its process is gone, once a peer check found it so (a gone decode side is
+        #: not connected again: its requests fail, and it is forgotten once it has none).
+        self.gone: str | None = None
         self._cond = threading.Condition()
         self._inbox: collections.deque[Write] = collections.deque()  # waiting for the window
         self._submitted: collections.deque[Write] = collections.deque()  # in order
@@ -236,8 +239,10 @@ class Destination:
         if isinstance(write, Send) and not any(r.live for r, _ in write.items):
             write.failed = ""
             return
-        with self._cond:
-            channel = self._channel
+        with self._cond:  # the write counts on its link before it is made: a break
+            channel = self._channel  # meanwhile closes the link only once it settled
+            if channel is not None:
+                channel.outstanding += 1
         if channel is None:
             try:
                 channel = self._open()
@@ -245,10 +250,12 @@ class Destination:
                 write.failed = f"the decode side cannot be reached again: {_why(e)}"
                 return
             with self._cond:
+                channel.outstanding += 1
                 if self._channel is None and write.epoch == self.epoch:
                     self._channel = channel
                 else:  # broken again meanwhile: this link is not the current one
                     channel.retired = True
+        write.channel = channel
         if isinstance(write, StatusWrite):
             write.buffer = channel.status.take()
             ctypes.memmove(write.buffer, write.data, len(write.data))
@@ -261,9 +268,6 @@ class Destination:
             write.batch = channel.link.submit(runs)
         except Exception as e:  # TransferError, or a transport's bug
             write.failed = _why(e)
-        with self._cond:
-            write.channel = channel
-            channel.outstanding += 1
 
     def _complete_loop(self) -> None:
         """Settle each submitted write in order: waited for until stall_timeout after it

@@ -648,8 +648,9 @@ class KVStreamer:
     def _check_peer(self, dest: Destination) -> None:
         """While `dest` has requests, look at its liveness every PEER_CHECK_S; a gone one
         fails them and, once it has none, is forgotten."""
-        why = dest.problem()
-        if why is not None:
+        why = dest.gone or dest.problem()
+        if why is not None and dest.gone is None:
+            dest.gone = why
             dest.break_(why)
         with self._lock:
             users = any(r.dest is dest and not r.ended for r in self._requests.values())

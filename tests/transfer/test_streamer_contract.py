@@ -192,10 +192,9 @@ def test_a_request_whose_source_blocks_never_come_fails_by_its_lease(decode):
     heard = []
     streamer = make_streamer(claim_timeout=0.3, on_outcome=heard.append)
     try:
-        streamer.add_request("short", [0], 12)
-        streamer.set_destination(
-            "short", streamer.connect(decode.described), [1, 2, 3], decode.expect("short")
-        )
+        dest, ticket = streamer.connect(decode.described), decode.expect("short")
+        streamer.add_request("short", [0], 12)  # claimed at once: its claim lease is short
+        streamer.set_destination("short", dest, [1, 2, 3], ticket)
         stream_whole(streamer, "short", 12)
         deadline = time.monotonic() + 30
         while not heard:
@@ -211,11 +210,13 @@ def test_a_request_whose_source_blocks_never_come_fails_by_its_lease(decode):
 
 def test_leases_and_dead_peers_are_kept_without_any_poll(decode, namespace):
     """A messager hearing outcomes through on_outcome never polls: a request nobody claims
-    still fails by its lease, and one whose decode process was killed by its peer check."""
+    still fails by its lease (a streamer of 0.2 s leases, holding nothing else), and one
+    whose decode process was killed by the streamer's peer check."""
     heard = []
-    streamer = make_streamer(claim_timeout=0.2, on_outcome=heard.append)
+    leases = make_streamer(claim_timeout=0.2, on_outcome=heard.append)
+    streamer = make_streamer(on_outcome=heard.append)
     try:
-        streamer.add_request("orphan", [0], 4)
+        leases.add_request("orphan", [0], 4)
         streamer.add_request("doomed", [1, 2], 8)
         streamer.set_destination(
             "doomed", streamer.connect(decode.described), [0, 1], decode.expect("doomed")
@@ -230,6 +231,7 @@ def test_leases_and_dead_peers_are_kept_without_any_poll(decode, namespace):
         assert "no decode side claimed it within 0.2 s" in ended["orphan"].reason
         assert not ended["doomed"].landed and "is gone" in ended["doomed"].reason
     finally:
+        leases.close()
         streamer.close()
         pdhal.cleanup(namespace)  # what the killed decode process left
 
@@ -358,13 +360,13 @@ def test_exposed_transfer_is_measured_from_the_engine_s_last_signal(decode, stre
 
 def test_no_write_after_give_up_a_stopped_prefill_resumed_after_the_deadline(decode):
     """The prefill process sends layer 0 of "r", then is SIGSTOPped. The decode side's
-    deadline (1 s) passes: "r" is reported failed at once, but its blocks stay held
+    deadline (5 s) passes: "r" is reported failed at once, but its blocks stay held
     (blocks_free False; freed() names nothing) while the prefill side may still write.
     The prefill process is resumed with layers 1 and 2 signalled: it ends the request (by
     the ticket's timeout, or landed), and only once its end arrived does freed() name "r";
     nothing is written into the blocks after that (they hold the same bytes once the
     prefill side closed)."""
-    ticket = decode.expect("r", timeout=1.0)
+    ticket = decode.expect("r", timeout=5.0)  # covers the prefill process's start, loaded
     prefill = Prefill()
     try:
         prefill.send("connect", decode.described)
@@ -376,7 +378,7 @@ def test_no_write_after_give_up_a_stopped_prefill_resumed_after_the_deadline(dec
             time.sleep(0.005)
         prefill.proc.send_signal(signal.SIGSTOP)
         landed, reason, blocks_free = decode.outcome("r")
-        assert not landed and "nothing landed within 1 s" in reason
+        assert not landed and "nothing landed within 5 s" in reason
         assert blocks_free is False
         assert decode.freed()[0] == []  # held while the prefill side may still write
         for layer in (1, 2):
@@ -390,7 +392,7 @@ def test_no_write_after_give_up_a_stopped_prefill_resumed_after_the_deadline(dec
         # resumed, the prefill side either sent the last layers before its clock ended the
         # request, or ended it first: either way its end came after its last write
         landed_there, why = prefill.outcomes(1)["r"]
-        assert landed_there or "deadline (1 s) passed" in why
+        assert landed_there or "deadline (5 s) passed" in why
         prefill.close()  # every write of the prefill side settled
         _, after = decode.freed()
         assert landed_blocks(after, 2) == landed_blocks(at_release, 2)
@@ -470,10 +472,11 @@ def test_stalled_writes_in_flight_together_end_by_one_stall_timeout_not_one_each
     streamer = make_streamer(transport_name="faulty", stall_timeout=2, max_layers_in_flight=6)
     try:
         dest = streamer.connect(decode.described)
-        started = time.monotonic()
         for n in range(6):
             streamer.add_request(f"r{n}", [n], 4)
             streamer.set_destination(f"r{n}", dest, [n], decode.expect(f"r{n}", timeout=30))
+        started = time.monotonic()
+        for n in range(6):
             streamer.layer_ready(0, [(f"r{n}", 4)])
         ended = outcomes_until(streamer, 6)
         assert all(not o.landed and "injected stall" in o.reason for o in ended)
