@@ -148,11 +148,26 @@ def object_code(source_root: str, rel: str) -> bytes:
 KIT_RUNTIMES = {"xpu": "PDHAL_XPURT", "cuda": "PDHAL_CUDART"}
 
 
+#: Where the in-tree distributions beside pdhal live: each is a folder with its pyproject.toml
+#: and its package folder inside it (transports/mooncake/pdhal_mooncake), so that folder is
+#: what goes on the path. tests/plugins/* are fixtures the tests install themselves: left out.
+DISTRIBUTIONS = ("backends/*", "transports/*", "connectors/*", "demo")
+
+
+def import_roots(copy: str) -> list[str]:
+    """The copy's root and every in-tree distribution's folder in it: each goes on
+    PYTHONPATH ahead of the editable installs (whose finders come after sys.path), so a
+    mutant anywhere in the tree is the code its tests import."""
+    roots = [copy]
+    for pattern in DISTRIBUTIONS:
+        for found in sorted(glob.glob(os.path.join(copy, pattern, "pyproject.toml"))):
+            roots.append(os.path.dirname(found))
+    return roots
+
+
 def env_for(copy: str, test: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [copy, os.path.join(copy, "backends", "cuda"), os.path.join(copy, "backends", "xpu")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join(import_roots(copy))
     if test.startswith("kit:") and test[4:] in KIT_RUNTIMES:
         env[KIT_RUNTIMES[test[4:]]] = subprocess.run(
             [PYTHON, "-m", f"pdhal_{test[4:]}.testing"],
