@@ -24,6 +24,7 @@ SOURCES = [
     "sender.c",
     "kernel.c",
     "copy.c",
+    "fault.c",
 ]
 
 

@@ -18,6 +18,7 @@ from pdhal._errors import (
     SegmentError,
     SignalTimeoutError,
     SystemResourceError,
+    TransferError,
 )
 
 #: The C ABI this Python code was written against; see PDHAL_ABI_VERSION in pdhal.h.
@@ -311,6 +312,17 @@ def kernel_store(words):
 def run_store(store) -> None:
     """Run a pending store now, on this thread, and free it."""
     lib.pdhal_store_run(store)
+
+
+def copy_guarded(dst: int, src: int, nbytes: int) -> None:
+    """pdhal_copy_guarded: copy `nbytes` from address `src` into shared memory at `dst`
+    whose owner may shrink it: TransferError (not a SIGBUS) when it did."""
+    rc = lib.pdhal_copy_guarded(ffi.cast("void *", dst), ffi.cast("const void *", src), nbytes)
+    if rc < 0:
+        raise TransferError(
+            f"the destination's memory was taken away under a copy (SIGBUS: its owner shrank "
+            f"the shared file): {ffi.string(lib.pdhal_last_error()).decode(errors='replace')}"
+        )
 
 
 def copy_blocks(

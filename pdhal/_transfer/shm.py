@@ -11,7 +11,6 @@ moves, and unmaps the peer's regions when the last link to them in this process 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import select
@@ -27,6 +26,7 @@ from pdhal._errors import (
 )
 from pdhal._memory import extents as _extents
 from pdhal._memory import published
+from pdhal._protocol import core as _core
 from pdhal._protocol.names import buffer_path, namespace, validate_name
 from pdhal._transfer import checks
 from pdhal._transfer.contract import (
@@ -254,7 +254,7 @@ class ShmLink(Link):
         if why is not None:
             raise TransferError(why)
         runs = self._runs.check(runs)  # every run, before the first byte moves
-        (bases, extents), memmove = self._targets, ctypes.memmove
+        (bases, extents), copy = self._targets, _core.copy_guarded
         if len(bases) != len(self.regions):
             raise TransferError("the link was closed")
         try:  # a close meanwhile unmaps the regions only once these copies are done
@@ -263,7 +263,7 @@ class ShmLink(Link):
             raise TransferError("the link was closed") from None
         try:
             for src, region, offset, nbytes in runs:
-                memmove(bases[region] + offset, src, nbytes)
+                copy(bases[region] + offset, src, nbytes)  # a peer shrinking it: an error
         finally:
             _extents.release(held)
         return _Landed()

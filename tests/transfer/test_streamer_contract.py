@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -20,7 +21,7 @@ import pdhal
 from pdhal import ops, transfer
 from pdhal._transfer import plugins as _transports
 from pdhal._transfer.shm import _start_time
-from pdhal.testing.fixtures import install_distributions
+from pdhal.testing.fixtures import install_distributions, python_child
 from pdhal.testing.transfer_peers import (
     BLOCK_TOKENS,
     LAYERS,
@@ -614,3 +615,47 @@ def test_device_memory_is_refused_by_a_host_only_transport():
     )
     with pytest.raises(pdhal.InvalidArgumentError, match="region 0 is gpu.* memory; .* moves cpu"):
         transfer.KVStreamer(layout, BLOCK_TOKENS)
+
+
+SHRINKING_DECODE = """
+import json, os, sys
+from pdhal import ops, transfer
+buffers = [[ops.host_alloc(8 * 64) for _ in range(2)] for _ in range(3)]
+caches = [[b.as_numpy("uint8", (8, 64)) for b in row] for row in buffers]
+receiver = transfer.KVReceiver(transfer.CacheLayout.from_caches(caches), "shrinking", slots=8)
+print(json.dumps([receiver.describe(), receiver.expect("r", 30)]), flush=True)
+sys.stdin.readline()
+for row in buffers:
+    for buffer in row:
+        os.truncate(buffer.path, 0)  # what it served is gone behind the prefill's mapping
+print("shrunk", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_decode_side_that_shrinks_its_shared_files_fails_the_request_not_the_process(
+    namespace,
+):
+    """A hostile decode process truncates the files behind its caches once the prefill side
+    mapped them: the prefill's next copy meets pages past their end (SIGBUS, which would
+    kill the prefill process); the request fails naming it, and the process goes on."""
+    peer = python_child(SHRINKING_DECODE, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    streamer = make_streamer()
+    try:
+        described, ticket = json.loads(peer.stdout.readline())
+        dest = streamer.connect(described)
+        streamer.add_request("r", [1], 4)
+        streamer.set_destination("r", dest, [1], ticket)
+        peer.stdin.write("shrink\n")
+        peer.stdin.flush()
+        assert peer.stdout.readline().strip() == "shrunk"
+        stream_whole(streamer, "r", 4)
+        [ended] = outcomes_until(streamer, 1)
+        assert not ended.landed and "SIGBUS" in ended.reason
+    finally:
+        streamer.close()
+        peer.kill()
+        peer.wait(timeout=30)
+        peer.stdin.close()
+        peer.stdout.close()
+        pdhal.cleanup(namespace)  # what the killed peer left

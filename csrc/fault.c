@@ -1,0 +1,64 @@
+/* Copies into memory another process may take away: a peer that shrinks the file behind a
+ * shared mapping makes the next access to its lost pages raise SIGBUS, which would kill
+ * this process. pdhal_copy_guarded turns that fault, in the copy and nowhere else, into
+ * -EFAULT: a thread-local jump buffer marks "inside a guarded copy", and the SIGBUS handler
+ * (installed once, chaining to the one it replaced) jumps back only from there. */
+#include <errno.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* Set only while this thread is inside pdhal_copy_guarded's memcpy. */
+static _Thread_local sigjmp_buf *fault_jump;
+static struct sigaction previous;
+static pthread_once_t installed = PTHREAD_ONCE_INIT;
+static int install_rc;
+
+static void on_bus_error(int sig, siginfo_t *info, void *context) {
+    sigjmp_buf *jump = fault_jump;
+    if (jump != NULL) {
+        fault_jump = NULL;
+        siglongjmp(*jump, 1); /* SA_NODEFER: nothing blocked to restore */
+    }
+    /* Not a guarded copy's: whoever handled SIGBUS before handles it; with no one, the
+     * default comes back and the faulting instruction, run again, ends the process. */
+    if ((previous.sa_flags & SA_SIGINFO) && previous.sa_sigaction != NULL) {
+        previous.sa_sigaction(sig, info, context);
+    } else if (!(previous.sa_flags & SA_SIGINFO) && previous.sa_handler != SIG_DFL &&
+               previous.sa_handler != SIG_IGN) {
+        previous.sa_handler(sig);
+    } else {
+        signal(SIGBUS, SIG_DFL);
+    }
+}
+
+static void install(void) {
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = on_bus_error;
+    action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    install_rc = sigaction(SIGBUS, &action, &previous) == 0 ? 0 : -errno;
+}
+
+int pdhal_copy_guarded(void *dst, const void *src, uint64_t bytes) {
+    pthread_once(&installed, install);
+    if (install_rc != 0) {
+        return pdhal_fail(-install_rc, "installing the SIGBUS handler of guarded copies");
+    }
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0) != 0) {
+        return pdhal_fail(EFAULT, "a copy of %llu bytes met memory its owner took away (SIGBUS)",
+                          (unsigned long long)bytes);
+    }
+    fault_jump = &jump;
+    atomic_signal_fence(memory_order_seq_cst); /* pairs with the handler's read */
+    memcpy(dst, src, (size_t)bytes);
+    atomic_signal_fence(memory_order_seq_cst);
+    fault_jump = NULL;
+    return 0;
+}
