@@ -29,7 +29,9 @@ Tensor parallelism: each prefill rank has its messager (rank r on rank 0's port 
 ranks of each side split the KV heads (vLLM's CPU cache is head-major: [blocks, heads, ...]),
 which may split differently on the two sides (prefill TP 2, decode TP 1, ...). A decode rank
 expects one part per prefill rank that holds heads it holds, each in its own ticket, from
-that rank's messager; its load lands once every part did.
+that rank's messager; its load lands once every part did. A part has one name on both sides,
+wire.part_id(transfer id, prefill rank, decode rank): this receiver's request and that
+messager's streamer request (the streamer refuses a ticket issued under another name).
 
 The KV cache must be memory the transports can reach: the connector places vLLM's KV cache
 allocation in pdhal host memory (get_mem_pool_context); the prefill worker shares it with
@@ -60,7 +62,7 @@ from vllm.logger import init_logger
 import pdhal
 from pdhal import InvalidArgumentError, PdhalError, TransferError, ops
 from pdhal.transfer import CacheLayout, CacheSpec, KVReceiver, head_shards, rank_heads
-from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, connect, head_crcs
+from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, connect, head_crcs, part_id
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -347,6 +349,9 @@ class _Part:
     link: _MessagerLink | None = None  # the prefill rank's messager, once asked
     layers: int = 0  # layers landed, from the first
     error: str | None = None
+    #: nothing can write it any more (its messager went, or said it will not send it): if
+    #: the receiver holds its blocks (failed by its deadline), they are released
+    unwritten: bool = False
 
 
 @dataclass(eq=False)
@@ -361,7 +366,7 @@ class _Load:
     sync: bool
     blocks: list[int]
     cached: int  # the prompt's first blocks, in this cache already (a prefix it cached)
-    parts: dict[str, _Part] = field(default_factory=dict)  # by its receiver request id
+    parts: dict[str, _Part] = field(default_factory=dict)  # by wire.part_id
     layers: int = 0  # layers known to have landed in every part, from the first
     landed: bool = False
     error: str | None = None
@@ -370,11 +375,6 @@ class _Load:
     @property
     def done(self) -> bool:
         return self.landed or self.error is not None
-
-
-def part_id(req: str, prefill_rank: int) -> str:
-    """The receiver's request for the heads of `req` that prefill rank `prefill_rank` sends."""
-    return f"{req}@{prefill_rank}"
 
 
 def _answer(conn, address: str, timeout: float = 30.0) -> tuple:
@@ -782,7 +782,7 @@ class _Worker:
                 continue
             for rank in sources:
                 with self.cv:
-                    load.parts[part_id(load.req, rank)] = _Part()
+                    load.parts[part_id(load.tid, rank, self.rank)] = _Part()
             for rank in sources:
                 self._ask(load, spec, rank)
 
@@ -795,7 +795,7 @@ class _Worker:
 
     def _ask(self, load: _Load, spec: dict, rank: int) -> None:
         """Expect the part of `load` that prefill rank `rank` sends; ask its messager."""
-        pid = part_id(load.req, rank)
+        pid = part_id(load.tid, rank, self.rank)
         part = load.parts[pid]
         try:
             ticket = self.receiver.expect(
@@ -901,6 +901,7 @@ class _Worker:
                 if part.link is link
             ]
         for load, pid in parts:
+            load.parts[pid].unwritten = True
             self._end_part(load, pid, f"the messager at {link.address} will not send it: {why}")
 
     def on_link_lost(self, link: _MessagerLink, why: str) -> None:
@@ -910,13 +911,14 @@ class _Worker:
             lost = [
                 (load, pid)
                 for load in self.loads.values()
-                if not load.done
                 for pid, part in load.parts.items()
                 if part.link is link
             ]
         for load, pid in lost:
-            self._progress(load)
-            self._end_part(load, pid, why)
+            load.parts[pid].unwritten = True
+            if not load.done:
+                self._progress(load)
+                self._end_part(load, pid, why)
 
     def wait_layer(self, layer_name: str) -> None:
         """Sync loads: return once layer `layer_name` of each of this step's loads is in the
@@ -938,6 +940,7 @@ class _Worker:
 
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
+        held: set[str] = set()
         if self.receiver is not None:
             for outcome in self.receiver.poll():
                 load = self.load_of.pop(outcome.request_id, None)
@@ -952,13 +955,15 @@ class _Worker:
                     pending = [x for x in self.loads.values() if not x.done]
                 for load in pending:
                     self._progress(load)
+            held = self._held()
         with self.cv:
             for req, load in list(self.loads.items()):
-                if not load.done:
-                    continue
+                if not load.done or (not load.sync and held.intersection(load.parts)):
+                    continue  # (a held part: its blocks are vLLM's again once freed)
                 del self.loads[req]
                 for pid in load.parts:
-                    self.load_of.pop(pid, None)
+                    if self.load_of.get(pid) is load:  # (another load of its tid may hold it)
+                        del self.load_of[pid]
                 if load.sync:
                     continue  # reported per layer, through load_errors
                 out.finished_recving.add(req)
@@ -977,6 +982,31 @@ class _Worker:
                     self.finished_reqs.discard(req)
                     del self.sent[tid], self.req_of[tid]
         return out
+
+    def _held(self) -> set[str]:
+        """The parts the receiver holds: failed by their deadline while their prefill side
+        may still write them (one that stalled, not one that died). An async load is
+        reported once none of its parts is held, so no late write meets blocks vLLM gave
+        to another request. Released here, as nothing can write them any more: the parts
+        whose messager went or will not send them, and those of loads reported already.
+        A sync load's blocks are vLLM's as soon as it fails (load errors, recomputed in
+        that very step): for those the receiver's hold cannot be kept, and is released."""
+        held = set(self.receiver.held())
+        if held:
+            with self.cv:
+                owners = {
+                    pid: (load, part)
+                    for load in self.loads.values()
+                    for pid, part in load.parts.items()
+                }
+            for pid in list(held):
+                load, part = owners.get(pid, (None, None))
+                if load is None or load.sync or part.unwritten:
+                    held.discard(pid)
+                    with contextlib.suppress(InvalidArgumentError):  # its word came meanwhile
+                        self.receiver.release(pid)
+        self.receiver.freed()  # (it names each let go once; held() is what counts here)
+        return held
 
     def load_errors(self) -> set[int]:
         errors, self.load_error_blocks = self.load_error_blocks, set()

@@ -16,8 +16,9 @@ the decode worker reads its own in its receiver's status slots.
 Tensor parallelism (--prefill-tp P, --decode-tp D; one messager per prefill rank, listening
 on consecutive ports): the ranks of each side split the KV heads (pdhal.transfer.head_shards),
 and this rank sends each decode rank the heads both hold, as a part of its own in the
-streamer ("TID@DECODE_RANK"), into that rank's own ticket. A transfer ends for the prefill
-worker once every part ended: landed if all did. A worker whose split does not match is
+streamer (wire.part_id: "TID@PREFILL_RANK>DECODE_RANK", the name that rank expects it
+under), into that rank's own ticket. A transfer ends for the prefill worker once every
+part ended: landed if all did. A worker whose split does not match is
 refused at its hello, a decode cache whose heads do not pair at its first request.
 
 Failures end transfers, never wait on them: a dead prefill worker (pdhal sees its channel's
@@ -51,7 +52,15 @@ from pdhal.transfer import (
     head_shards,
     rank_heads,
 )
-from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, head_crcs, parse_address
+from pdhal_vllm.wire import (
+    ConnectorError,
+    Tracer,
+    auth_key,
+    head_crcs,
+    parse_address,
+    part_id,
+    tid_of,
+)
 
 #: tests: "exit-after-layers:N" exits (status 3) once the streamer has landed N layer submits
 FAULT_VAR = "PDHAL_VLLM_MESSAGER_FAULT"
@@ -102,15 +111,6 @@ class Added:
     tokens: int = 0
     cached: int = 0
     failures: list[str] = field(default_factory=list)
-
-
-def part_id(tid: str, decode_rank: int) -> str:
-    """The streamer's request for the heads of transfer `tid` that go to `decode_rank`."""
-    return f"{tid}@{decode_rank}"
-
-
-def tid_of(part: str) -> str:
-    return part.rpartition("@")[0]
 
 
 class _Feed:
@@ -196,8 +196,6 @@ class Messager:
                 event = ("tick",)
             try:
                 self._handle(event)
-                if self.streamer is not None:
-                    self.streamer.poll()  # leases and dead peers; outcomes come as events
                 self._trace_layers()
                 self._check_fault()
                 self._reclaim()
@@ -399,7 +397,7 @@ class Messager:
         prompt = entry["prompt_len"]
         blocks = entry["blocks"][: -(-prompt // self.block_size)]  # the prompt's only
         added = self.added.get(tid)
-        parts = [part_id(tid, d) for d in sorted(self.shards)]
+        parts = [part_id(tid, self.rank, d) for d in sorted(self.shards)]
         if not parts:  # its heads are replicated: another prefill rank sends them
             self._end(tid, True, "")
             return
@@ -427,7 +425,7 @@ class Messager:
 
     def _want(self, peer: Peer, want: dict) -> None:
         tid = want["tid"]
-        part = part_id(tid, peer.hello.get("rank", 0))
+        part = part_id(tid, self.rank, peer.hello.get("rank", 0))
         self.trace("want", tid=tid, blocks=len(want.get("blocks", ())), peer_pid=peer.pid)
         if part in self.claimed or part in self.wants:
             self._report(f"transfer {part}: asked for twice; the second ask is ignored")

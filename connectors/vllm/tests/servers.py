@@ -40,9 +40,14 @@ class Served:
         plain: bool = True,
         router_args: tuple[str, ...] = (),
         hosts=None,
+        dtype: str = "bfloat16",
     ):
         """`hosts` (pdhal.testing.netns.TwoHosts): the last decode server runs in the
-        other network namespace, as on another host (Mooncake across the veth pair)."""
+        other network namespace, as on another host (Mooncake across the veth pair).
+        `dtype`: the model's and the KV cache's; float32 where tokens under concurrent load
+        are compared with tokens computed one request at a time (in bfloat16 a batch rounds
+        differently, and the tiny model's greedy tokens of one prompt already differ on a
+        plain server)."""
         self.cluster = Cluster(root, model, os.urandom(16).hex())
         self.namespace = f"serve{os.getpid()}{transport}{decodes}"
         self.cluster.env |= {
@@ -51,7 +56,7 @@ class Served:
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_NUM_THREADS": "1",
         }
-        self.model, self.transport = model, transport
+        self.model, self.transport, self.dtype = model, transport, dtype
         self.urls: dict[str, str] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.hosts = hosts
@@ -122,7 +127,7 @@ class Served:
             "--seed",
             "0",
             "--dtype",
-            "bfloat16",
+            self.dtype,
             "--no-enable-prefix-caching",
         ]
         if config is not None:

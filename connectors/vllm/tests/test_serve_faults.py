@@ -40,6 +40,7 @@ def served(tmp_path_factory, model_dir):
         decodes=2,
         plain=False,
         router_args=("--on-prefill-failure", "recompute", "--health-interval", "1"),
+        dtype="float32",  # tokens under load equal tokens one at a time
     )
     yield s
     s.stop()

@@ -31,6 +31,7 @@ def served(tmp_path_factory, model_dir):
             plain=False,
             router_args=("--timeout", "20", "--health-interval", "1"),
             hosts=hosts,
+            dtype="float32",  # tokens under load equal tokens one at a time
         )
         s.cut = hosts.cut
         yield s
