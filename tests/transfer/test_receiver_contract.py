@@ -15,7 +15,7 @@ import pytest
 import pdhal
 from pdhal import ops, transfer
 from pdhal.testing.fixtures import python_child, run_child
-from pdhal.testing.transfer_peers import BLOCK_TOKENS, Decode, source_caches
+from pdhal.testing.transfer_peers import BLOCK_TOKENS, source_caches
 
 BLOCKS, BLOCK_BYTES = 8, 64
 
@@ -34,14 +34,6 @@ def host_layout():
     yield make
     for buf in buffers:
         ops.host_free(buf)
-
-
-@pytest.fixture
-def decode():
-    d = Decode()
-    yield d
-    if d.proc.returncode is None:
-        d.close()
 
 
 def _mapped_from(pid: int) -> list[str]:

@@ -21,7 +21,7 @@ import pdhal
 from pdhal import ops, transfer
 from pdhal._transfer import plugins as _transports
 from pdhal._transfer.shm import _start_time
-from pdhal.testing.fixtures import install_distributions, python_child
+from pdhal.testing.fixtures import python_child
 from pdhal.testing.transfer_peers import (
     BLOCK_TOKENS,
     LAYERS,
@@ -32,34 +32,6 @@ from pdhal.testing.transfer_peers import (
     outcomes_until,
     source_caches,
 )
-
-PLUGIN = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plugins", "transports"
-)
-
-
-@pytest.fixture(scope="module")
-def plugin_path(tmp_path_factory):
-    target = tmp_path_factory.mktemp("transports")
-    install_distributions(target, PLUGIN)
-    return target
-
-
-@pytest.fixture
-def faulty(plugin_path, monkeypatch):
-    """This process sees the `faulty` transport; faults(...) names the faults."""
-    monkeypatch.syspath_prepend(str(plugin_path))
-    _transports.forget()
-    yield lambda faults: monkeypatch.setenv("PDHAL_FAULTY_TRANSPORT", faults)
-    _transports.forget()
-
-
-@pytest.fixture
-def decode():
-    d = Decode()
-    yield d
-    if d.proc.returncode is None:
-        d.close()
 
 
 def make_streamer(**options) -> transfer.KVStreamer:

@@ -35,14 +35,6 @@ from pdhal.testing.transfer_peers import (
 
 
 @pytest.fixture
-def decode():
-    d = Decode()
-    yield d
-    if d.proc.returncode is None:
-        d.close()
-
-
-@pytest.fixture
 def streamer():
     s = transfer.KVStreamer(
         transfer.CacheLayout.from_caches(source_caches()), BLOCK_TOKENS, claim_timeout=30

@@ -10,61 +10,21 @@ of them gated or recorded here."""
 
 from __future__ import annotations
 
-import os
 import threading
-
-import pytest
 
 import pdhal
 from pdhal import transfer
-from pdhal._transfer import plugins as _transports
-from pdhal.testing.fixtures import install_distributions
 from pdhal.testing.transfer_peers import (
     BLOCK_TOKENS,
     LAYERS,
-    Decode,
     expected,
     landed_blocks,
     source_caches,
 )
 
-PLUGIN = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plugins", "transports"
-)
 #: How long an outcome promised "at once" may take on a loaded machine: a liveness bound,
 #: never a measure (each is promised within far less).
 BOUND_S = 20.0
-
-
-@pytest.fixture(scope="module")
-def plugin_path(tmp_path_factory):
-    target = tmp_path_factory.mktemp("transports")
-    install_distributions(target, PLUGIN)
-    return target
-
-
-@pytest.fixture
-def faulty(plugin_path, monkeypatch):
-    """This process sees the `faulty` transport: faulty(FAULTS) names the faults and gives
-    its module (to gate or record its batches)."""
-    monkeypatch.syspath_prepend(str(plugin_path))
-    _transports.forget()
-    import pdhal_faulty_transport
-
-    def faults(named: str):
-        monkeypatch.setenv("PDHAL_FAULTY_TRANSPORT", named)
-        return pdhal_faulty_transport
-
-    yield faults
-    _transports.forget()
-
-
-@pytest.fixture
-def decode():
-    d = Decode()
-    yield d
-    if d.proc.returncode is None:
-        d.close()
 
 
 class Heard:
