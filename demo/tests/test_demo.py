@@ -92,7 +92,7 @@ def test_both_modes_verify_every_byte(transport, extra, tmp_path):
         assert s["transport"] == transport and s["requests"] == 4 and s["layers"] == 4
         assert s["bytes_moved"] == expected_bytes([64, 100, 200, 333], 4)
         assert s["verified_bytes"] == token_bytes([64, 100, 200, 333], 4)
-        assert 0 < s["overlap_efficiency_p1"] <= s["overlap_efficiency_p50"] <= 1
+        assert 0 <= s["overlap_efficiency_p1"] <= s["overlap_efficiency_p50"] <= 1
         assert 0 <= s["exposed_ms_p50"] <= s["exposed_ms_p99"]
         assert s["causality_violations"] == 0
         assert 0 < s["transfer_busy_s"] <= s["wall_s"]
@@ -237,7 +237,7 @@ def test_signalling_after_the_forward_pass_reads_as_exposed_not_overlapped():
         for how, s in runs.items()
     }
     assert end["layer_signals"] == "after the forward pass", figures
-    assert end["overlap_efficiency_p50"] <= 0.3 < 0.6 <= lw["overlap_efficiency_p1"], figures
+    assert end["overlap_efficiency_p50"] <= 0.3 < 0.6 <= lw["overlap_efficiency_p50"], figures
     assert end["exposed_ms_p50"] > lw["exposed_ms_p50"], figures
 
 
