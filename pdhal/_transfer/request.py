@@ -81,8 +81,10 @@ class Request:
     @property
     def sources_missing(self) -> bool:
         """Its prompt is whole in every layer, yet not all its source blocks were given."""
-        whole = all(tokens >= self.prompt_tokens for tokens in self.ready)
-        return whole and len(self.given) - (self.cached - self.base) < self.blocks
+        # the block count first: it is cheap and, once every block was given, decides
+        # (layer_ready asks this for every request of every layer)
+        short = len(self.given) - (self.cached - self.base) < self.blocks
+        return short and all(tokens >= self.prompt_tokens for tokens in self.ready)
 
     @property
     def all_sent(self) -> bool:
