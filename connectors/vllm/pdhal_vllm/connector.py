@@ -87,6 +87,9 @@ class PdhalConnectorMetadata(KVConnectorMetadata):
     #: decode: transfers it needs none of (its prefix cache holds the prompt): told to
     #: their messager at once, so the prefill side frees their blocks now
     unneeded: list[dict] = field(default_factory=list)
+    #: decode: requests vLLM finished (aborted) while their KV was on its way: their
+    #: messagers stop sending them, so their blocks come free now, not at the load timeout
+    cancelled: list[str] = field(default_factory=list)
 
 
 def _config(vllm_config: VllmConfig) -> dict:
@@ -189,6 +192,7 @@ class _Scheduler:
         self.stores: dict[str, dict] = {}  # prefill: req id -> transfer id, blocks, prompt
         self.new_loads: list[dict] = []
         self.new_unneeded: list[dict] = []
+        self.new_cancelled: list[str] = []
         self.asked: set[str] = set()  # decode: req ids whose load was asked for (once)
         self.loading: set[str] = set()  # decode: req ids whose load has not ended
 
@@ -247,8 +251,10 @@ class _Scheduler:
         )
 
     def build(self, out: SchedulerOutput) -> PdhalConnectorMetadata:
-        meta = PdhalConnectorMetadata(loads=self.new_loads, unneeded=self.new_unneeded)
-        self.new_loads, self.new_unneeded = [], []
+        meta = PdhalConnectorMetadata(
+            loads=self.new_loads, unneeded=self.new_unneeded, cancelled=self.new_cancelled
+        )
+        self.new_loads, self.new_unneeded, self.new_cancelled = [], [], []
         if not self.o.is_producer:
             return meta
         for new in out.scheduled_new_reqs:
@@ -313,7 +319,9 @@ class _Scheduler:
         self.asked.discard(request.request_id)
         if request.request_id in self.loading:
             # finished (aborted) while its KV may still be landing: keep the blocks until
-            # the load ends (landed, failed or timed out), so no write lands in a reused block
+            # the load ends (landed, failed or timed out), so no write lands in a reused
+            # block; its messagers are told to stop, so that is soon
+            self.new_cancelled.append(request.request_id)
             return True, None
         return False, None
 
@@ -753,6 +761,8 @@ class _Worker:
         rank heads, and ask each part's messager for it. In sync mode, and with a trace,
         the prefill side also reports each layer as it lands."""
         self.step_loads = []
+        for req in meta.cancelled:
+            self._cancel(req)
         for spec in meta.unneeded:
             try:
                 for rank in self._sources(spec["messager"]):
@@ -785,6 +795,22 @@ class _Worker:
                     load.parts[part_id(load.tid, rank, self.rank)] = _Part()
             for rank in sources:
                 self._ask(load, spec, rank)
+
+    def _cancel(self, req: str) -> None:
+        """vLLM finished `req` while its load was on its way: ask the messager of each part
+        not ended to stop. Each part then ends (failed, or landed if all of it went), and
+        vLLM frees the blocks once every part ended."""
+        with self.cv:
+            load = self.loads.get(req)
+            if load is None or load.done:
+                return
+            links = {p.link for p in load.parts.values() if p.link is not None and p.error is None}
+        self.trace("cancelled", tid=load.tid)
+        for link in links:
+            try:
+                link.send("cancel", {"tid": load.tid})
+            except OSError:  # the link's reader ends its parts as it drops
+                pass
 
     def _sources(self, messager: str) -> list[int]:
         """The prefill ranks that send this rank KV heads, for the prefill instance whose
@@ -869,6 +895,8 @@ class _Worker:
         layers = min(p.layers for p in load.parts.values())
         for layer in range(load.layers, layers):
             self.trace("landed", tid=load.tid, layer=layer)
+            if self.trace_blocks:  # before a sync load's forward may see it, and write it
+                self._trace_landed(load, layer)
         load.layers = max(load.layers, layers)
         parts = load.parts.values()
         if all(p.error is not None or p.layers == self.num_layers for p in parts):
@@ -877,18 +905,17 @@ class _Worker:
                 load.error = "; ".join(errors)
             else:
                 load.landed = True
-                if self.trace_blocks:
-                    self._trace_landed(load)
         self.cv.notify_all()
 
-    def _trace_landed(self, load: _Load) -> None:
+    def _trace_landed(self, load: _Load, layer: int) -> None:
+        """crc32 of each head of each block of `load` in `layer`, as it landed."""
         whole = self.buffers[0][0]
         view = whole.as_numpy(np.uint8, (whole.nbytes,))
-        for layer, (off, stride, nbytes, _, heads) in enumerate(self.layout):
-            for i in range(load.cached, len(load.blocks)):
-                start = off + load.blocks[i] * stride
-                crcs = head_crcs(view[start : start + nbytes], heads)
-                self.trace("block", tid=load.tid, layer=layer, i=i, head0=self.head0, crcs=crcs)
+        off, stride, nbytes, _, heads = self.layout[layer]
+        for i in range(load.cached, len(load.blocks)):
+            start = off + load.blocks[i] * stride
+            crcs = head_crcs(view[start : start + nbytes], heads)
+            self.trace("block", tid=load.tid, layer=layer, i=i, head0=self.head0, crcs=crcs)
 
     def on_unserved(self, link: _MessagerLink, tid: str, why: str) -> None:
         """The messager at `link` will not send its part of transfer `tid`."""

@@ -85,14 +85,15 @@ def _touch(path: str | None) -> None:
         os.replace(path + ".tmp", path)
 
 
-def _pending_sends() -> int:
-    """Prefill: transfers the connector still holds blocks for (in this process)."""
+def _held_transfers() -> int:
+    """Transfers the connector in this process still holds blocks for: a prefill's not
+    yet written, a decode's loads not ended."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
         return 0
     worker = getattr(get_kv_transfer_group(), "worker", None)
-    return len(worker.req_of) if worker is not None and hasattr(worker, "req_of") else 0
+    return len(worker.req_of) + len(worker.loads) if worker is not None else 0
 
 
 def run(args) -> dict:
@@ -153,18 +154,22 @@ def run(args) -> dict:
                 r["finished_ns"] = now
         if steps == 1:
             _touch(args.submitted_file)  # the decode side has asked for its KV
+            if args.cancel_after_submit:
+                engine.abort_request([p["tid"] for p in prompts])
+                break
         if outputs and all(r["finish_reason"] for r in results.values()):
             _touch(args.finished_file)
         if not outputs:
             time.sleep(0.0002)  # waiting for KV: let the other processes have the CPU
         if time.monotonic() > deadline:
             sys.exit(f"the {args.role} instance did not finish within {args.timeout:.0f} s")
-    # A prefill's blocks stay held until the messager has written them: keep stepping.
-    while _pending_sends():
+    # A prefill's blocks stay held until the messager has written them, an aborted
+    # decode's until its loads ended: keep stepping.
+    while _held_transfers():
         engine.step()
         time.sleep(0.001)
         if time.monotonic() > deadline:
-            sys.exit("the prefill instance's transfers did not end in time")
+            sys.exit(f"the {args.role} instance's transfers did not end in time")
     return {
         "role": args.role,
         "init_s": init_s,
@@ -221,6 +226,11 @@ def main(argv=None) -> int:
     parser.add_argument("--wait-timeout", type=float, default=120.0)
     parser.add_argument("--submitted-file", help="touched after the first engine step")
     parser.add_argument("--finished-file", help="touched once every prompt finished")
+    parser.add_argument(
+        "--cancel-after-submit",
+        action="store_true",
+        help="abort every request after the first engine step (decode: mid-load)",
+    )
     parser.add_argument(
         "--poll", type=float, default=0.01, help="seconds between checks for --wait-file"
     )

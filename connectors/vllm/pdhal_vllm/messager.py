@@ -25,7 +25,9 @@ Failures end transfers, never wait on them: a dead prefill worker (pdhal sees it
 lock drop) aborts the streamer, which fails every unfinished transfer to its decode side; a
 decode worker that is gone (its connection closed, its process gone, a write to it failed)
 has its transfers failed to the prefill side; a transfer no decode worker claims within
---claim-timeout is failed to the prefill side.
+--claim-timeout is failed to the prefill side. A decode worker whose request vLLM aborted
+mid-load says "cancel": its part stops (answered at once if its table has not come), so
+the decode side frees the blocks without waiting for its load timeout.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class _Feed:
     def layer_ready(self, layer: int, ready, signal_ns=None, *, step=None) -> None:
         added = self._messager.added
         parts = [(p, tokens) for tid, tokens in ready if tid in added for p in added[tid].parts]
+        self._messager.check_fault()
         self._streamer.layer_ready(layer, parts, signal_ns, step=step)
         self._messager.given(layer, ready)
 
@@ -174,6 +177,7 @@ class Messager:
         self.exit_after = (
             int(fault.split(":")[1]) if fault.startswith("exit-after-layers:") else None
         )
+        self.layers_given = 0  # layer submits the streamer was given (the fault counts them)
         bind = parse_address(listen)
         self.listener = Listener(bind, authkey=key)
         self.address = f"{bind[0]}:{self.listener.address[1]}"
@@ -197,7 +201,6 @@ class Messager:
             try:
                 self._handle(event)
                 self._trace_layers()
-                self._check_fault()
                 self._reclaim()
             except (ConnectorError, PdhalError) as exc:
                 self._report(str(exc))
@@ -277,6 +280,8 @@ class Messager:
             self._want(event[1], event[2])
         elif kind == "unneeded":
             self._want(event[1], {"tid": event[2]["tid"], "unneeded": True})
+        elif kind == "cancel":
+            self._cancel(event[1], event[2]["tid"])
         elif kind == "gone":
             peer = event[1]
             self._gone(peer, f"the {peer.role} worker (pid {peer.pid}) closed its connection")
@@ -436,6 +441,21 @@ class Messager:
         elif self.ended.get(tid):  # failed before it asked (a messager restart, ...)
             self._unserved(part, self.ended[tid])
 
+    def _cancel(self, peer: Peer, tid: str) -> None:
+        """The decode rank at `peer` no longer needs transfer `tid` (vLLM aborted the
+        request): stop sending its part, so the decode side frees the blocks now. A part
+        still waiting for its prefill table is answered at once, and fails to the prefill
+        side once the table comes."""
+        part = part_id(tid, self.rank, peer.hello.get("rank", 0))
+        why = "its decode request was cancelled"
+        self.trace("cancel", tid=tid, peer_pid=peer.pid)
+        if part in self.claimed:
+            self.streamer.fail(part, why)  # (one wholly sent lands all the same)
+        elif part in self.wants and not self.wants[part][1].get("cancelled"):
+            since = self.wants[part][2]
+            self._unserved(part, why)
+            self.wants[part] = (peer, {"tid": tid, "cancelled": True}, since)
+
     def _claim(self, part: str) -> None:
         """Set the destination of `part`, in the streamer, from its decode rank's want: the
         tokens it needs (in sync mode one less: it computes the last prompt token itself)
@@ -449,6 +469,9 @@ class Messager:
         if want.get("unneeded"):  # its prefix cache has it: the prefill side frees it now
             self.unneeded.add(part)
             self.streamer.fail(part, "its decode side needs none of it (cached there)")
+            return
+        if want.get("cancelled"):  # answered already: the prefill side frees it now
+            self.streamer.fail(part, "its decode request was cancelled")
             return
         if not peer.alive:
             why = f"the decode worker (pid {peer.pid}) closed its connection"
@@ -489,15 +512,21 @@ class Messager:
                 added.ready[layer] = max(added.ready[layer], tokens)
                 if any(part in self.claimed for part in added.parts):
                     self.trace("read", tid=tid, layer=layer, t=now)
-        self._check_fault()
+        self.layers_given += 1
 
-    def _check_fault(self) -> None:
-        if self.exit_after is None or self.streamer is None:
+    def check_fault(self) -> None:
+        """The planted fault (tests): exit-after-layers:N exits before the streamer is given
+        layer submit N + 1, once the N given landed, so the decode cache holds exactly
+        those however the layer signals were batched."""
+        if self.exit_after is None or self.streamer is None or self.layers_given < self.exit_after:
             return
-        landed = self.streamer.metrics.layers_landed
-        if landed >= self.exit_after:
-            self.trace("fault", what="exit", layers=landed)
-            os._exit(3)
+        deadline = time.monotonic() + 10.0
+        while (
+            self.streamer.metrics.layers_landed < self.exit_after and time.monotonic() < deadline
+        ):
+            time.sleep(0.001)  # (a test hook, once: the copies of those N run meanwhile)
+        self.trace("fault", what="exit", layers=self.streamer.metrics.layers_landed)
+        os._exit(3)
 
     # ---- outcomes -----------------------------------------------------------------------
 
@@ -551,7 +580,9 @@ class Messager:
     def _unserved(self, part: str, why: str) -> None:
         """Tell the decode worker that asked for `part` it will not come (it fails the load
         now, not at its load timeout)."""
-        peer, _, _ = self.wants.pop(part)
+        peer, want, _ = self.wants.pop(part)
+        if want.get("cancelled"):  # its decode rank was answered when it cancelled
+            return
         self._report(f"transfer {part}: not served: {why}")
         peer.send("unserved", {"tid": tid_of(part), "why": why})
 
@@ -619,6 +650,8 @@ class Messager:
         streamer = self.streamer
         streamer.abort(why)
         streamer.close()
+        for tid in list(self.added):  # a decode rank that asks for it hears so at once
+            self._ended(tid, why)
         self._trace_layers()
         if self.trace.on:
             self.trace("metrics", **streamer.metrics.snapshot())

@@ -72,3 +72,28 @@ def test_decode_killed(cluster, namespace):
     assert not [name for name in segments_of(namespace) if f".{decode.pid}." in name]
     cluster.stop()
     assert remove_leftovers(namespace) == []
+
+
+def test_a_decode_request_aborted_mid_load_frees_its_blocks_at_once(cluster):
+    """The decode instance aborts its requests right after it asked for their KV, before
+    any prefill ran: their messager answers at once, so vLLM frees their blocks and the
+    instance ends (within its 60 s, not at the 300 s load timeout). The prefill instance
+    that computes them afterwards hears at once that nobody wants them (within its 60 s,
+    not at the 100 s claim timeout)."""
+    items = prompts()
+    path = write_prompts(cluster, items)
+    cluster.start_messager("--claim-timeout", "100")
+    cluster.start(
+        "decode", path, "--cancel-after-submit", "--load-timeout", "300", "--timeout", "60"
+    )
+    decode = cluster.wait("decode")
+    assert not any(r["tokens"] for r in decode["results"])
+    tids = {item["tid"] for item in items}
+    assert {e["tid"] for e in cluster.trace("decode0") if e["kind"] == "cancelled"} == tids
+    cluster.start("prefill", path, "--timeout", "60")
+    prefill = cluster.wait("prefill")
+    assert all(len(r["tokens"]) == 1 for r in prefill["results"])
+    assert {e["tid"] for e in cluster.trace("prefill0") if e["kind"] == "failed"} == tids
+    errors = [e["error"] for e in cluster.trace("messager") if e["kind"] == "error"]
+    for tid in tids:
+        assert any(f"transfer {tid}: its decode request was cancelled" in e for e in errors), tid
