@@ -84,3 +84,13 @@ class TransferError(PdhalError, ConnectionError):
 
 class TransportLoadError(PdhalError, ImportError):
     """A transport plugin failed to import or to describe itself."""
+
+
+class SessionError(PdhalError, ConnectionError):
+    """The control session between a prefill and a decode side failed: the peer sent what
+    the protocol does not allow, went silent past the keepalive bound, or is gone."""
+
+
+class RefusedError(SessionError):
+    """A peer refused the session at its hello: the reason names both sides and what differs
+    (protocol version, transport, layout, tensor-parallel split, namespace) or the key."""

@@ -38,6 +38,7 @@ from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import names as transports
 from pdhal._transfer.plugins import transport
 from pdhal._transfer.receiver import KVReceiver
+from pdhal._transfer.session import DecodeClient, PrefillService, part_id, rank_address
 from pdhal._transfer.streamer import Destination, KVStreamer
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "Batch",
     "CacheLayout",
     "CacheSpec",
+    "DecodeClient",
     "Destination",
     "Endpoint",
     "HeadShard",
@@ -55,6 +57,7 @@ __all__ = [
     "Outcome",
     "PerChunkFeed",
     "PerQueryFeed",
+    "PrefillService",
     "RequestRecord",
     "Run",
     "RunChecker",
@@ -64,6 +67,8 @@ __all__ = [
     "block_runs",
     "described_numbers",
     "head_shards",
+    "part_id",
+    "rank_address",
     "region_bytes",
     "rank_heads",
     "region_devices",

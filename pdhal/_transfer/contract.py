@@ -230,6 +230,9 @@ class Transport:
     #: The kinds of memory ("cpu", "gpu", "xpu": a device's name before its ":") its
     #: endpoints serve and its links copy from; None: it does not say (nothing is checked).
     memory: ClassVar[tuple[str, ...] | None] = None
+    #: Its version ("" if it does not say): a session's hello refuses two sides whose
+    #: transports differ in it (their wire formats may).
+    version: ClassVar[str] = ""
 
     def endpoint(self, regions: list, name: str) -> Endpoint:
         """Make `regions` (memory objects pdhal knows: tensors, host buffers) reachable

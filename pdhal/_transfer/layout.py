@@ -183,9 +183,10 @@ class CacheLayout:
         return unpin
 
     @classmethod
-    def from_caches(cls, layers) -> CacheLayout:
+    def from_caches(cls, layers, heads: int = 1) -> CacheLayout:
         """The layout of `layers`: per layer, a list of [blocks, ...] caches (tensors,
-        arrays, pdhal buffers), each its own region."""
+        arrays, pdhal buffers), each its own region; `heads`: each block is that many KV
+        heads, head-major (CacheSpec.heads)."""
         regions, specs = [], []
         for layer, caches in enumerate(_rows(layers, "layers")):
             row = []
@@ -193,7 +194,7 @@ class CacheLayout:
                 what = f"layer {layer} cache {index}"
                 block = block_bytes_of(cache, what)
                 nbytes = resolve(cache, what).nbytes
-                row.append(CacheSpec(len(regions), 0, block, block, nbytes // block))
+                row.append(CacheSpec(len(regions), 0, block, block, nbytes // block, heads))
                 regions.append(cache)
             specs.append(row)
         return cls(regions, specs)

@@ -75,6 +75,7 @@ class KVReceiver:
             _open_names.add(key)
         self._key = key
         self.layout = layout
+        self.transport_name = transport_name
         try:
             self._status = ops.host_alloc(slots * mailbox.SLOT_BYTES)
         except BaseException:
@@ -240,6 +241,28 @@ class KVReceiver:
             if request_id not in self._held:
                 raise InvalidArgumentError(f"request {request_id!r} is not held")
             self._let_go(request_id)
+
+    def abandon(self, request_id: str, reason: str, *, unwritten: bool) -> None:
+        """End expected request `request_id` now, as failed with `reason` (its decode
+        request was aborted, its prefill side said it will not send it, its control link
+        went). `unwritten`: its prefill side said nothing of it was or will be written, so
+        its blocks are free at once; otherwise they stay held like a request failed by its
+        deadline (freed() names it once its prefill side's end arrives, or release()).
+        InvalidArgumentError for a request not expected (or reported already)."""
+        request_id = checks.name(request_id, "request_id")
+        reason = checks.name(reason, "reason")
+        unwritten = checks.flag(unwritten, "unwritten")
+        with self._lock:
+            self._check_open()
+            self._scan()
+            e = self._expected.pop(request_id, None)
+            if e is None:
+                raise InvalidArgumentError(f"request {request_id!r} is not expected")
+            self._ended.append(Outcome(request_id, False, reason, blocks_free=unwritten))
+            if unwritten:
+                self._free.append(e.slot)
+            else:
+                self._held[request_id] = e
 
     def poll(self) -> list[Outcome]:
         """The requests that ended and were not reported yet: landed, failed (with the

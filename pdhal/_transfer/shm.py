@@ -38,6 +38,7 @@ from pdhal._transfer.contract import (
     Transport,
     region_bytes,
 )
+from pdhal._version import __version__
 
 
 def _start_time(pid: int) -> str | None:
@@ -287,6 +288,8 @@ class ShmTransport(Transport):
     completion = "target"
     #: memmove: host memory on both sides.
     memory = ("cpu",)
+    #: The shared-file format is pdhal's own.
+    version = __version__
 
     def __init__(self, connect_timeout: float = 0.0):
         """`connect_timeout`: how long a link waits for a described region's record (0: a

@@ -1,0 +1,963 @@
+"""The control plane of layer-wise transfers, as library API: a prefill-side service per
+prefill rank, and a decode-side client per decode rank, in a typed, versioned session
+(pdhal._transfer.messages; docs/session-protocol.md).
+
+    # prefill rank r of P (what a cache messager runs)
+    service = transfer.PrefillService(layout, block_tokens=64, key=KEY, kv_heads=8,
+                                      tp_rank=r, tp_size=P, listen=f"0.0.0.0:{port0 + r}")
+    service.add_request("req-1", src_blocks, prompt_tokens)   # from the scheduler's table
+    service.layer_ready(layer, [("req-1", tokens)])            # on each layer signal
+    service.poll()  # or on_outcome=: each request once, when every decode rank's part ended
+
+    # decode rank d of D
+    client = transfer.DecodeClient(receiver, key=KEY, kv_heads=8, block_tokens=64,
+                                   tp_rank=d, tp_size=D)
+    client.claim("req-1", prefill="host:port0", blocks=my_blocks, tokens=n, timeout=30)
+    client.poll()   # each request once: landed when every prefill rank's part landed
+
+The hello checks everything once (protocol version, transport and its version, namespace,
+block size, KV heads and both tensor-parallel splits, each layer's cache layout, the key)
+and refuses a mismatch naming both sides. A request's KV comes to decode rank d from each
+prefill rank holding heads it needs (pdhal.transfer.head_shards) as a part of its own: a
+receiver request named part_id(request, prefill rank, d), claimed from that rank's service.
+Each side keeps the other alive with pings (`keepalive`: a silent or cut link is an error
+within it); a link that ends fails the parts on it, and a client reconnects at its next
+claim (a restarted service is served again). Every timer is a deadline on one clock.
+
+No write after give-up: a part the service never wrote is answered Unserved, so its blocks
+are free at once; a part whose link went stays held (KVReceiver.freed()) until its prefill
+side's end arrives, or a restarted service at that address shows the old one is gone."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdhal._errors import InvalidArgumentError, PdhalError, RefusedError, SessionError
+from pdhal._protocol.names import namespace
+from pdhal._transfer import checks, control, messages
+from pdhal._transfer.heads import head_shards, rank_heads
+from pdhal._transfer.keeper import Deadlines
+from pdhal._transfer.layout import CacheLayout
+from pdhal._transfer.outcome import Outcome
+from pdhal._transfer.plugins import transport
+from pdhal._transfer.receiver import KVReceiver
+from pdhal._transfer.streamer import KVStreamer
+
+#: How long a hello (or the service's welcome) may take once connected.
+HANDSHAKE_S = 10.0
+#: Requests whose decode side gave them up (cancelled, or its session ended) before the
+#: engine added them, remembered (the latest) so that one added afterwards fails at once
+#: instead of holding its blocks for the claim lease.
+ABANDONED_KEPT = 4096
+
+log = logging.getLogger("pdhal")
+
+
+def part_id(request_id: str, prefill_rank: int, decode_rank: int) -> str:
+    """The name of the part of `request_id` prefill rank `prefill_rank` sends decode rank
+    `decode_rank` (the receiver request it lands as, on both sides)."""
+    return f"{request_id}@{prefill_rank}>{decode_rank}"
+
+
+def rank_address(rank0: str, rank: int) -> str:
+    """The service of prefill rank `rank`: the ranks of an instance listen on ports in a row
+    from rank 0's, which is the one address a decode side is told."""
+    host, port = control.parse_address(rank0, "the prefill address")
+    return f"{host}:{port + rank}"
+
+
+def _facts(
+    role: str, transport_name: str, block_tokens: int, kv_heads: int, tp_rank: int, tp_size: int
+) -> messages.Facts:
+    return messages.Facts(
+        role=role,
+        instance=uuid.uuid4().hex,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        transport=transport_name,
+        transport_version=getattr(transport(transport_name), "version", ""),
+        namespace=namespace(),
+        block_tokens=block_tokens,
+        kv_heads=kv_heads,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
+
+
+def _split(layout: CacheLayout, kv_heads: object, tp_rank: object, tp_size: object) -> tuple:
+    """(kv_heads, tp_rank, tp_size) checked, and against `layout`: every cache holds the
+    rank's share of the heads. kv_heads None: the layout's heads times tp_size."""
+    size = checks.integer(tp_size, "tp_size", 1, 1 << 16)
+    rank = checks.integer(tp_rank, "tp_rank", 0, size - 1)
+    if kv_heads is None:
+        kv_heads = layout.layers[0][0].heads * size
+    heads = checks.integer(kv_heads, "kv_heads", 1, 1 << 16)
+    held = len(rank_heads(heads, size, rank))
+    for layer, caches in enumerate(layout.layers):
+        for index, spec in enumerate(caches):
+            if spec.heads != held:
+                raise InvalidArgumentError(
+                    f"layer {layer} cache {index} holds {spec.heads} KV head(s); rank {rank} "
+                    f"of {size} holds {held} of {heads} (give each CacheSpec its heads)"
+                )
+    return heads, rank, size
+
+
+def mismatch(prefill: messages.Facts, decode: messages.Facts) -> str | None:
+    """Why these two sides cannot pair (naming both), or None."""
+    differ = [
+        (what, getattr(prefill, name), getattr(decode, name))
+        for what, name in (
+            ("transport", "transport"),
+            ("transport version", "transport_version"),
+            ("namespace", "namespace"),
+            ("block size (tokens)", "block_tokens"),
+            ("KV heads", "kv_heads"),
+        )
+        if getattr(prefill, name) != getattr(decode, name)
+    ]
+    if not differ:
+        return None
+    said = "; ".join(f"{what}: {p!r} here, {d!r} there" for what, p, d in differ)
+    return f"{prefill.named()} and {decode.named()} cannot pair: {said}"
+
+
+# ---- the prefill side ---------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Client:
+    """A decode rank connected to this service."""
+
+    facts: messages.Facts
+    link: control.ControlLink | None = None
+    dest: object = None  # the streamer's Destination for it
+    parts: set[str] = field(default_factory=set)  # claimed here, not ended
+
+
+@dataclass(eq=False)
+class _Served:
+    """A request of the engine's on this prefill rank: its source, the tokens ready per
+    layer, and its parts (one per decode rank it sends heads to, made as each claims)."""
+
+    request_id: str
+    src_blocks: list[int]
+    prompt_tokens: int
+    ready: list[int]
+    parts: dict[str, _Client] = field(default_factory=dict)  # part -> its decode rank
+    cached: dict[str, int] = field(default_factory=dict)  # part -> prompt blocks not sent
+    expected: int | None = None  # parts its decode instance needs, once one claimed
+    ended: dict[str, str] = field(default_factory=dict)  # part -> "" landed, else why
+    failure: str | None = None  # failed as a whole (claim lease, fail(), abort())
+
+
+class PrefillService:
+    """Serves one prefill rank's KV to the decode ranks that claim it: a KVStreamer, and
+    the sessions of the decode ranks connected at `address`.
+
+    Thread-safe. The engine adds its requests (add_request, add_blocks) and says what each
+    layer holds (layer_ready, which PerQueryFeed / PerChunkFeed drive as they drive a
+    streamer); each request ends once, landed when every decode rank it has landed, and
+    goes to `on_outcome` (on the service's thread; quick, may call the service) or to
+    poll(). A request no decode side claims within `claim_timeout` s fails.
+    `streamer_options` go to the KVStreamer (max_layers_in_flight, stall_timeout)."""
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        block_tokens: int,
+        *,
+        key: bytes,
+        kv_heads: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        listen: str = "127.0.0.1:0",
+        keepalive: float = 5.0,
+        claim_timeout: float = 60.0,
+        transport_name: str = "shm",
+        on_outcome: Callable[[Outcome], None] | None = None,
+        **streamer_options,
+    ):
+        if not isinstance(layout, CacheLayout):
+            raise InvalidArgumentError(f"layout must be a CacheLayout, got {layout!r}")
+        if not isinstance(key, bytes) or not key:
+            raise InvalidArgumentError("key must be non-empty bytes (the deployment's secret)")
+        heads, rank, size = _split(layout, kv_heads, tp_rank, tp_size)
+        self.keepalive = checks.seconds(keepalive, "keepalive")
+        self.claim_timeout = checks.seconds(claim_timeout, "claim_timeout")
+        if on_outcome is not None and not callable(on_outcome):
+            raise InvalidArgumentError(f"on_outcome must be callable, got {on_outcome!r}")
+        bind = control.parse_address(listen, "listen")
+        self._key = key
+        self._on_outcome = on_outcome
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # parts' outcomes, in order
+        self.streamer = KVStreamer(
+            layout,
+            block_tokens,
+            transport_name=transport_name,
+            claim_timeout=self.claim_timeout,
+            on_outcome=self._events.put,
+            **streamer_options,
+        )
+        self.layout = layout
+        self.facts = _facts(
+            "prefill", transport_name, self.streamer.block_tokens, heads, rank, size
+        )
+        self._lock = threading.Lock()
+        self._served: dict[str, _Served] = {}
+        self._owner: dict[str, _Served] = {}  # part -> its request
+        self._claims: dict[str, tuple[_Client, messages.Claim]] = {}  # before their request
+        self._abandoned: collections.OrderedDict[str, str] = collections.OrderedDict()  # why
+        self._clients: set[_Client] = set()
+        self._outcomes: list[Outcome] = []
+        self._closed = False
+        self._clock = Deadlines("pdhal-session-clock")
+        try:
+            self._listener = socket.create_server(bind)
+        except OSError as e:
+            self._clock.close()
+            self.streamer.close()
+            raise SessionError(f"cannot listen on {listen}: {e}") from None
+        host = bind[0] if bind[0] not in ("", "0.0.0.0", "::") else socket.gethostname()
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        for target, name in ((self._accept, "accept"), (self._settle, "outcomes")):
+            threading.Thread(target=target, name=f"pdhal-session-{name}", daemon=True).start()
+
+    # ---- the engine's side ----------------------------------------------------------
+
+    def add_request(self, request_id: str, src_blocks, prompt_tokens: int) -> None:
+        """A request whose KV is (or will be) in `src_blocks` of this rank's caches, its
+        prompt `prompt_tokens` long (add_blocks gives more blocks of a chunked prompt)."""
+        request_id = checks.name(request_id, "request_id")
+        tokens = checks.integer(prompt_tokens, "prompt_tokens", 1)
+        src = checks.block_ids(src_blocks, "src_blocks", self._src_limit(), "prefill caches")
+        if len(src) > -(-tokens // self.streamer.block_tokens):
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {len(src)} source blocks for {tokens} tokens"
+            )
+        with self._lock:
+            self._open()
+            if request_id in self._served:
+                raise InvalidArgumentError(f"request {request_id!r} was added already")
+            served = _Served(request_id, src, tokens, [0] * self.layout.num_layers)
+            self._served[request_id] = served
+            waiting = [p for p, (_, c) in self._claims.items() if c.request == request_id]
+            for part in waiting:
+                client, claim = self._claims.pop(part)
+                self._claim(served, client, claim)
+            abandoned = self._abandoned.pop(request_id, None)
+            if abandoned is not None:
+                self._fail(served, abandoned)
+        self._deliver()
+        self._clock.at(time.monotonic() + self.claim_timeout, lambda: self._lease(served))
+
+    def add_blocks(self, request_id: str, src_blocks) -> None:
+        """More source blocks of `request_id`, after those it has."""
+        request_id = checks.name(request_id, "request_id")
+        src = checks.block_ids(src_blocks, "src_blocks", self._src_limit(), "prefill caches")
+        with self._lock:
+            served = self._live(request_id)
+            if len(served.src_blocks) + len(src) > -(
+                -served.prompt_tokens // self.streamer.block_tokens
+            ):
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: more source blocks than its "
+                    f"{served.prompt_tokens} tokens fill"
+                )
+            had = len(served.src_blocks)
+            served.src_blocks += src
+            for part in self._streaming(served):
+                with contextlib.suppress(InvalidArgumentError):  # it ended meanwhile
+                    self.streamer.add_blocks(part, src[max(0, served.cached[part] - had) :])
+
+    def layer_ready(
+        self, layer: int, ready, signal_ns: int | None = None, *, step: int | None = None
+    ) -> None:
+        """Layer `layer` now holds `tokens` of each (request_id, tokens) in `ready`."""
+        layer = checks.integer(layer, "layer", 0, self.layout.num_layers - 1)
+        if isinstance(ready, (str, bytes)) or not hasattr(ready, "__iter__"):
+            raise InvalidArgumentError(
+                f"ready must be a list of (request_id, tokens), got {ready!r}"
+            )
+        pairs = []
+        for index, pair in enumerate(ready):  # all checked before any is given
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise InvalidArgumentError(f"ready[{index}] must be (request_id, tokens)")
+            request_id = checks.name(pair[0], f"ready[{index}]'s request_id")
+            pairs.append((request_id, checks.integer(pair[1], f"ready[{index}]'s tokens", 1)))
+        given = []
+        with self._lock:
+            for request_id, tokens in pairs:
+                served = self._served.get(request_id)
+                if served is None:
+                    continue  # not added (or ended): nothing of it is served here
+                served.ready[layer] = max(served.ready[layer], tokens)
+                given += [(part, tokens) for part in self._streaming(served)]
+        self.streamer.layer_ready(layer, given, signal_ns, step=step)
+
+    def fail(self, request_id: str, reason: str) -> None:
+        """End `request_id` as failed (the engine aborted it): nothing more of it is sent."""
+        request_id = checks.name(request_id, "request_id")
+        reason = checks.name(str(reason), "reason")
+        with self._lock:
+            served = self._served.get(request_id)
+            if served is not None:
+                self._fail(served, reason)
+        self._deliver()
+
+    def poll(self) -> list[Outcome]:
+        """The requests that ended since the last poll (without on_outcome)."""
+        with self._lock:
+            out, self._outcomes = self._outcomes, []
+        return out
+
+    def close(self) -> None:
+        """Fail what is not ended, close every session and the streamer."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            clients = list(self._clients)
+            for served in list(self._served.values()):
+                self._fail(served, "the prefill service was closed")
+        self._listener.close()
+        self._clock.close()
+        for client in clients:
+            if client.link is not None:
+                client.link.end("the prefill service closed", tell="the prefill service closed")
+        self.streamer.close()
+        self._events.put(None)
+
+    def __enter__(self) -> PrefillService:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- requests and parts (under self._lock) --------------------------------------
+
+    def _open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("the prefill service was closed")
+
+    def _src_limit(self) -> int:
+        return min(spec.blocks for caches in self.layout.layers for spec in caches)
+
+    def _live(self, request_id: str) -> _Served:
+        self._open()
+        served = self._served.get(request_id)
+        if served is None:
+            raise InvalidArgumentError(f"request {request_id!r} is unknown (or ended)")
+        return served
+
+    @staticmethod
+    def _streaming(served: _Served) -> list[str]:
+        return [p for p in served.parts if p not in served.ended]
+
+    def _claim(self, served: _Served, client: _Client, claim: messages.Claim) -> None:
+        """Make part `claim.part` of `served` in the streamer, to `client`'s caches."""
+        why = (
+            None
+            if client.dest is not None
+            else (
+                f"decode rank {client.facts.tp_rank} of {client.facts.tp_size} gets no KV head "
+                f"from prefill rank {self.facts.tp_rank} of {self.facts.tp_size}"
+            )
+        )
+        decode = client.facts
+        shards = head_shards(self.facts.kv_heads, self.facts.tp_size, decode.tp_size)
+        needed = sum(1 for src, _ in shards if src == self.facts.tp_rank)
+        if why is not None:
+            pass
+        elif served.failure is not None:
+            why = served.failure
+        elif served.expected is not None and served.expected != needed:
+            why = "another decode instance (of another split) claimed it already"
+        elif claim.part in served.parts:
+            why = "that part was claimed already"
+        if why is None:
+            try:
+                part = claim.part
+                self.streamer.add_request(
+                    part,
+                    served.src_blocks[claim.cached_blocks :],
+                    served.prompt_tokens,
+                    claim.cached_blocks,
+                )
+                self.streamer.set_destination(
+                    part,
+                    client.dest,
+                    claim.blocks,
+                    claim.ticket,
+                    tokens=claim.tokens,
+                    cached_blocks=claim.cached_blocks,
+                )
+            except PdhalError as e:
+                why = f"its claim was refused: {e}"
+                self.streamer.fail(part, why)  # (added, maybe): ends here, unwritten
+        if why is not None:
+            self._unserved(client, claim.part, why)
+            return
+        served.expected = needed
+        served.parts[claim.part] = client
+        served.cached[claim.part] = claim.cached_blocks
+        self._owner[claim.part] = served
+        client.parts.add(claim.part)
+        for layer, tokens in enumerate(served.ready):
+            if tokens:
+                self.streamer.layer_ready(layer, [(claim.part, tokens)])
+
+    def _unserved(self, client: _Client, part: str, reason: str) -> None:
+        if client.link is not None:
+            client.link.send(messages.Unserved(part, reason))
+
+    def _fail(self, served: _Served, reason: str) -> None:
+        if served.failure is None:
+            served.failure = reason
+        for part in self._streaming(served):
+            self.streamer.fail(part, reason)
+        self._maybe_end(served)
+
+    def _lease(self, served: _Served) -> None:
+        """The claim lease: every part its decode instance needs claimed by now."""
+        with self._lock:
+            if self._served.get(served.request_id) is not served:
+                return
+            if served.expected is None or len(served.parts) < served.expected:
+                self._fail(served, f"no decode side claimed it within {self.claim_timeout:g} s")
+        self._deliver()
+
+    def _maybe_end(self, served: _Served) -> None:
+        """`served` ends once no part of it is streaming and either it failed or every part
+        its decode instance needs ended: its outcome is queued."""
+        if self._streaming(served):
+            return
+        if served.failure is None and (
+            served.expected is None or len(served.ended) < served.expected
+        ):
+            return  # parts still to be claimed (the claim lease bounds that)
+        reasons = [r for r in served.ended.values() if r]
+        if served.failure is not None:
+            reasons.insert(0, served.failure)
+        del self._served[served.request_id]
+        for part in served.parts:
+            self._owner.pop(part, None)
+        why = "; ".join(dict.fromkeys(reasons))
+        self._outcomes.append(Outcome(served.request_id, not why, why))
+
+    # ---- threads --------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """The parts' outcomes, from the streamer: each request's when its parts ended."""
+        while True:
+            outcome = self._events.get()
+            if outcome is None:
+                self._deliver()
+                return
+            with self._lock:
+                served = self._owner.get(outcome.request_id)
+                if served is not None:
+                    part = outcome.request_id
+                    served.ended[part] = "" if outcome.landed else outcome.reason or "failed"
+                    served.parts[part].parts.discard(part)
+                    self._maybe_end(served)
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand queued outcomes to on_outcome (outside the lock)."""
+        if self._on_outcome is None:
+            return
+        with self._lock:
+            out, self._outcomes = self._outcomes, []
+        for outcome in out:
+            try:
+                self._on_outcome(outcome)
+            except Exception:  # the engine's bug must not stop every later outcome
+                log.exception("pdhal.transfer: on_outcome raised for %s", outcome)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(
+                target=self._greet, args=(sock, f"{peer[0]}:{peer[1]}"), daemon=True
+            ).start()
+
+    def _greet(self, sock: socket.socket, peer: str) -> None:
+        """A decode rank's hello: checked, then welcomed (or refused, naming both sides)."""
+        try:
+            conn = control.accept(sock, self._key, HANDSHAKE_S, peer)
+        except SessionError:
+            return  # no key, or silent: nothing of it reaches the service
+        try:
+            hello = control.read_message(conn, HANDSHAKE_S)
+            if not isinstance(hello, messages.Hello) or hello.facts.role != "decode":
+                raise SessionError(
+                    f"the first message must be a decode side's hello, got {hello!r}"
+                )
+            why = mismatch(self.facts, hello.facts)
+            if why is None:
+                client = _Client(hello.facts)
+                try:
+                    client.dest = self._connect(hello)
+                except PdhalError as e:
+                    why = f"{self.facts.named()} and {hello.facts.named()} cannot pair: {e}"
+        except SessionError as e:
+            conn.send_bytes(messages.encode(messages.Refused(f"refused: {e}")))
+            conn.close()
+            return
+        if why is not None:
+            conn.send_bytes(messages.encode(messages.Refused(why)))
+            conn.close()
+            return
+        conn.send_bytes(messages.encode(messages.Welcome(messages.PROTOCOL, self.facts)))
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            self._clients.add(client)
+            client.link = control.ControlLink(
+                conn,
+                keepalive=self.keepalive,
+                clock=self._clock,
+                on_message=lambda m: self._heard(client, m),
+                on_lost=lambda why: self._lost(client, why),
+                name=f"pdhal-session-decode{hello.facts.tp_rank}",
+            )
+
+    def _connect(self, hello: messages.Hello):
+        """The streamer's destination for the decode rank of `hello`: the heads it gets from
+        this rank (all of its caches when both splits are the same), layouts checked."""
+        decode = hello.facts
+        shards = head_shards(self.facts.kv_heads, self.facts.tp_size, decode.tp_size)
+        shard = shards.get((self.facts.tp_rank, decode.tp_rank))
+        if shard is None:
+            return None  # it claims nothing here (rank 0 tells it the split all the same)
+        same = decode.tp_size == self.facts.tp_size
+        return self.streamer.connect(hello.described, heads=None if same else shard)
+
+    def _heard(self, client: _Client, message: messages.Message) -> None:
+        with self._lock:
+            if isinstance(message, messages.Claim):
+                self._on_claim(client, message)
+            elif isinstance(message, messages.Cancel):
+                self._on_cancel(client, message.part)
+            else:
+                client.link.end(
+                    f"the decode side sent a {message.TYPE} mid-session",
+                    tell=f"a {message.TYPE} is not a message a decode side sends mid-session",
+                )
+        self._deliver()
+
+    def _on_claim(self, client: _Client, claim: messages.Claim) -> None:
+        expected = part_id(claim.request, self.facts.tp_rank, client.facts.tp_rank)
+        if claim.part != expected:
+            self._unserved(
+                client,
+                claim.part,
+                f"a claim from decode rank "
+                f"{client.facts.tp_rank} to prefill rank {self.facts.tp_rank} "
+                f"names part {expected!r}, not {claim.part!r}",
+            )
+            return
+        served = self._served.get(claim.request)
+        if served is not None:
+            self._claim(served, client, claim)
+        elif claim.part in self._claims:
+            self._unserved(client, claim.part, "that part was claimed already")
+        else:  # its table comes later: held for the claim lease
+            self._claims[claim.part] = (client, claim)
+            self._clock.at(time.monotonic() + self.claim_timeout, lambda: self._claim_lapsed(claim))
+
+    def _claim_lapsed(self, claim: messages.Claim) -> None:
+        with self._lock:
+            held = self._claims.get(claim.part)
+            if held is None or held[1] is not claim:
+                return
+            del self._claims[claim.part]
+            self._unserved(
+                held[0],
+                claim.part,
+                f"the prefill side did not have request {claim.request!r} within "
+                f"{self.claim_timeout:g} s of the claim",
+            )
+
+    def _on_cancel(self, client: _Client, part: str) -> None:
+        held = self._claims.get(part)
+        if held is not None and held[0] is client:
+            del self._claims[part]
+            self._unserved(client, part, "its decode side cancelled it")
+            self._abandon(held[1].request, "its decode side cancelled it")
+            return
+        if part in client.parts:
+            self.streamer.fail(part, "its decode side cancelled it")
+
+    def _abandon(self, request_id: str, why: str) -> None:
+        """`request_id`, not added yet, fails as soon as it is (under the lock)."""
+        self._abandoned[request_id] = why
+        while len(self._abandoned) > ABANDONED_KEPT:
+            self._abandoned.popitem(last=False)
+
+    def _lost(self, client: _Client, why: str) -> None:
+        """A decode rank's session ended: its parts fail (each written nothing more), and
+        the requests it claimed that are not here yet fail once they are."""
+        with self._lock:
+            self._clients.discard(client)
+            for part, (owner, claim) in list(self._claims.items()):
+                if owner is client:
+                    del self._claims[part]
+                    self._abandon(claim.request, f"its decode side's session ended: {why}")
+            parts = list(client.parts)
+        for part in parts:
+            self.streamer.fail(part, f"its decode side's session ended: {why}")
+
+
+# ---- the decode side ------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Service:
+    """The session with one prefill rank's service."""
+
+    address: str
+    facts: messages.Facts
+    link: control.ControlLink | None = None
+    parts: set[str] = field(default_factory=set)  # claimed through it, not ended
+
+
+@dataclass(eq=False)
+class _Wanted:
+    """A claimed request: its parts, and each part's outcome as it comes."""
+
+    request_id: str
+    parts: dict[str, _Service]
+    ended: dict[str, Outcome] = field(default_factory=dict)
+    held: set[str] = field(default_factory=set)  # parts whose blocks are not free yet
+
+
+class DecodeClient:
+    """Claims requests' KV into `receiver`'s caches from prefill services: one decode rank
+    (`tp_rank` of `tp_size`) of a model with `kv_heads` KV heads, blocks of `block_tokens`.
+
+    Thread-safe. claim() connects to the services it needs at its first claim to them
+    (blocking up to `connect_timeout`; a refused hello raises RefusedError naming both
+    sides) and reconnects after a session ended. poll() reports each claimed request once;
+    freed() names those whose blocks stayed held (Outcome.blocks_free False) once free."""
+
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        *,
+        key: bytes,
+        block_tokens: int,
+        kv_heads: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        keepalive: float = 5.0,
+        connect_timeout: float = 5.0,
+    ):
+        if not isinstance(receiver, KVReceiver):
+            raise InvalidArgumentError(f"receiver must be a KVReceiver, got {receiver!r}")
+        if not isinstance(key, bytes) or not key:
+            raise InvalidArgumentError("key must be non-empty bytes (the deployment's secret)")
+        heads, rank, size = _split(receiver.layout, kv_heads, tp_rank, tp_size)
+        self.receiver = receiver
+        self._key = key
+        self.keepalive = checks.seconds(keepalive, "keepalive")
+        self.connect_timeout = checks.seconds(connect_timeout, "connect_timeout")
+        tokens = checks.integer(block_tokens, "block_tokens", 1, 1 << 20)
+        self.facts = _facts("decode", receiver.transport_name, tokens, heads, rank, size)
+        self._lock = threading.Lock()
+        self._services: dict[str, _Service] = {}  # by address
+        self._wanted: dict[str, _Wanted] = {}  # by request id
+        self._part_of: dict[str, _Wanted] = {}  # by part id
+        self._incarnations: dict[str, str] = {}  # address -> the service instance last seen
+        self._lost_parts: dict[str, set[str]] = {}  # instance gone -> its held parts
+        self._outcomes: list[Outcome] = []
+        self._freed: list[str] = []
+        self._clock = Deadlines("pdhal-session-clock")
+        self._dialing = threading.Lock()  # one connect at a time: one session per service
+        self._closed = False
+
+    def claim(
+        self,
+        request_id: str,
+        prefill: str,
+        blocks,
+        *,
+        tokens: int,
+        timeout: float,
+        cached_blocks: int = 0,
+        layerwise: bool = False,
+    ) -> None:
+        """Claim `request_id`'s KV from the prefill instance whose rank 0 serves at
+        `prefill`: the prompt's first `tokens` into `blocks` (from block `cached_blocks` of
+        the prompt on: those before it are cached here), within `timeout` s (else it fails;
+        KVReceiver.expect). Connects first if need be: SessionError (RefusedError for a
+        refused hello) if a service cannot be reached, and then nothing is claimed."""
+        request_id = checks.name(request_id, "request_id")
+        control.parse_address(prefill, "prefill")
+        dst = checks.block_ids(blocks, "blocks", self._dst_limit(), "decode caches", unique=True)
+        tokens = checks.integer(tokens, "tokens", 1)
+        cached = checks.integer(cached_blocks, "cached_blocks")
+        if len(dst) != -(-tokens // self.facts.block_tokens) - cached:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {tokens} tokens from block {cached} on are "
+                f"{-(-tokens // self.facts.block_tokens) - cached} blocks, got {len(dst)}"
+            )
+        with self._lock:
+            self._open()
+            if request_id in self._wanted:
+                raise InvalidArgumentError(f"request {request_id!r} is claimed already")
+        rank0 = self._service(prefill, 0, None)
+        size = rank0.facts.tp_size
+        shards = head_shards(self.facts.kv_heads, size, self.facts.tp_size)
+        ranks = sorted(src for src, dst_rank in shards if dst_rank == self.facts.tp_rank)
+        services = {r: self._service(rank_address(prefill, r), r, size) for r in ranks}
+        wanted = _Wanted(request_id, {})
+        tickets = {}
+        try:
+            for r, service in services.items():
+                part = part_id(request_id, r, self.facts.tp_rank)
+                tickets[part] = self.receiver.expect(part, timeout, layerwise=layerwise)
+                wanted.parts[part] = service
+        except PdhalError:
+            for part in tickets:
+                self.receiver.abandon(part, "its claim was not sent", unwritten=True)
+            self.receiver.poll()  # (those abandoned were never the engine's)
+            raise
+        with self._lock:
+            self._wanted[request_id] = wanted
+            for part, service in wanted.parts.items():
+                self._part_of[part] = wanted
+                service.parts.add(part)
+        for part, service in wanted.parts.items():
+            claim = messages.Claim(request_id, part, dst, tokens, cached, tickets[part])
+            if service.link.ended:
+                self._part_lost(part, "its session ended before the claim went")
+            else:
+                service.link.send(claim)
+
+    def cancel(self, request_id: str) -> None:
+        """The engine no longer wants `request_id` (aborted): each prefill rank stops
+        sending its part; it is reported (poll) once every part ended."""
+        request_id = checks.name(request_id, "request_id")
+        with self._lock:
+            wanted = self._wanted.get(request_id)
+            parts = (
+                []
+                if wanted is None
+                else [(p, s) for p, s in wanted.parts.items() if p not in wanted.ended]
+            )
+        for part, service in parts:
+            if service.link is not None:
+                service.link.send(messages.Cancel(part))
+
+    def layers_landed(self, request_id: str) -> int:
+        """How many layers of `request_id`, from the first, landed in every part
+        (layerwise claims; KVReceiver.layers_landed)."""
+        request_id = checks.name(request_id, "request_id")
+        with self._lock:
+            wanted = self._wanted.get(request_id)
+        if wanted is None:
+            raise InvalidArgumentError(f"request {request_id!r} is not claimed")
+        counts = []
+        for part in wanted.parts:
+            try:
+                counts.append(self.receiver.layers_landed(part))
+            except PdhalError:
+                counts.append(0)
+        return min(counts)
+
+    def poll(self) -> list[Outcome]:
+        """The claimed requests that ended since the last poll: landed if every part did;
+        blocks_free False while a part's prefill side may still write (freed() says when
+        they are free)."""
+        self._collect()
+        with self._lock:
+            out, self._outcomes = self._outcomes, []
+        return out
+
+    def freed(self) -> list[str]:
+        """Requests reported with blocks_free False whose blocks are free now, once each."""
+        self._collect()
+        with self._lock:
+            out, self._freed = self._freed, []
+        return out
+
+    def close(self) -> None:
+        """End every session (the receiver stays the caller's)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            services = list(self._services.values())
+        for service in services:
+            if service.link is not None:
+                service.link.end("the decode client closed", tell="the decode client closed")
+        self._clock.close()
+
+    def __enter__(self) -> DecodeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("the decode client was closed")
+
+    def _dst_limit(self) -> int:
+        return min(spec.blocks for caches in self.receiver.layout.layers for spec in caches)
+
+    def _service(self, address: str, rank: int, size: int | None) -> _Service:
+        """The live session with the service at `address` (prefill rank `rank` of `size`),
+        made if need be."""
+        with self._dialing:
+            with self._lock:
+                service = self._services.get(address)
+            if service is None or service.link.ended:
+                service = self._dial(address)
+        facts = service.facts
+        if facts.tp_rank != rank or size not in (None, facts.tp_size):
+            raise SessionError(
+                f"the service at {address} is prefill rank {facts.tp_rank} of {facts.tp_size}, "
+                f"expected rank {rank}{'' if size is None else f' of {size}'} (rank r serves "
+                f"at rank 0's port + r)"
+            )
+        return service
+
+    def _dial(self, address: str) -> _Service:
+        conn = control.dial(address, self._key, self.connect_timeout)
+        try:
+            conn.send_bytes(
+                messages.encode(
+                    messages.Hello(messages.PROTOCOL, self.facts, self.receiver.describe())
+                )
+            )
+            answer = control.read_message(conn, self.connect_timeout)
+        except (SessionError, OSError) as e:
+            conn.close()
+            raise SessionError(f"the session with {address} failed at its hello: {e}") from None
+        if isinstance(answer, messages.Refused):
+            conn.close()
+            raise RefusedError(f"the prefill service at {address} refused: {answer.reason}")
+        if not isinstance(answer, messages.Welcome) or answer.facts.role != "prefill":
+            conn.close()
+            raise SessionError(f"the service at {address} answered the hello with {answer!r}")
+        service = _Service(address, answer.facts)
+        with self._lock:
+            self._open()
+            self._services[address] = service
+            gone = self._incarnations.get(address)
+            self._incarnations[address] = answer.facts.instance
+            stale = self._lost_parts.pop(gone, set()) if gone != answer.facts.instance else set()
+            service.link = control.ControlLink(
+                conn,
+                keepalive=self.keepalive,
+                clock=self._clock,
+                on_message=lambda m: self._heard(service, m),
+                on_lost=lambda why: self._lost(service, why),
+                name=f"pdhal-session-prefill{answer.facts.tp_rank}",
+            )
+        for part in stale:  # its old service is gone: nothing writes them any more
+            with contextlib.suppress(InvalidArgumentError):  # its word came meanwhile
+                self.receiver.release(part)
+        return service
+
+    def _heard(self, service: _Service, message: messages.Message) -> None:
+        if isinstance(message, messages.Unserved):
+            with self._lock:
+                known = message.part in service.parts
+            if known:
+                self._end_part(message.part, message.reason, unwritten=True)
+            return
+        service.link.end(
+            f"the prefill side sent a {message.TYPE} mid-session",
+            tell=f"a {message.TYPE} is not a message a prefill side sends mid-session",
+        )
+
+    def _lost(self, service: _Service, why: str) -> None:
+        with self._lock:
+            parts = list(service.parts)
+        for part in parts:
+            self._part_lost(part, f"the session with {service.address} ended: {why}")
+
+    def _part_lost(self, part: str, why: str) -> None:
+        """Its link went: it fails now, its blocks held (the prefill side may be alive)."""
+        with self._lock:
+            wanted = self._part_of.get(part)
+            service = wanted.parts[part] if wanted is not None else None
+            if service is not None:
+                self._lost_parts.setdefault(service.facts.instance, set()).add(part)
+        if wanted is not None:
+            self._end_part(part, why, unwritten=False)
+
+    def _end_part(self, part: str, why: str, *, unwritten: bool) -> None:
+        try:
+            self.receiver.abandon(part, why, unwritten=unwritten)
+        except InvalidArgumentError:  # ended already
+            if unwritten:  # held (its deadline passed): nothing will write it
+                with contextlib.suppress(InvalidArgumentError):
+                    self.receiver.release(part)
+
+    def _collect(self) -> None:
+        """The receiver's outcomes and freed parts, as requests."""
+        outcomes = self.receiver.poll()
+        freed = self.receiver.freed()
+        cancels = []
+        with self._lock:
+            for outcome in outcomes:
+                wanted = self._part_of.get(outcome.request_id)
+                if wanted is None:
+                    continue
+                wanted.ended[outcome.request_id] = outcome
+                wanted.parts[outcome.request_id].parts.discard(outcome.request_id)
+                if not outcome.blocks_free:
+                    wanted.held.add(outcome.request_id)
+                if not outcome.landed:  # the other parts are of no use now
+                    cancels += [(p, s) for p, s in wanted.parts.items() if p not in wanted.ended]
+                if len(wanted.ended) == len(wanted.parts):
+                    self._report(wanted)
+            for part in freed:
+                wanted = self._part_of.pop(part, None)
+                if wanted is None:
+                    continue
+                wanted.held.discard(part)
+                if not wanted.held and len(wanted.ended) == len(wanted.parts):
+                    self._freed.append(wanted.request_id)
+                for lost in self._lost_parts.values():
+                    lost.discard(part)
+        for part, service in cancels:
+            if service.link is not None:
+                service.link.send(messages.Cancel(part))
+
+    def _report(self, wanted: _Wanted) -> None:
+        """Every part of `wanted` ended (under the lock): its outcome."""
+        del self._wanted[wanted.request_id]
+        for part in wanted.parts:
+            if part not in wanted.held:
+                self._part_of.pop(part, None)
+        failed = [o.reason for o in wanted.ended.values() if not o.landed]
+        self._outcomes.append(
+            Outcome(
+                wanted.request_id,
+                not failed,
+                "; ".join(dict.fromkeys(failed)),
+                blocks_free=not wanted.held,
+            )
+        )

@@ -1,0 +1,262 @@
+"""The two sides of a session (pdhal.transfer.PrefillService, DecodeClient) as processes,
+for tests: `python -m pdhal.testing.session_peers prefill|decode [options]`, driven by JSON
+lines on stdin, answering JSON lines on stdout. A Peer runs one and talks to it.
+
+The model has KV_HEADS heads of HEAD_BYTES bytes per block, LAYERS layers of CACHES caches
+(K and V) of BLOCKS blocks, split over a rank's tensor-parallel share of the heads. Every
+byte of a prefill block holds value(layer, cache, block, head) for the model's head, so a
+decode side can say, head by head, what landed where."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+LAYERS, CACHES, BLOCKS, KV_HEADS, HEAD_BYTES, BLOCK_TOKENS = 3, 2, 8, 4, 16, 4
+KEY = b"pdhal-session-test-key"
+
+
+def value(layer: int, cache: int, block: int, head: int) -> int:
+    """The byte of a prefill block: different per layer, cache, block and model head."""
+    return (layer * 61 + cache * 17 + block * 5 + head * 29 + 1) % 251
+
+
+def _caches(rank: int, size: int, head_bytes: int, fill: bool):
+    """This rank's caches (host memory) and their layout, each block head-major."""
+    from pdhal import ops, transfer
+
+    heads = transfer.rank_heads(KV_HEADS, size, rank)
+    block = len(heads) * head_bytes
+    buffers = [ops.host_alloc(BLOCKS * block) for _ in range(LAYERS * CACHES)]
+    arrays = [b.as_numpy("uint8", (BLOCKS, len(heads), head_bytes)) for b in buffers]
+    for index, array in enumerate(arrays):
+        layer, cache = divmod(index, CACHES)
+        for b in range(BLOCKS):
+            for local, head in enumerate(heads):
+                array[b, local] = value(layer, cache, b, head) if fill else 0
+    layout = transfer.CacheLayout(
+        buffers,
+        [
+            [
+                transfer.CacheSpec(layer * CACHES + c, 0, block, block, BLOCKS, len(heads))
+                for c in range(CACHES)
+            ]
+            for layer in range(LAYERS)
+        ],
+    )
+    return layout, arrays, heads
+
+
+_SAY = threading.Lock()
+
+
+def _say(*message) -> None:
+    """One line to the test (whole: outcomes are said on the service's thread)."""
+    with _SAY:
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
+
+
+def _prefill(args) -> None:
+    from pdhal import transfer
+
+    layout, _, _ = _caches(args.tp_rank, args.tp_size, args.head_bytes, fill=True)
+    service = transfer.PrefillService(
+        layout,
+        args.block_tokens,
+        key=KEY,
+        kv_heads=KV_HEADS,
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+        listen=args.listen,
+        keepalive=args.keepalive,
+        claim_timeout=args.claim_timeout,
+        on_outcome=lambda o: _say("outcome", o.request_id, o.landed, o.reason),
+    )
+    _say("listening", service.address)
+    for line in sys.stdin:
+        command = json.loads(line)
+        try:
+            if command[0] == "add":  # request, source blocks, tokens(, computed?)
+                service.add_request(command[1], command[2], command[3])
+                if command[4:5] != [False]:  # its layers computed: every one ready
+                    for layer in range(LAYERS):
+                        service.layer_ready(layer, [(command[1], command[3])])
+                _say("added", command[1])
+            elif command[0] == "fail":
+                service.fail(command[1], command[2])
+                _say("failed", command[1])
+            elif command[0] == "exit":
+                break
+        except Exception as e:  # the test reads it
+            _say("error", type(e).__name__, str(e))
+    service.close()
+    _say("closed")
+
+
+def _decode(args) -> None:
+    from pdhal import PdhalError, transfer
+
+    layout, arrays, heads = _caches(args.tp_rank, args.tp_size, args.head_bytes, fill=False)
+    receiver = transfer.KVReceiver(layout, f"session-decode-{os.getpid()}", slots=16)
+    client = transfer.DecodeClient(
+        receiver,
+        key=KEY,
+        kv_heads=KV_HEADS,
+        block_tokens=args.block_tokens,
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+        keepalive=args.keepalive,
+    )
+    ended = {}
+    for line in sys.stdin:
+        command = json.loads(line)
+        try:
+            if command[0] == "claim":  # request, prefill, blocks, tokens, timeout
+                client.claim(
+                    command[1], command[2], command[3], tokens=command[4], timeout=command[5]
+                )
+                _say("claimed", command[1])
+            elif command[0] == "cancel":
+                client.cancel(command[1])
+                _say("cancelled", command[1])
+            elif command[0] == "wait":  # request, blocks, bound: its outcome
+                deadline = time.monotonic() + command[3]
+                while command[1] not in ended and time.monotonic() < deadline:
+                    for outcome in client.poll():
+                        ended[outcome.request_id] = outcome
+                    time.sleep(0.002)
+                outcome = ended.pop(command[1], None)
+                if outcome is None:
+                    _say("outcome", None)
+                else:
+                    _say(
+                        "outcome",
+                        outcome.landed,
+                        outcome.reason,
+                        outcome.blocks_free,
+                        _blocks(arrays, heads, command[2]),
+                    )
+            elif command[0] == "freed":  # bound: the requests freed within it
+                deadline, freed = time.monotonic() + command[1], []
+                while not freed and time.monotonic() < deadline:
+                    freed = client.freed()
+                    time.sleep(0.002)
+                _say("freed", freed)
+            elif command[0] == "exit":
+                break
+        except PdhalError as e:
+            _say("error", type(e).__name__, str(e))
+    client.close()
+    receiver.close()
+    _say("closed")
+
+
+def _blocks(arrays, heads, blocks: list[int]) -> list:
+    """[[[[model head, first byte, all its bytes that byte] per head] per cache] per layer]
+    per block of `blocks`."""
+    out = []
+    for b in blocks:
+        layers = []
+        for layer in range(LAYERS):
+            caches = []
+            for c in range(CACHES):
+                a = arrays[layer * CACHES + c]
+                caches.append(
+                    [
+                        [h, int(a[b, i, 0]), bool((a[b, i] == a[b, i, 0]).all())]
+                        for i, h in enumerate(heads)
+                    ]
+                )
+            layers.append(caches)
+        out.append(layers)
+    return out
+
+
+def main(argv=None) -> None:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)
+    parser = argparse.ArgumentParser(prog="python -m pdhal.testing.session_peers")
+    parser.add_argument("role", choices=("prefill", "decode"))
+    parser.add_argument("--listen", default="127.0.0.1:0")
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--head-bytes", type=int, default=HEAD_BYTES)
+    parser.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
+    parser.add_argument("--keepalive", type=float, default=5.0)
+    parser.add_argument("--claim-timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    (_prefill if args.role == "prefill" else _decode)(args)
+
+
+class Peer:
+    """One side as a process: send() a command, read() its next answer (within a bound)."""
+
+    def __init__(self, role: str, *options: str, env: dict | None = None):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdhal.testing.session_peers", role, *options],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._select = selectors.DefaultSelector()
+        self._select.register(self.proc.stdout, selectors.EVENT_READ)
+        self._inbox: list[list] = []
+        self._partial = b""  # read, not a whole line yet
+
+    def send(self, *command) -> None:
+        self.proc.stdin.write(json.dumps(command).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def read(self, kind: str, bound: float = 60.0) -> list:
+        """The fields of its next answer of `kind` (those of other kinds met meanwhile are
+        kept for their own read: outcomes come on the peer's threads, in their own time)."""
+        deadline = time.monotonic() + bound
+        while True:
+            for index, message in enumerate(self._inbox):
+                if message[0] == kind:
+                    return self._inbox.pop(index)[1:]
+            if b"\n" in self._partial:
+                line, self._partial = self._partial.split(b"\n", 1)
+                self._inbox.append(json.loads(line))
+                continue
+            if not self._select.select(max(0.0, deadline - time.monotonic())):
+                raise AssertionError(
+                    f"no {kind!r} from the {self.proc.args[3]} within {bound} s "
+                    f"(it said {self._inbox})"
+                )
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)  # (select sees the fd only)
+            assert chunk, f"the peer exited ({self.proc.wait()}) before {kind!r}"
+            self._partial += chunk
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.resume()
+            self.send("exit")
+            self.read("closed")
+            assert self.proc.wait(30) == 0
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+        self._select.close()
+
+
+if __name__ == "__main__":
+    main()

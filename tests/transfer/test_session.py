@@ -1,0 +1,351 @@
+"""The control plane as library API (pdhal.transfer.PrefillService, DecodeClient), between
+real processes (pdhal.testing.session_peers): a claim lands byte for byte, head by head
+across tensor-parallel splits; a hello that cannot pair is refused naming both sides; a
+silent or killed peer is an error within the keepalive bound; a cancel frees the blocks at
+once and fails the request to its prefill side; a hostile peer's message fails that
+session only."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import pdhal
+from pdhal import InvalidArgumentError, SessionError, transfer
+from pdhal._transfer import control, messages
+from pdhal.testing.session_peers import (
+    CACHES,
+    KEY,
+    KV_HEADS,
+    LAYERS,
+    Peer,
+    value,
+)
+
+
+@pytest.fixture
+def peers():
+    """Peers started by a test, closed (or reaped) after it."""
+    started: list[Peer] = []
+
+    def start(role: str, *options: str, env: dict | None = None) -> Peer:
+        peer = Peer(role, *options, env=env)
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        peer.close()
+
+
+def prefill(start, *options: str) -> tuple[Peer, str]:
+    peer = start("prefill", *options)
+    [address] = peer.read("listening")
+    return peer, address
+
+
+def assert_landed(blocks: list, src_blocks: list[int], got: list) -> None:
+    """Every head of every claimed block holds, in every byte, what the prefill wrote in
+    the matching source block."""
+    for dst, src, layers in zip(blocks, src_blocks, got):
+        for layer in range(LAYERS):
+            for cache in range(CACHES):
+                for head, first, uniform in layers[layer][cache]:
+                    assert (first, uniform) == (value(layer, cache, src, head), True), (
+                        dst,
+                        src,
+                        layer,
+                        cache,
+                        head,
+                    )
+
+
+def test_a_claim_from_another_process_lands_byte_for_byte(peers):
+    service, address = prefill(peers)
+    client = peers("decode")
+    client.send("claim", "r1", address, [5, 2, 7], 10, 30)
+    assert client.read("claimed") == ["r1"]
+    service.send("add", "r1", [1, 3, 6], 10)
+    assert service.read("added") == ["r1"]
+    assert service.read("outcome") == ["r1", True, ""]
+    client.send("wait", "r1", [5, 2, 7], 30)
+    landed, reason, free, got = client.read("outcome")
+    assert (landed, reason, free) == (True, "", True)
+    assert_landed([5, 2, 7], [1, 3, 6], got)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
+def test_each_decode_rank_gets_its_heads_from_the_prefill_ranks_that_hold_them(
+    peers, prefill_tp, decode_tp
+):
+    """Prefill ranks listen on ports in a row; each decode rank claims from rank 0's address
+    and gets every head it holds, each from the rank holding it; each request ends once on
+    every prefill rank that sent a part of it."""
+    services, address = [], None
+    for rank in range(prefill_tp):
+        listen = "127.0.0.1:0" if rank == 0 else transfer.rank_address(address, rank)
+        peer, at = prefill(
+            peers, "--tp-rank", str(rank), "--tp-size", str(prefill_tp), "--listen", listen
+        )
+        address = address or at
+        services.append(peer)
+    clients = [
+        peers("decode", "--tp-rank", str(rank), "--tp-size", str(decode_tp))
+        for rank in range(decode_tp)
+    ]
+    for client in clients:
+        client.send("claim", "r1", address, [4, 0], 8, 30)
+        assert client.read("claimed") == ["r1"]
+    for service in services:
+        service.send("add", "r1", [2, 5], 8)
+        assert service.read("added") == ["r1"]
+    for service in services:
+        assert service.read("outcome") == ["r1", True, ""]
+    seen = set()
+    for rank, client in enumerate(clients):
+        client.send("wait", "r1", [4, 0], 30)
+        landed, reason, free, got = client.read("outcome")
+        assert (landed, reason, free) == (True, "", True)
+        assert_landed([4, 0], [2, 5], got)
+        heads = {h for layer in got[0] for cache in layer for h, _, _ in cache}
+        assert heads == set(transfer.rank_heads(KV_HEADS, decode_tp, rank))
+        seen |= heads
+    assert seen == set(range(KV_HEADS))
+
+
+def test_a_hello_of_another_layout_or_namespace_is_refused_naming_both_sides(peers):
+    service, address = prefill(peers)
+    other_heads = peers("decode", "--head-bytes", "8")
+    other_heads.send("claim", "r1", address, [1], 4, 30)
+    kind, text = other_heads.read("error")
+    assert kind == "RefusedError"
+    assert "the prefill side (rank 0 of 1, pid" in text and "the decode side (rank 0" in text
+    assert "bytes" in text  # what differs: a head's bytes
+    env = dict(os.environ, PDHAL_NAMESPACE="elsewhere")
+    elsewhere = peers("decode", env=env)
+    elsewhere.send("claim", "r1", address, [1], 4, 30)
+    kind, text = elsewhere.read("error")
+    assert kind == "RefusedError"
+    assert "namespace: 'default' here, 'elsewhere' there" in text.replace(
+        os.environ.get("PDHAL_NAMESPACE", "default"), "default"
+    )
+
+
+def test_a_hello_of_another_protocol_version_is_refused_naming_both(peers):
+    """A peer of protocol 2 (a raw hello from this process) is refused at the hello, with
+    both versions named, before anything else of it is read."""
+    _, address = prefill(peers)
+    conn = control.dial(address, KEY, 10)
+    conn.send_bytes(b'{"type": "hello", "protocol": 2, "facts": {}, "described": {}}')
+    answer = control.read_message(conn, 10)
+    conn.close()
+    assert isinstance(answer, messages.Refused)
+    assert "protocol version 2; this side speaks version 1" in answer.reason
+
+
+def test_a_peer_without_the_key_is_dropped_at_the_handshake(peers):
+    _, address = prefill(peers)
+    with pytest.raises(SessionError, match="does not hold this deployment's key"):
+        control.dial(address, b"another key", 10)
+
+
+def test_a_silent_service_fails_the_claims_on_it_within_the_keepalive_bound(peers):
+    """The prefill service is stopped (SIGSTOP: its kernel still acknowledges): the client
+    hears nothing for its keepalive (1 s) and fails the request then, not at its 60 s
+    load timeout; its blocks stay held (a stopped service may write again)."""
+    service, address = prefill(peers, "--keepalive", "1")
+    client = peers("decode", "--keepalive", "1")
+    client.send("claim", "r1", address, [1, 2], 8, 60)
+    assert client.read("claimed") == ["r1"]
+    service.stop()
+    started = time.monotonic()
+    client.send("wait", "r1", [1, 2], 30)
+    landed, reason, free, _ = client.read("outcome")
+    assert time.monotonic() - started < 30  # (the load timeout is 60 s)
+    assert (landed, free) == (False, False)
+    assert "said nothing for 1 s" in reason
+    service.resume()
+
+
+def test_a_restarted_service_is_served_again_and_frees_what_the_dead_one_held(peers):
+    service, address = prefill(peers, "--keepalive", "1")
+    client = peers("decode", "--keepalive", "1")
+    client.send("claim", "r1", address, [1, 2], 8, 60)
+    assert client.read("claimed") == ["r1"]
+    service.kill()
+    removed, _ = pdhal.cleanup()  # what the killed service left (its caches)
+    assert removed
+    client.send("wait", "r1", [1, 2], 30)
+    landed, reason, free, _ = client.read("outcome")
+    assert (landed, free) == (False, False)
+    again, _ = prefill(peers, "--listen", address)
+    client.send("claim", "r2", address, [3], 4, 30)
+    assert client.read("claimed") == ["r2"]
+    client.send("freed", 10)  # the dead service's part: nothing can write it now
+    assert client.read("freed") == [["r1"]]
+    again.send("add", "r2", [7], 4)
+    again.read("added")
+    client.send("wait", "r2", [3], 30)
+    landed, reason, free, got = client.read("outcome")
+    assert (landed, free) == (True, True)
+    assert_landed([3], [7], got)
+
+
+def test_a_cancel_frees_the_blocks_at_once_and_fails_the_request_to_its_prefill_side(peers):
+    """Cancelled before its prefill side had it: answered at once (blocks free), and the
+    request the prefill side adds afterwards fails at once (not at its 60 s claim lease)."""
+    service, address = prefill(peers)
+    client = peers("decode")
+    client.send("claim", "r1", address, [1, 2], 8, 60)
+    assert client.read("claimed") == ["r1"]
+    client.send("cancel", "r1")
+    client.read("cancelled")
+    client.send("wait", "r1", [1, 2], 30)
+    landed, reason, free, _ = client.read("outcome")
+    assert (landed, free) == (False, True)
+    assert "cancelled" in reason
+    service.send("add", "r1", [1, 2], 8)
+    service.read("added")
+    landed, why = service.read("outcome", bound=30)[1:]
+    assert not landed and "cancelled" in why
+
+
+def test_a_request_nobody_claims_fails_by_the_claim_lease(peers):
+    service, _ = prefill(peers, "--claim-timeout", "0.5")
+    service.send("add", "r1", [1], 4)
+    service.read("added")
+    assert service.read("outcome", bound=30)[:2] == ["r1", False]
+
+
+def test_a_malformed_claim_ends_that_session_only(peers, receiver):
+    """A hostile decode side sends a claim whose blocks are not ids: its session ends, told
+    why; another decode side's claims land all the same."""
+    service, address = prefill(peers)
+    described = receiver.describe()
+    conn = control.dial(address, KEY, 10)
+    facts = messages.Facts(
+        "decode",
+        "x" * 8,
+        os.getpid(),
+        "here",
+        "shm",
+        transfer.transport("shm").version,
+        os.environ.get("PDHAL_NAMESPACE", "default"),
+        4,
+        KV_HEADS,
+        0,
+        1,
+    )
+    conn.send_bytes(messages.encode(messages.Hello(messages.PROTOCOL, facts, described)))
+    assert isinstance(control.read_message(conn, 10), messages.Welcome)
+    conn.send_bytes(
+        b'{"type": "claim", "request": "r9", "part": "r9@0>0", "blocks": ["x"], '
+        b'"tokens": 4, "cached_blocks": 0, "ticket": {}}'
+    )
+    answer = control.read_message(conn, 10)
+    conn.close()
+    assert isinstance(answer, messages.Refused)
+    assert "blocks[0] must be a block id" in answer.reason
+    honest = peers("decode")
+    honest.send("claim", "r1", address, [0], 4, 30)
+    honest.read("claimed")
+    service.send("add", "r1", [3], 4)
+    service.read("added")
+    honest.send("wait", "r1", [0], 30)
+    assert honest.read("outcome")[:3] == [True, "", True]
+
+
+@pytest.fixture
+def receiver():
+    """A KVReceiver in this process (a hand-made peer's, or a client's)."""
+    from pdhal import ops
+    from pdhal.testing.session_peers import _caches
+
+    layout, _, _ = _caches(0, 1, 16, fill=False)
+    r = transfer.KVReceiver(layout, f"here-{os.getpid()}")
+    yield r
+    r.close()
+    for buffer in layout.memory:
+        ops.host_free(buffer)
+
+
+def test_a_claim_for_blocks_outside_the_caches_is_refused_at_the_call(receiver):
+    client = transfer.DecodeClient(receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=4)
+    with pytest.raises(InvalidArgumentError, match="outside the decode caches' 8 blocks"):
+        client.claim("r1", "127.0.0.1:1", [99], tokens=4, timeout=5)
+    with pytest.raises(InvalidArgumentError, match="4 tokens from block 0 on are 1 blocks"):
+        client.claim("r1", "127.0.0.1:1", [1, 2], tokens=4, timeout=5)
+    with pytest.raises(InvalidArgumentError, match="prefill must be 'HOST:PORT'"):
+        client.claim("r1", "nowhere", [1], tokens=4, timeout=5)
+    with pytest.raises(SessionError, match="cannot reach the session service at 127.0.0.1:1"):
+        client.claim("r1", "127.0.0.1:1", [1], tokens=4, timeout=5)
+    assert client.poll() == []  # nothing was claimed
+    client.close()
+
+
+def test_a_silent_decode_side_fails_its_requests_on_the_prefill_side(peers):
+    """The decode process is stopped after its claim, before any layer was computed: the
+    prefill side fails the request within its keepalive (1 s), not at the claim's 60 s
+    deadline (and sends nothing of it)."""
+    service, address = prefill(peers, "--keepalive", "1")
+    client = peers("decode", "--keepalive", "1")
+    client.send("claim", "r1", address, [1, 2], 8, 60)
+    assert client.read("claimed") == ["r1"]
+    service.send("add", "r1", [3, 4], 8, False)
+    service.read("added")
+    client.stop()
+    request, landed, why = service.read("outcome", bound=30)
+    assert (request, landed) == ("r1", False)
+    assert "its decode side's session ended: the peer said nothing for 1 s" in why, why
+    client.resume()
+
+
+def test_a_claim_naming_another_rank_s_part_is_unserved(peers, receiver):
+    """A decode side (hand-made here) claims a part named for another decode rank: the
+    service answers unserved, naming the part it should have named, and serves on."""
+    _, address = prefill(peers)
+    conn = control.dial(address, KEY, 10)
+    facts = messages.Facts(
+        "decode",
+        "y" * 8,
+        os.getpid(),
+        "here",
+        "shm",
+        transfer.transport("shm").version,
+        os.environ["PDHAL_NAMESPACE"],
+        4,
+        KV_HEADS,
+        0,
+        1,
+    )
+    conn.send_bytes(messages.encode(messages.Hello(messages.PROTOCOL, facts, receiver.describe())))
+    assert isinstance(control.read_message(conn, 10), messages.Welcome)
+    ticket = receiver.expect("r1@0>1", 30)
+    conn.send_bytes(messages.encode(messages.Claim("r1", "r1@0>1", [2], 4, 0, ticket)))
+    answer = control.read_message(conn, 10)
+    while isinstance(answer, messages.Ping):
+        answer = control.read_message(conn, 10)
+    conn.close()
+    assert answer == messages.Unserved(
+        "r1@0>1",
+        "a claim from decode rank 0 to prefill rank 0 names part 'r1@0>0', not 'r1@0>1'",
+    )
+
+
+def test_a_request_whose_decode_side_died_before_it_was_added_fails_once_added(peers):
+    """The decode process claims, then is killed before the prefill side has the request:
+    the request fails as soon as it is added, not at the 60 s claim lease."""
+    service, address = prefill(peers)
+    client = peers("decode")
+    client.send("claim", "r1", address, [1, 2], 8, 60)
+    assert client.read("claimed") == ["r1"]
+    client.kill()
+    pdhal.cleanup()  # what the killed decode side left (its caches)
+    service.send("add", "r1", [3, 4], 8)
+    service.read("added")
+    request, landed, why = service.read("outcome", bound=30)
+    assert (request, landed) == ("r1", False)
+    # the session's end (or, added before the service heard it, the dead destination)
+    assert "no decode side claimed it" not in why, why
