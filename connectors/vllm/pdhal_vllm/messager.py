@@ -521,9 +521,7 @@ class Messager:
         if self.exit_after is None or self.streamer is None or self.layers_given < self.exit_after:
             return
         deadline = time.monotonic() + 10.0
-        while (
-            self.streamer.metrics.layers_landed < self.exit_after and time.monotonic() < deadline
-        ):
+        while self.streamer.metrics.layers_landed < self.exit_after and time.monotonic() < deadline:
             time.sleep(0.001)  # (a test hook, once: the copies of those N run meanwhile)
         self.trace("fault", what="exit", layers=self.streamer.metrics.layers_landed)
         os._exit(3)
