@@ -127,6 +127,8 @@ class Destination:
         self._submitting_done = False
         #: The link generation: a break starts the next one.
         self.epoch = 0
+        #: (generation, why) once a connect after a break failed: its other writes fail
+        self._unreachable: tuple[int, str] | None = None
         self._channel: _Channel | None = self._open()  # a connect failure is the caller's
         self._threads = [
             threading.Thread(target=self._submit_loop, name="pdhal-transfer-submit", daemon=True),
@@ -140,6 +142,43 @@ class Destination:
     def _open(self) -> _Channel:
         status = StatusBuffers(self._window + 1)
         return _Channel(self._connect((status.address, status.nbytes)), status)
+
+    def _reopen(self, epoch: int) -> _Channel:
+        """A new channel after a break, the transport's connect bounded by stall_timeout:
+        it runs on a thread of its own (a connect to a cut-off peer may block for minutes,
+        and the writes behind it, a failed request's word among them, would wait), and one
+        that returns late is closed. Once a connect of link generation `epoch` failed, the
+        other writes of that generation fail at once, each without another try."""
+        if self._unreachable is not None and self._unreachable[0] == epoch:
+            raise TransferError(self._unreachable[1])
+        lock, done, late = threading.Lock(), threading.Event(), []
+        result: list = []
+
+        def connect() -> None:
+            try:
+                got: object = self._open()
+            except Exception as e:
+                got = e
+            with lock:
+                result.append(got)
+                abandoned = bool(late)
+            done.set()
+            if abandoned and isinstance(got, _Channel):
+                got.link.close()
+
+        threading.Thread(target=connect, name="pdhal-transfer-connect", daemon=True).start()
+        done.wait(self._stall)
+        with lock:
+            if not result:
+                late.append(True)
+                result.append(
+                    TransferError(f"connecting again did not finish within {self._stall:g} s")
+                )
+        got = result[0]
+        if isinstance(got, Exception):
+            self._unreachable = (epoch, _why(got))
+            raise got
+        return got
 
     # ---- what the streamer asks ---------------------------------------------------
 
@@ -245,7 +284,7 @@ class Destination:
                 channel.outstanding += 1
         if channel is None:
             try:
-                channel = self._open()
+                channel = self._reopen(write.epoch)
             except Exception as e:
                 write.failed = f"the decode side cannot be reached again: {_why(e)}"
                 return

@@ -283,6 +283,35 @@ def test_a_stall_breaks_its_decode_side_as_a_whole_and_the_next_request_lands(de
         streamer.close()
 
 
+def test_a_connect_that_never_returns_after_a_break_still_ends_every_request(decode, faulty):
+    """A write stalls and breaks the decode side; connecting to it again never returns (the
+    link is cut: Mooncake's connect blocks for minutes). Each request still ends, failed,
+    within about 2 x stall_timeout (its failure's word cannot go: the connect is given up
+    after stall_timeout), and the streamer closes within its bound."""
+    faulty("stall:1,hangs:2")
+    streamer = make_streamer(transport_name="faulty", stall_timeout=0.5)
+    try:
+        dest = streamer.connect(decode.described)
+        for request, block in (("a", 0), ("b", 1)):
+            streamer.add_request(request, [block], 4)
+            streamer.set_destination(request, dest, [block], decode.expect(request, timeout=60))
+        streamer.layer_ready(0, [("a", 4), ("b", 4)])
+        ended = {o.request_id: o for o in outcomes_until(streamer, 2, bound=30)}
+        assert sorted(ended) == ["a", "b"]
+        assert all(not o.landed for o in ended.values())
+        streamer.add_request("c", [2], 4)  # after the break: its connect is tried anew
+        streamer.set_destination("c", dest, [2], decode.expect("c", timeout=60))
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("c", 4)])
+        [c] = outcomes_until(streamer, 1, bound=30)
+        assert not c.landed and "did not finish within 0.5 s" in c.reason, c
+    finally:
+        closer = threading.Thread(target=streamer.close)
+        closer.start()
+    closer.join(timeout=30)
+    assert not closer.is_alive()
+
+
 def test_a_transport_whose_problem_raises_still_reports_what_landed(decode, faulty):
     """A link whose problem() raises (a transport's bug) is a broken decode side for the
     requests there, never an exception out of poll(); another decode side's request over

@@ -2,8 +2,10 @@
 comma-separated list of "stall:N" (the Nth submit to an endpoint never lands: its wait times
 out), "stalls:N" (every submit from the Nth on stalls: a decode side that stopped
 answering), "fail:N" (the Nth submit raises TransferError), "delay:N" (the Nth submit's
-bytes are copied only when it is waited for, 0.1 s later) and "problem:N" (problem()
-raises from its Nth call on: a transport's bug), each for every endpoint or, as
+bytes are copied only when it is waited for, 0.1 s later), "problem:N" (problem()
+raises from its Nth call on: a transport's bug) and "hangs:N" (the Nth connect to an
+endpoint and those after it never return: Mooncake's connect to a cut-off peer), each for
+every endpoint or, as
 "stall:N@NAME", for the endpoint NAME only. Submits are counted per endpoint (its process
 and name), over every link to it: a link made anew after a fault goes on counting. Every
 other submit is shm's."""
@@ -92,6 +94,13 @@ class FaultyTransport(Transport):
 
     def connect(self, described, sources):
         endpoint = described["names"][0].rsplit(".", 1)[0]  # NAME of NAME.r0
+        with _lock:
+            _counts[(described["pid"], endpoint), "connect"] += 1
+            n = _counts[(described["pid"], endpoint), "connect"]
+        for fault in filter(None, os.environ.get("PDHAL_FAULTY_TRANSPORT", "").split(",")):
+            kind, _, count = fault.partition("@")[0].partition(":")
+            if kind == "hangs" and n >= int(count):
+                threading.Event().wait()  # never returns
         return FaultyLink(transport("shm").connect(described, sources), endpoint, described["pid"])
 
 
