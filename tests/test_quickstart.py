@@ -21,5 +21,5 @@ def test_the_quickstart_runs_and_both_sides_see_the_request_land(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert sorted(line.split(":")[0] for line in lines) == ["decode", "prefill"]
+    assert sorted(line.split(":")[0] for line in lines) == ["decode", "prefill"], done
     assert all("request_id='req-1', landed=True" in line for line in lines), lines

@@ -11,8 +11,9 @@ A client of pdhal's public API only, in its own distribution (pdhal-demo). Modul
 (the `pdhal demo` command, registered in the `pdhal.commands` entry-point group), `model`
 (the Paddle model and paged cache), `plan` (requests, blocks, steps), `worker`, `messager`,
 `decoder` (the three processes, started as `python -m pdhal_demo.child ROLE`), `transport`
-(shm and Mooncake), `control` (the parent's loopback control channel), `pipeline` (the
-parent), `report` (summary, overlap efficiency, plot).
+(shm and Mooncake), `control` (the parent's loopback control channel: plans and timing
+events; the messagers and the decoder talk through pdhal.transfer's session), `pipeline`
+(the parent), `report` (summary, overlap efficiency, plot).
 """
 
 MODES = ("per_query", "per_chunk")

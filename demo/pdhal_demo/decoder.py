@@ -14,6 +14,7 @@ and computes every rank's part itself, summing them in the workers' order.
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -24,8 +25,10 @@ from pdhal_demo.control import DemoError
 from pdhal_demo.model import Chunk, TinyDecoder, cache_layout
 from pdhal_demo.plan import Plan
 
-#: How long a request it expects may take to land: the whole run's bound.
+#: How long a request it claims may take to land: the whole run's bound.
 LOAD_TIMEOUT_S = 600.0
+#: The control session's liveness bound: a messager silent this long has gone.
+KEEPALIVE_S = 5.0
 
 
 @dataclass
@@ -174,21 +177,76 @@ def _receivers(plan: Plan, cache: np.ndarray, name: str) -> list[transfer.KVRece
     return receivers
 
 
-def _check_landed(receivers: list[transfer.KVReceiver], request: int) -> None:
-    """Every rank's blocks of `request` are in (its messagers said so): the receivers' own
-    outcomes must agree, or nothing is decoded on what may be a partial cache."""
-    for rank, receiver in enumerate(receivers):
-        outcome = receiver.wait(str(request))
-        if not outcome.landed:
-            raise DemoError(f"request {request} did not land on rank {rank}: {outcome.reason}")
+class Claims:
+    """The decode ranks' sessions with the messagers: each request claimed into its decode
+    blocks once the requests whose blocks it reuses were checked and released, and its
+    outcome on every rank."""
+
+    def __init__(self, plan: Plan, receivers: list[transfer.KVReceiver], key: bytes):
+        self.plan = plan
+        self.clients = [
+            transfer.DecodeClient(
+                receiver,
+                key=key,
+                block_tokens=plan.model.block_size,
+                tp_rank=rank,
+                tp_size=plan.tp,
+                keepalive=KEEPALIVE_S,
+            )
+            for rank, receiver in enumerate(receivers)
+        ]
+        self.prefill: list[str] = []  # each messager's address, by rank
+        self.claimed: set[int] = set()
+        self.released: set[int] = set()
+        self.ended: list[dict[str, transfer.Outcome]] = [{} for _ in self.clients]
+
+    def claim_free(self) -> None:
+        """Claim every request whose decode blocks are free (its waits released)."""
+        for request in self.plan.requests:
+            if request.id in self.claimed or not self.released.issuperset(request.decode_waits):
+                continue
+            self.claimed.add(request.id)
+            blocks = request.decode_blocks[: len(request.prefill_blocks)]
+            for client in self.clients:
+                client.claim(
+                    str(request.id),
+                    self.prefill,
+                    blocks,
+                    tokens=request.prompt_len,
+                    timeout=LOAD_TIMEOUT_S,
+                )
+
+    def release(self, request: int) -> None:
+        self.released.add(request)
+        self.claim_free()
+
+    def await_landed(self, request: int) -> None:
+        """Every rank's blocks of `request` are in (its messagers said so): the decode
+        side's own outcomes must agree, or nothing is decoded on what may be a partial
+        cache."""
+        rid, deadline = str(request), time.monotonic() + LOAD_TIMEOUT_S
+        for rank, client in enumerate(self.clients):
+            while rid not in self.ended[rank]:
+                self.ended[rank].update((o.request_id, o) for o in client.poll())
+                if time.monotonic() > deadline:  # (the claim's own timeout ends it first)
+                    raise DemoError(f"request {request} did not end on rank {rank}")
+                time.sleep(0.001)
+            outcome = self.ended[rank].pop(rid)
+            if not outcome.landed:
+                raise DemoError(f"request {request} did not land on rank {rank}: {outcome.reason}")
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
 
 
 def run(link, setup: dict) -> None:
-    """Expect every request, on every rank, then insert each as it comes, once its
-    receivers say it landed. When blocks are recycled, check each request at once and
-    release its blocks (the messager may then reuse them); otherwise check them all once the
-    parent has timed every insertion, so the recomputation takes no core from a measurement
-    still in flight."""
+    """Claim every request whose blocks are free from the messagers (once the parent says
+    where they are), then insert each as it comes, once its outcomes say it landed. When
+    blocks are recycled, check each request at once and release its blocks (the requests
+    that reuse them are claimed then); otherwise check them all once the parent has timed
+    every insertion, so the recomputation takes no core from a measurement still in
+    flight."""
     plan = Plan.from_json(setup["plan"])
     shape = (plan.tp, *plan.model.cache_shape(plan.decode_cache_blocks, plan.tp))
     buffer = ops.host_alloc(int(np.prod(shape)) * 4)
@@ -197,11 +255,14 @@ def run(link, setup: dict) -> None:
     os.environ["PDHAL_MOONCAKE_HOST"] = os.environ.get("PDHAL_DEMO_HOST", setup["host"])
     os.environ["PDHAL_MOONCAKE_PROTOCOL"] = setup["protocol"]
     receivers = _receivers(plan, cache, setup["cache_name"])
-    tickets = [
-        {str(r.id): receiver.expect(str(r.id), LOAD_TIMEOUT_S) for r in plan.requests}
-        for receiver in receivers
-    ]
-    link.send(("ready", {"described": [r.describe() for r in receivers], "tickets": tickets}))
+    claims = Claims(plan, receivers, bytes.fromhex(setup["session_key"]))
+    link.send(("ready", {}))
+    kind, message = link.recv()  # ("serve", ...): the messagers' addresses
+    if kind == "exit":  # the run failed elsewhere
+        return
+    claims.prefill = message["prefill"]
+    claims.claim_free()
+    link.send(("claimed", {}))
     checker, recycles = Checker(plan, cache), plan.recycles
     first_tokens = {}
     while len(first_tokens) < len(plan.requests):
@@ -209,12 +270,12 @@ def run(link, setup: dict) -> None:
         if kind == "exit":  # the run failed elsewhere
             return
         request = message["request"]
-        _check_landed(receivers, request)
+        claims.await_landed(request)
         first_tokens[request] = message["token"]
         link.send(("inserted", {"request": request}))
         if recycles:
             checker.check(request, message["token"])
-            link.send(("released", {"request": request}))
+            claims.release(request)
     if link.recv()[0] == "exit":  # ("verify", {}): every insertion is timed
         return
     if not recycles:
@@ -222,6 +283,7 @@ def run(link, setup: dict) -> None:
             checker.check(request.id, first_tokens[request.id])
     link.send(("verified", checker.result()))
     link.recv()  # ("exit", {})
+    claims.close()
     for receiver in receivers:
         receiver.close()
     ops.host_free(buffer)

@@ -1,13 +1,15 @@
-"""The cache messager: configuration around pdhal.transfer's KVStreamer.
+"""The cache messager: configuration around pdhal.transfer's PrefillService.
 
 Its main thread never sleeps in a loop: every wake-up comes from the worker's layer signal
-(a futex wait in pdhal), which it hands to the streamer as "this layer now holds these
+(a futex wait in pdhal), which it hands to the service as "this layer now holds these
 tokens of these requests" (a PerQueryFeed or a PerChunkFeed turns each mode's words into
-that). The streamer sends the blocks that became ready, up to --inflight layers in flight,
-and ends each request exactly once; its outcome comes back on the streamer's completion
-thread (on_outcome), which tells the parent (a landed request's prefill blocks are free)
-or, on a failure, reports it and exits. The timeline's transfers are the streamer's own
-per-layer records, a request's first submit and landing its per-request record.
+that). The decoder claims each request from the service, into blocks it has free (pdhal's
+session: no relaying through the parent); the service's streamer sends the blocks that
+became ready, up to --inflight layers in flight, and ends each request exactly once; its
+outcome comes back on the service's thread (on_outcome), which tells the parent (a landed
+request's prefill blocks are free) or, on a failure, reports it and exits. The timeline's
+transfers are the streamer's own per-layer records, a request's first submit and landing
+its per-request record.
 """
 
 from __future__ import annotations
@@ -26,76 +28,58 @@ from pdhal_demo.plan import Plan
 
 WAIT_TIMEOUT_S = 60.0  # a worker that signals nothing for this long is reported, not waited on
 CLAIM_TIMEOUT_S = 600.0  # a request whose decode blocks never come free fails after this
+#: The control session's liveness bound: a decoder silent this long has gone.
+KEEPALIVE_S = 5.0
 
 
 class Messager:
-    """One rank's streamer, the requests' destinations as their decode blocks come free,
-    and the events the parent's report is made of."""
+    """One rank's prefill service, and the events the parent's report is made of."""
 
     def __init__(self, link, plan: Plan, setup: dict, cache: np.ndarray):
         self.link, self.out, self.plan, self.rank = link, Outbox(link), plan, setup["rank"]
-        self.streamer = transfer.KVStreamer(
+        self.service = transfer.PrefillService(
             cache_layout(cache),
             plan.model.block_size,
+            key=bytes.fromhex(setup["session_key"]),
+            tp_rank=self.rank,
+            tp_size=plan.tp,
+            listen=f"{setup['host']}:0",
+            keepalive=KEEPALIVE_S,
+            claim_timeout=CLAIM_TIMEOUT_S,
             transport_name=plan.transport,
+            on_outcome=self._ended,
             max_layers_in_flight=setup.get("inflight", 4),
             stall_timeout=setup.get("transfer_timeout_s", 5.0),
-            claim_timeout=CLAIM_TIMEOUT_S,
-            on_outcome=self._ended,
         )
-        self.dest = self.streamer.connect(setup["decode"]["described"][self.rank])
-        self.tickets = setup["decode"]["tickets"][self.rank]
+        self.streamer = self.service.streamer  # its metrics make the timeline
         self.delay_s = setup.get("slow_ms", 0) / 1e3
-        self.added: set[int] = set()  # requests given to the streamer
-        self.released: set[int] = set()  # requests the decode side is done with
+        self.added: set[int] = set()  # requests given to the service
         self.landed: set[int] = set()
         self.all_landed = threading.Event()
         self.offset = 0  # the channel step of plan step 0
         self._mark, self._request_mark, self._report = 0, 0, threading.Lock()
 
     def prepare(self, index: int) -> None:
-        """Before plan step `index`'s first layer: its requests that start here are added,
-        with their destination once the decode side released the requests whose decode
-        blocks they reuse (the parent relays each release)."""
+        """Before plan step `index`'s first layer: its requests that start here are added
+        (each goes to its decode blocks once the decoder claims it)."""
         for chunk in self.plan.steps[index]:
             request = self.plan.request(chunk.request)
-            if request.id in self.added:
-                continue
-            self.added.add(request.id)
-            rid = str(request.id)
-            self.streamer.add_request(rid, request.prefill_blocks, request.prompt_len)
-            self._await_released(request)
-            blocks = request.decode_blocks[: len(request.prefill_blocks)]
-            self.streamer.set_destination(rid, self.dest, blocks, self.tickets[rid])
-
-    def _await_released(self, request) -> None:
-        if self.released.issuperset(request.decode_waits):
-            return
-        self.idle()
-        while not self.released.issuperset(request.decode_waits):
-            if not self.link.poll(WAIT_TIMEOUT_S):
-                raise DemoError(
-                    f"the decode side released none of {request.decode_waits} "
-                    f"within {WAIT_TIMEOUT_S:.0f} s"
+            if request.id not in self.added:
+                self.added.add(request.id)
+                self.service.add_request(
+                    str(request.id), request.prefill_blocks, request.prompt_len
                 )
-            kind, message = self.link.recv()
-            if kind == "exit":
-                raise DemoError(
-                    "the run failed elsewhere while the messager waited for "
-                    "decode blocks to come free"
-                )
-            self.released.add(message["request"])  # ("released", ...)
 
     def layer_ready(self, layer: int, ready, signal_ns: int | None = None, *, step=None):
-        """The streamer's layer_ready, after --slow-rank's delay (a slow link: each layer's
+        """The service's layer_ready, after --slow-rank's delay (a slow link: each layer's
         transfer waits, in line)."""
         if self.delay_s:
             time.sleep(self.delay_s)
-        self.streamer.layer_ready(layer, ready, signal_ns, step=step)
+        self.service.layer_ready(layer, ready, signal_ns, step=step)
 
     @property
-    def layout(self):  # what a feed reads of its streamer
-        return self.streamer.layout
+    def layout(self):  # what a feed reads of what it drives
+        return self.service.layout
 
     def _ended(self, outcome: transfer.Outcome) -> None:
         """on_outcome: a landed request is told to the parent at once (its prefill blocks
@@ -122,7 +106,7 @@ class Messager:
                         "landed",
                         {
                             "rank": self.rank,
-                            "request": int(r.request_id),
+                            "request": int(r.request_id.partition("@")[0]),  # (its part here)
                             "first_submit": r.first_submit_ns,
                             "end": r.end_ns,
                         },
@@ -219,6 +203,7 @@ def run(link, setup: dict) -> None:
     src_shape = plan.model.cache_shape(plan.prefill_cache_blocks, plan.tp)
     cache = ops.share_external_data(np.empty(0, np.float32), setup["prefill_cache"], src_shape)
     messager = Messager(link, plan, setup, cache)
+    address = messager.service.address
     if plan.mode == "per_query":
         # Before "ready", so the worker (which starts only after both are ready) has not
         # begun its first step. The channel exists before the warm-up step is published in
@@ -226,17 +211,17 @@ def run(link, setup: dict) -> None:
         # every step by one.
         reader = ops.open_kv_signal_reader(rank, device, timeout=WAIT_TIMEOUT_S)
         base, _ = reader.wait((0, -1), timeout=WAIT_TIMEOUT_S)
-    link.send(("ready", {"pid": os.getpid()}))
+    link.send(("ready", {"pid": os.getpid(), "address": address}))
     try:
         if plan.mode == "per_query":
             _per_query(messager, plan, reader, base)
         else:  # the ring hands over every step from the first, whenever the reader attaches
             _per_chunk(messager, plan, rank, device)
     except pdhal.ProducerDiedError as e:  # the decode side hears it too, not by its deadline
-        messager.streamer.abort(f"the prefill worker died ({type(e).__name__}: {e})")
+        messager.service.abort(f"the prefill worker died ({type(e).__name__}: {e})")
         raise
     messager.drain()
     messager.out.send("done", {})
     while link.recv()[0] != "exit":  # stay alive until then: the worker takes an exit for a
-        pass  # death (what comes before it are the last releases)
-    messager.streamer.close()
+        pass  # death
+    messager.service.close()

@@ -1,13 +1,16 @@
 """The parent of `pdhal demo`: plans, starts the three processes, routes events, reports.
 
 decoder, then worker, then messager are started (each needs what the previous one made),
-then the worker is told to go. A request is handed to the decoder once the messager has
-sent its last block and the worker has produced its first token.
+the decoder is told where each rank's messager serves (it claims the requests from them in
+pdhal.transfer's session, with a key this parent makes), then the worker is told to go. A
+request is handed to the decoder once the messager has sent its last block and the worker
+has produced its first token.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -185,13 +188,14 @@ class Pipeline:
             "protocol": self.options.protocol,
             "inflight": self.options.inflight,
             "transfer_timeout_s": self.options.transfer_timeout_s,
+            "session_key": secrets.token_hex(16),  # the control sessions' (pdhal.transfer)
         }
         if self.options.remote_decoder:
             self._await_remote_decoder()
         else:
             self.hub.start("decoder", _child_env(self.namespace, physical[0], devices=tp))
         self.hub.links["decoder"].send(common | {"rank": 0, "cache_name": "decode_cache"})
-        decode = self._expect("decoder", "ready")
+        self._expect("decoder", "ready")
         # The workers' all-reduce: a socketpair between every two ranks.
         pairs = {(a, b): socket.socketpair() for a in range(tp) for b in range(a + 1, tp)}
         ends = {rank: {} for rank in range(tp)}
@@ -219,7 +223,7 @@ class Pipeline:
             for sa, sb in pairs.values():  # the workers hold their ends now
                 sa.close()
                 sb.close()
-        pids = {}
+        pids, addresses = {}, {}
         for rank in range(tp):
             role = self.role("messager", rank)
             self.hub.start(
@@ -231,11 +235,15 @@ class Pipeline:
                     "rank": rank,
                     "device": self.devices[rank],
                     "prefill_cache": f"prefill_cache.{rank}",
-                    "decode": decode,
                     "slow_ms": self.options.slow_ms.get(rank, 0),
                 }
             )
-            pids[rank] = self._expect(role, "ready")["pid"]
+            ready = self._expect(role, "ready")
+            pids[rank], addresses[rank] = ready["pid"], ready["address"]
+        # the decoder claims each request whose blocks are free from the messagers, by their
+        # sessions, before the first layer is computed (so each layer goes as it is done)
+        self.hub.links["decoder"].send(("serve", {"prefill": [addresses[r] for r in range(tp)]}))
+        self._expect("decoder", "claimed")
         self.timeline.start = time.monotonic_ns()
         decoder = self.hub.processes.get("decoder")  # None: it runs on another host
         for rank in range(tp):
@@ -305,9 +313,6 @@ class Pipeline:
             self.progress.request_arrived(m["request"], (now - self.timeline.start) / 1e9)
             if len(self.timeline.inserted) == len(self.plan.requests):
                 self.hub.links["decoder"].send(("verify", {}))
-        elif kind == "released":  # the messagers may reuse its decode blocks
-            for rank in range(self.plan.tp):
-                self.hub.links[self.role("messager", rank)].send(("released", m))
         elif kind == "verified":
             self.verification = m
 

@@ -154,6 +154,8 @@ class _Served:
     src_blocks: list[int]
     prompt_tokens: int
     ready: list[int]
+    #: each layer's last layer_ready (signal_ns, step), for a part claimed after it
+    given: list[tuple[int | None, int | None]] = field(default_factory=list)
     parts: dict[str, _Client] = field(default_factory=dict)  # part -> its decode rank
     cached: dict[str, int] = field(default_factory=dict)  # part -> prompt blocks not sent
     expected: int | None = None  # parts its decode instance needs, once one claimed
@@ -249,7 +251,8 @@ class PrefillService:
             self._open()
             if request_id in self._served:
                 raise InvalidArgumentError(f"request {request_id!r} was added already")
-            served = _Served(request_id, src, tokens, [0] * self.layout.num_layers)
+            layers = self.layout.num_layers
+            served = _Served(request_id, src, tokens, [0] * layers, [(None, None)] * layers)
             self._served[request_id] = served
             waiting = [p for p, (_, c) in self._claims.items() if c.request == request_id]
             for part in waiting:
@@ -302,6 +305,7 @@ class PrefillService:
                 if served is None:
                     continue  # not added (or ended): nothing of it is served here
                 served.ready[layer] = max(served.ready[layer], tokens)
+                served.given[layer] = (signal_ns, step)
                 given += [(part, tokens) for part in self._streaming(served)]
         self.streamer.layer_ready(layer, given, signal_ns, step=step)
 
@@ -313,6 +317,17 @@ class PrefillService:
             served = self._served.get(request_id)
             if served is not None:
                 self._fail(served, reason)
+        self._deliver()
+
+    def abort(self, reason: str) -> None:
+        """The prefill worker died: fail every request that still needs something of it;
+        those wholly handed to their decode sides land (or fail) as their writes settle."""
+        reason = checks.name(str(reason), "reason")
+        self.streamer.abort(reason)
+        with self._lock:
+            for served in list(self._served.values()):
+                if served.expected is None or len(served.parts) < served.expected:
+                    self._fail(served, reason)  # a part not claimed yet can never be sent
         self._deliver()
 
     def poll(self) -> list[Outcome]:
@@ -413,9 +428,10 @@ class PrefillService:
         served.cached[claim.part] = claim.cached_blocks
         self._owner[claim.part] = served
         client.parts.add(claim.part)
-        for layer, tokens in enumerate(served.ready):
+        for layer, tokens in enumerate(served.ready):  # what is ready goes now
             if tokens:
-                self.streamer.layer_ready(layer, [(claim.part, tokens)])
+                signal_ns, step = served.given[layer]
+                self.streamer.layer_ready(layer, [(claim.part, tokens)], signal_ns, step=step)
 
     def _unserved(self, client: _Client, part: str, reason: str) -> None:
         if client.link is not None:
@@ -694,7 +710,7 @@ class DecodeClient:
     def claim(
         self,
         request_id: str,
-        prefill: str,
+        prefill: str | list[str],
         blocks,
         *,
         tokens: int,
@@ -702,13 +718,24 @@ class DecodeClient:
         cached_blocks: int = 0,
         layerwise: bool = False,
     ) -> None:
-        """Claim `request_id`'s KV from the prefill instance whose rank 0 serves at
-        `prefill`: the prompt's first `tokens` into `blocks` (from block `cached_blocks` of
-        the prompt on: those before it are cached here), within `timeout` s (else it fails;
-        KVReceiver.expect). Connects first if need be: SessionError (RefusedError for a
-        refused hello) if a service cannot be reached, and then nothing is claimed."""
+        """Claim `request_id`'s KV from a prefill instance: `prefill` is its rank 0's address
+        (rank r serves at that port + r), or every rank's, in rank order. The prompt's first
+        `tokens` go into `blocks` (from block `cached_blocks` of the prompt on: those before
+        it are cached here), within `timeout` s (else it fails; KVReceiver.expect).
+        Connects first if need be: SessionError (RefusedError for a refused hello) if a
+        service cannot be reached, and then nothing is claimed."""
         request_id = checks.name(request_id, "request_id")
-        control.parse_address(prefill, "prefill")
+        if isinstance(prefill, str):
+            addresses = None
+            control.parse_address(prefill, "prefill")
+        else:
+            addresses = list(prefill) if isinstance(prefill, (list, tuple)) else []
+            if not addresses:
+                raise InvalidArgumentError(
+                    f"prefill must be rank 0's 'HOST:PORT' or every rank's, got {prefill!r}"
+                )
+            for rank, address in enumerate(addresses):
+                control.parse_address(address, f"prefill[{rank}]")
         dst = checks.block_ids(blocks, "blocks", self._dst_limit(), "decode caches", unique=True)
         tokens = checks.integer(tokens, "tokens", 1)
         cached = checks.integer(cached_blocks, "cached_blocks")
@@ -721,11 +748,20 @@ class DecodeClient:
             self._open()
             if request_id in self._wanted:
                 raise InvalidArgumentError(f"request {request_id!r} is claimed already")
-        rank0 = self._service(prefill, 0, None)
+        rank0 = self._service(prefill if addresses is None else addresses[0], 0, None)
         size = rank0.facts.tp_size
+        if addresses is not None and len(addresses) != size:
+            raise InvalidArgumentError(
+                f"prefill names {len(addresses)} ranks; the instance at {addresses[0]} has {size}"
+            )
         shards = head_shards(self.facts.kv_heads, size, self.facts.tp_size)
         ranks = sorted(src for src, dst_rank in shards if dst_rank == self.facts.tp_rank)
-        services = {r: self._service(rank_address(prefill, r), r, size) for r in ranks}
+        services = {
+            r: self._service(
+                rank_address(prefill, r) if addresses is None else addresses[r], r, size
+            )
+            for r in ranks
+        }
         wanted = _Wanted(request_id, {})
         tickets = {}
         try:
@@ -734,9 +770,8 @@ class DecodeClient:
                 tickets[part] = self.receiver.expect(part, timeout, layerwise=layerwise)
                 wanted.parts[part] = service
         except PdhalError:
-            for part in tickets:
+            for part in tickets:  # (their outcomes are nobody's: _collect drops them)
                 self.receiver.abandon(part, "its claim was not sent", unwritten=True)
-            self.receiver.poll()  # (those abandoned were never the engine's)
             raise
         with self._lock:
             self._wanted[request_id] = wanted
