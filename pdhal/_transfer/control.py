@@ -1,31 +1,52 @@
 """One control connection of a session: TCP, authenticated with the deployment's key, framed
 messages (pdhal._transfer.messages) in both directions, and a liveness bound.
 
-Authentication is multiprocessing.connection's HMAC challenge, both ways, before any message:
-a peer without the key is dropped there. Liveness is a keepalive the caller bounds: each side
-sends a Ping when it has sent nothing for a third of `keepalive` seconds, and a side that
-hears nothing for `keepalive` seconds ends the link ("silent"). That catches what TCP alone
-does not within seconds: a peer stopped (SIGSTOP, a hung host) whose kernel still
-acknowledges, and a cut link (no FIN ever comes). The pings run on the session's deadline
-clock (pdhal._transfer.keeper), the wait for a message is a poll bounded by the deadline:
-no loop ticks.
+Frames: a 4-byte big-endian length, then that many bytes. Authentication, before any
+message: each side sends a random challenge and answers the other's with its HMAC-SHA256
+under the key; a peer without it is dropped there. Every read is bounded: a handshake by
+its timeout, a frame by the keepalive bound from its first byte (a peer that sends half a
+frame and stops is as silent as one that sends nothing).
 
-A ControlLink reads on a thread of its own and hands each message to `on_message`, and its
-end, once, to `on_lost(reason)`; send() is safe from any thread and never raises for a peer
-that went (the link ends, on_lost says why)."""
+Liveness is a keepalive the caller bounds: each side sends a Ping when it has sent nothing
+for a third of `keepalive` seconds, and a side that hears nothing for `keepalive` seconds
+ends the link ("silent"). That catches what TCP alone does not within seconds: a peer
+stopped (SIGSTOP, a hung host) whose kernel still acknowledges, and a cut link.
+
+A ControlLink has two threads. Its reader hands each message to `on_message` and, once the
+link ended (for whatever reason, from whichever thread), calls `on_lost(reason)` exactly
+once, itself, never inside another caller's call: a handler may end the link while holding
+its own locks. Its writer sends what send() queued (send never blocks: a peer that does not
+read for `keepalive` seconds, or lets MOST_QUEUED frames pile up, ends the link) and the
+pings."""
 
 from __future__ import annotations
 
+import collections
+import hashlib
+import hmac
+import logging
+import os
+import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from pdhal._errors import InvalidArgumentError, SessionError
 from pdhal._transfer import checks, messages
-from pdhal._transfer.keeper import Deadlines
+
+log = logging.getLogger("pdhal")
+
+#: The handshake's challenge bytes.
+CHALLENGE_BYTES = 32
+#: Frames a link keeps queued for a peer that does not read them, at most.
+MOST_QUEUED = 65536
+_HEADER = struct.Struct("!I")
+
+
+class Malformed(SessionError):
+    """What the peer sent breaks the protocol (it is told so before the close)."""
 
 
 def parse_address(address: object, what: str = "address") -> tuple[str, int]:
@@ -37,7 +58,83 @@ def parse_address(address: object, what: str = "address") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def dial(address: str, key: bytes, timeout: float) -> Connection:
+class Frames:
+    """A socket's frames: whole reads and writes, each bounded in time."""
+
+    def __init__(self, sock: socket.socket, peer: str):
+        sock.setblocking(False)
+        self.sock, self.peer = sock, peer
+
+    def read(self, first_within: float, whole_within: float) -> bytes | None:
+        """The next frame; None if none began within `first_within` s. SessionError if the
+        peer closed, sent a frame over MOST_BYTES, or did not finish it within
+        `whole_within` s of its first byte."""
+        header = self._read(_HEADER.size, first_within, whole_within)
+        if header is None:
+            return None
+        (size,) = _HEADER.unpack(header)
+        if size > messages.MOST_BYTES:
+            raise Malformed(f"a frame of {size} bytes (at most {messages.MOST_BYTES})")
+        return self._read(size, whole_within, whole_within, started=True) if size else b""
+
+    def _read(self, n: int, first: float, whole: float, started: bool = False) -> bytes | None:
+        chunks, got = [], 0
+        deadline = time.monotonic() + (whole if started else first)
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._ready(left, reading=True):
+                if not got and not started:
+                    return None
+                raise SessionError(f"the peer sent part of a frame and stopped for {whole:g} s")
+            try:
+                chunk = self.sock.recv(min(n - got, 1 << 20))
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as e:
+                raise SessionError(f"the connection failed ({e})") from None
+            if not chunk:
+                raise SessionError("the peer closed the connection")
+            if not got and not started:
+                deadline = time.monotonic() + whole  # a frame began: it has `whole` s
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def write(self, frame: bytes, within: float) -> None:
+        """Send `frame` whole within `within` s; SessionError otherwise."""
+        data = memoryview(_HEADER.pack(len(frame)) + frame)
+        deadline = time.monotonic() + within
+        while data:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._ready(left, reading=False):
+                raise SessionError(f"the peer read nothing for {within:g} s")
+            try:
+                data = data[self.sock.send(data) :]
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as e:
+                raise SessionError(f"a send failed ({e})") from None
+
+    def _ready(self, within: float, *, reading: bool) -> bool:
+        """Whether the socket can be read (or written) within `within` s; SessionError once
+        it was closed under the caller (close() from another thread)."""
+        try:
+            ready = select.select(
+                [self.sock] if reading else [], [] if reading else [self.sock], [], within
+            )
+        except (OSError, ValueError):  # ValueError: its fd is -1 now
+            raise SessionError("the connection was closed") from None
+        return bool(ready[0] or ready[1])
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked on it
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def dial(address: str, key: bytes, timeout: float) -> Frames:
     """A connection to `address`, both sides proven to hold `key`, within `timeout` s;
     SessionError saying why not."""
     host, port = parse_address(address)
@@ -45,50 +142,42 @@ def dial(address: str, key: bytes, timeout: float) -> Connection:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
         raise SessionError(f"cannot reach the session service at {address}: {e}") from None
-    return _handshake(sock, key, timeout, dialled=True, peer=address)
+    return _handshake(sock, key, timeout, address)
 
 
-def accept(sock: socket.socket, key: bytes, timeout: float, peer: str) -> Connection:
-    """The accepted `sock` as a connection, both sides proven to hold `key` within `timeout`
-    s (a peer that says nothing is dropped then); SessionError otherwise."""
-    sock.settimeout(timeout)
-    return _handshake(sock, key, timeout, dialled=False, peer=peer)
+def accept(sock: socket.socket, key: bytes, timeout: float, peer: str) -> Frames:
+    """The accepted `sock`, both sides proven to hold `key` within `timeout` s (a peer that
+    says nothing is dropped then); SessionError otherwise."""
+    return _handshake(sock, key, timeout, peer)
 
 
-def _handshake(
-    sock: socket.socket, key: bytes, timeout: float, *, dialled: bool, peer: str
-) -> Connection:
-    sock.settimeout(None)  # Connection reads the fd itself; the timer below bounds it
+def _handshake(sock: socket.socket, key: bytes, timeout: float, peer: str) -> Frames:
+    """Each side challenges the other at once, answers its challenge, then checks the
+    answer it got (HMAC-SHA256 of its own challenge under `key`)."""
     _keepalive(sock, timeout)
-    conn = Connection(sock.detach())
-    timer = threading.Timer(timeout, conn.close)  # a silent peer: its reads fail then
-    timer.daemon = True
-    timer.start()
+    frames = Frames(sock, peer)
+    mine = os.urandom(CHALLENGE_BYTES)
     try:
-        if dialled:
-            answer_challenge(conn, key)
-            deliver_challenge(conn, key)
-        else:
-            deliver_challenge(conn, key)
-            answer_challenge(conn, key)
-    except AuthenticationError:
-        conn.close()
-        raise SessionError(
-            f"the peer at {peer} does not hold this deployment's key (the session key)"
-        ) from None
-    except (OSError, EOFError, TypeError, ValueError) as e:  # closed by the timer, or reset
-        conn.close()
-        raise SessionError(
-            f"the peer at {peer} did not complete the handshake within {timeout:g} s ({e!r})"
-        ) from None
-    finally:
-        timer.cancel()
-    return conn
+        frames.write(mine, timeout)
+        theirs = frames.read(timeout, timeout)
+        if theirs is None or len(theirs) != CHALLENGE_BYTES:
+            raise SessionError(f"no challenge came within {timeout:g} s")
+        frames.write(hmac.new(key, theirs, hashlib.sha256).digest(), timeout)
+        answer = frames.read(timeout, timeout)
+        if answer is None:
+            raise SessionError(f"no answer came within {timeout:g} s")
+    except SessionError as e:
+        frames.close()
+        raise SessionError(f"the handshake with {peer} failed: {e}") from None
+    if not hmac.compare_digest(answer, hmac.new(key, mine, hashlib.sha256).digest()):
+        frames.close()
+        raise SessionError(f"the peer at {peer} does not hold this deployment's key")
+    return frames
 
 
 def _keepalive(sock: socket.socket, bound: float) -> None:
     """TCP's own probes and a bound on unacknowledged data, so the kernel too gives up on a
-    cut link (the pings find it first; this ends a send blocked on it)."""
+    cut link."""
     idle = max(1, int(bound / 3))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
@@ -97,106 +186,139 @@ def _keepalive(sock: socket.socket, bound: float) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(bound * 1000)))
 
 
-def read_message(conn: Connection, timeout: float) -> messages.Message:
-    """The next message within `timeout` s (a handshake's hello or welcome); SessionError
-    if none comes, the peer closes, or it is malformed."""
-    try:
-        if not conn.poll(timeout):
-            raise SessionError(f"no message came within {timeout:g} s")
-        return messages.decode(conn.recv_bytes(messages.MOST_BYTES))
-    except (OSError, EOFError) as e:
-        raise SessionError(f"the peer closed the connection ({e!r})") from None
+def read_message(frames: Frames, timeout: float) -> messages.Message:
+    """The next message within `timeout` s (a hello or its answer); SessionError if none
+    comes, the peer closes, or it is malformed."""
+    frame = frames.read(timeout, timeout)
+    if frame is None:
+        raise SessionError(f"no message came within {timeout:g} s")
+    return messages.decode(frame)
+
+
+def write_message(frames: Frames, message: messages.Message, timeout: float) -> None:
+    frames.write(messages.encode(message), timeout)
 
 
 class ControlLink:
-    """A connection whose messages go to `on_message` (on the link's thread) until it ends,
-    which `on_lost(reason)` hears once: the peer closed it, went silent for `keepalive` s,
-    or sent a malformed message (refused: the reason is sent to it before the close)."""
+    """A connection whose messages go to `on_message` (on the link's reader thread) until
+    it ends, which `on_lost(reason)` hears once, on that thread: the peer closed it, went
+    silent for `keepalive` s, did not read, or sent a malformed message (refused: the
+    reason is sent to it before the close)."""
 
     def __init__(
         self,
-        conn: Connection,
+        frames: Frames,
         *,
         keepalive: float,
-        clock: Deadlines,
         on_message: Callable[[messages.Message], None],
         on_lost: Callable[[str], None],
         name: str,
     ):
-        self._conn = conn
+        self._frames = frames
         self.keepalive = keepalive
-        self._clock = clock
         self._on_message, self._on_lost = on_message, on_lost
-        self._lock = threading.Lock()  # one sender at a time; guards the state below
-        self._sent = time.monotonic()
-        self._ended = False
-        self._pinger_at(self._sent + keepalive / 3)
-        self._thread = threading.Thread(target=self._read, name=name, daemon=True)
-        self._thread.start()
+        self._cond = threading.Condition()  # guards the queue and the end
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._ended: str | None = None  # why, once it ended
+        self._tell: bytes | None = None  # the Refused to send before the close
+        self._reader = threading.Thread(target=self._read, name=name, daemon=True)
+        self._writer = threading.Thread(target=self._write, name=f"{name}-out", daemon=True)
 
-    def send(self, message: messages.Message) -> None:
-        """Send `message` (a link that ended drops it: on_lost said so)."""
-        frame = messages.encode(message)
-        with self._lock:
-            if self._ended:
-                return
-            try:
-                self._conn.send_bytes(frame)
-                self._sent = time.monotonic()
-                return
-            except OSError as e:
-                why = f"a send failed ({e!r})"
-        self.end(why)
+    def start(self) -> None:
+        """Start reading and writing (once whatever on_message needs is in place)."""
+        self._reader.start()
+        self._writer.start()
 
     @property
     def ended(self) -> bool:
-        return self._ended
+        return self._ended is not None
+
+    def send(self, message: messages.Message) -> None:
+        """Queue `message` (never blocks; a link that ended drops it: on_lost says so)."""
+        frame = messages.encode(message)
+        with self._cond:
+            if self._ended is not None:
+                return
+            if len(self._queue) >= MOST_QUEUED:
+                self._end(f"the peer let {MOST_QUEUED} messages pile up unread")
+                return
+            self._queue.append(frame)
+            self._cond.notify_all()
 
     def end(self, reason: str, *, tell: str | None = None) -> None:
-        """End the link (once): `tell` goes to the peer first as a Refused, then the
-        connection closes and on_lost(reason) runs."""
-        with self._lock:
-            if self._ended:
-                return
-            self._ended = True
-            if tell is not None:
-                try:
-                    self._conn.send_bytes(messages.encode(messages.Refused(tell)))
-                except OSError:
-                    pass
-            self._conn.close()  # the reader's next read fails: its thread ends
-        self._on_lost(reason)
+        """End the link (once): `tell` goes to the peer first as a Refused (within a
+        moment), then the connection closes; on_lost(reason) follows on the reader."""
+        with self._cond:
+            if tell is not None and self._ended is None:
+                self._tell = messages.encode(messages.Refused(tell))
+            self._end(reason)
 
-    def _pinger_at(self, when: float) -> None:
-        self._clock.at(when, self._ping)
+    def _end(self, reason: str) -> None:
+        """(under self._cond)"""
+        if self._ended is not None:
+            return
+        self._ended = reason
+        self._cond.notify_all()
+        if self._tell is None:
+            self._frames.close()  # the reader's wait ends; the writer sees _ended
+        # else the writer sends it, then closes
 
-    def _ping(self) -> None:
-        with self._lock:
-            if self._ended:
+    def _write(self) -> None:
+        """Send what is queued, a ping when nothing was sent for keepalive / 3 s."""
+        every = self.keepalive / 3
+        while True:
+            with self._cond:
+                deadline = time.monotonic() + every
+                while not self._queue and self._ended is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if self._ended is not None:
+                    tell = self._tell
+                    break
+                frame = self._queue.popleft() if self._queue else messages.encode(messages.Ping())
+            try:
+                self._frames.write(frame, self.keepalive)
+            except SessionError as e:
+                with self._cond:
+                    self._end(f"sending to the peer failed: {e}")
                 return
-            due = self._sent + self.keepalive / 3
-        if time.monotonic() >= due:
-            self.send(messages.Ping())
-            due = time.monotonic() + self.keepalive / 3
-        self._pinger_at(due)
+        if tell is not None:
+            try:
+                self._frames.write(tell, min(1.0, self.keepalive))
+            except SessionError:
+                pass
+            self._frames.close()
 
     def _read(self) -> None:
-        while True:
+        while self._ended is None:
+            frame = None
             try:
-                if not self._conn.poll(self.keepalive):
+                frame = self._frames.read(self.keepalive, self.keepalive)
+                if frame is None:
                     self.end(f"the peer said nothing for {self.keepalive:g} s (keepalive)")
-                    return
-                frame = self._conn.recv_bytes(messages.MOST_BYTES)
-            except (OSError, EOFError, TypeError) as e:  # TypeError: closed under us
-                self.end(f"the connection closed ({type(e).__name__})")
-                return
-            try:
+                    break
                 message = messages.decode(frame)
-            except SessionError as e:
+            except Malformed as e:
                 self.end(f"the peer sent {e}", tell=f"you sent {e}")
-                return
+                break
+            except SessionError as e:  # messages.decode's refusals are the peer's too
+                if frame is not None and self._ended is None:
+                    self.end(f"the peer sent {e}", tell=f"you sent {e}")
+                else:
+                    self.end(str(e))
+                break
             if isinstance(message, messages.Refused):
                 self.end(f"the peer ended the session: {message.reason}")
-                return
-            if not isinstance(message, messages.Ping):
+                break
+            if isinstance(message, messages.Ping):
+                continue
+            try:
                 self._on_message(message)
+            except Exception as e:  # a handler's bug ends this link, not the reader silently
+                log.exception("pdhal.transfer: a session message's handler raised")
+                self.end(f"handling a {message.TYPE} failed here: {type(e).__name__}: {e}")
+        self._writer.join(2 * self.keepalive)  # its Refused goes before the close
+        self._frames.close()
+        self._on_lost(self._ended or "the link ended")

@@ -174,7 +174,12 @@ def _json_object(value: object, what: str) -> dict:
 
 
 def _facts(value: object, what: str) -> Facts:
-    return _build(Facts, _json_object(value, what), what)
+    facts = _build(Facts, _json_object(value, what), what)
+    if facts.tp_rank >= facts.tp_size:
+        raise InvalidArgumentError(
+            f"{what}: tp_rank {facts.tp_rank} is not a rank of tp_size {facts.tp_size}"
+        )
+    return facts
 
 
 def _role(value: object, what: str) -> str:

@@ -42,7 +42,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdhal._errors import InvalidArgumentError, PdhalError, RefusedError, SessionError
+from pdhal._errors import (
+    ClosedHandleError,
+    InvalidArgumentError,
+    PdhalError,
+    RefusedError,
+    SessionError,
+)
 from pdhal._protocol.names import namespace
 from pdhal._transfer import checks, control, messages
 from pdhal._transfer.heads import head_shards, rank_heads
@@ -55,6 +61,10 @@ from pdhal._transfer.streamer import KVStreamer
 
 #: How long a hello (or the service's welcome) may take once connected.
 HANDSHAKE_S = 10.0
+#: What wakes the service's thread to deliver the outcomes queued.
+_WAKE = "wake"
+#: Claims one decode rank may have waiting for their requests, at most.
+MOST_WAITING = 4096
 #: Requests whose decode side gave them up (cancelled, or its session ended) before the
 #: engine added them, remembered (the latest) so that one added afterwards fails at once
 #: instead of holding its blocks for the claim lease.
@@ -74,6 +84,12 @@ def rank_address(rank0: str, rank: int) -> str:
     from rank 0's, which is the one address a decode side is told."""
     host, port = control.parse_address(rank0, "the prefill address")
     return f"{host}:{port + rank}"
+
+
+def _bounded(text: str) -> str:
+    """`text` cut to what a message's string may hold (a reason naming a long id)."""
+    most = messages.MOST_CHARS
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def _facts(
@@ -220,6 +236,8 @@ class PrefillService:
         self._owner: dict[str, _Served] = {}  # part -> its request
         self._claims: dict[str, tuple[_Client, messages.Claim]] = {}  # before their request
         self._abandoned: collections.OrderedDict[str, str] = collections.OrderedDict()  # why
+        #: a decode instance's claims its lost session left waiting, by its instance id
+        self._dropped: dict[str, list[str]] = {}
         self._clients: set[_Client] = set()
         self._outcomes: list[Outcome] = []
         self._closed = False
@@ -259,7 +277,7 @@ class PrefillService:
                 client, claim = self._claims.pop(part)
                 self._claim(served, client, claim)
             abandoned = self._abandoned.pop(request_id, None)
-            if abandoned is not None:
+            if abandoned is not None and not waiting:  # (another decode side's claim wins)
                 self._fail(served, abandoned)
         self._deliver()
         self._clock.at(time.monotonic() + self.claim_timeout, lambda: self._lease(served))
@@ -298,16 +316,14 @@ class PrefillService:
                 raise InvalidArgumentError(f"ready[{index}] must be (request_id, tokens)")
             request_id = checks.name(pair[0], f"ready[{index}]'s request_id")
             pairs.append((request_id, checks.integer(pair[1], f"ready[{index}]'s tokens", 1)))
-        given = []
-        with self._lock:
-            for request_id, tokens in pairs:
-                served = self._served.get(request_id)
-                if served is None:
-                    continue  # not added (or ended): nothing of it is served here
+        with self._lock:  # (the streamer never calls back into it: its outcomes queue)
+            known = [(self._served.get(r), tokens) for r, tokens in pairs]
+            known = [(served, tokens) for served, tokens in known if served is not None]
+            given = [(part, tokens) for served, tokens in known for part in self._streaming(served)]
+            self.streamer.layer_ready(layer, given, signal_ns, step=step)  # refuses bad input
+            for served, tokens in known:  # kept for parts claimed later
                 served.ready[layer] = max(served.ready[layer], tokens)
                 served.given[layer] = (signal_ns, step)
-                given += [(part, tokens) for part in self._streaming(served)]
-        self.streamer.layer_ready(layer, given, signal_ns, step=step)
 
     def fail(self, request_id: str, reason: str) -> None:
         """End `request_id` as failed (the engine aborted it): nothing more of it is sent."""
@@ -341,16 +357,16 @@ class PrefillService:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True  # (a hello from now on is not welcomed)
             clients = list(self._clients)
             for served in list(self._served.values()):
                 self._fail(served, "the prefill service was closed")
-        self._listener.close()
         self._clock.close()
         for client in clients:
             if client.link is not None:
                 client.link.end("the prefill service closed", tell="the prefill service closed")
-        self.streamer.close()
+        self.streamer.close()  # every write settled (or given up) by its bound...
+        self._listener.close()  # ...before a successor can take the address
         self._events.put(None)
 
     def __enter__(self) -> PrefillService:
@@ -380,48 +396,48 @@ class PrefillService:
         return [p for p in served.parts if p not in served.ended]
 
     def _claim(self, served: _Served, client: _Client, claim: messages.Claim) -> None:
-        """Make part `claim.part` of `served` in the streamer, to `client`'s caches."""
-        why = (
-            None
-            if client.dest is not None
-            else (
-                f"decode rank {client.facts.tp_rank} of {client.facts.tp_size} gets no KV head "
-                f"from prefill rank {self.facts.tp_rank} of {self.facts.tp_size}"
-            )
-        )
+        """Make part `claim.part` of `served` in the streamer, to `client`'s caches. A claim
+        that cannot be (the part is claimed, the request failed) is answered unserved; one
+        the streamer refuses (its blocks, its ticket, a decode side gone) fails the request
+        too: nothing else will claim that part."""
         decode = client.facts
         shards = head_shards(self.facts.kv_heads, self.facts.tp_size, decode.tp_size)
         needed = sum(1 for src, _ in shards if src == self.facts.tp_rank)
-        if why is not None:
-            pass
-        elif served.failure is not None:
+        why = None
+        if served.failure is not None:
             why = served.failure
         elif served.expected is not None and served.expected != needed:
             why = "another decode instance (of another split) claimed it already"
         elif claim.part in served.parts:
             why = "that part was claimed already"
-        if why is None:
-            try:
-                part = claim.part
-                self.streamer.add_request(
-                    part,
-                    served.src_blocks[claim.cached_blocks :],
-                    served.prompt_tokens,
-                    claim.cached_blocks,
-                )
-                self.streamer.set_destination(
-                    part,
-                    client.dest,
-                    claim.blocks,
-                    claim.ticket,
-                    tokens=claim.tokens,
-                    cached_blocks=claim.cached_blocks,
-                )
-            except PdhalError as e:
-                why = f"its claim was refused: {e}"
-                self.streamer.fail(part, why)  # (added, maybe): ends here, unwritten
         if why is not None:
             self._unserved(client, claim.part, why)
+            return
+        try:
+            if client.dest is None:
+                raise InvalidArgumentError(
+                    f"decode rank {decode.tp_rank} of {decode.tp_size} gets no KV head from "
+                    f"prefill rank {self.facts.tp_rank} of {self.facts.tp_size}"
+                )
+            self.streamer.add_request(
+                claim.part,
+                served.src_blocks[claim.cached_blocks :],
+                served.prompt_tokens,
+                claim.cached_blocks,
+            )
+            self.streamer.set_destination(
+                claim.part,
+                client.dest,
+                claim.blocks,
+                claim.ticket,
+                tokens=claim.tokens,
+                cached_blocks=claim.cached_blocks,
+            )
+        except PdhalError as e:
+            why = f"its claim was refused: {e}"
+            self.streamer.fail(claim.part, why)  # (added, maybe): it ends unwritten
+            self._unserved(client, claim.part, why)
+            self._fail(served, why)
             return
         served.expected = needed
         served.parts[claim.part] = client
@@ -435,7 +451,7 @@ class PrefillService:
 
     def _unserved(self, client: _Client, part: str, reason: str) -> None:
         if client.link is not None:
-            client.link.send(messages.Unserved(part, reason))
+            client.link.send(messages.Unserved(part, _bounded(reason)))
 
     def _fail(self, served: _Served, reason: str) -> None:
         if served.failure is None:
@@ -474,45 +490,50 @@ class PrefillService:
     # ---- threads --------------------------------------------------------------------
 
     def _settle(self) -> None:
-        """The parts' outcomes, from the streamer: each request's when its parts ended."""
+        """The service's thread: the parts' outcomes from the streamer (each request's once
+        its parts ended), and every outcome to on_outcome, in order, here only."""
         while True:
-            outcome = self._events.get()
-            if outcome is None:
-                self._deliver()
+            event = self._events.get()
+            if isinstance(event, Outcome):
+                with self._lock:
+                    served = self._owner.get(event.request_id)
+                    if served is not None:
+                        part = event.request_id
+                        served.ended[part] = "" if event.landed else event.reason or "failed"
+                        served.parts[part].parts.discard(part)
+                        self._maybe_end(served)
+            if self._on_outcome is not None:
+                with self._lock:
+                    out, self._outcomes = self._outcomes, []
+                for outcome in out:
+                    try:
+                        self._on_outcome(outcome)
+                    except Exception:  # the engine's bug must not stop every later outcome
+                        log.exception("pdhal.transfer: on_outcome raised for %s", outcome)
+            if event is None:
                 return
-            with self._lock:
-                served = self._owner.get(outcome.request_id)
-                if served is not None:
-                    part = outcome.request_id
-                    served.ended[part] = "" if outcome.landed else outcome.reason or "failed"
-                    served.parts[part].parts.discard(part)
-                    self._maybe_end(served)
-            self._deliver()
 
     def _deliver(self) -> None:
-        """Hand queued outcomes to on_outcome (outside the lock)."""
-        if self._on_outcome is None:
-            return
-        with self._lock:
-            out, self._outcomes = self._outcomes, []
-        for outcome in out:
-            try:
-                self._on_outcome(outcome)
-            except Exception:  # the engine's bug must not stop every later outcome
-                log.exception("pdhal.transfer: on_outcome raised for %s", outcome)
+        """Wake the service's thread for the outcomes queued (on_outcome runs there)."""
+        self._events.put(_WAKE)
 
     def _accept(self) -> None:
         while True:
             try:
                 sock, peer = self._listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self._closed or self._listener.fileno() < 0:
+                    return
+                log.warning("pdhal.transfer: accepting a session failed (%s); retrying", e)
+                time.sleep(0.1)  # out of descriptors: they come back as sessions end
+                continue
             threading.Thread(
                 target=self._greet, args=(sock, f"{peer[0]}:{peer[1]}"), daemon=True
             ).start()
 
     def _greet(self, sock: socket.socket, peer: str) -> None:
         """A decode rank's hello: checked, then welcomed (or refused, naming both sides)."""
+        why: str | None = None
         try:
             conn = control.accept(sock, self._key, HANDSHAKE_S, peer)
         except SessionError:
@@ -531,27 +552,34 @@ class PrefillService:
                 except PdhalError as e:
                     why = f"{self.facts.named()} and {hello.facts.named()} cannot pair: {e}"
         except SessionError as e:
-            conn.send_bytes(messages.encode(messages.Refused(f"refused: {e}")))
+            why = f"refused: {e}"
+        try:
+            if why is not None:
+                control.write_message(conn, messages.Refused(_bounded(why)), HANDSHAKE_S)
+                conn.close()
+                return
+            control.write_message(
+                conn, messages.Welcome(messages.PROTOCOL, self.facts), HANDSHAKE_S
+            )
+        except SessionError:
             conn.close()
             return
-        if why is not None:
-            conn.send_bytes(messages.encode(messages.Refused(why)))
-            conn.close()
-            return
-        conn.send_bytes(messages.encode(messages.Welcome(messages.PROTOCOL, self.facts)))
+        client.link = control.ControlLink(
+            conn,
+            keepalive=self.keepalive,
+            on_message=lambda m: self._heard(client, m),
+            on_lost=lambda why: self._lost(client, why),
+            name=f"pdhal-session-decode{hello.facts.tp_rank}",
+        )
         with self._lock:
             if self._closed:
                 conn.close()
                 return
             self._clients.add(client)
-            client.link = control.ControlLink(
-                conn,
-                keepalive=self.keepalive,
-                clock=self._clock,
-                on_message=lambda m: self._heard(client, m),
-                on_lost=lambda why: self._lost(client, why),
-                name=f"pdhal-session-decode{hello.facts.tp_rank}",
-            )
+            dropped = self._dropped.pop(hello.facts.instance, [])
+        client.link.start()
+        for part in dropped:  # claims its last session left waiting: none was written
+            client.link.send(messages.Unserved(part, "its session ended before its request came"))
 
     def _connect(self, hello: messages.Hello):
         """The streamer's destination for the decode rank of `hello`: the heads it gets from
@@ -593,6 +621,10 @@ class PrefillService:
             self._claim(served, client, claim)
         elif claim.part in self._claims:
             self._unserved(client, claim.part, "that part was claimed already")
+        elif sum(1 for owner, _ in self._claims.values() if owner is client) >= MOST_WAITING:
+            self._unserved(
+                client, claim.part, f"{MOST_WAITING} claims of this decode rank wait already"
+            )
         else:  # its table comes later: held for the claim lease
             self._claims[claim.part] = (client, claim)
             self._clock.at(time.monotonic() + self.claim_timeout, lambda: self._claim_lapsed(claim))
@@ -635,6 +667,10 @@ class PrefillService:
                 if owner is client:
                     del self._claims[part]
                     self._abandon(claim.request, f"its decode side's session ended: {why}")
+                    # told when that decode side comes back: nothing of it was written
+                    self._dropped.setdefault(client.facts.instance, []).append(part)
+            while len(self._dropped) > ABANDONED_KEPT:
+                self._dropped.pop(next(iter(self._dropped)))
             parts = list(client.parts)
         for part in parts:
             self.streamer.fail(part, f"its decode side's session ended: {why}")
@@ -703,7 +739,6 @@ class DecodeClient:
         self._lost_parts: dict[str, set[str]] = {}  # instance gone -> its held parts
         self._outcomes: list[Outcome] = []
         self._freed: list[str] = []
-        self._clock = Deadlines("pdhal-session-clock")
         self._dialing = threading.Lock()  # one connect at a time: one session per service
         self._closed = False
 
@@ -738,8 +773,15 @@ class DecodeClient:
                 control.parse_address(address, f"prefill[{rank}]")
         dst = checks.block_ids(blocks, "blocks", self._dst_limit(), "decode caches", unique=True)
         tokens = checks.integer(tokens, "tokens", 1)
-        cached = checks.integer(cached_blocks, "cached_blocks")
-        if len(dst) != -(-tokens // self.facts.block_tokens) - cached:
+        whole = -(-tokens // self.facts.block_tokens)
+        cached = checks.integer(cached_blocks, "cached_blocks", 0, whole - 1)
+        longest = part_id(request_id, 1 << 16, 1 << 16)
+        if len(longest) > messages.MOST_CHARS:
+            raise InvalidArgumentError(
+                f"request_id is {len(request_id)} characters: its parts' names must fit "
+                f"{messages.MOST_CHARS}"
+            )
+        if len(dst) != whole - cached:
             raise InvalidArgumentError(
                 f"request {request_id!r}: {tokens} tokens from block {cached} on are "
                 f"{-(-tokens // self.facts.block_tokens) - cached} blocks, got {len(dst)}"
@@ -780,8 +822,8 @@ class DecodeClient:
                 service.parts.add(part)
         for part, service in wanted.parts.items():
             claim = messages.Claim(request_id, part, dst, tokens, cached, tickets[part])
-            if service.link.ended:
-                self._part_lost(part, "its session ended before the claim went")
+            if service.link.ended:  # nothing of it can have been written
+                self._end_part(part, "its session ended before the claim went", unwritten=True)
             else:
                 service.link.send(claim)
 
@@ -842,7 +884,6 @@ class DecodeClient:
         for service in services:
             if service.link is not None:
                 service.link.end("the decode client closed", tell="the decode client closed")
-        self._clock.close()
 
     def __enter__(self) -> DecodeClient:
         return self
@@ -879,13 +920,10 @@ class DecodeClient:
     def _dial(self, address: str) -> _Service:
         conn = control.dial(address, self._key, self.connect_timeout)
         try:
-            conn.send_bytes(
-                messages.encode(
-                    messages.Hello(messages.PROTOCOL, self.facts, self.receiver.describe())
-                )
-            )
+            hello = messages.Hello(messages.PROTOCOL, self.facts, self.receiver.describe())
+            control.write_message(conn, hello, self.connect_timeout)
             answer = control.read_message(conn, self.connect_timeout)
-        except (SessionError, OSError) as e:
+        except PdhalError as e:
             conn.close()
             raise SessionError(f"the session with {address} failed at its hello: {e}") from None
         if isinstance(answer, messages.Refused):
@@ -895,20 +933,22 @@ class DecodeClient:
             conn.close()
             raise SessionError(f"the service at {address} answered the hello with {answer!r}")
         service = _Service(address, answer.facts)
+        service.link = control.ControlLink(
+            conn,
+            keepalive=self.keepalive,
+            on_message=lambda m: self._heard(service, m),
+            on_lost=lambda why: self._lost(service, why),
+            name=f"pdhal-session-prefill{answer.facts.tp_rank}",
+        )
         with self._lock:
-            self._open()
+            if self._closed:
+                conn.close()
+                raise InvalidArgumentError("the decode client was closed")
             self._services[address] = service
             gone = self._incarnations.get(address)
             self._incarnations[address] = answer.facts.instance
             stale = self._lost_parts.pop(gone, set()) if gone != answer.facts.instance else set()
-            service.link = control.ControlLink(
-                conn,
-                keepalive=self.keepalive,
-                clock=self._clock,
-                on_message=lambda m: self._heard(service, m),
-                on_lost=lambda why: self._lost(service, why),
-                name=f"pdhal-session-prefill{answer.facts.tp_rank}",
-            )
+        service.link.start()
         for part in stale:  # its old service is gone: nothing writes them any more
             with contextlib.suppress(InvalidArgumentError):  # its word came meanwhile
                 self.receiver.release(part)
@@ -916,8 +956,9 @@ class DecodeClient:
 
     def _heard(self, service: _Service, message: messages.Message) -> None:
         if isinstance(message, messages.Unserved):
-            with self._lock:
-                known = message.part in service.parts
+            with self._lock:  # (held parts too: their deadline may have passed first)
+                wanted = self._part_of.get(message.part)
+                known = wanted is not None and wanted.parts.get(message.part) is service
             if known:
                 self._end_part(message.part, message.reason, unwritten=True)
             return
@@ -928,26 +969,33 @@ class DecodeClient:
 
     def _lost(self, service: _Service, why: str) -> None:
         with self._lock:
+            if self._closed:
+                return  # (the receiver may be closed already: nothing is reported now)
             parts = list(service.parts)
         for part in parts:
             self._part_lost(part, f"the session with {service.address} ended: {why}")
 
     def _part_lost(self, part: str, why: str) -> None:
-        """Its link went: it fails now, its blocks held (the prefill side may be alive)."""
+        """Its link went: it fails now, its blocks held (the prefill side may be alive),
+        unless a restarted service answers at its address already (the old one is gone)."""
         with self._lock:
             wanted = self._part_of.get(part)
             service = wanted.parts[part] if wanted is not None else None
-            if service is not None:
+            if service is None:
+                return
+            gone = self._incarnations.get(service.address) != service.facts.instance
+            if not gone:
                 self._lost_parts.setdefault(service.facts.instance, set()).add(part)
-        if wanted is not None:
-            self._end_part(part, why, unwritten=False)
+        self._end_part(part, why, unwritten=gone)
 
     def _end_part(self, part: str, why: str, *, unwritten: bool) -> None:
         try:
-            self.receiver.abandon(part, why, unwritten=unwritten)
+            self.receiver.abandon(part, _bounded(why), unwritten=unwritten)
+        except ClosedHandleError:
+            return  # the engine closed the receiver: nothing is reported any more
         except InvalidArgumentError:  # ended already
             if unwritten:  # held (its deadline passed): nothing will write it
-                with contextlib.suppress(InvalidArgumentError):
+                with contextlib.suppress(InvalidArgumentError, ClosedHandleError):
                     self.receiver.release(part)
 
     def _collect(self) -> None:

@@ -229,6 +229,8 @@ class Peer:
                 self._inbox.append(json.loads(line))
                 continue
             if not self._select.select(max(0.0, deadline - time.monotonic())):
+                self.proc.send_signal(signal.SIGUSR1)  # its threads' stacks, to stderr
+                time.sleep(0.5)
                 raise AssertionError(
                     f"no {kind!r} from the {self.proc.args[3]} within {bound} s "
                     f"(it said {self._inbox})"
