@@ -475,7 +475,9 @@ class _Worker:
         self.layer_index: dict[str, int] = {}
         #: per layer: offset, stride, block bytes, blocks, KV heads of this rank
         self.layout: list[list[int]] = []
-        self.cv = threading.Condition()
+        #: guards the loads, the stored requests and what the messager said of them (the
+        #: engine's thread, the links' readers and the messager's reader all touch them)
+        self.lock = threading.RLock()
         # decode
         self.receiver: KVReceiver | None = None
         self.loads: dict[str, _Load] = {}  # req id -> load, until it is reported
@@ -680,22 +682,23 @@ class _Worker:
                 len(meta.stores),
             )
         self.meta = ops.open_shm_and_get_meta_signal(self.rank, 0)
-        for store in meta.stores:
-            self.req_of[store["tid"]] = store["req"]
+        with self.lock:  # (the messager's reader walks req_of when it goes)
+            for store in meta.stores:
+                self.req_of[store["tid"]] = store["req"]
         # not a later chunk of a request that ended (failed while no messager was there)
         table = [
             {k: s[k] for k in ("tid", "blocks", "start", "end", "prompt_len")}
             for s in meta.stores
             if s["tid"] not in self.sent
         ]
-        try:
-            with self.send_lock:
+        with self.send_lock:  # (messager and messager_alive change under it only)
+            try:
                 self.messager.send(("table", self.meta.step, table))
-        except OSError:
-            self.messager_alive = False
+            except OSError:
+                self.messager_alive = False
         self.trace("table", step=self.meta.step, tids=[s["tid"] for s in table])
         if not self.messager_alive:
-            with self.cv:
+            with self.lock:
                 for store in meta.stores:
                     self._messager_gone(store["tid"])
 
@@ -720,12 +723,14 @@ class _Worker:
             except (EOFError, OSError, TypeError):
                 break
             if message[0] in ("sent", "failed"):
-                with self.cv:
+                with self.lock:
                     self.sent[message[1]] = None if message[0] == "sent" else message[2]
                 if message[0] == "failed":
                     logger.error("pdhal connector: transfer %s failed: %s", message[1], message[2])
                 self.trace(message[0], tid=message[1])
-        self.messager_alive = False
+        with self.send_lock:
+            if self.messager is conn:  # (not a successor's, connected meanwhile)
+                self.messager_alive = False
         if self.closing:
             return
         logger.error(
@@ -734,7 +739,7 @@ class _Worker:
             self.rank,
         )
         self.trace("error", error="messager gone")
-        with self.cv:
+        with self.lock:
             for tid in self.req_of:
                 if tid not in self.sent:
                     self._messager_gone(tid)
@@ -780,7 +785,7 @@ class _Worker:
                 spec["blocks"],
                 spec["first_token"] // self.block_size,
             )
-            with self.cv:
+            with self.lock:
                 self.loads[load.req] = load
             if load.sync:
                 self.step_loads.append(load)
@@ -791,7 +796,7 @@ class _Worker:
                 self._end_part(load, load.req, str(exc))
                 continue
             for rank in sources:
-                with self.cv:
+                with self.lock:
                     load.parts[part_id(load.tid, rank, self.rank)] = _Part()
             for rank in sources:
                 self._ask(load, spec, rank)
@@ -800,7 +805,7 @@ class _Worker:
         """vLLM finished `req` while its load was on its way: ask the messager of each part
         not ended to stop. Each part then ends (failed, or landed if all of it went), and
         vLLM frees the blocks once every part ended."""
-        with self.cv:
+        with self.lock:
             load = self.loads.get(req)
             if load is None or load.done:
                 return
@@ -829,7 +834,7 @@ class _Worker:
                 timeout=float(self.extra["load_timeout_s"]),
                 layerwise=load.sync or self.trace.on,
             )
-            with self.cv:
+            with self.lock:
                 self.load_of[pid] = load
             part.link = self._link(rank_address(spec["messager"], rank))
             part.link.send(
@@ -871,14 +876,14 @@ class _Worker:
             self._part_landed(load, pid, layers)
 
     def _part_landed(self, load: _Load, pid: str, layers: int) -> None:
-        with self.cv:
+        with self.lock:
             part = load.parts[pid]
             part.layers = max(part.layers, layers)
             self._settle(load)
 
     def _end_part(self, load: _Load, pid: str, why: str) -> None:
         """Part `pid` of `load` failed: nothing more of it lands."""
-        with self.cv:
+        with self.lock:
             part = load.parts[pid]
             if part.error is not None or part.layers == self.num_layers:
                 return
@@ -889,7 +894,7 @@ class _Worker:
 
     def _settle(self, load: _Load) -> None:
         """What the parts of `load` say of it: the layers landed in all of them; ended once
-        every part ended. Called under self.cv."""
+        every part ended. Called under self.lock."""
         if load.done:
             return
         layers = min(p.layers for p in load.parts.values())
@@ -905,7 +910,6 @@ class _Worker:
                 load.error = "; ".join(errors)
             else:
                 load.landed = True
-        self.cv.notify_all()
 
     def _trace_landed(self, load: _Load, layer: int) -> None:
         """crc32 of each head of each block of `load` in `layer`, as it landed."""
@@ -919,7 +923,7 @@ class _Worker:
 
     def on_unserved(self, link: _MessagerLink, tid: str, why: str) -> None:
         """The messager at `link` will not send its part of transfer `tid`."""
-        with self.cv:
+        with self.lock:
             parts = [
                 (load, pid)
                 for load in self.loads.values()
@@ -934,7 +938,7 @@ class _Worker:
     def on_link_lost(self, link: _MessagerLink, why: str) -> None:
         """The messager `link` went to is gone: what landed of its parts before stays
         landed, the rest fails now (nothing more can come), not after the load timeout."""
-        with self.cv:
+        with self.lock:
             lost = [
                 (load, pid)
                 for load in self.loads.values()
@@ -978,12 +982,12 @@ class _Worker:
                 else:
                     self._end_part(load, outcome.request_id, outcome.reason)
             if self.trace.on:  # each layer of an async load as it lands
-                with self.cv:
+                with self.lock:
                     pending = [x for x in self.loads.values() if not x.done]
                 for load in pending:
                     self._progress(load)
             held = self._held()
-        with self.cv:
+        with self.lock:
             for req, load in list(self.loads.items()):
                 if not load.done or (not load.sync and held.intersection(load.parts)):
                     continue  # (a held part: its blocks are vLLM's again once freed)
@@ -1020,7 +1024,7 @@ class _Worker:
         that very step): for those the receiver's hold cannot be kept, and is released."""
         held = set(self.receiver.held())
         if held:
-            with self.cv:
+            with self.lock:
                 owners = {
                     pid: (load, part)
                     for load in self.loads.values()

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 
 import pdhal
-from pdhal import PdhalError, ProducerDiedError, SignalTimeoutError, ops
+from pdhal import PdhalError, ProducerDiedError, SignalTimeoutError, ops, transfer
 from pdhal.transfer import (
     CacheLayout,
     CacheSpec,
@@ -66,7 +66,6 @@ from pdhal_vllm.wire import (
 
 #: tests: "exit-after-layers:N" exits (status 3) once the streamer has landed N layer submits
 FAULT_VAR = "PDHAL_VLLM_MESSAGER_FAULT"
-TRANSPORTS = ("shm", "mooncake")
 #: Transfer ids of ended transfers kept, so a later table entry of one is not sent again.
 ENDED = 10000
 #: After a worker went, how long (s) its segments are looked for, and how often: a worker
@@ -144,8 +143,11 @@ class Messager:
         prefill_ranks: int = 1,
         decode_ranks: int | None = None,
     ):
-        if transport not in TRANSPORTS:
-            raise ConnectorError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport not in transfer.transports():  # any installed plugin (pdhal info)
+            raise ConnectorError(
+                f"transport {transport!r} is not installed; installed: "
+                f"{', '.join(transfer.transports())}"
+            )
         if not 0 <= rank < prefill_ranks:
             raise ConnectorError(f"--rank must be in [0, {prefill_ranks}) (--prefill-tp)")
         self.rank, self.transport = rank, transport
@@ -699,10 +701,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--transport",
-        choices=TRANSPORTS,
         default="shm",
-        help="how the blocks reach the decode caches: shm (one host) or mooncake (the decode "
-        "workers' 'transport' must be the same)",
+        help="how the blocks reach the decode caches: shm (one host), mooncake, nixl, any "
+        "installed transport plugin (the decode workers' 'transport' must be the same)",
     )
     parser.add_argument(
         "--host",

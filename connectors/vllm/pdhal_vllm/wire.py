@@ -72,7 +72,15 @@ def connect(address: str, key: bytes, hello: dict, timeout: float = 30.0) -> Con
                     f"({exc}): start `python -m pdhal_vllm.messager` there"
                 ) from None
             time.sleep(0.1)
-    conn.send(("hello", hello))
+        except EOFError:  # it went during the key's challenge (killed, restarting)
+            raise ConnectorError(
+                f"the messager at {address} closed the connection as it was made"
+            ) from None
+    try:
+        conn.send(("hello", hello))
+    except OSError as exc:
+        conn.close()
+        raise ConnectorError(f"the messager at {address} went before the hello ({exc})") from None
     return conn
 
 
