@@ -39,7 +39,7 @@ from pdhal._transfer import checks, messages
 log = logging.getLogger("pdhal")
 
 #: The handshake's challenge bytes.
-CHALLENGE_BYTES = 32
+CHALLENGE_BYTES = 32  # (an HMAC-SHA256 proof is as long)
 #: Frames a link keeps queued for a peer that does not read them, at most.
 MOST_QUEUED = 65536
 _HEADER = struct.Struct("!I")
@@ -65,16 +65,18 @@ class Frames:
         sock.setblocking(False)
         self.sock, self.peer = sock, peer
 
-    def read(self, first_within: float, whole_within: float) -> bytes | None:
+    def read(
+        self, first_within: float, whole_within: float, most: int = messages.MOST_BYTES
+    ) -> bytes | None:
         """The next frame; None if none began within `first_within` s. SessionError if the
-        peer closed, sent a frame over MOST_BYTES, or did not finish it within
+        peer closed, sent a frame over `most` bytes, or did not finish it within
         `whole_within` s of its first byte."""
         header = self._read(_HEADER.size, first_within, whole_within)
         if header is None:
             return None
         (size,) = _HEADER.unpack(header)
-        if size > messages.MOST_BYTES:
-            raise Malformed(f"a frame of {size} bytes (at most {messages.MOST_BYTES})")
+        if size > most:
+            raise Malformed(f"a frame of {size} bytes (at most {most})")
         return self._read(size, whole_within, whole_within, started=True) if size else b""
 
     def _read(self, n: int, first: float, whole: float, started: bool = False) -> bytes | None:
@@ -142,34 +144,63 @@ def dial(address: str, key: bytes, timeout: float) -> Frames:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
         raise SessionError(f"cannot reach the session service at {address}: {e}") from None
-    return _handshake(sock, key, timeout, address)
+    return _handshake(sock, key, timeout, address, dialled=True)
 
 
 def accept(sock: socket.socket, key: bytes, timeout: float, peer: str) -> Frames:
     """The accepted `sock`, both sides proven to hold `key` within `timeout` s (a peer that
     says nothing is dropped then); SessionError otherwise."""
-    return _handshake(sock, key, timeout, peer)
+    return _handshake(sock, key, timeout, peer, dialled=False)
 
 
-def _handshake(sock: socket.socket, key: bytes, timeout: float, peer: str) -> Frames:
-    """Each side challenges the other at once, answers its challenge, then checks the
-    answer it got (HMAC-SHA256 of its own challenge under `key`)."""
+def _proof(key: bytes, role: bytes, challenges: tuple[bytes, bytes]) -> bytes:
+    """HMAC-SHA256 under `key` of the prover's role and both challenges (the dialler's
+    first): an answer made for one role or one connection proves nothing on another, so
+    a peer without the key cannot reflect a side's own answer back to it."""
+    return hmac.new(key, role + challenges[0] + challenges[1], hashlib.sha256).digest()
+
+
+def _handshake(
+    sock: socket.socket, key: bytes, timeout: float, peer: str, *, dialled: bool
+) -> Frames:
+    """Both sides send a challenge; the dialler proves it holds `key` first, and only then
+    does the acceptor prove it (so an acceptor answers nothing to a peer without the key);
+    each proof covers the prover's role and both challenges (_proof)."""
     _keepalive(sock, timeout)
     frames = Frames(sock, peer)
+    deadline = time.monotonic() + timeout
     mine = os.urandom(CHALLENGE_BYTES)
+
+    def read_proof(what: str) -> bytes:
+        left = max(deadline - time.monotonic(), 0.0)
+        got = frames.read(left, left, most=CHALLENGE_BYTES)
+        if got is None or len(got) != CHALLENGE_BYTES:
+            raise SessionError(f"no {what} came within {timeout:g} s")
+        return got
+
     try:
         frames.write(mine, timeout)
-        theirs = frames.read(timeout, timeout)
-        if theirs is None or len(theirs) != CHALLENGE_BYTES:
-            raise SessionError(f"no challenge came within {timeout:g} s")
-        frames.write(hmac.new(key, theirs, hashlib.sha256).digest(), timeout)
-        answer = frames.read(timeout, timeout)
-        if answer is None:
-            raise SessionError(f"no answer came within {timeout:g} s")
+        theirs = read_proof("challenge")
+        challenges = (mine, theirs) if dialled else (theirs, mine)
+        ours = _proof(key, b"dial" if dialled else b"accept", challenges)
+        expected = _proof(key, b"accept" if dialled else b"dial", challenges)
+        if dialled:
+            frames.write(ours, timeout)
+            try:
+                answer = read_proof("proof")
+            except SessionError as e:
+                raise SessionError(
+                    f"the peer at {peer} refused this side's proof: it does not hold this "
+                    f"deployment's key ({e})"
+                ) from None
+        else:  # the dialler's proof first: nothing of ours goes to a peer without the key
+            answer = read_proof("proof")
+            if hmac.compare_digest(answer, expected):
+                frames.write(ours, timeout)
     except SessionError as e:
         frames.close()
         raise SessionError(f"the handshake with {peer} failed: {e}") from None
-    if not hmac.compare_digest(answer, hmac.new(key, mine, hashlib.sha256).digest()):
+    if not hmac.compare_digest(answer, expected):
         frames.close()
         raise SessionError(f"the peer at {peer} does not hold this deployment's key")
     return frames
@@ -225,9 +256,9 @@ class ControlLink:
         self._writer = threading.Thread(target=self._write, name=f"{name}-out", daemon=True)
 
     def start(self) -> None:
-        """Start reading and writing (once whatever on_message needs is in place)."""
+        """Start writing and reading (once whatever on_message needs is in place)."""
+        self._writer.start()  # first: the reader joins it when the link ends
         self._reader.start()
-        self._writer.start()
 
     @property
     def ended(self) -> bool:

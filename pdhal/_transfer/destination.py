@@ -129,7 +129,8 @@ class Destination:
         self.epoch = 0
         #: (generation, why) once a connect after a break failed: its other writes fail
         self._unreachable: tuple[int, str] | None = None
-        self._channel: _Channel | None = self._open()  # a connect failure is the caller's
+        # a connect failure is the caller's; one that hangs (a cut-off peer) is one too
+        self._channel: _Channel | None = _within(self._open, stall_timeout, "connecting")
         self._threads = [
             threading.Thread(target=self._submit_loop, name="pdhal-transfer-submit", daemon=True),
             threading.Thread(
@@ -151,34 +152,11 @@ class Destination:
         other writes of that generation fail at once, each without another try."""
         if self._unreachable is not None and self._unreachable[0] == epoch:
             raise TransferError(self._unreachable[1])
-        lock, done, late = threading.Lock(), threading.Event(), []
-        result: list = []
-
-        def connect() -> None:
-            try:
-                got: object = self._open()
-            except Exception as e:
-                got = e
-            with lock:
-                result.append(got)
-                abandoned = bool(late)
-            done.set()
-            if abandoned and isinstance(got, _Channel):
-                got.link.close()
-
-        threading.Thread(target=connect, name="pdhal-transfer-connect", daemon=True).start()
-        done.wait(self._stall)
-        with lock:
-            if not result:
-                late.append(True)
-                result.append(
-                    TransferError(f"connecting again did not finish within {self._stall:g} s")
-                )
-        got = result[0]
-        if isinstance(got, Exception):
-            self._unreachable = (epoch, _why(got))
-            raise got
-        return got
+        try:
+            return _within(self._open, self._stall, "connecting again")
+        except Exception as e:
+            self._unreachable = (epoch, _why(e))
+            raise
 
     # ---- what the streamer asks ---------------------------------------------------
 
@@ -342,6 +320,37 @@ class Destination:
                 self._submitted.popleft()
                 self._taken -= 1
                 self._cond.notify_all()
+
+
+def _within(open_: Callable[[], _Channel], bound: float, what: str) -> _Channel:
+    """open_(), a transport's connect, on a thread of its own, given up after `bound` s
+    (TransferError): a connect to a cut-off peer may block for minutes (Mooncake's does),
+    and no caller, nor the writes behind it, waits that long. One that returns late is
+    closed."""
+    lock, done, late, result = threading.Lock(), threading.Event(), [], []
+
+    def connect() -> None:
+        try:
+            got: object = open_()
+        except Exception as e:
+            got = e
+        with lock:
+            result.append(got)
+            abandoned = bool(late)
+        done.set()
+        if abandoned and isinstance(got, _Channel):
+            got.link.close()
+
+    threading.Thread(target=connect, name="pdhal-transfer-connect", daemon=True).start()
+    done.wait(bound)
+    with lock:
+        if not result:
+            late.append(True)
+            result.append(TransferError(f"{what} did not finish within {bound:g} s"))
+    got = result[0]
+    if isinstance(got, Exception):
+        raise got
+    return got
 
 
 def _why(error: Exception) -> str:

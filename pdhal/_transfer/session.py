@@ -606,6 +606,21 @@ class PrefillService:
         self._deliver()
 
     def _on_claim(self, client: _Client, claim: messages.Claim) -> None:
+        decode = client.facts
+        if client.dest is None:
+            self._unserved(
+                client,
+                claim.part,
+                f"decode rank {decode.tp_rank} of {decode.tp_size} gets no KV head from "
+                f"prefill rank {self.facts.tp_rank} of {self.facts.tp_size}",
+            )
+            return
+        limit = client.dest.planner.dst_blocks
+        if len(claim.blocks) > limit or any(b >= limit for b in claim.blocks):
+            self._unserved(  # (checked before it may wait: a claim's size is bounded)
+                client, claim.part, f"its blocks are not within the decode caches' {limit}"
+            )
+            return
         expected = part_id(claim.request, self.facts.tp_rank, client.facts.tp_rank)
         if claim.part != expected:
             self._unserved(
@@ -739,7 +754,9 @@ class DecodeClient:
         self._lost_parts: dict[str, set[str]] = {}  # instance gone -> its held parts
         self._outcomes: list[Outcome] = []
         self._freed: list[str] = []
-        self._dialing = threading.Lock()  # one connect at a time: one session per service
+        #: one connect at a time per address (one session per service; a hung service
+        #: delays no claim to another)
+        self._dialing: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._closed = False
 
     def claim(
@@ -903,7 +920,9 @@ class DecodeClient:
     def _service(self, address: str, rank: int, size: int | None) -> _Service:
         """The live session with the service at `address` (prefill rank `rank` of `size`),
         made if need be."""
-        with self._dialing:
+        with self._lock:
+            dialing = self._dialing[address]
+        with dialing:
             with self._lock:
                 service = self._services.get(address)
             if service is None or service.link.ended:
@@ -958,7 +977,9 @@ class DecodeClient:
         if isinstance(message, messages.Unserved):
             with self._lock:  # (held parts too: their deadline may have passed first)
                 wanted = self._part_of.get(message.part)
-                known = wanted is not None and wanted.parts.get(message.part) is service
+                owner = wanted.parts.get(message.part) if wanted is not None else None
+                # (claimed on an earlier session with it, maybe: the address is what counts)
+                known = owner is not None and owner.address == service.address
             if known:
                 self._end_part(message.part, message.reason, unwritten=True)
             return

@@ -360,3 +360,26 @@ def test_a_request_whose_decode_side_died_before_it_was_added_fails_once_added(p
     assert (request, landed) == ("r1", False)
     # the session's end (or, added before the service heard it, the dead destination)
     assert "no decode side claimed it" not in why, why
+
+
+def test_a_peer_without_the_key_cannot_reflect_the_service_s_own_proof(peers):
+    """The reflection attack: take the service's challenge on one connection and offer it as
+    one's own on a second, hoping the service proves it there first. The service proves
+    nothing before its peer did, and a proof covers the prover's role and both
+    challenges: both connections are dropped, neither is welcomed."""
+    import socket
+
+    _, address = prefill(peers)
+    host, port = control.parse_address(address)
+    first = control.Frames(socket.create_connection((host, port)), "first")
+    second = control.Frames(socket.create_connection((host, port)), "second")
+    theirs = first.read(10, 10)  # the service's challenge on the first connection
+    second.read(10, 10)
+    second.write(theirs, 10)  # offered back to it as this side's own challenge
+    assert second.read(2, 2) is None  # it proves nothing before its peer did
+    first.write(os.urandom(32), 10)  # this side's challenge...
+    first.write(os.urandom(32), 10)  # ...and a guess at a proof
+    with pytest.raises(SessionError):  # dropped, never welcomed
+        first.read(10, 10)
+    first.close()
+    second.close()
