@@ -38,7 +38,13 @@ from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import names as transports
 from pdhal._transfer.plugins import transport
 from pdhal._transfer.receiver import KVReceiver
-from pdhal._transfer.session import DecodeClient, PrefillService, part_id, rank_address
+from pdhal._transfer.session import (
+    DecodeClient,
+    PrefillService,
+    part_id,
+    rank_address,
+    request_of,
+)
 from pdhal._transfer.streamer import Destination, KVStreamer
 
 __all__ = [
@@ -69,6 +75,7 @@ __all__ = [
     "head_shards",
     "part_id",
     "rank_address",
+    "request_of",
     "region_bytes",
     "rank_heads",
     "region_devices",

@@ -106,7 +106,7 @@ class Messager:
                         "landed",
                         {
                             "rank": self.rank,
-                            "request": int(r.request_id.partition("@")[0]),  # (its part here)
+                            "request": int(transfer.request_of(r.request_id)),  # (its part)
                             "first_submit": r.first_submit_ns,
                             "end": r.end_ns,
                         },

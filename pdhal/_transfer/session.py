@@ -79,6 +79,11 @@ def part_id(request_id: str, prefill_rank: int, decode_rank: int) -> str:
     return f"{request_id}@{prefill_rank}>{decode_rank}"
 
 
+def request_of(part: str) -> str:
+    """The request a part_id() names (a request id may itself hold "@")."""
+    return checks.name(part, "part").rpartition("@")[0]
+
+
 def rank_address(rank0: str, rank: int) -> str:
     """The service of prefill rank `rank`: the ranks of an instance listen on ports in a row
     from rank 0's, which is the one address a decode side is told."""

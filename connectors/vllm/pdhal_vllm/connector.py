@@ -30,7 +30,7 @@ ranks of each side split the KV heads (vLLM's CPU cache is head-major: [blocks, 
 which may split differently on the two sides (prefill TP 2, decode TP 1, ...). A decode rank
 expects one part per prefill rank that holds heads it holds, each in its own ticket, from
 that rank's messager; its load lands once every part did. A part has one name on both sides,
-wire.part_id(transfer id, prefill rank, decode rank): this receiver's request and that
+pdhal.transfer.part_id(transfer id, prefill rank, decode rank): this receiver's request and that
 messager's streamer request (the streamer refuses a ticket issued under another name).
 
 The KV cache must be memory the transports can reach: the connector places vLLM's KV cache
@@ -61,8 +61,8 @@ from vllm.logger import init_logger
 
 import pdhal
 from pdhal import InvalidArgumentError, PdhalError, TransferError, ops
-from pdhal.transfer import CacheLayout, CacheSpec, KVReceiver, head_shards, rank_heads
-from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, connect, head_crcs, part_id
+from pdhal.transfer import CacheLayout, CacheSpec, KVReceiver, head_shards, part_id, rank_heads
+from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, connect, head_crcs
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -374,7 +374,7 @@ class _Load:
     sync: bool
     blocks: list[int]
     cached: int  # the prompt's first blocks, in this cache already (a prefix it cached)
-    parts: dict[str, _Part] = field(default_factory=dict)  # by wire.part_id
+    parts: dict[str, _Part] = field(default_factory=dict)  # by pdhal.transfer.part_id
     layers: int = 0  # layers known to have landed in every part, from the first
     landed: bool = False
     error: str | None = None

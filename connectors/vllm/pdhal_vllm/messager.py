@@ -16,7 +16,7 @@ the decode worker reads its own in its receiver's status slots.
 Tensor parallelism (--prefill-tp P, --decode-tp D; one messager per prefill rank, listening
 on consecutive ports): the ranks of each side split the KV heads (pdhal.transfer.head_shards),
 and this rank sends each decode rank the heads both hold, as a part of its own in the
-streamer (wire.part_id: "TID@PREFILL_RANK>DECODE_RANK", the name that rank expects it
+streamer (pdhal.transfer.part_id: "TID@PREFILL_RANK>DECODE_RANK", the name that rank expects it
 under), into that rank's own ticket. A transfer ends for the prefill worker once every
 part ended: landed if all did. A worker whose split does not match is
 refused at its hello, a decode cache whose heads do not pair at its first request.
@@ -52,7 +52,9 @@ from pdhal.transfer import (
     KVStreamer,
     PerQueryFeed,
     head_shards,
+    part_id,
     rank_heads,
+    request_of,
 )
 from pdhal_vllm.wire import (
     ConnectorError,
@@ -60,8 +62,6 @@ from pdhal_vllm.wire import (
     auth_key,
     head_crcs,
     parse_address,
-    part_id,
-    tid_of,
 )
 
 #: tests: "exit-after-layers:N" exits (status 3) once the streamer has landed N layer submits
@@ -463,7 +463,7 @@ class Messager:
         tokens it needs (in sync mode one less: it computes the last prompt token itself)
         from the first block it has not cached."""
         peer, want, _ = self.wants.pop(part)
-        tid = tid_of(part)
+        tid = request_of(part)
         added = self.added[tid]
         if peer.hello.get("rank", 0) not in self.shards:  # it gets no heads from this rank
             self._report(f"transfer {part}: that decode rank gets no heads from rank {self.rank}")
@@ -543,7 +543,7 @@ class Messager:
     def _part_ended(self, part: str, landed: bool, why: str) -> None:
         """Once every part of its transfer ended, tell the prefill worker, which frees the
         blocks: landed if every part landed."""
-        tid = tid_of(part)
+        tid = request_of(part)
         added = self.added.get(tid)
         if added is None:
             return
@@ -574,7 +574,7 @@ class Messager:
         self.ended[tid] = why
         while len(self.ended) > ENDED:
             self.ended.popitem(last=False)
-        for part in [p for p in self.wants if tid_of(p) == tid]:
+        for part in [p for p in self.wants if request_of(p) == tid]:
             self._unserved(part, why or "it ended before its decode side asked")
 
     def _unserved(self, part: str, why: str) -> None:
@@ -584,7 +584,7 @@ class Messager:
         if want.get("cancelled"):  # its decode rank was answered when it cancelled
             return
         self._report(f"transfer {part}: not served: {why}")
-        peer.send("unserved", {"tid": tid_of(part), "why": why})
+        peer.send("unserved", {"tid": request_of(part), "why": why})
 
     def _trace_layers(self) -> None:
         """The streamer's per-layer numbers since the last call, as "landed" events."""

@@ -45,18 +45,6 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def part_id(tid: str, prefill_rank: int, decode_rank: int) -> str:
-    """The one name of the heads of transfer `tid` that prefill rank `prefill_rank` sends
-    decode rank `decode_rank`: the messager's request in its streamer and the decode
-    worker's in its receiver (the streamer refuses a ticket expected under another name)."""
-    return f"{tid}@{prefill_rank}>{decode_rank}"
-
-
-def tid_of(part: str) -> str:
-    """The transfer id of a part_id() (a transfer id may itself hold "@")."""
-    return part.rpartition("@")[0]
-
-
 def connect(address: str, key: bytes, hello: dict, timeout: float = 30.0) -> Connection:
     """Connect to the messager at `address` (retrying while it starts) and say hello."""
     host, port = parse_address(address)
