@@ -223,31 +223,13 @@ def test_a_malformed_claim_ends_that_session_only(peers, receiver):
     """A hostile decode side sends a claim whose blocks are not ids: its session ends, told
     why; another decode side's claims land all the same."""
     service, address = prefill(peers)
-    described = receiver.describe()
-    conn = control.dial(address, KEY, 10)
-    facts = messages.Facts(
-        "decode",
-        "x" * 8,
-        os.getpid(),
-        "here",
-        "shm",
-        transfer.transport("shm").version,
-        os.environ.get("PDHAL_NAMESPACE", "default"),
-        4,
-        KV_HEADS,
-        0,
-        1,
-    )
-    control.write_message(conn, messages.Hello(messages.PROTOCOL, facts, described), 10)
-    assert isinstance(control.read_message(conn, 10), messages.Welcome)
+    conn = hand_made_session(address, receiver)
     conn.write(
         b'{"type": "claim", "request": "r9", "part": "r9@0>0", "blocks": ["x"], '
         b'"tokens": 4, "cached_blocks": 0, "ticket": {}}',
         10,
     )
-    answer = control.read_message(conn, 10)
-    while isinstance(answer, messages.Ping):
-        answer = control.read_message(conn, 10)
+    answer = next_message(conn)
     conn.close()
     assert isinstance(answer, messages.Refused)
     assert "blocks[0] must be a block id" in answer.reason
@@ -258,6 +240,36 @@ def test_a_malformed_claim_ends_that_session_only(peers, receiver):
     service.read("added")
     honest.send("wait", "r1", [0], 30)
     assert honest.read("outcome")[:3] == [True, "", True]
+
+
+def hand_made_session(address: str, receiver) -> control.Frames:
+    """A decode side's session made by hand (a hostile peer's): dialled, its hello (with
+    `receiver`'s description) welcomed."""
+    conn = control.dial(address, KEY, 10)
+    facts = messages.Facts(
+        "decode",
+        "hand-made",
+        os.getpid(),
+        "here",
+        "shm",
+        transfer.transport("shm").version,
+        os.environ["PDHAL_NAMESPACE"],
+        4,
+        KV_HEADS,
+        0,
+        1,
+    )
+    control.write_message(conn, messages.Hello(messages.PROTOCOL, facts, receiver.describe()), 10)
+    assert isinstance(control.read_message(conn, 10), messages.Welcome)
+    return conn
+
+
+def next_message(conn: control.Frames) -> messages.Message:
+    """The next message on `conn` that is not a ping."""
+    answer = control.read_message(conn, 10)
+    while isinstance(answer, messages.Ping):
+        answer = control.read_message(conn, 10)
+    return answer
 
 
 @pytest.fixture
@@ -312,27 +324,10 @@ def test_a_claim_naming_another_rank_s_part_is_unserved(peers, receiver):
     """A decode side (hand-made here) claims a part named for another decode rank: the
     service answers unserved, naming the part it should have named, and serves on."""
     _, address = prefill(peers)
-    conn = control.dial(address, KEY, 10)
-    facts = messages.Facts(
-        "decode",
-        "y" * 8,
-        os.getpid(),
-        "here",
-        "shm",
-        transfer.transport("shm").version,
-        os.environ["PDHAL_NAMESPACE"],
-        4,
-        KV_HEADS,
-        0,
-        1,
-    )
-    control.write_message(conn, messages.Hello(messages.PROTOCOL, facts, receiver.describe()), 10)
-    assert isinstance(control.read_message(conn, 10), messages.Welcome)
+    conn = hand_made_session(address, receiver)
     ticket = receiver.expect("r1@0>1", 30)
     control.write_message(conn, messages.Claim("r1", "r1@0>1", [2], 4, 0, ticket), 10)
-    answer = control.read_message(conn, 10)
-    while isinstance(answer, messages.Ping):
-        answer = control.read_message(conn, 10)
+    answer = next_message(conn)
     conn.close()
     assert answer == messages.Unserved(
         "r1@0>1",
