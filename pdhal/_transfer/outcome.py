@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+
+from . import checks
 
 
 @dataclass(frozen=True)
@@ -20,3 +23,28 @@ class Outcome:
     landed: bool
     reason: str = ""
     blocks_free: bool = True
+
+
+class Outcomes:
+    """Ended requests waiting for the engine's poll: put by a transfer's threads, taken
+    all at once by the engine, whose poll may wait for the next one (woken by it)."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition(threading.Lock())
+        self._items: list[Outcome] = []
+
+    def put(self, outcome: Outcome) -> None:
+        with self._ready:
+            self._items.append(outcome)
+            self._ready.notify_all()
+
+    def take(self, timeout: object = 0.0) -> list[Outcome]:
+        """Every outcome put since the last take; waits up to `timeout` seconds (0: not
+        at all) for one when there is none."""
+        if not (type(timeout) in (int, float) and timeout == 0):
+            timeout = checks.seconds(timeout, "timeout")
+        with self._ready:
+            if timeout:
+                self._ready.wait_for(lambda: self._items, timeout)
+            out, self._items = self._items, []
+        return out

@@ -54,7 +54,7 @@ from pdhal._transfer import checks, control, messages
 from pdhal._transfer.heads import head_shards, rank_heads
 from pdhal._transfer.keeper import Deadlines
 from pdhal._transfer.layout import CacheLayout
-from pdhal._transfer.outcome import Outcome
+from pdhal._transfer.outcome import Outcome, Outcomes
 from pdhal._transfer.plugins import transport
 from pdhal._transfer.receiver import KVReceiver
 from pdhal._transfer.streamer import KVStreamer
@@ -244,7 +244,7 @@ class PrefillService:
         #: a decode instance's claims its lost session left waiting, by its instance id
         self._dropped: dict[str, list[str]] = {}
         self._clients: set[_Client] = set()
-        self._outcomes: list[Outcome] = []
+        self._outcomes = Outcomes()
         self._closed = False
         self._clock = Deadlines("pdhal-session-clock")
         try:
@@ -351,11 +351,10 @@ class PrefillService:
                     self._fail(served, reason)  # a part not claimed yet can never be sent
         self._deliver()
 
-    def poll(self) -> list[Outcome]:
-        """The requests that ended since the last poll (without on_outcome)."""
-        with self._lock:
-            out, self._outcomes = self._outcomes, []
-        return out
+    def poll(self, timeout: float = 0.0) -> list[Outcome]:
+        """The requests that ended since the last poll (without on_outcome), waiting up to
+        `timeout` seconds for one if none has."""
+        return self._outcomes.take(timeout)
 
     def close(self) -> None:
         """Fail what is not ended, close every session and the streamer."""
@@ -490,7 +489,7 @@ class PrefillService:
         for part in served.parts:
             self._owner.pop(part, None)
         why = "; ".join(dict.fromkeys(reasons))
-        self._outcomes.append(Outcome(served.request_id, not why, why))
+        self._outcomes.put(Outcome(served.request_id, not why, why))
 
     # ---- threads --------------------------------------------------------------------
 
@@ -508,9 +507,7 @@ class PrefillService:
                         served.parts[part].parts.discard(part)
                         self._maybe_end(served)
             if self._on_outcome is not None:
-                with self._lock:
-                    out, self._outcomes = self._outcomes, []
-                for outcome in out:
+                for outcome in self._outcomes.take():
                     try:
                         self._on_outcome(outcome)
                     except Exception:  # the engine's bug must not stop every later outcome

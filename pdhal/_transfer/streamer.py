@@ -33,7 +33,7 @@ from pdhal._transfer.heads import HeadShard
 from pdhal._transfer.keeper import Deadlines
 from pdhal._transfer.layout import CacheLayout, RunPlanner, block_runs
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
-from pdhal._transfer.outcome import Outcome
+from pdhal._transfer.outcome import Outcome, Outcomes
 from pdhal._transfer.plugins import transport
 from pdhal._transfer.request import Action, Request, State
 
@@ -86,7 +86,7 @@ class KVStreamer:
         self._src_blocks = min(spec.blocks for caches in layout.layers for spec in caches)
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}
-        self._outcomes: list[Outcome] = []
+        self._outcomes = Outcomes()
         self._plans: dict[tuple, list] = {}  # (destination, the step's spans) -> its runs
         self._destinations: dict[str, Destination] = {}  # by their description
         self._watched: set[Destination] = set()  # those with a peer check scheduled
@@ -573,7 +573,7 @@ class KVStreamer:
             if self._requests.get(request.id) is request:
                 del self._requests[request.id]
             if self._on_outcome is None:
-                self._outcomes.append(outcome)
+                self._outcomes.put(outcome)
         if self._on_outcome is not None:
             try:
                 self._on_outcome(outcome)
@@ -667,12 +667,11 @@ class KVStreamer:
 
     # ---- reporting ------------------------------------------------------------------
 
-    def poll(self) -> list[Outcome]:
+    def poll(self, timeout: float = 0.0) -> list[Outcome]:
         """The requests that ended since the last poll (the prefill side may free the
-        blocks of each). Leases and peers are kept without it."""
-        with self._lock:
-            out, self._outcomes = self._outcomes, []
-        return out
+        blocks of each), waiting up to `timeout` seconds for one if none has. Leases and
+        peers are kept without it."""
+        return self._outcomes.take(timeout)
 
     def pending(self) -> int:
         """Requests not reported yet."""
