@@ -95,6 +95,16 @@ class Claim:
 
 
 @dataclass(frozen=True)
+class Cached:
+    """Client -> service: the decode side has every block of `part` of `request` already
+    (its prefix cache): nothing of it is sent, and it counts as landed."""
+
+    TYPE: ClassVar[str] = "cached"
+    request: str
+    part: str
+
+
+@dataclass(frozen=True)
 class Cancel:
     """Client -> service: the decode side no longer wants `part` (its request was aborted):
     the service writes nothing more of it."""
@@ -120,8 +130,10 @@ class Ping:
     TYPE: ClassVar[str] = "ping"
 
 
-Message = Hello | Welcome | Refused | Claim | Cancel | Unserved | Ping
-_TYPES = {cls.TYPE: cls for cls in (Hello, Welcome, Refused, Claim, Cancel, Unserved, Ping)}
+Message = Hello | Welcome | Refused | Claim | Cached | Cancel | Unserved | Ping
+_TYPES = {
+    cls.TYPE: cls for cls in (Hello, Welcome, Refused, Claim, Cached, Cancel, Unserved, Ping)
+}
 
 
 def encode(message: Message) -> bytes:

@@ -69,6 +69,9 @@ MOST_WAITING = 4096
 #: engine added them, remembered (the latest) so that one added afterwards fails at once
 #: instead of holding its blocks for the claim lease.
 ABANDONED_KEPT = 4096
+#: Requests that ended (or that the engine failed before adding them), remembered (the
+#: latest) so that a claim coming after is answered at once, not at its claim lease.
+ENDED_KEPT = 4096
 
 log = logging.getLogger("pdhal")
 
@@ -239,8 +242,11 @@ class PrefillService:
         self._lock = threading.Lock()
         self._served: dict[str, _Served] = {}
         self._owner: dict[str, _Served] = {}  # part -> its request
-        self._claims: dict[str, tuple[_Client, messages.Claim]] = {}  # before their request
+        #: claims (and Cached) that came before their request
+        self._claims: dict[str, tuple[_Client, messages.Claim | messages.Cached]] = {}
         self._abandoned: collections.OrderedDict[str, str] = collections.OrderedDict()  # why
+        #: request -> why it failed, "" if it landed (ENDED_KEPT of them)
+        self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         #: a decode instance's claims its lost session left waiting, by its instance id
         self._dropped: dict[str, list[str]] = {}
         self._clients: set[_Client] = set()
@@ -277,6 +283,7 @@ class PrefillService:
             layers = self.layout.num_layers
             served = _Served(request_id, src, tokens, [0] * layers, [(None, None)] * layers)
             self._served[request_id] = served
+            self._ended.pop(request_id, None)  # (an id used again)
             waiting = [p for p, (_, c) in self._claims.items() if c.request == request_id]
             for part in waiting:
                 client, claim = self._claims.pop(part)
@@ -331,13 +338,22 @@ class PrefillService:
                 served.given[layer] = (signal_ns, step)
 
     def fail(self, request_id: str, reason: str) -> None:
-        """End `request_id` as failed (the engine aborted it): nothing more of it is sent."""
+        """End `request_id` as failed (the engine aborted it): nothing more of it is sent.
+        One not added yet fails at once if it is added later, and its claims, those waiting
+        and those to come, are answered at once (the decode side frees its blocks)."""
         request_id = checks.name(request_id, "request_id")
         reason = checks.name(str(reason), "reason")
         with self._lock:
             served = self._served.get(request_id)
             if served is not None:
                 self._fail(served, reason)
+            else:
+                self._abandon(request_id, reason)
+                self._remember_ended(request_id, reason)
+                for part, (client, claim) in list(self._claims.items()):
+                    if claim.request == request_id:
+                        del self._claims[part]
+                        self._unserved(client, part, reason)
         self._deliver()
 
     def abort(self, reason: str) -> None:
@@ -399,8 +415,11 @@ class PrefillService:
     def _streaming(served: _Served) -> list[str]:
         return [p for p in served.parts if p not in served.ended]
 
-    def _claim(self, served: _Served, client: _Client, claim: messages.Claim) -> None:
-        """Make part `claim.part` of `served` in the streamer, to `client`'s caches. A claim
+    def _claim(
+        self, served: _Served, client: _Client, claim: messages.Claim | messages.Cached
+    ) -> None:
+        """Make part `claim.part` of `served` in the streamer, to `client`'s caches (a
+        Cached one: that part landed, nothing to send). A claim
         that cannot be (the part is claimed, the request failed) is answered unserved; one
         the streamer refuses (its blocks, its ticket, a decode side gone) fails the request
         too: nothing else will claim that part."""
@@ -416,6 +435,12 @@ class PrefillService:
             why = "that part was claimed already"
         if why is not None:
             self._unserved(client, claim.part, why)
+            return
+        if isinstance(claim, messages.Cached):  # nothing to send: that part landed
+            served.expected = needed
+            served.parts[claim.part] = client
+            served.ended[claim.part] = ""
+            self._maybe_end(served)
             return
         try:
             if client.dest is None:
@@ -489,6 +514,7 @@ class PrefillService:
         for part in served.parts:
             self._owner.pop(part, None)
         why = "; ".join(dict.fromkeys(reasons))
+        self._remember_ended(served.request_id, why)
         self._outcomes.put(Outcome(served.request_id, not why, why))
 
     # ---- threads --------------------------------------------------------------------
@@ -596,7 +622,7 @@ class PrefillService:
 
     def _heard(self, client: _Client, message: messages.Message) -> None:
         with self._lock:
-            if isinstance(message, messages.Claim):
+            if isinstance(message, (messages.Claim, messages.Cached)):
                 self._on_claim(client, message)
             elif isinstance(message, messages.Cancel):
                 self._on_cancel(client, message.part)
@@ -607,7 +633,7 @@ class PrefillService:
                 )
         self._deliver()
 
-    def _on_claim(self, client: _Client, claim: messages.Claim) -> None:
+    def _on_claim(self, client: _Client, claim: messages.Claim | messages.Cached) -> None:
         decode = client.facts
         if client.dest is None:
             self._unserved(
@@ -618,7 +644,8 @@ class PrefillService:
             )
             return
         limit = client.dest.planner.dst_blocks
-        if len(claim.blocks) > limit or any(b >= limit for b in claim.blocks):
+        blocks = claim.blocks if isinstance(claim, messages.Claim) else []
+        if len(blocks) > limit or any(b >= limit for b in blocks):
             self._unserved(  # (checked before it may wait: a claim's size is bounded)
                 client, claim.part, f"its blocks are not within the decode caches' {limit}"
             )
@@ -636,6 +663,9 @@ class PrefillService:
         served = self._served.get(claim.request)
         if served is not None:
             self._claim(served, client, claim)
+        elif claim.request in self._ended:  # nothing of it will be sent to this claim
+            why = self._ended[claim.request] or "it ended (landed) before this claim"
+            self._unserved(client, claim.part, why)
         elif claim.part in self._claims:
             self._unserved(client, claim.part, "that part was claimed already")
         elif sum(1 for owner, _ in self._claims.values() if owner is client) >= MOST_WAITING:
@@ -668,6 +698,12 @@ class PrefillService:
             return
         if part in client.parts:
             self.streamer.fail(part, "its decode side cancelled it")
+
+    def _remember_ended(self, request_id: str, why: str) -> None:
+        self._ended[request_id] = why
+        self._ended.move_to_end(request_id)
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
 
     def _abandon(self, request_id: str, why: str) -> None:
         """`request_id`, not added yet, fails as soon as it is (under the lock)."""
@@ -775,7 +811,9 @@ class DecodeClient:
         """Claim `request_id`'s KV from a prefill instance: `prefill` is its rank 0's address
         (rank r serves at that port + r), or every rank's, in rank order. The prompt's first
         `tokens` go into `blocks` (from block `cached_blocks` of the prompt on: those before
-        it are cached here), within `timeout` s (else it fails; KVReceiver.expect).
+        it are cached here), within `timeout` s (else it fails; KVReceiver.expect). With
+        every block cached (`blocks` empty) nothing is sent: it is reported landed at once,
+        and the prefill side may free it.
         Connects first if need be: SessionError (RefusedError for a refused hello) if a
         service cannot be reached, and then nothing is claimed."""
         request_id = checks.name(request_id, "request_id")
@@ -793,7 +831,7 @@ class DecodeClient:
         dst = checks.block_ids(blocks, "blocks", self._dst_limit(), "decode caches", unique=True)
         tokens = checks.integer(tokens, "tokens", 1)
         whole = -(-tokens // self.facts.block_tokens)
-        cached = checks.integer(cached_blocks, "cached_blocks", 0, whole - 1)
+        cached = checks.integer(cached_blocks, "cached_blocks", 0, whole)
         longest = part_id(request_id, 1 << 16, 1 << 16)
         if len(longest) > messages.MOST_CHARS:
             raise InvalidArgumentError(
@@ -823,6 +861,14 @@ class DecodeClient:
             )
             for r in ranks
         }
+        if cached == whole:  # every block is here: the prefill side hears so, nothing comes
+            for r, service in services.items():
+                service.link.send(
+                    messages.Cached(request_id, part_id(request_id, r, self.facts.tp_rank))
+                )
+            with self._lock:
+                self._outcomes.append(Outcome(request_id, True))
+            return
         wanted = _Wanted(request_id, {})
         tickets = {}
         try:

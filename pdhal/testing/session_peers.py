@@ -119,9 +119,14 @@ def _decode(args) -> None:
     for line in sys.stdin:
         command = json.loads(line)
         try:
-            if command[0] == "claim":  # request, prefill, blocks, tokens, timeout
+            if command[0] == "claim":  # request, prefill, blocks, tokens, timeout(, cached)
                 client.claim(
-                    command[1], command[2], command[3], tokens=command[4], timeout=command[5]
+                    command[1],
+                    command[2],
+                    command[3],
+                    tokens=command[4],
+                    timeout=command[5],
+                    cached_blocks=command[6] if len(command) > 6 else 0,
                 )
                 _say("claimed", command[1])
             elif command[0] == "cancel":

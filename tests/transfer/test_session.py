@@ -212,6 +212,47 @@ def test_a_cancel_frees_the_blocks_at_once_and_fails_the_request_to_its_prefill_
     assert not landed and "cancelled" in why
 
 
+def test_a_prompt_the_decode_side_has_cached_lands_at_once_with_nothing_sent(peers):
+    """A claim with every block cached (a prefix cache hit): reported landed on both sides
+    at once, before its prefill side computed a layer, whether the claim comes before the
+    request or after it (not at the 60 s claim lease)."""
+    service, address = prefill(peers)
+    client = peers("decode")
+    service.send("add", "after", [1, 2], 8, False)
+    service.read("added")
+    for request in ("after", "before"):
+        client.send("claim", request, address, [], 8, 60, 2)
+        assert client.read("claimed") == [request]
+        client.send("wait", request, [], 30)
+        assert client.read("outcome") == [True, "", True, []]
+    service.send("add", "before", [3, 4], 8, False)
+    service.read("added")
+    ended = sorted([service.read("outcome", bound=30), service.read("outcome", bound=30)])
+    assert ended == [["after", True, ""], ["before", True, ""]]
+
+
+def test_a_claim_of_a_request_failed_or_ended_is_answered_at_once(peers):
+    """A request the engine failed before adding it, and one that ended: a claim of either
+    fails at once with the reason (its blocks free), not at its 60 s timeout."""
+    service, address = prefill(peers)
+    client = peers("decode")
+    service.send("fail", "gone", "the prefill worker restarted")
+    service.read("failed")
+    service.send("add", "done", [5], 4)
+    service.read("added")
+    client.send("claim", "done", address, [3], 4, 60)
+    client.read("claimed")
+    assert service.read("outcome", bound=30) == ["done", True, ""]
+    client.send("wait", "done", [3], 30)
+    assert client.read("outcome")[:3] == [True, "", True]
+    for request, why in (("gone", "restarted"), ("done", "ended (landed) before this claim")):
+        client.send("claim", request, address, [1], 4, 60)
+        client.read("claimed")
+        client.send("wait", request, [1], 30)
+        landed, reason, free, _ = client.read("outcome")
+        assert (landed, free) == (False, True) and why in reason, reason
+
+
 def test_a_request_nobody_claims_fails_by_the_claim_lease(peers):
     service, _ = prefill(peers, "--claim-timeout", "0.5")
     service.send("add", "r1", [1], 4)
