@@ -386,7 +386,11 @@ class PrefillService:
             if client.link is not None:
                 client.link.end("the prefill service closed", tell="the prefill service closed")
         self.streamer.close()  # every write settled (or given up) by its bound...
-        self._listener.close()  # ...before a successor can take the address
+        # ...before a successor can take the address: shut down first, as a close alone
+        # neither wakes the thread blocked in accept() nor frees the port while it is
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
         self._events.put(None)
 
     def __enter__(self) -> PrefillService:

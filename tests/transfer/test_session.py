@@ -419,3 +419,26 @@ def test_a_peer_without_the_key_cannot_reflect_the_service_s_own_proof(peers):
         first.read(10, 10)
     first.close()
     second.close()
+
+
+def test_a_closed_service_frees_its_address_for_a_successor(receiver):
+    """close() releases the port at once (its accept thread woken, not left holding the
+    listening socket): a successor in this process listens at the same address, and a
+    decode side's next claim is served by it."""
+    layout = receiver.layout  # (the caches' contents do not matter here)
+    first = transfer.PrefillService(layout, 4, key=KEY, kv_heads=KV_HEADS)
+    address = first.address
+    first.close()
+    successor = transfer.PrefillService(
+        layout, 4, key=KEY, kv_heads=KV_HEADS, listen=f"127.0.0.1:{address.split(':')[1]}"
+    )
+    client = transfer.DecodeClient(receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=4)
+    try:
+        successor.add_request("r1", [1], 4)
+        for layer in range(LAYERS):
+            successor.layer_ready(layer, [("r1", 4)])
+        client.claim("r1", successor.address, [2], tokens=4, timeout=30)
+        assert successor.poll(timeout=30) == [transfer.Outcome("r1", True)]
+    finally:
+        client.close()
+        successor.close()
