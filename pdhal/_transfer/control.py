@@ -277,8 +277,9 @@ class ControlLink:
             self._cond.notify_all()
 
     def end(self, reason: str, *, tell: str | None = None) -> None:
-        """End the link (once): `tell` goes to the peer first as a Refused (within a
-        moment), then the connection closes; on_lost(reason) follows on the reader."""
+        """End the link (once): with `tell`, what is queued and then `tell` as a Refused go
+        to the peer first (within a moment), then the connection closes; on_lost(reason)
+        follows on the reader."""
         with self._cond:
             if tell is not None and self._ended is None:
                 self._tell = messages.encode(messages.Refused(tell))
@@ -307,6 +308,7 @@ class ControlLink:
                     self._cond.wait(left)
                 if self._ended is not None:
                     tell = self._tell
+                    last = list(self._queue) if tell is not None else []
                     break
                 frame = self._queue.popleft() if self._queue else messages.encode(messages.Ping())
             try:
@@ -315,9 +317,11 @@ class ControlLink:
                 with self._cond:
                     self._end(f"sending to the peer failed: {e}")
                 return
-        if tell is not None:
+        if tell is not None:  # the last words, all within one bound
+            deadline = time.monotonic() + min(1.0, self.keepalive)
             try:
-                self._frames.write(tell, min(1.0, self.keepalive))
+                for frame in (*last, tell):
+                    self._frames.write(frame, max(0.001, deadline - time.monotonic()))
             except SessionError:
                 pass
             self._frames.close()

@@ -131,9 +131,7 @@ class Ping:
 
 
 Message = Hello | Welcome | Refused | Claim | Cached | Cancel | Unserved | Ping
-_TYPES = {
-    cls.TYPE: cls for cls in (Hello, Welcome, Refused, Claim, Cached, Cancel, Unserved, Ping)
-}
+_TYPES = {cls.TYPE: cls for cls in (Hello, Welcome, Refused, Claim, Cached, Cancel, Unserved, Ping)}
 
 
 def encode(message: Message) -> bytes:

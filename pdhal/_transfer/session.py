@@ -72,6 +72,9 @@ ABANDONED_KEPT = 4096
 #: Requests that ended (or that the engine failed before adding them), remembered (the
 #: latest) so that a claim coming after is answered at once, not at its claim lease.
 ENDED_KEPT = 4096
+#: After a lost session, when (s, one after the other) its address is probed: one that
+#: refuses shows its service is gone (DecodeClient._gone).
+PROBES_S = (0.0, 0.1)
 
 log = logging.getLogger("pdhal")
 
@@ -196,7 +199,10 @@ class PrefillService:
     streamer); each request ends once, landed when every decode rank it has landed, and
     goes to `on_outcome` (on the service's thread; quick, may call the service) or to
     poll(). A request no decode side claims within `claim_timeout` s fails.
-    `streamer_options` go to the KVStreamer (max_layers_in_flight, stall_timeout)."""
+    `on_session_end(facts, reason)`: a decode rank's session ended (its parts failed); on
+    that session's thread, quick (a decode process killed outright cannot remove its
+    segments: the engine may look for them, pdhal.cleanup). `streamer_options` go to the
+    KVStreamer (max_layers_in_flight, stall_timeout)."""
 
     def __init__(
         self,
@@ -212,6 +218,7 @@ class PrefillService:
         claim_timeout: float = 60.0,
         transport_name: str = "shm",
         on_outcome: Callable[[Outcome], None] | None = None,
+        on_session_end: Callable[[messages.Facts, str], None] | None = None,
         **streamer_options,
     ):
         if not isinstance(layout, CacheLayout):
@@ -221,11 +228,13 @@ class PrefillService:
         heads, rank, size = _split(layout, kv_heads, tp_rank, tp_size)
         self.keepalive = checks.seconds(keepalive, "keepalive")
         self.claim_timeout = checks.seconds(claim_timeout, "claim_timeout")
-        if on_outcome is not None and not callable(on_outcome):
-            raise InvalidArgumentError(f"on_outcome must be callable, got {on_outcome!r}")
+        for name, hook in (("on_outcome", on_outcome), ("on_session_end", on_session_end)):
+            if hook is not None and not callable(hook):
+                raise InvalidArgumentError(f"{name} must be callable, got {hook!r}")
         bind = control.parse_address(listen, "listen")
         self._key = key
         self._on_outcome = on_outcome
+        self._on_session_end = on_session_end
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # parts' outcomes, in order
         self.streamer = KVStreamer(
             layout,
@@ -239,6 +248,9 @@ class PrefillService:
         self.facts = _facts(
             "prefill", transport_name, self.streamer.block_tokens, heads, rank, size
         )
+        #: whether this rank holds a KV head no earlier rank holds: one that does not (its
+        #: heads replicated there) sends nothing, whatever a decode side's split
+        self.sends = any(src == rank for src, _ in head_shards(heads, size, 1))
         self._lock = threading.Lock()
         self._served: dict[str, _Served] = {}
         self._owner: dict[str, _Served] = {}  # part -> its request
@@ -268,7 +280,8 @@ class PrefillService:
 
     def add_request(self, request_id: str, src_blocks, prompt_tokens: int) -> None:
         """A request whose KV is (or will be) in `src_blocks` of this rank's caches, its
-        prompt `prompt_tokens` long (add_blocks gives more blocks of a chunked prompt)."""
+        prompt `prompt_tokens` long (add_blocks gives more blocks of a chunked prompt). On
+        a rank that sends nothing (`sends` False) it lands at once."""
         request_id = checks.name(request_id, "request_id")
         tokens = checks.integer(prompt_tokens, "prompt_tokens", 1)
         src = checks.block_ids(src_blocks, "src_blocks", self._src_limit(), "prefill caches")
@@ -282,6 +295,11 @@ class PrefillService:
                 raise InvalidArgumentError(f"request {request_id!r} was added already")
             layers = self.layout.num_layers
             served = _Served(request_id, src, tokens, [0] * layers, [(None, None)] * layers)
+            if not self.sends:  # no decode side claims it here
+                self._remember_ended(request_id, "")
+                self._outcomes.put(Outcome(request_id, True))
+                self._deliver()
+                return
             self._served[request_id] = served
             self._ended.pop(request_id, None)  # (an id used again)
             waiting = [p for p, (_, c) in self._claims.items() if c.request == request_id]
@@ -373,21 +391,27 @@ class PrefillService:
         return self._outcomes.take(timeout)
 
     def close(self) -> None:
-        """Fail what is not ended, close every session and the streamer."""
+        """Fail what is not ended (each decode side told: claims waiting for their request
+        are unserved, parts get their failure word), then close the streamer and, once its
+        writes settled, every session."""
+        why = "the prefill service was closed"
         with self._lock:
             if self._closed:
                 return
-            self._closed = True  # (a hello from now on is not welcomed)
+            self._closed = True  # (a hello from now on is not welcomed, a claim unserved)
             clients = list(self._clients)
             for served in list(self._served.values()):
-                self._fail(served, "the prefill service was closed")
+                self._fail(served, why)
+            for part, (client, _) in self._claims.items():
+                self._unserved(client, part, why)
+            self._claims.clear()
         self._clock.close()
-        for client in clients:
+        self.streamer.close()  # every failure word written (or given up) by its bound...
+        for client in clients:  # ...before the sessions end: their decode sides heard it
             if client.link is not None:
                 client.link.end("the prefill service closed", tell="the prefill service closed")
-        self.streamer.close()  # every write settled (or given up) by its bound...
-        # ...before a successor can take the address: shut down first, as a close alone
-        # neither wakes the thread blocked in accept() nor frees the port while it is
+        # ...and before a successor can take the address (shut down first: a close alone
+        # neither wakes the thread blocked in accept() nor frees the port while it is)
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
@@ -639,6 +663,9 @@ class PrefillService:
 
     def _on_claim(self, client: _Client, claim: messages.Claim | messages.Cached) -> None:
         decode = client.facts
+        if self._closed:
+            self._unserved(client, claim.part, "the prefill service was closed")
+            return
         if client.dest is None:
             self._unserved(
                 client,
@@ -731,6 +758,11 @@ class PrefillService:
             parts = list(client.parts)
         for part in parts:
             self.streamer.fail(part, f"its decode side's session ended: {why}")
+        if self._on_session_end is not None:
+            try:
+                self._on_session_end(client.facts, why)
+            except Exception:
+                log.exception("pdhal.transfer: on_session_end raised for %s", client.facts)
 
 
 # ---- the decode side ------------------------------------------------------------------------
@@ -1020,10 +1052,35 @@ class DecodeClient:
             self._incarnations[address] = answer.facts.instance
             stale = self._lost_parts.pop(gone, set()) if gone != answer.facts.instance else set()
         service.link.start()
-        for part in stale:  # its old service is gone: nothing writes them any more
-            with contextlib.suppress(InvalidArgumentError):  # its word came meanwhile
-                self.receiver.release(part)
+        self._release(stale)  # its old service is gone: nothing writes them any more
         return service
+
+    def _release(self, parts) -> None:
+        """Free the held blocks of `parts`: nothing can write them any more."""
+        for part in parts:
+            with contextlib.suppress(InvalidArgumentError, ClosedHandleError):  # its word came
+                self.receiver.release(part)
+
+    def _gone(self, service: _Service) -> None:
+        """After `service`'s session was lost with parts held: if its address refuses a
+        connection now, nothing listens there, so that instance is gone (dead, or closed
+        once its writes settled: a service closes its listener last) and its held parts
+        are freed; else they stay held until its failure words come, or a successor
+        answers there. (A stopped or cut-off service's address does not refuse.)"""
+        host, port = control.parse_address(service.address, "prefill")
+        for pause in PROBES_S:  # (a dying process may close its session before its listener)
+            time.sleep(pause)
+            try:
+                socket.create_connection((host, port), timeout=self.connect_timeout).close()
+            except ConnectionRefusedError:
+                break
+            except OSError:
+                return  # unreachable: it may be alive
+        else:
+            return  # something listens there: that instance, or a successor
+        with self._lock:
+            gone = self._lost_parts.pop(service.facts.instance, set())
+        self._release(gone)
 
     def _heard(self, service: _Service, message: messages.Message) -> None:
         if isinstance(message, messages.Unserved):
@@ -1047,6 +1104,10 @@ class DecodeClient:
             parts = list(service.parts)
         for part in parts:
             self._part_lost(part, f"the session with {service.address} ended: {why}")
+        with self._lock:
+            held = bool(self._lost_parts.get(service.facts.instance))
+        if held:
+            self._gone(service)
 
     def _part_lost(self, part: str, why: str) -> None:
         """Its link went: it fails now, its blocks held (the prefill side may be alive),

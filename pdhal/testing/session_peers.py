@@ -79,6 +79,7 @@ def _prefill(args) -> None:
         keepalive=args.keepalive,
         claim_timeout=args.claim_timeout,
         on_outcome=lambda o: _say("outcome", o.request_id, o.landed, o.reason),
+        on_session_end=lambda facts, why: _say("session_end", facts.pid, why),
     )
     _say("listening", service.address)
     for line in sys.stdin:

@@ -389,6 +389,8 @@ def test_a_request_whose_decode_side_died_before_it_was_added_fails_once_added(p
     assert client.read("claimed") == ["r1"] and client.read("claimed") == ["r0"]
     assert service.read("outcome", bound=30) == ["r0", True, ""]
     client.kill()
+    pid, why = service.read("session_end", bound=30)  # (the engine hears it: on_session_end)
+    assert pid == client.proc.pid and why, why
     pdhal.cleanup()  # what the killed decode side left (its caches)
     service.send("add", "r1", [3, 4], 8)
     service.read("added")
@@ -442,3 +444,63 @@ def test_a_closed_service_frees_its_address_for_a_successor(receiver):
     finally:
         client.close()
         successor.close()
+
+
+def test_a_closing_service_tells_its_decode_sides_before_their_sessions_end(peers):
+    """close() with a part being sent and a claim still waiting for its request: the part
+    gets its failure word and the claim is unserved before the session ends, so the decode
+    side's blocks are free at once (not held, as after a session that merely dropped)."""
+    service, address = prefill(peers)
+    client = peers("decode")
+    service.send("add", "sending", [1], 4, False)  # no layer ready: it stays in flight
+    service.send("add", "probe", [5], 4)
+    assert service.read("added") == ["sending"] and service.read("added") == ["probe"]
+    for request, block in (("sending", 2), ("waiting", 3), ("probe", 4)):
+        client.send("claim", request, address, [block], 4, 60)
+        assert client.read("claimed") == [request]
+    # the claims went in order on one session: once the probe landed, the others were heard
+    assert service.read("outcome", bound=30) == ["probe", True, ""]
+    service.send("exit")
+    for request, block in (("sending", 2), ("waiting", 3)):
+        client.send("wait", request, [block], 30)
+        landed, reason, free, _ = client.read("outcome")
+        assert (landed, free) == (False, True) and "closed" in reason, (request, reason)
+
+
+def test_a_rank_whose_heads_an_earlier_rank_holds_ends_its_requests_at_once(peers):
+    """Prefill TP 8 over 4 KV heads: rank 1 holds head 0, as rank 0 does, so no decode side
+    ever claims from it: its requests land at once (its blocks free), not fail at the
+    claim lease. Rank 0 holds its head first: its requests wait for their claim."""
+    replica, _ = prefill(peers, "--tp-rank", "1", "--tp-size", "8", "--claim-timeout", "60")
+    replica.send("add", "r1", [1], 4)
+    replica.read("added")
+    assert replica.read("outcome", bound=30) == ["r1", True, ""]
+    first, _ = prefill(peers, "--tp-rank", "0", "--tp-size", "8", "--claim-timeout", "0.5")
+    first.send("add", "r1", [1], 4)
+    first.read("added")
+    assert first.read("outcome", bound=30)[:2] == ["r1", False]  # by its claim lease
+
+
+def test_a_dead_service_s_held_blocks_are_freed_and_a_stopped_one_s_are_not(peers):
+    """A session lost with a part in flight holds its blocks (its prefill side may still
+    write). Killed: its address refuses connections, so nothing can write them: freed at
+    once, with no successor needed. Stopped (alive, silent past the keepalive): its address
+    does not refuse, so they stay held."""
+    stopped, at_stopped = prefill(peers, "--keepalive", "1")
+    killed, at_killed = prefill(peers, "--keepalive", "1")
+    client = peers("decode", "--keepalive", "1")
+    for request, address, block in (("s1", at_stopped, 1), ("k1", at_killed, 2)):
+        client.send("claim", request, address, [block], 4, 60)
+        assert client.read("claimed") == [request]
+    stopped.stop()
+    killed.kill()
+    pdhal.cleanup()  # what the killed service left (its caches)
+    for request, block in (("s1", 1), ("k1", 2)):
+        client.send("wait", request, [block], 30)
+        landed, _, free, _ = client.read("outcome")
+        assert (landed, free) == (False, False), request
+    client.send("freed", 10)
+    assert client.read("freed") == [["k1"]]
+    client.send("freed", 1)  # (its address was probed as its session was lost)
+    assert client.read("freed") == [[]]
+    stopped.resume()
