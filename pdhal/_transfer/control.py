@@ -234,19 +234,22 @@ class ControlLink:
     """A connection whose messages go to `on_message` (on the link's reader thread) until
     it ends, which `on_lost(reason)` hears once, on that thread: the peer closed it, went
     silent for `keepalive` s, did not read, or sent a malformed message (refused: the
-    reason is sent to it before the close)."""
+    reason is sent to it before the close). It pings when it has sent nothing for a third
+    of the smaller of `keepalive` and the peer's (`peer_keepalive`)."""
 
     def __init__(
         self,
         frames: Frames,
         *,
         keepalive: float,
+        peer_keepalive: float,
         on_message: Callable[[messages.Message], None],
         on_lost: Callable[[str], None],
         name: str,
     ):
         self._frames = frames
         self.keepalive = keepalive
+        self._ping_every = min(keepalive, peer_keepalive) / 3
         self._on_message, self._on_lost = on_message, on_lost
         self._cond = threading.Condition()  # guards the queue and the end
         self._queue: collections.deque[bytes] = collections.deque()
@@ -296,8 +299,8 @@ class ControlLink:
         # else the writer sends it, then closes
 
     def _write(self) -> None:
-        """Send what is queued, a ping when nothing was sent for keepalive / 3 s."""
-        every = self.keepalive / 3
+        """Send what is queued, a ping when nothing was sent for _ping_every s."""
+        every = self._ping_every
         while True:
             with self._cond:
                 deadline = time.monotonic() + every

@@ -43,6 +43,9 @@ class Facts:
     kv_heads: int  # of the whole model; a rank holds its tensor-parallel share
     tp_rank: int
     tp_size: int
+    #: this side's liveness bound (s): the other side pings within a third of the smaller
+    #: of the two, so neither hears silence for its own bound however the two differ
+    keepalive: float
 
     def named(self) -> str:
         """This side, for a message: "the decode side (rank 1 of 2, pid 42 on host-a)"."""
@@ -234,6 +237,7 @@ _CHECKS: dict[str, Callable[[object, str], object]] = {
     "kv_heads": lambda v, w: checks.integer(v, w, 1, 1 << 16),
     "tp_rank": lambda v, w: checks.integer(v, w, 0, (1 << 16) - 1),
     "tp_size": lambda v, w: checks.integer(v, w, 1, 1 << 16),
+    "keepalive": checks.seconds,
 }
 
 

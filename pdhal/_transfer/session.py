@@ -104,7 +104,13 @@ def _bounded(text: str) -> str:
 
 
 def _facts(
-    role: str, transport_name: str, block_tokens: int, kv_heads: int, tp_rank: int, tp_size: int
+    role: str,
+    transport_name: str,
+    block_tokens: int,
+    kv_heads: int,
+    tp_rank: int,
+    tp_size: int,
+    keepalive: float,
 ) -> messages.Facts:
     return messages.Facts(
         role=role,
@@ -118,6 +124,7 @@ def _facts(
         kv_heads=kv_heads,
         tp_rank=tp_rank,
         tp_size=tp_size,
+        keepalive=keepalive,
     )
 
 
@@ -246,7 +253,13 @@ class PrefillService:
         )
         self.layout = layout
         self.facts = _facts(
-            "prefill", transport_name, self.streamer.block_tokens, heads, rank, size
+            "prefill",
+            transport_name,
+            self.streamer.block_tokens,
+            heads,
+            rank,
+            size,
+            self.keepalive,
         )
         #: whether this rank holds a KV head no earlier rank holds: one that does not (its
         #: heads replicated there) sends nothing, whatever a decode side's split
@@ -623,6 +636,7 @@ class PrefillService:
         client.link = control.ControlLink(
             conn,
             keepalive=self.keepalive,
+            peer_keepalive=hello.facts.keepalive,
             on_message=lambda m: self._heard(client, m),
             on_lost=lambda why: self._lost(client, why),
             name=f"pdhal-session-decode{hello.facts.tp_rank}",
@@ -819,7 +833,9 @@ class DecodeClient:
         self.keepalive = checks.seconds(keepalive, "keepalive")
         self.connect_timeout = checks.seconds(connect_timeout, "connect_timeout")
         tokens = checks.integer(block_tokens, "block_tokens", 1, 1 << 20)
-        self.facts = _facts("decode", receiver.transport_name, tokens, heads, rank, size)
+        self.facts = _facts(
+            "decode", receiver.transport_name, tokens, heads, rank, size, self.keepalive
+        )
         self._lock = threading.Lock()
         self._services: dict[str, _Service] = {}  # by address
         self._wanted: dict[str, _Wanted] = {}  # by request id
@@ -1039,6 +1055,7 @@ class DecodeClient:
         service.link = control.ControlLink(
             conn,
             keepalive=self.keepalive,
+            peer_keepalive=answer.facts.keepalive,
             on_message=lambda m: self._heard(service, m),
             on_lost=lambda why: self._lost(service, why),
             name=f"pdhal-session-prefill{answer.facts.tp_rank}",

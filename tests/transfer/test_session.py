@@ -169,6 +169,22 @@ def test_a_silent_service_fails_the_claims_on_it_within_the_keepalive_bound(peer
     service.resume()
 
 
+def test_sides_of_different_keepalive_bounds_keep_each_other_alive(peers):
+    """A service bounded at 0.5 s and a decode side at 30 s: the decode side pings within
+    a third of the smaller bound (said in the hello), so the session outlives several of
+    the service's bounds with nothing else said, and the claim made before lands."""
+    service, address = prefill(peers, "--keepalive", "0.5")
+    client = peers("decode", "--keepalive", "30")
+    client.send("claim", "r1", address, [1, 2], 8, 60)
+    assert client.read("claimed") == ["r1"]
+    time.sleep(2.0)  # four of the service's bounds, nothing to say but pings
+    service.send("add", "r1", [3, 4], 8)
+    assert service.read("added") == ["r1"]
+    assert service.read("outcome") == ["r1", True, ""]
+    client.send("wait", "r1", [1, 2], 30)
+    assert client.read("outcome")[:3] == [True, "", True]
+
+
 def test_a_restarted_service_is_served_again_and_frees_what_the_dead_one_held(peers):
     service, address = prefill(peers, "--keepalive", "1")
     client = peers("decode", "--keepalive", "1")
@@ -299,6 +315,7 @@ def hand_made_session(address: str, receiver) -> control.Frames:
         KV_HEADS,
         0,
         1,
+        5.0,
     )
     control.write_message(conn, messages.Hello(messages.PROTOCOL, facts, receiver.describe()), 10)
     assert isinstance(control.read_message(conn, 10), messages.Welcome)
