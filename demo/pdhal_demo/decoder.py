@@ -261,6 +261,8 @@ def run(link, setup: dict) -> None:
     if kind == "exit":  # the run failed elsewhere
         return
     claims.prefill = message["prefill"]
+    for client in claims.clients:  # every session made (and the hellos checked) first, so
+        client.connect(claims.prefill)  # that "claimed" means each claim went
     claims.claim_free()
     link.send(("claimed", {}))
     checker, recycles = Checker(plan, cache), plan.recycles

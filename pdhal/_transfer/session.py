@@ -792,12 +792,52 @@ class _Service:
     parts: set[str] = field(default_factory=set)  # claimed through it, not ended
 
 
+@dataclass(frozen=True)
+class _Prefill:
+    """A prefill instance as a caller names it: rank 0's address (rank r serves at its
+    port + r), or every rank's, in rank order."""
+
+    rank0: str
+    every: tuple[str, ...] | None
+
+    @classmethod
+    def parse(cls, prefill: object) -> _Prefill:
+        if isinstance(prefill, str):
+            control.parse_address(prefill, "prefill")
+            return cls(prefill, None)
+        every = tuple(prefill) if isinstance(prefill, (list, tuple)) else ()
+        if not every:
+            raise InvalidArgumentError(
+                f"prefill must be rank 0's 'HOST:PORT' or every rank's, got {prefill!r}"
+            )
+        for rank, address in enumerate(every):
+            control.parse_address(address, f"prefill[{rank}]")
+        return cls(every[0], every)
+
+    def address(self, rank: int) -> str:
+        return rank_address(self.rank0, rank) if self.every is None else self.every[rank]
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """What a claim asks for, kept until the sessions it needs are up."""
+
+    prefill: _Prefill
+    blocks: list[int]
+    tokens: int
+    cached: int
+    deadline: float  # monotonic: the claim's timeout, from the call
+    layerwise: bool
+
+
 @dataclass(eq=False)
 class _Wanted:
-    """A claimed request: its parts, and each part's outcome as it comes."""
+    """A claimed request: what it asks, then its parts (once sent), and each part's
+    outcome as it comes."""
 
     request_id: str
-    parts: dict[str, _Service]
+    ask: _Ask
+    parts: dict[str, _Service] = field(default_factory=dict)
     ended: dict[str, Outcome] = field(default_factory=dict)
     held: set[str] = field(default_factory=set)  # parts whose blocks are not free yet
 
@@ -806,10 +846,13 @@ class DecodeClient:
     """Claims requests' KV into `receiver`'s caches from prefill services: one decode rank
     (`tp_rank` of `tp_size`) of a model with `kv_heads` KV heads, blocks of `block_tokens`.
 
-    Thread-safe. claim() connects to the services it needs at its first claim to them
-    (blocking up to `connect_timeout`; a refused hello raises RefusedError naming both
-    sides) and reconnects after a session ended. poll() reports each claimed request once;
-    freed() names those whose blocks stayed held (Outcome.blocks_free False) once free."""
+    Thread-safe, and claim() never waits on the network: a session it needs is made (and
+    after it ended, made again) on a thread of its own, within `connect_timeout`, while
+    the engine goes on; a claim whose session cannot be made fails (reported by poll(),
+    its blocks free). connect() makes them now, raising: for a compatibility check up
+    front (a refused hello is RefusedError naming both sides). poll() reports each claimed
+    request once; freed() names those whose blocks stayed held (Outcome.blocks_free False)
+    once free."""
 
     def __init__(
         self,
@@ -847,6 +890,8 @@ class DecodeClient:
         #: one connect at a time per address (one session per service; a hung service
         #: delays no claim to another)
         self._dialing: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+        #: address -> the claims waiting for its session, being made on a thread
+        self._awaiting: dict[str, list[_Wanted]] = {}
         self._closed = False
 
     def claim(
@@ -866,24 +911,16 @@ class DecodeClient:
         it are cached here), within `timeout` s (else it fails; KVReceiver.expect). With
         every block cached (`blocks` empty) nothing is sent: it is reported landed at once,
         and the prefill side may free it.
-        Connects first if need be: SessionError (RefusedError for a refused hello) if a
-        service cannot be reached, and then nothing is claimed."""
+        Never waits on the network: a session it needs is made in the background, and if
+        it cannot be (unreachable, refused, its timeout passed first) the claim fails."""
         request_id = checks.name(request_id, "request_id")
-        if isinstance(prefill, str):
-            addresses = None
-            control.parse_address(prefill, "prefill")
-        else:
-            addresses = list(prefill) if isinstance(prefill, (list, tuple)) else []
-            if not addresses:
-                raise InvalidArgumentError(
-                    f"prefill must be rank 0's 'HOST:PORT' or every rank's, got {prefill!r}"
-                )
-            for rank, address in enumerate(addresses):
-                control.parse_address(address, f"prefill[{rank}]")
+        instance = _Prefill.parse(prefill)
         dst = checks.block_ids(blocks, "blocks", self._dst_limit(), "decode caches", unique=True)
         tokens = checks.integer(tokens, "tokens", 1)
+        timeout = checks.seconds(timeout, "timeout")
         whole = -(-tokens // self.facts.block_tokens)
         cached = checks.integer(cached_blocks, "cached_blocks", 0, whole)
+        layerwise = checks.flag(layerwise, "layerwise")
         longest = part_id(request_id, 1 << 16, 1 << 16)
         if len(longest) > messages.MOST_CHARS:
             raise InvalidArgumentError(
@@ -895,54 +932,25 @@ class DecodeClient:
                 f"request {request_id!r}: {tokens} tokens from block {cached} on are "
                 f"{-(-tokens // self.facts.block_tokens) - cached} blocks, got {len(dst)}"
             )
+        ask = _Ask(instance, dst, tokens, cached, time.monotonic() + timeout, layerwise)
+        wanted = _Wanted(request_id, ask)
         with self._lock:
             self._open()
             if request_id in self._wanted:
                 raise InvalidArgumentError(f"request {request_id!r} is claimed already")
-        rank0 = self._service(prefill if addresses is None else addresses[0], 0, None)
-        size = rank0.facts.tp_size
-        if addresses is not None and len(addresses) != size:
-            raise InvalidArgumentError(
-                f"prefill names {len(addresses)} ranks; the instance at {addresses[0]} has {size}"
-            )
-        shards = head_shards(self.facts.kv_heads, size, self.facts.tp_size)
-        ranks = sorted(src for src, dst_rank in shards if dst_rank == self.facts.tp_rank)
-        services = {
-            r: self._service(
-                rank_address(prefill, r) if addresses is None else addresses[r], r, size
-            )
-            for r in ranks
-        }
-        if cached == whole:  # every block is here: the prefill side hears so, nothing comes
-            for r, service in services.items():
-                service.link.send(
-                    messages.Cached(request_id, part_id(request_id, r, self.facts.tp_rank))
-                )
-            with self._lock:
-                self._outcomes.append(Outcome(request_id, True))
-            return
-        wanted = _Wanted(request_id, {})
-        tickets = {}
-        try:
-            for r, service in services.items():
-                part = part_id(request_id, r, self.facts.tp_rank)
-                tickets[part] = self.receiver.expect(part, timeout, layerwise=layerwise)
-                wanted.parts[part] = service
-        except PdhalError:
-            for part in tickets:  # (their outcomes are nobody's: _collect drops them)
-                self.receiver.abandon(part, "its claim was not sent", unwritten=True)
-            raise
-        with self._lock:
             self._wanted[request_id] = wanted
-            for part, service in wanted.parts.items():
-                self._part_of[part] = wanted
-                service.parts.add(part)
-        for part, service in wanted.parts.items():
-            claim = messages.Claim(request_id, part, dst, tokens, cached, tickets[part])
-            if service.link.ended:  # nothing of it can have been written
-                self._end_part(part, "its session ended before the claim went", unwritten=True)
-            else:
-                service.link.send(claim)
+        self._advance(wanted)
+
+    def connect(self, prefill: str | list[str]) -> None:
+        """Make the sessions with the prefill instance at `prefill` (as in claim) now: rank
+        0's, then each rank this one takes heads from, each within `connect_timeout`.
+        SessionError if one cannot be reached, RefusedError (naming both sides) if its hello
+        is refused. claim() needs none of this; it checks compatibility up front."""
+        instance = _Prefill.parse(prefill)
+        self._open()
+        size = self._check_rank(self._connect(instance.rank0), 0, None).facts.tp_size
+        for rank in self._ranks(instance, size):
+            self._check_rank(self._connect(instance.address(rank)), rank, size)
 
     def cancel(self, request_id: str) -> None:
         """The engine no longer wants `request_id` (aborted): each prefill rank stops
@@ -950,6 +958,10 @@ class DecodeClient:
         request_id = checks.name(request_id, "request_id")
         with self._lock:
             wanted = self._wanted.get(request_id)
+            if wanted is not None and not wanted.parts:  # its claim has not gone yet
+                del self._wanted[request_id]
+                self._outcomes.append(Outcome(request_id, False, "cancelled before its claim went"))
+                return
             parts = (
                 []
                 if wanted is None
@@ -967,7 +979,7 @@ class DecodeClient:
             wanted = self._wanted.get(request_id)
         if wanted is None:
             raise InvalidArgumentError(f"request {request_id!r} is not claimed")
-        counts = []
+        counts = [0] if not wanted.parts else []  # (its claim has not gone yet)
         for part in wanted.parts:
             try:
                 counts.append(self.receiver.layers_landed(part))
@@ -1017,24 +1029,148 @@ class DecodeClient:
     def _dst_limit(self) -> int:
         return min(spec.blocks for caches in self.receiver.layout.layers for spec in caches)
 
-    def _service(self, address: str, rank: int, size: int | None) -> _Service:
-        """The live session with the service at `address` (prefill rank `rank` of `size`),
-        made if need be."""
+    def _advance(self, wanted: _Wanted) -> None:
+        """Send `wanted`'s claim if every session it needs is up; else wait for the first
+        one missing (made on a thread of its own, which advances it again). It fails, its
+        blocks free, if a session cannot be made or its timeout passes first."""
+        instance = wanted.ask.prefill
         with self._lock:
-            dialing = self._dialing[address]
-        with dialing:
+            if self._wanted.get(wanted.request_id) is not wanted:
+                return  # cancelled meanwhile
+        try:
+            if time.monotonic() >= wanted.ask.deadline:
+                raise SessionError("its timeout passed before its sessions were made")
+            rank0 = self._live(instance.rank0)
+            if rank0 is None:
+                self._await(instance.rank0, wanted)
+                return
+            size = self._check_rank(rank0, 0, None).facts.tp_size
+            services = {}
+            for rank in self._ranks(instance, size):
+                service = self._live(instance.address(rank))
+                if service is None:
+                    self._await(instance.address(rank), wanted)
+                    return
+                services[rank] = self._check_rank(service, rank, size)
+        except (SessionError, InvalidArgumentError) as e:
+            self._unsent(wanted, str(e))
+            return
+        self._send(wanted, services)
+
+    def _send(self, wanted: _Wanted, services: dict[int, _Service]) -> None:
+        """`wanted`'s claim (or, every block cached here, its `cached`) to each of
+        `services`, by prefill rank, unless it was cancelled meanwhile."""
+        ask, request_id = wanted.ask, wanted.request_id
+        parts = {part_id(request_id, r, self.facts.tp_rank): s for r, s in services.items()}
+        if ask.cached == -(-ask.tokens // self.facts.block_tokens):  # nothing comes
             with self._lock:
-                service = self._services.get(address)
-            if service is None or service.link.ended:
-                service = self._dial(address)
+                if self._wanted.get(request_id) is not wanted:
+                    return  # cancelled
+                del self._wanted[request_id]
+                for part, service in parts.items():
+                    service.link.send(messages.Cached(request_id, part))
+                self._outcomes.append(Outcome(request_id, True))
+            return
+        tickets = {}
+        try:
+            left = max(1e-3, ask.deadline - time.monotonic())
+            for part in parts:
+                tickets[part] = self.receiver.expect(part, left, layerwise=ask.layerwise)
+        except PdhalError as e:
+            self._unsent(wanted, str(e), tickets)
+            return
+        with self._lock:  # (sent under it: a cancel now comes after the claims, on each link)
+            current = self._wanted.get(request_id) is wanted
+            if current:
+                wanted.parts = parts
+                for part, service in parts.items():
+                    self._part_of[part] = wanted
+                    service.parts.add(part)
+                    service.link.send(
+                        messages.Claim(
+                            request_id, part, ask.blocks, ask.tokens, ask.cached, tickets[part]
+                        )
+                    )
+        if not current:  # cancelled meanwhile (and reported then)
+            self._unsent(wanted, "", tickets)
+            return
+        for part, service in parts.items():
+            if service.link.ended:  # (its on_lost may have run before the part was added)
+                self._end_part(part, "its session ended before the claim went", unwritten=True)
+
+    def _unsent(self, wanted: _Wanted, why: str, tickets=()) -> None:
+        """`wanted` failed before its claim went (nothing of it can be written): `tickets`
+        made for it are dropped, and it is reported with `why` unless cancelled already."""
+        for part in tickets:  # (their outcomes are nobody's: _collect drops them)
+            with contextlib.suppress(PdhalError):
+                self.receiver.abandon(part, "its claim was not sent", unwritten=True)
+        with self._lock:
+            if self._wanted.get(wanted.request_id) is wanted:
+                del self._wanted[wanted.request_id]
+                self._outcomes.append(Outcome(wanted.request_id, False, _bounded(why)))
+
+    def _ranks(self, instance: _Prefill, size: int) -> list[int]:
+        """The ranks of `instance` (of `size`) this rank takes heads from."""
+        if instance.every is not None and len(instance.every) != size:
+            raise InvalidArgumentError(
+                f"prefill names {len(instance.every)} ranks; the instance at {instance.rank0} "
+                f"has {size}"
+            )
+        shards = head_shards(self.facts.kv_heads, size, self.facts.tp_size)
+        return sorted(src for src, dst_rank in shards if dst_rank == self.facts.tp_rank)
+
+    @staticmethod
+    def _check_rank(service: _Service, rank: int, size: int | None) -> _Service:
         facts = service.facts
         if facts.tp_rank != rank or size not in (None, facts.tp_size):
             raise SessionError(
-                f"the service at {address} is prefill rank {facts.tp_rank} of {facts.tp_size}, "
-                f"expected rank {rank}{'' if size is None else f' of {size}'} (rank r serves "
-                f"at rank 0's port + r)"
+                f"the service at {service.address} is prefill rank {facts.tp_rank} of "
+                f"{facts.tp_size}, expected rank {rank}{'' if size is None else f' of {size}'} "
+                f"(rank r serves at rank 0's port + r)"
             )
         return service
+
+    def _live(self, address: str) -> _Service | None:
+        with self._lock:
+            service = self._services.get(address)
+        return service if service is not None and not service.link.ended else None
+
+    def _await(self, address: str, wanted: _Wanted) -> None:
+        """`wanted` waits for the session with `address`, made on a thread of its own (one
+        per address at a time), which advances each claim waiting once it is made or
+        failed."""
+        with self._lock:
+            self._open()
+            waiting = self._awaiting.get(address)
+            first = waiting is None
+            if first:
+                waiting = self._awaiting[address] = []
+            waiting.append(wanted)
+        if first:
+            threading.Thread(
+                target=self._connect_for, args=(address,), name="pdhal-session-dial", daemon=True
+            ).start()
+
+    def _connect_for(self, address: str) -> None:
+        error = None
+        try:
+            self._connect(address)
+        except PdhalError as e:
+            error = str(e)
+        with self._lock:
+            waiting = self._awaiting.pop(address, [])
+        for wanted in waiting:
+            if error is None:
+                self._advance(wanted)
+            else:
+                self._unsent(wanted, error)
+
+    def _connect(self, address: str) -> _Service:
+        """The live session with `address`, made if need be (one dial at a time each)."""
+        with self._lock:
+            dialing = self._dialing[address]
+        with dialing:
+            return self._live(address) or self._dial(address)
 
     def _dial(self, address: str) -> _Service:
         conn = control.dial(address, self._key, self.connect_timeout)

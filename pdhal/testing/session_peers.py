@@ -130,6 +130,9 @@ def _decode(args) -> None:
                     cached_blocks=command[6] if len(command) > 6 else 0,
                 )
                 _say("claimed", command[1])
+            elif command[0] == "connect":  # prefill
+                client.connect(command[1])
+                _say("connected", command[1])
             elif command[0] == "cancel":
                 client.cancel(command[1])
                 _say("cancelled", command[1])

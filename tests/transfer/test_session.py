@@ -8,6 +8,7 @@ session only."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
@@ -44,6 +45,13 @@ def prefill(start, *options: str) -> tuple[Peer, str]:
     peer = start("prefill", *options)
     [address] = peer.read("listening")
     return peer, address
+
+
+def connect(client: Peer, address: str) -> None:
+    """`client`'s session with `address` made now, so that its next claim there goes at
+    once (claim() makes it in the background otherwise)."""
+    client.send("connect", address)
+    assert client.read("connected") == [address]
 
 
 def assert_landed(blocks: list, src_blocks: list[int], got: list) -> None:
@@ -118,14 +126,18 @@ def test_each_decode_rank_gets_its_heads_from_the_prefill_ranks_that_hold_them(
 def test_a_hello_of_another_layout_or_namespace_is_refused_naming_both_sides(peers):
     service, address = prefill(peers)
     other_heads = peers("decode", "--head-bytes", "8")
-    other_heads.send("claim", "r1", address, [1], 4, 30)
+    other_heads.send("connect", address)
     kind, text = other_heads.read("error")
     assert kind == "RefusedError"
     assert "the prefill side (rank 0 of 1, pid" in text and "the decode side (rank 0" in text
     assert "bytes" in text  # what differs: a head's bytes
+    other_heads.send("claim", "r1", address, [1], 4, 30)  # a claim there fails, saying why
+    other_heads.send("wait", "r1", [1], 30)
+    landed, reason, free, _ = other_heads.read("outcome")
+    assert (landed, free) == (False, True) and "refused" in reason and "bytes" in reason
     env = dict(os.environ, PDHAL_NAMESPACE="elsewhere")
     elsewhere = peers("decode", env=env)
-    elsewhere.send("claim", "r1", address, [1], 4, 30)
+    elsewhere.send("connect", address)
     kind, text = elsewhere.read("error")
     assert kind == "RefusedError"
     assert "namespace: 'default' here, 'elsewhere' there" in text.replace(
@@ -157,6 +169,7 @@ def test_a_silent_service_fails_the_claims_on_it_within_the_keepalive_bound(peer
     load timeout; its blocks stay held (a stopped service may write again)."""
     service, address = prefill(peers, "--keepalive", "1")
     client = peers("decode", "--keepalive", "1")
+    connect(client, address)
     client.send("claim", "r1", address, [1, 2], 8, 60)
     assert client.read("claimed") == ["r1"]
     service.stop()
@@ -188,6 +201,7 @@ def test_sides_of_different_keepalive_bounds_keep_each_other_alive(peers):
 def test_a_restarted_service_is_served_again_and_frees_what_the_dead_one_held(peers):
     service, address = prefill(peers, "--keepalive", "1")
     client = peers("decode", "--keepalive", "1")
+    connect(client, address)
     client.send("claim", "r1", address, [1, 2], 8, 60)
     assert client.read("claimed") == ["r1"]
     service.kill()
@@ -214,6 +228,7 @@ def test_a_cancel_frees_the_blocks_at_once_and_fails_the_request_to_its_prefill_
     request the prefill side adds afterwards fails at once (not at its 60 s claim lease)."""
     service, address = prefill(peers)
     client = peers("decode")
+    connect(client, address)
     client.send("claim", "r1", address, [1, 2], 8, 60)
     assert client.read("claimed") == ["r1"]
     client.send("cancel", "r1")
@@ -352,10 +367,38 @@ def test_a_claim_for_blocks_outside_the_caches_is_refused_at_the_call(receiver):
         client.claim("r1", "127.0.0.1:1", [1, 2], tokens=4, timeout=5)
     with pytest.raises(InvalidArgumentError, match="prefill must be 'HOST:PORT'"):
         client.claim("r1", "nowhere", [1], tokens=4, timeout=5)
-    with pytest.raises(SessionError, match="cannot reach the session service at 127.0.0.1:1"):
-        client.claim("r1", "127.0.0.1:1", [1], tokens=4, timeout=5)
     assert client.poll() == []  # nothing was claimed
+    with pytest.raises(SessionError, match="cannot reach the session service at 127.0.0.1:1"):
+        client.connect("127.0.0.1:1")
     client.close()
+
+
+def test_a_claim_never_waits_on_the_network_and_fails_when_its_session_cannot_be_made(receiver):
+    """claim() returns at once whatever the service does: one that accepts and never
+    answers the hello (a hung process) holds no caller; the claim fails once its session
+    cannot be made (connect_timeout), reported by poll with its blocks free, as does one
+    to an address that refuses connections."""
+    hung = socket.create_server(("127.0.0.1", 0))  # listens, never answers
+    address = f"127.0.0.1:{hung.getsockname()[1]}"
+    client = transfer.DecodeClient(
+        receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=4, connect_timeout=0.5
+    )
+    started = time.monotonic()
+    for i in range(5):  # each would wait a whole connect_timeout if claim() dialled itself
+        client.claim(f"r{i}", address, [i], tokens=4, timeout=30)
+    client.claim("refused", "127.0.0.1:1", [7], tokens=4, timeout=30)
+    assert time.monotonic() - started < 0.5
+    ended = {}
+    while len(ended) < 6:
+        ended.update((o.request_id, o) for o in client.poll())
+        assert time.monotonic() - started < 10, ended
+        time.sleep(0.01)
+    for i in range(5):
+        assert (ended[f"r{i}"].landed, ended[f"r{i}"].blocks_free) == (False, True)
+        assert f"with {address} failed" in ended[f"r{i}"].reason
+    assert "cannot reach the session service at 127.0.0.1:1" in ended["refused"].reason
+    client.close()
+    hung.close()
 
 
 def test_a_silent_decode_side_fails_its_requests_on_the_prefill_side(peers):
@@ -507,6 +550,7 @@ def test_a_dead_service_s_held_blocks_are_freed_and_a_stopped_one_s_are_not(peer
     killed, at_killed = prefill(peers, "--keepalive", "1")
     client = peers("decode", "--keepalive", "1")
     for request, address, block in (("s1", at_stopped, 1), ("k1", at_killed, 2)):
+        connect(client, address)
         client.send("claim", request, address, [block], 4, 60)
         assert client.read("claimed") == [request]
     stopped.stop()
