@@ -840,6 +840,7 @@ class _Wanted:
     parts: dict[str, _Service] = field(default_factory=dict)
     ended: dict[str, Outcome] = field(default_factory=dict)
     held: set[str] = field(default_factory=set)  # parts whose blocks are not free yet
+    cancelled: bool = False  # before its claim went: a cancel follows the claim
 
 
 class DecodeClient:
@@ -958,9 +959,8 @@ class DecodeClient:
         request_id = checks.name(request_id, "request_id")
         with self._lock:
             wanted = self._wanted.get(request_id)
-            if wanted is not None and not wanted.parts:  # its claim has not gone yet
-                del self._wanted[request_id]
-                self._outcomes.append(Outcome(request_id, False, "cancelled before its claim went"))
+            if wanted is not None and not wanted.parts:  # its claim has not gone yet: the
+                wanted.cancelled = True  # cancel follows it, so the prefill side hears it
                 return
             parts = (
                 []
@@ -970,6 +970,12 @@ class DecodeClient:
         for part, service in parts:
             if service.link is not None:
                 service.link.send(messages.Cancel(part))
+
+    def unsent(self) -> list[str]:
+        """The claimed requests whose claims have not gone yet: the sessions they need are
+        being made."""
+        with self._lock:
+            return [r for r, wanted in self._wanted.items() if not wanted.parts]
 
     def layers_landed(self, request_id: str) -> int:
         """How many layers of `request_id`, from the first, landed in every part
@@ -1091,6 +1097,8 @@ class DecodeClient:
                             request_id, part, ask.blocks, ask.tokens, ask.cached, tickets[part]
                         )
                     )
+                    if wanted.cancelled:
+                        service.link.send(messages.Cancel(part))
         if not current:  # cancelled meanwhile (and reported then)
             self._unsent(wanted, "", tickets)
             return

@@ -205,7 +205,7 @@ def test_a_restarted_service_is_served_again_and_frees_what_the_dead_one_held(pe
     client.send("claim", "r1", address, [1, 2], 8, 60)
     assert client.read("claimed") == ["r1"]
     service.kill()
-    removed, _ = pdhal.cleanup()  # what the killed service left (its caches)
+    removed, _ = pdhal.cleanup(pdhal.namespace())  # what the killed service left (its caches)
     assert removed
     client.send("wait", "r1", [1, 2], 30)
     landed, reason, free, _ = client.read("outcome")
@@ -223,12 +223,18 @@ def test_a_restarted_service_is_served_again_and_frees_what_the_dead_one_held(pe
     assert_landed([3], [7], got)
 
 
-def test_a_cancel_frees_the_blocks_at_once_and_fails_the_request_to_its_prefill_side(peers):
+@pytest.mark.parametrize("session", ["made first", "made by the claim"])
+def test_a_cancel_frees_the_blocks_at_once_and_fails_the_request_to_its_prefill_side(
+    peers, session
+):
     """Cancelled before its prefill side had it: answered at once (blocks free), and the
-    request the prefill side adds afterwards fails at once (not at its 60 s claim lease)."""
+    request the prefill side adds afterwards fails at once (not at its 60 s claim lease);
+    also when the cancel came before the claim went (its session being made): the cancel
+    follows the claim."""
     service, address = prefill(peers)
     client = peers("decode")
-    connect(client, address)
+    if session == "made first":
+        connect(client, address)
     client.send("claim", "r1", address, [1, 2], 8, 60)
     assert client.read("claimed") == ["r1"]
     client.send("cancel", "r1")
@@ -388,6 +394,7 @@ def test_a_claim_never_waits_on_the_network_and_fails_when_its_session_cannot_be
         client.claim(f"r{i}", address, [i], tokens=4, timeout=30)
     client.claim("refused", "127.0.0.1:1", [7], tokens=4, timeout=30)
     assert time.monotonic() - started < 0.5
+    assert {f"r{i}" for i in range(5)} <= set(client.unsent())  # sessions being made
     ended = {}
     while len(ended) < 6:
         ended.update((o.request_id, o) for o in client.poll())
@@ -451,7 +458,7 @@ def test_a_request_whose_decode_side_died_before_it_was_added_fails_once_added(p
     client.kill()
     pid, why = service.read("session_end", bound=30)  # (the engine hears it: on_session_end)
     assert pid == client.proc.pid and why, why
-    pdhal.cleanup()  # what the killed decode side left (its caches)
+    pdhal.cleanup(pdhal.namespace())  # what the killed decode side left (its caches)
     service.send("add", "r1", [3, 4], 8)
     service.read("added")
     request, landed, why = service.read("outcome", bound=30)
@@ -555,7 +562,7 @@ def test_a_dead_service_s_held_blocks_are_freed_and_a_stopped_one_s_are_not(peer
         assert client.read("claimed") == [request]
     stopped.stop()
     killed.kill()
-    pdhal.cleanup()  # what the killed service left (its caches)
+    pdhal.cleanup(pdhal.namespace())  # what the killed service left (its caches)
     for request, block in (("s1", 1), ("k1", 2)):
         client.send("wait", request, [block], 30)
         landed, _, free, _ = client.read("outcome")
