@@ -108,7 +108,10 @@ def test_random_kills_are_reported_within_a_second_and_restarts_take_over():
     assert min(counts.values()) >= 10
     # what SIGKILL left behind (a dead producer's segment) is stale: cleanup removes it
     proc = subprocess.run(
-        [sys.executable, "-m", "pdhal", "cleanup"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "pdhal", "cleanup", "--namespace", pdhal.namespace()],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert not segments_of(os.environ["PDHAL_NAMESPACE"]), proc.stdout
 
@@ -126,7 +129,10 @@ def test_cleanup_removes_dead_segments_only():
     dead = _names.channel_path("query", 1, 0)
     assert os.path.exists(dead)
     proc = subprocess.run(
-        [sys.executable, "-m", "pdhal", "cleanup"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "pdhal", "cleanup", "--namespace", pdhal.namespace()],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert f"removed {dead}" in proc.stdout
     assert not os.path.exists(dead)
