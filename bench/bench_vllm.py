@@ -596,34 +596,28 @@ def split_pdhal(stack: Stack, results: list[dict]) -> list[dict]:
     decode_landed = {
         e["tid"]: e["t"] for e in decode if e["kind"] == "landed" and e["layer"] == last
     }
-    # the messager's events in the order it handled them
-    want, mtable, step_table, seen, records = {}, {}, {}, [], []
-    for i, e in enumerate(messager):
-        kind = e["kind"]
-        if kind == "want":
-            want.setdefault(e["tid"], (i, e["t"]))
-        elif kind == "table":
-            step_table.setdefault(e["step"], i)
+    # when each request was claimed (the decode worker's "want") and its table came
+    want: dict[str, int] = {}
+    for e in decode:
+        if e["kind"] == "want":
+            want.setdefault(e["tid"], e["t"])
+    mtable: dict[str, int] = {}
+    for e in messager:
+        if e["kind"] == "table":
             for tid in e["tids"]:
-                mtable.setdefault(tid, (i, e["t"]))
-        elif kind == "seen":
-            seen.append((i, e["step"], e["layer"]))
-        elif kind == "landed" and e["layer"] == last:
-            records.append(e)
+                mtable.setdefault(tid, e["t"])
+    records = [e for e in messager if e["kind"] == "landed" and e["layer"] == last]
 
     def streamer_landed(tid: str, step: int) -> dict | None:
-        if tid not in want or tid not in mtable or step not in step_table:
+        """The streamer's record of `tid`'s last layer: the first of its step submitted
+        once both its claim and its table were there (on its signal, or with the claim
+        when that came later; a claim reaches the messager a moment after the decode
+        worker traced it, so this may be another request's of that step, as early)."""
+        if tid not in want or tid not in mtable:
             return None
-        claim = max(want[tid], mtable[tid])  # the destination is set at the later of the two
-        reached = next((i for i, s, layer in seen if (s, layer) >= (step, last)), None)
-        if reached is None:
-            return None
-        if claim[0] <= max(reached, step_table[step]):  # the last layer went on its signal
-            ends = [r for r in records if r.get("step") == step]
-        else:  # it was ready when the decode side asked: it went with the destination
-            late = [r for r in records if r.get("step") is None and r["signal_ns"] >= claim[1]]
-            ends = [min(late, key=lambda r: r["signal_ns"])] if late else []
-        return max(ends, key=lambda r: r["t"]) if ends else None
+        ready = max(want[tid], mtable[tid])
+        ends = [r for r in records if r.get("step") == step and r["submit_ns"] >= ready]
+        return min(ends, key=lambda r: r["submit_ns"]) if ends else None
 
     client = []
     for result in results:

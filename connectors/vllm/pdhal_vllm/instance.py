@@ -78,6 +78,17 @@ def _wait_for(path: str, timeout: float, poll: float = 0.01) -> None:
         time.sleep(poll)
 
 
+def _claims_went(args, prompts: list[dict]) -> bool:
+    """After the first step: a decode instance (traced) once its worker's claims of every
+    prompt went (its trace says "want"; the sessions are made in the background)."""
+    from pdhal_vllm.wire import read_trace
+
+    if args.role != "decode" or not args.trace:
+        return True
+    wanted = {e["tid"] for e in read_trace(f"{args.trace}.decode0.jsonl") if e["kind"] == "want"}
+    return wanted >= {p["tid"] for p in prompts}
+
+
 def _touch(path: str | None) -> None:
     if path:
         with open(path + ".tmp", "w") as f:
@@ -93,7 +104,7 @@ def _held_transfers() -> int:
     if not has_kv_transfer_group():
         return 0
     worker = getattr(get_kv_transfer_group(), "worker", None)
-    return len(worker.req_of) + len(worker.loads) if worker is not None else 0
+    return worker.held_transfers() if worker is not None else 0
 
 
 def run(args) -> dict:
@@ -135,7 +146,7 @@ def run(args) -> dict:
 
     while waiting and not (args.sequential and engine.has_unfinished_requests()):
         submit()
-    steps = 0
+    steps, submitted = 0, False
     deadline = time.monotonic() + args.timeout
     while engine.has_unfinished_requests() or waiting:
         if waiting and not engine.has_unfinished_requests():  # --sequential: the next one
@@ -152,7 +163,8 @@ def run(args) -> dict:
             if out.finished:
                 r["finish_reason"] = out.outputs[0].finish_reason
                 r["finished_ns"] = now
-        if steps == 1:
+        if not submitted and _claims_went(args, prompts):
+            submitted = True
             _touch(args.submitted_file)  # the decode side has asked for its KV
             if args.cancel_after_submit:
                 engine.abort_request([p["tid"] for p in prompts])

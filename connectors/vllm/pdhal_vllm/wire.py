@@ -1,22 +1,30 @@
-"""The control connections: prefill worker -> messager, decode worker -> messager.
+"""What the connector's processes share: its errors, the deployment's key, the prefill
+worker's link to its messager, and the trace.
 
-Only block tables, the decode side's wants and the prefill side's completions go through
-them; KV bytes and the decode side's outcomes move through pdhal.transfer's transport (shm
-or Mooncake), layer progress through pdhal's signals. Every connection must
-prove it holds the deployment's key (multiprocessing's HMAC challenge), so nothing else on
-the network can join: the key is PDHAL_VLLM_KEY (hex) or the connector's `auth_key`.
+A decode worker and a messager speak pdhal's session protocol (pdhal.transfer.DecodeClient,
+PrefillService; docs/session-protocol.md) at the messager's address. The prefill worker and
+its messager (one host: the messager maps the worker's KV cache) speak over a local socket
+named by that address (`worker_address`): the worker's hello (its KV cache and layout), each
+step's table, and each transfer's end. Both ask for the deployment's key: PDHAL_VLLM_KEY
+(hex) or the connector's `auth_key`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import zlib
 from multiprocessing.connection import Client, Connection
 
 KEY_VAR = "PDHAL_VLLM_KEY"
+#: The control sessions' liveness bound (s) by default (the decode workers'
+#: `keepalive_s`, the messager's --keepalive): a side silent this long is gone. Generous: a
+#: vLLM worker's threads can be starved for seconds on a loaded host, and a false end
+#: fails every request of that session.
+KEEPALIVE_S = 15.0
 
 
 class ConnectorError(RuntimeError):
@@ -45,30 +53,53 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def connect(address: str, key: bytes, hello: dict, timeout: float = 30.0) -> Connection:
-    """Connect to the messager at `address` (retrying while it starts) and say hello."""
+def reserve(address: str) -> tuple[socket.socket, str]:
+    """A socket holding `address`'s port (port 0: a free one) for the caller's life, and
+    the address it holds: bound, never listening, with address reuse, so that a service
+    made there later (pdhal.transfer.PrefillService, which allows reuse too) can listen on
+    it each time, and nothing else takes the port in between."""
     host, port = parse_address(address)
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        holder.bind((host, port))
+    except OSError as exc:
+        holder.close()
+        raise ConnectorError(f"cannot listen on {address}: {exc}") from None
+    return holder, f"{host}:{holder.getsockname()[1]}"
+
+
+def worker_address(address: str) -> str:
+    """The local socket of the messager serving decode workers at `address`, where its
+    prefill worker connects (an abstract AF_UNIX name: nothing on disk to leave behind)."""
+    host, port = parse_address(address)
+    return f"\0pdhal-vllm-messager/{host}:{port}"
+
+
+def connect_worker(address: str, key: bytes, hello: dict, timeout: float) -> Connection:
+    """The prefill worker's link to the messager at `address` (retrying while it starts),
+    its hello sent."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            conn = Client((host, port), authkey=key)
+            conn = Client(worker_address(address), family="AF_UNIX", authkey=key)
             break
         except (ConnectionRefusedError, FileNotFoundError) as exc:
             if time.monotonic() > deadline:
                 raise ConnectorError(
-                    f"no messager answers at {address} after {timeout:.0f} s "
-                    f"({exc}): start `python -m pdhal_vllm.messager` there"
+                    f"no messager answers for {address} after {timeout:.0f} s ({exc}): start "
+                    f"`python -m pdhal_vllm.messager --listen {address}` on this host"
                 ) from None
             time.sleep(0.1)
         except EOFError:  # it went during the key's challenge (killed, restarting)
             raise ConnectorError(
-                f"the messager at {address} closed the connection as it was made"
+                f"the messager for {address} closed the connection as it was made"
             ) from None
     try:
         conn.send(("hello", hello))
     except OSError as exc:
         conn.close()
-        raise ConnectorError(f"the messager at {address} went before the hello ({exc})") from None
+        raise ConnectorError(f"the messager for {address} went before the hello ({exc})") from None
     return conn
 
 

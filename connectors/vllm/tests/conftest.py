@@ -243,6 +243,18 @@ def free_ports(count: int = 1) -> int:
         return first
 
 
+def prefill_first(cluster: Cluster) -> tuple[str, ...]:
+    """A prefill instance's arguments: say when it is up (its workers connected to their
+    messagers, which then serve decode claims), for a decode instance started beside it."""
+    return ("--ready-file", cluster.path("prefill.ready"))
+
+
+def after_prefill(cluster: Cluster) -> tuple[str, ...]:
+    """A decode instance's arguments: ask for KV only once the prefill instance is up (a
+    claim to a messager whose prefill worker is not there fails at once)."""
+    return ("--wait-file", cluster.path("prefill.ready"))
+
+
 def head_crcs(events: list[dict]) -> dict[tuple, int]:
     """(transfer, layer, block index, KV head of the model) -> crc32 of that head's part of
     the block, from a trace's "block" events (the last one recorded)."""

@@ -244,8 +244,8 @@ class Served:
         self.cluster.stop()
 
     def _wait_reclaimed(self, bound: float = 30.0) -> None:
-        """Until the messager removed what the servers' force-killed workers left (it looks
-        for 10 s after a worker's connection drops), before it stops too."""
+        """Until the messager removed what the servers' force-killed workers left (once
+        each worker it served exits), before it stops too."""
         messager = self.cluster.procs.get("messager")
         deadline = time.monotonic() + bound
         while messager is not None and messager.poll() is None and time.monotonic() < deadline:

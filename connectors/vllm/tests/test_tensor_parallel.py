@@ -13,9 +13,11 @@ import pytest
 from conftest import (
     KV_HEADS,
     LAYERS,
+    after_prefill,
     free_ports,
     head_crcs,
     plain_run,
+    prefill_first,
     prompts,
     write_prompts,
 )
@@ -34,15 +36,12 @@ def plain_float32(tmp_path_factory, model_dir) -> dict[tuple, list[int]]:
     return plain_run(tmp_path_factory.mktemp("plain32"), model_dir, ITEMS, *FLOAT32)
 
 
-def start_messagers(cluster, prefill_tp: int, decode_tp: int, base: int) -> None:
+def start_messagers(cluster, prefill_tp: int, base: int) -> None:
+    """One per prefill rank; none is told the decode side's split (each decode rank says
+    its own at its hello)."""
     for rank in range(prefill_tp):
         cluster.start_messager(
-            "--prefill-tp",
-            str(prefill_tp),
-            "--decode-tp",
-            str(decode_tp),
-            rank=rank,
-            listen=f"127.0.0.1:{base + rank}",
+            "--prefill-tp", str(prefill_tp), rank=rank, listen=f"127.0.0.1:{base + rank}"
         )
 
 
@@ -51,7 +50,7 @@ def test_each_decode_rank_receives_exactly_its_heads(cluster, plain_float32, pre
     cluster.env |= UNBOUND
     items = ITEMS
     path = write_prompts(cluster, items)
-    start_messagers(cluster, prefill_tp, decode_tp, free_ports(prefill_tp))
+    start_messagers(cluster, prefill_tp, free_ports(prefill_tp))
     cluster.start(
         "decode",
         path,
@@ -60,6 +59,7 @@ def test_each_decode_rank_receives_exactly_its_heads(cluster, plain_float32, pre
         *FLOAT32,
         "--submitted-file",
         cluster.path("decode.submitted"),
+        *after_prefill(cluster),
     )
     cluster.start(
         "prefill",
@@ -67,6 +67,7 @@ def test_each_decode_rank_receives_exactly_its_heads(cluster, plain_float32, pre
         "--tp",
         str(prefill_tp),
         *FLOAT32,
+        *prefill_first(cluster),
         "--wait-file",
         cluster.path("decode.submitted"),
     )
@@ -90,8 +91,8 @@ def test_each_decode_rank_receives_exactly_its_heads(cluster, plain_float32, pre
     read = {}
     for rank in range(prefill_tp):
         read |= head_crcs(cluster.trace(f"messager{rank or ''}"))
-    assert set(read) == every
-    assert read == {k: written[k] for k in every}
+    assert set(read) >= every  # (each messager reads every prompt block of its heads)
+    assert {k: read[k] for k in every} == {k: written[k] for k in every}
     for rank in range(decode_tp):
         held = head_crcs(cluster.trace(f"decode{rank}"))
         heads = set(rank_heads(KV_HEADS, decode_tp, rank))
@@ -102,21 +103,3 @@ def test_each_decode_rank_receives_exactly_its_heads(cluster, plain_float32, pre
             if e["kind"] == "landed":
                 landed.setdefault(e["tid"], []).append(e["layer"])
         assert landed == {item["tid"]: list(range(LAYERS)) for item in items}, rank
-
-
-def test_a_decode_instance_of_another_split_is_refused_with_the_reason(cluster):
-    """The messagers serve decode TP 2; a decode instance of TP 1 asks: refused at its
-    hello, with both splits named; its requests fail (policy fail), nothing is decoded on
-    a cache the prefill side never wrote."""
-    items = prompts()[:1]
-    path = write_prompts(cluster, items)
-    cluster.start_messager("--decode-tp", "2")
-    cluster.start("decode", path, "--timeout", "60")
-    decode = cluster.wait("decode")
-    assert [r["finish_reason"] for r in decode["results"]] == ["error"]
-    why = (
-        "serves decode rank(s) of tensor parallelism 2 (--decode-tp); the decode worker is "
-        "rank 0 of 1"
-    )
-    assert why in cluster.log("decode", 400)
-    assert why in cluster.log("messager", 400)

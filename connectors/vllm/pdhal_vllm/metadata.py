@@ -1,0 +1,45 @@
+"""What the connector's scheduler side and worker side share: the kv_transfer_params keys,
+the per-step metadata, and the connector's configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from pdhal_vllm.wire import KEEPALIVE_S, ConnectorError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+#: kv_transfer_params: the id pairing a request's prefill and decode (both sides, set by
+#: whoever routes it), and the prefill instance's messager (HOST:PORT of its rank 0's)
+TRANSFER_ID = "pdhal_transfer_id"
+MESSAGER = "pdhal_messager"
+
+
+@dataclass
+class PdhalConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, per step: what this step stores (prefill) and what to load."""
+
+    stores: list[dict] = field(default_factory=list)
+    loads: list[dict] = field(default_factory=list)
+    #: decode: transfers it needs none of (its prefix cache holds the prompt): claimed as
+    #: cached at once, so the prefill side frees their blocks now
+    unneeded: list[dict] = field(default_factory=list)
+    #: decode: requests vLLM finished (aborted) while their KV was on its way: their
+    #: prefill ranks stop sending them, so their blocks come free now, not at the load timeout
+    cancelled: list[str] = field(default_factory=list)
+
+
+def config(vllm_config: VllmConfig) -> dict:
+    """kv_connector_extra_config, its defaults filled in and checked."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    extra.setdefault("transport", "shm")
+    extra.setdefault("load_mode", "async")
+    extra.setdefault("load_timeout_s", 60.0)
+    extra.setdefault("keepalive_s", KEEPALIVE_S)
+    if extra["load_mode"] not in ("async", "sync"):
+        raise ConnectorError(f"load_mode must be 'async' or 'sync', got {extra['load_mode']!r}")
+    return extra

@@ -1,0 +1,245 @@
+"""The prefill half of a worker (kv_producer): per step that stores KV, it opens a pdhal
+step, sends the step's table (transfer id, block ids, token range) to its rank's messager,
+and after each attention layer posts that layer's pdhal signal; the messager streams the
+layer's blocks to the decode sides. A finished request's blocks stay allocated until the
+messager says its transfer ended (sent or failed)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from multiprocessing import AuthenticationError
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.logger import init_logger
+
+from pdhal import ops
+from pdhal.transfer import rank_address
+from pdhal_vllm.wire import ConnectorError, connect_worker, head_crcs
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    from pdhal_vllm.metadata import PdhalConnectorMetadata
+    from pdhal_vllm.worker import Worker
+
+logger = init_logger(__name__)
+
+#: How many transfers failed for want of a messager its successor is told of.
+UNSENT_KEPT = 4096
+#: How often a restarted messager is looked for, once this rank's went.
+MESSAGER_RETRY_S = 1.0
+#: How long a messager that accepted the connection has to answer the hello.
+HELLO_S = 30.0
+
+
+class PrefillWorker:
+    def __init__(self, worker: Worker):
+        self.w = worker
+        address = worker.extra.get("messager")
+        if not address:
+            raise ConnectorError(
+                "a prefill instance needs kv_connector_extra_config "
+                "['messager'] = 'HOST:PORT' of its cache messager"
+            )
+        self.address = rank_address(address, worker.rank)
+        #: guards what the messager said (its reader thread writes, the engine's reads)
+        self.lock = threading.Lock()
+        self.meta = None  # the pdhal step of the current forward, once it stores
+        self.sent: dict[str, str | None] = {}  # transfer id -> None (written) or the error
+        self.req_of: dict[str, str] = {}  # transfer id -> request id, for stored requests
+        self.finished_reqs: set[str] = set()
+        #: transfers failed while no messager was there (the newest UNSENT_KEPT)
+        self.unsent: collections.deque[str] = collections.deque(maxlen=UNSENT_KEPT)
+        self.closing = False
+        self.messager = None
+        self.messager_alive = False
+        self.send_lock = threading.Lock()  # messager and messager_alive change under it only
+        ops.set_data_ipc(worker.buffers[0][1], worker.cache_name)
+        # the channel exists, with an opening step, before the messager attaches
+        ops.open_shm_and_get_meta_signal(worker.rank, 0)
+        self._connect_messager(timeout=30.0)
+
+    def _connect_messager(self, timeout: float) -> None:
+        """Say hello to this rank's messager (the KV cache, its layout), and read what it
+        reports on a thread of its own. `timeout`: how long one that refuses connections
+        is retried (one that accepted has HELLO_S to answer)."""
+        w = self.w
+        conn = connect_worker(
+            self.address,
+            w.key,
+            {
+                "pid": os.getpid(),
+                "rank": w.rank,
+                "ranks": w.ranks,
+                "kv_heads": w.kv_heads,
+                "cache": w.cache_name,
+                "nbytes": w.buffers[0][0].nbytes,
+                "layers": w.layout,
+                "block_size": w.block_size,
+            },
+            timeout=timeout,
+        )
+        try:
+            if not conn.poll(HELLO_S):
+                raise ConnectorError(
+                    f"the messager for {self.address} did not answer within {HELLO_S:.0f} s"
+                )
+            kind, payload = conn.recv()
+        except (EOFError, OSError) as exc:
+            conn.close()  # else it would hold the messager for this worker: closed, it is free
+            raise ConnectorError(f"the messager for {self.address} went: {exc}") from None
+        except ConnectorError:
+            conn.close()
+            raise
+        if kind != "ready":
+            conn.close()
+            raise ConnectorError(
+                f"the messager for {self.address} refused this prefill worker: {payload}"
+            )
+        with self.send_lock:
+            self.messager, self.messager_alive = conn, True
+        with self.lock:  # (those failed from now on are told as they fail)
+            self._tell_failed(list(self.unsent))
+        threading.Thread(
+            target=self._read_messager, args=(conn,), name="pdhal-vllm-messager", daemon=True
+        ).start()
+
+    # ---- signals ------------------------------------------------------------------------
+
+    def save_layer(self, meta: PdhalConnectorMetadata, index: int, kv_layer) -> None:
+        if self.meta is None:
+            self._open_step(meta)
+        if self.w.trace_blocks:
+            self._trace_blocks(meta, index, kv_layer)
+        posted = time.monotonic_ns()
+        ops.signal_layer_ready(ops.init_signal_layerwise(self.meta, index))
+        self.w.trace("signal", step=self.meta.step, layer=index, t=posted)
+
+    def _open_step(self, meta: PdhalConnectorMetadata) -> None:
+        """The first layer of a step that stores KV: a new pdhal step, its table first."""
+        if not self.messager_alive:
+            logger.error(
+                "pdhal connector: the cache messager is gone; %d request(s) of this "
+                "step will not reach the decode side",
+                len(meta.stores),
+            )
+        self.meta = ops.open_shm_and_get_meta_signal(self.w.rank, 0)
+        with self.lock:  # (the messager's reader walks req_of when it goes)
+            for store in meta.stores:
+                self.req_of[store["tid"]] = store["req"]
+            # not a later chunk of a request that ended (failed while no messager was there)
+            table = [
+                {k: s[k] for k in ("tid", "blocks", "start", "end", "prompt_len")}
+                for s in meta.stores
+                if s["tid"] not in self.sent
+            ]
+        with self.send_lock:
+            try:
+                self.messager.send(("table", self.meta.step, table))
+            except OSError:
+                self.messager_alive = False
+        self.w.trace("table", step=self.meta.step, tids=[s["tid"] for s in table])
+        if not self.messager_alive:
+            with self.lock:
+                for store in meta.stores:
+                    self._messager_gone(store["tid"])
+
+    def _trace_blocks(self, meta, index: int, kv_layer) -> None:
+        bs, heads = self.w.block_size, self.w.layout[index][4]
+        for store in meta.stores:
+            for i in range(store["start"] // bs, -(-store["end"] // bs)):
+                data = kv_layer[store["blocks"][i]].contiguous().view(torch.uint8).numpy()
+                crcs = head_crcs(data, heads)
+                self.w.trace(
+                    "block", tid=store["tid"], layer=index, i=i, head0=self.w.head0, crcs=crcs
+                )
+
+    def end_step(self) -> None:
+        self.meta = None
+
+    # ---- the messager ---------------------------------------------------------------
+
+    def _read_messager(self, conn) -> None:
+        """What the messager on `conn` reports: each transfer's end. Once it is gone, the
+        transfers it had not ended are released as failed, and its successor (a messager
+        restarted at the same address) is looked for every MESSAGER_RETRY_S."""
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError, TypeError):
+                break
+            if message[0] in ("sent", "failed"):
+                with self.lock:
+                    self.sent[message[1]] = None if message[0] == "sent" else message[2]
+                if message[0] == "failed":
+                    logger.error("pdhal connector: transfer %s failed: %s", message[1], message[2])
+                self.w.trace(message[0], tid=message[1])
+        with self.send_lock:
+            if self.messager is conn:  # (not a successor's, connected meanwhile)
+                self.messager_alive = False
+        if self.closing:
+            return
+        logger.error(
+            "pdhal connector: the cache messager of rank %d is gone: the requests it "
+            "had not written are released, their decode side reports them failed",
+            self.w.rank,
+        )
+        self.w.trace("error", error="messager gone")
+        with self.lock:
+            for tid in self.req_of:
+                if tid not in self.sent:
+                    self._messager_gone(tid)
+        while not self.closing:
+            time.sleep(MESSAGER_RETRY_S)
+            try:
+                self._connect_messager(timeout=MESSAGER_RETRY_S)
+            except (ConnectorError, OSError, EOFError, AuthenticationError):
+                continue  # not back yet
+            logger.warning("pdhal connector: rank %d's cache messager is back", self.w.rank)
+            self.w.trace("messager_back")
+            return
+
+    def _messager_gone(self, tid: str) -> None:
+        """Transfer `tid` failed for want of a messager: its blocks are released, and the
+        next messager is told, so a decode rank that claims `tid` there hears so at once.
+        (under self.lock)"""
+        self.sent[tid] = "the cache messager is gone"
+        self.unsent.append(tid)
+        self._tell_failed([tid])
+
+    def _tell_failed(self, tids: list[str]) -> None:
+        """Tell the messager, if one is there (a successor), of transfers that failed for
+        want of one: their decode side may claim them there, and hears so at once."""
+        with self.send_lock:
+            if self.messager_alive and tids:
+                try:
+                    self.messager.send(("failed", tids))
+                except OSError:
+                    self.messager_alive = False
+
+    def results(self, finished_req_ids: set[str], out: KVConnectorTransferResults) -> None:
+        """A finished request is released once its transfer was written or failed."""
+        with self.lock:
+            self.finished_reqs |= finished_req_ids
+            stored = {req: tid for tid, req in self.req_of.items()}
+            for req in list(self.finished_reqs):
+                tid = stored.get(req)
+                if tid is None:
+                    self.finished_reqs.discard(req)  # never stored: nothing to wait for
+                    continue
+                if tid in self.sent:
+                    out.finished_sending.add(req)
+                    self.finished_reqs.discard(req)
+                    del self.sent[tid], self.req_of[tid]
+
+    def shutdown(self) -> None:
+        self.closing = True
+        if self.messager is not None:
+            try:
+                self.messager.close()
+            except OSError:
+                pass

@@ -1,0 +1,215 @@
+"""The connector's worker side, what both roles share: vLLM's KV cache placed in pdhal host
+memory, its layout read once registered, the trace; then the prefill half
+(prefill_worker.PrefillWorker) and the decode half (decode_worker.DecodeWorker) for the
+roles this instance has."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.logger import init_logger
+
+import pdhal
+from pdhal import ops
+from pdhal.transfer import CacheLayout, CacheSpec, rank_heads
+from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, head_crcs
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from pdhal_vllm.connector import PdhalConnector
+    from pdhal_vllm.metadata import PdhalConnectorMetadata
+
+logger = init_logger(__name__)
+
+
+class Worker:
+    def __init__(self, owner: PdhalConnector, vllm_config: VllmConfig):
+        self.o = owner
+        self.extra = owner._extra
+        self.block_size = owner._block_size
+        try:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            self.rank = get_tensor_model_parallel_rank()
+            self.ranks = get_tensor_model_parallel_world_size()
+        except Exception:  # noqa: BLE001 - not initialised: a single-rank engine
+            self.rank, self.ranks = 0, 1
+        self.kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        #: the first of the KV heads this rank holds (of all the model's)
+        self.head0 = rank_heads(self.kv_heads, self.ranks, self.rank).start
+        self.trace = Tracer(self._trace_path())
+        #: tests: crc32 of every block where it is written and where it lands (costly)
+        self.trace_blocks = self.trace.on and bool(self.extra.get("trace_blocks"))
+        self.key = auth_key(self.extra.get("auth_key"))
+        self.buffers: list = []  # (host buffer, tensor) of the KV cache allocation
+        self.layer_index: dict[str, int] = {}
+        #: per layer: offset, stride, block bytes, blocks, KV heads of this rank
+        self.layout: list[list[int]] = []
+        self.num_layers = 0
+        self.cache_name = ""
+        self.prefill = None  # a PrefillWorker, once registered (kv_producer)
+        self.decode = None  # a DecodeWorker, once registered (kv_consumer)
+
+    def _trace_path(self) -> str | None:
+        base = self.extra.get("trace")
+        if not base:
+            return None
+        role = "prefill" if self.o.is_producer else "decode"
+        return f"{base}.{role}{self.rank}.jsonl"
+
+    # ---- the KV cache in pdhal memory ----------------------------------------------------
+
+    def allocation_context(self):
+        """vLLM allocates the whole KV cache as one int8 CPU tensor (allocate_kv_cache):
+        while vLLM allocates it, that allocation comes from pdhal.ops.host_alloc, so the
+        messager can map it (set_data_ipc) and a transport can reach it. First, what a
+        killed instance left in this namespace goes (its KV cache can be gigabytes)."""
+        buffers = self.buffers
+        removed, _ = pdhal.cleanup(pdhal.namespace())
+        if removed:
+            logger.info(
+                "pdhal connector: removed %d segment(s) dead processes left: %s",
+                len(removed),
+                ", ".join(removed),
+            )
+
+        @contextlib.contextmanager
+        def context():
+            real = torch.zeros
+
+            def zeros(*size, dtype=None, device=None, **kwargs):
+                if (
+                    len(size) == 1
+                    and isinstance(size[0], int)
+                    and dtype is torch.int8
+                    and not kwargs
+                    and torch.device(device or "cpu").type == "cpu"
+                ):
+                    # fresh shared memory, zero-filled; vLLM never frees its KV cache, and
+                    # pdhal removes the file of a buffer never freed at exit
+                    buf = ops.host_alloc(size[0])
+                    tensor = torch.from_numpy(buf.as_numpy(np.int8, (size[0],)))
+                    buffers.append((buf, tensor))
+                    return tensor
+                return real(*size, dtype=dtype, device=device, **kwargs)
+
+            torch.zeros = zeros
+            try:
+                yield
+            finally:
+                torch.zeros = real
+
+        return context()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from pdhal_vllm.decode_worker import DecodeWorker
+        from pdhal_vllm.prefill_worker import PrefillWorker
+
+        if len(self.buffers) != 1:
+            raise ConnectorError(
+                f"the pdhal connector needs vLLM's KV cache in one pdhal host buffer, got "
+                f"{len(self.buffers)} (this vLLM allocates its KV cache differently: only "
+                f"vLLM's CPU build is supported)"
+            )
+        buf, _ = self.buffers[0]
+        base = buf.address
+        names = sorted(kv_caches, key=lambda n: extract_layer_index(n))
+        heads = len(rank_heads(self.kv_heads, self.ranks, self.rank))
+        for index, name in enumerate(names):
+            t = kv_caches[name]
+            block = t[0]
+            if not block.is_contiguous():
+                raise ConnectorError(
+                    f"layer {name}: a block is not contiguous (shape "
+                    f"{tuple(t.shape)}, strides {t.stride()})"
+                )
+            if t.dim() != 4 or t.shape[1] != heads:
+                raise ConnectorError(
+                    f"layer {name}: the KV cache is {tuple(t.shape)}; the pdhal connector "
+                    f"needs it head-major, [blocks, {heads} KV heads of this rank, ...]"
+                )
+            size = t.element_size()
+            self.layer_index[name] = index
+            self.layout.append(
+                [t.data_ptr() - base, t.stride(0) * size, block.numel() * size, t.shape[0], heads]
+            )
+        self.num_layers = len(names)
+        logger.info(
+            "pdhal connector: %d layers, KV cache %s (%d bytes) in pdhal memory, block %d bytes",
+            self.num_layers,
+            tuple(kv_caches[names[0]].shape),
+            buf.nbytes,
+            self.layout[0][2],
+        )
+        self.cache_name = f"pdhal-vllm.{os.getpid()}.{self.rank}"
+        if self.o.is_producer:
+            self.prefill = PrefillWorker(self)
+        if self.o.is_consumer:
+            self.decode = DecodeWorker(self)
+
+    def cache_layout(self) -> CacheLayout:
+        """The KV cache as pdhal.transfer describes caches."""
+        return CacheLayout([self.buffers[0][0]], [[CacheSpec(0, *layer)] for layer in self.layout])
+
+    def trace_heads(self, tid: str, layer: int, blocks, first: int) -> None:
+        """crc32 of each head of `blocks` (prompt block `first` on) of `layer`, as this
+        cache holds them (tests)."""
+        whole = self.buffers[0][0]
+        view = whole.as_numpy(np.uint8, (whole.nbytes,))
+        off, stride, nbytes, _, heads = self.layout[layer]
+        for i, block in enumerate(blocks, first):
+            start = off + block * stride
+            crcs = head_crcs(view[start : start + nbytes], heads)
+            self.trace("block", tid=tid, layer=layer, i=i, head0=self.head0, crcs=crcs)
+
+    # ---- what vLLM calls, to the roles' halves ----------------------------------------
+
+    def start_load(self, meta: PdhalConnectorMetadata) -> None:
+        if self.decode is not None:
+            self.decode.start_load(meta)
+
+    def wait_layer(self, layer_name: str) -> None:
+        if self.decode is not None:
+            self.decode.wait_layer(self.layer_index[layer_name])
+
+    def save_layer(self, meta: PdhalConnectorMetadata, layer_name: str, kv_layer) -> None:
+        if self.prefill is not None and meta.stores:
+            self.prefill.save_layer(meta, self.layer_index[layer_name], kv_layer)
+
+    def end_step(self) -> None:
+        if self.prefill is not None:
+            self.prefill.end_step()
+
+    def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        if self.decode is not None:
+            self.decode.results(out)
+        if self.prefill is not None:
+            self.prefill.results(finished_req_ids, out)
+        return out
+
+    def held_transfers(self) -> int:
+        """Transfers whose blocks this worker still holds: a prefill's not yet written, a
+        decode's loads not reported."""
+        return (len(self.prefill.req_of) if self.prefill is not None else 0) + (
+            len(self.decode.loads) if self.decode is not None else 0
+        )
+
+    def load_errors(self) -> set[int]:
+        return self.decode.load_errors() if self.decode is not None else set()
+
+    def shutdown(self) -> None:
+        for half in (self.prefill, self.decode):
+            if half is not None:
+                half.shutdown()
