@@ -438,7 +438,9 @@ class Messager:
         except OSError:  # exited already (or not a process this one may watch)
             fd = None
         if fd is not None:
-            select.select([fd], [], [])  # readable once it exited
+            waiter = select.poll()
+            waiter.register(fd, select.POLLIN)
+            waiter.poll()  # readable once it exited
             os.close(fd)
         self.events.put(("exited", pid))
 
