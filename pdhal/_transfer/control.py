@@ -142,7 +142,7 @@ def dial(address: str, key: bytes, timeout: float) -> Frames:
     host, port = parse_address(address)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as e:
+    except (OSError, UnicodeError) as e:  # (UnicodeError: a host name idna refuses)
         raise SessionError(f"cannot reach the session service at {address}: {e}") from None
     return _handshake(sock, key, timeout, address, dialled=True)
 

@@ -62,12 +62,16 @@ def head_shards(heads: int, src_ranks: int, dst_ranks: int) -> dict[tuple[int, i
     src_ranks = integer(src_ranks, "src_ranks", 1, MOST)
     dst_ranks = integer(dst_ranks, "dst_ranks", 1, MOST)
     src = [rank_heads(heads, src_ranks, r) for r in range(src_ranks)]
+    holder: dict[int, int] = {}  # head -> the first source rank holding it
+    for r, theirs in enumerate(src):
+        for k in theirs:
+            holder.setdefault(k, r)
     out: dict[tuple[int, int], HeadShard] = {}
     for d in range(dst_ranks):
         mine = rank_heads(heads, dst_ranks, d)
         for r, theirs in enumerate(src):
             first, end = max(mine.start, theirs.start), min(mine.stop, theirs.stop)
-            if first >= end or any(k in src[q] for q in range(r) for k in range(first, end)):
+            if first >= end or any(holder[k] < r for k in range(first, end)):
                 continue  # held by an earlier source rank (heads replicated there)
             out[(r, d)] = HeadShard(first - theirs.start, first - mine.start, end - first)
     return out

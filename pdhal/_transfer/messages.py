@@ -25,6 +25,19 @@ PROTOCOL = 1
 MOST_BYTES = 1 << 24
 #: The longest string field (ids, names, reasons).
 MOST_CHARS = 4096
+#: The shortest keepalive bound a side may have or a peer may say (s): a third of it is how
+#: often pings go, so a peer saying less would have this side flood it.
+LEAST_KEEPALIVE_S = 0.1
+
+
+def keepalive(value: object, what: str) -> float:
+    """`value` as a keepalive bound: seconds, at least LEAST_KEEPALIVE_S."""
+    seconds = checks.seconds(value, what)
+    if seconds < LEAST_KEEPALIVE_S:
+        raise InvalidArgumentError(
+            f"{what} must be at least {LEAST_KEEPALIVE_S:g} s, got {seconds:g}"
+        )
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -237,7 +250,7 @@ _CHECKS: dict[str, Callable[[object, str], object]] = {
     "kv_heads": lambda v, w: checks.integer(v, w, 1, 1 << 16),
     "tp_rank": lambda v, w: checks.integer(v, w, 0, (1 << 16) - 1),
     "tp_size": lambda v, w: checks.integer(v, w, 1, 1 << 16),
-    "keepalive": checks.seconds,
+    "keepalive": keepalive,
 }
 
 

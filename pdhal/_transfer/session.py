@@ -233,7 +233,7 @@ class PrefillService:
         if not isinstance(key, bytes) or not key:
             raise InvalidArgumentError("key must be non-empty bytes (the deployment's secret)")
         heads, rank, size = _split(layout, kv_heads, tp_rank, tp_size)
-        self.keepalive = checks.seconds(keepalive, "keepalive")
+        self.keepalive = messages.keepalive(keepalive, "keepalive")
         self.claim_timeout = checks.seconds(claim_timeout, "claim_timeout")
         for name, hook in (("on_outcome", on_outcome), ("on_session_end", on_session_end)):
             if hook is not None and not callable(hook):
@@ -874,7 +874,7 @@ class DecodeClient:
         heads, rank, size = _split(receiver.layout, kv_heads, tp_rank, tp_size)
         self.receiver = receiver
         self._key = key
-        self.keepalive = checks.seconds(keepalive, "keepalive")
+        self.keepalive = messages.keepalive(keepalive, "keepalive")
         self.connect_timeout = checks.seconds(connect_timeout, "connect_timeout")
         tokens = checks.integer(block_tokens, "block_tokens", 1, 1 << 20)
         self.facts = _facts(
@@ -893,6 +893,7 @@ class DecodeClient:
         self._dialing: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         #: address -> the claims waiting for its session, being made on a thread
         self._awaiting: dict[str, list[_Wanted]] = {}
+        self._clock = Deadlines("pdhal-decode-clock")  # claims' deadlines while unsent
         self._closed = False
 
     def claim(
@@ -1016,6 +1017,7 @@ class DecodeClient:
                 return
             self._closed = True
             services = list(self._services.values())
+        self._clock.close()
         for service in services:
             if service.link is not None:
                 service.link.end("the decode client closed", tell="the decode client closed")
@@ -1073,9 +1075,13 @@ class DecodeClient:
                 if self._wanted.get(request_id) is not wanted:
                     return  # cancelled
                 del self._wanted[request_id]
-                for part, service in parts.items():
+                for part, service in parts.items():  # (nothing comes: its blocks are free)
                     service.link.send(messages.Cached(request_id, part))
-                self._outcomes.append(Outcome(request_id, True))
+                self._outcomes.append(
+                    Outcome(request_id, False, "cancelled")
+                    if wanted.cancelled
+                    else Outcome(request_id, True)
+                )
             return
         tickets = {}
         try:
@@ -1113,9 +1119,10 @@ class DecodeClient:
             with contextlib.suppress(PdhalError):
                 self.receiver.abandon(part, "its claim was not sent", unwritten=True)
         with self._lock:
-            if self._wanted.get(wanted.request_id) is wanted:
+            if self._wanted.get(wanted.request_id) is wanted and not wanted.parts:
                 del self._wanted[wanted.request_id]
-                self._outcomes.append(Outcome(wanted.request_id, False, _bounded(why)))
+                if not self._closed:  # (after close() nothing is reported)
+                    self._outcomes.append(Outcome(wanted.request_id, False, _bounded(why)))
 
     def _ranks(self, instance: _Prefill, size: int) -> list[int]:
         """The ranks of `instance` (of `size`) this rank takes heads from."""
@@ -1154,6 +1161,10 @@ class DecodeClient:
             if first:
                 waiting = self._awaiting[address] = []
             waiting.append(wanted)
+        self._clock.at(  # (it fails by its own timeout, whatever the dial takes)
+            wanted.ask.deadline,
+            lambda: self._unsent(wanted, "its timeout passed before its sessions were made"),
+        )
         if first:
             threading.Thread(
                 target=self._connect_for, args=(address,), name="pdhal-session-dial", daemon=True
@@ -1165,6 +1176,9 @@ class DecodeClient:
             self._connect(address)
         except PdhalError as e:
             error = str(e)
+        except Exception as e:  # a bug: still, the claims waiting on it end
+            log.exception("pdhal.transfer: making the session with %s failed", address)
+            error = f"making the session with {address} failed: {type(e).__name__}: {e}"
         with self._lock:
             waiting = self._awaiting.pop(address, [])
         for wanted in waiting:

@@ -7,6 +7,7 @@ session only."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -377,6 +378,56 @@ def test_a_claim_for_blocks_outside_the_caches_is_refused_at_the_call(receiver):
     with pytest.raises(SessionError, match="cannot reach the session service at 127.0.0.1:1"):
         client.connect("127.0.0.1:1")
     client.close()
+
+
+def test_a_claim_ends_by_its_own_timeout_and_nothing_is_reported_after_close(receiver):
+    """While its session is being made (a service that never answers, connect_timeout
+    5 s), a claim still fails by its own timeout (0.5 s); a host name the resolver
+    refuses fails its claim too (connect() raises); claims in flight at close() are not
+    reported after it."""
+    hung = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{hung.getsockname()[1]}"
+    client = transfer.DecodeClient(
+        receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=4, connect_timeout=5
+    )
+    started = time.monotonic()
+    client.claim("short", address, [1], tokens=4, timeout=0.5)
+    bad_host = "a" * 70 + ".example:5000"  # a label idna refuses (a UnicodeError)
+    client.claim("bad host", bad_host, [2], tokens=4, timeout=30)
+    ended = {}
+    while len(ended) < 2:
+        ended.update((o.request_id, o) for o in client.poll())
+        time.sleep(0.01)
+    assert time.monotonic() - started < 4  # not the 5 s dial's
+    assert "its timeout passed" in ended["short"].reason and ended["short"].blocks_free
+    assert "cannot reach the session service" in ended["bad host"].reason
+    with pytest.raises(SessionError, match="cannot reach the session service"):
+        client.connect(bad_host)
+    client.claim("in flight", address, [3], tokens=4, timeout=30)
+    client.close()
+    time.sleep(0.2)
+    assert client.poll() == []
+    hung.close()
+
+
+def test_a_keepalive_below_the_floor_is_refused_from_a_caller_and_from_a_peer(receiver):
+    """A side pings every third of the smaller keepalive: a peer saying 1e-9 s would have
+    it flood pings, so a hello saying less than 0.1 s is malformed, as is such a caller."""
+    with pytest.raises(InvalidArgumentError, match="at least 0.1 s"):
+        transfer.DecodeClient(receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=4, keepalive=0.01)
+    client = transfer.DecodeClient(receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=4)
+    facts = dataclasses.replace(client.facts, keepalive=1e-9)
+    frame = messages.encode(messages.Hello(messages.PROTOCOL, facts, {}))
+    with pytest.raises(SessionError, match="keepalive must be at least 0.1 s"):
+        messages.decode(frame)
+    client.close()
+
+
+def test_head_shards_of_many_ranks_are_found_in_linear_time():
+    """A peer may say up to 65,536 ranks: each head's first holder is found once, not by
+    looking back over every earlier rank for every pair (minutes at this size)."""
+    shards = transfer.head_shards(4, 1 << 16, 1)
+    assert sorted(shards) == [(h * (1 << 14), 0) for h in range(4)]
 
 
 def test_a_claim_never_waits_on_the_network_and_fails_when_its_session_cannot_be_made(receiver):
