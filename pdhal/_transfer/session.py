@@ -1044,7 +1044,7 @@ class DecodeClient:
         instance = wanted.ask.prefill
         with self._lock:
             if self._wanted.get(wanted.request_id) is not wanted:
-                return  # cancelled meanwhile
+                return  # ended meanwhile (its timeout passed while its session was made)
         try:
             if time.monotonic() >= wanted.ask.deadline:
                 raise SessionError("its timeout passed before its sessions were made")
@@ -1067,13 +1067,14 @@ class DecodeClient:
 
     def _send(self, wanted: _Wanted, services: dict[int, _Service]) -> None:
         """`wanted`'s claim (or, every block cached here, its `cached`) to each of
-        `services`, by prefill rank, unless it was cancelled meanwhile."""
+        `services`, by prefill rank, unless it ended meanwhile (its timeout); a cancel
+        that came first follows it."""
         ask, request_id = wanted.ask, wanted.request_id
         parts = {part_id(request_id, r, self.facts.tp_rank): s for r, s in services.items()}
         if ask.cached == -(-ask.tokens // self.facts.block_tokens):  # nothing comes
             with self._lock:
                 if self._wanted.get(request_id) is not wanted:
-                    return  # cancelled
+                    return  # ended meanwhile (its timeout)
                 del self._wanted[request_id]
                 for part, service in parts.items():  # (nothing comes: its blocks are free)
                     service.link.send(messages.Cached(request_id, part))
@@ -1105,7 +1106,7 @@ class DecodeClient:
                     )
                     if wanted.cancelled:
                         service.link.send(messages.Cancel(part))
-        if not current:  # cancelled meanwhile (and reported then)
+        if not current:  # ended meanwhile (its timeout: reported then)
             self._unsent(wanted, "", tickets)
             return
         for part, service in parts.items():
@@ -1114,7 +1115,7 @@ class DecodeClient:
 
     def _unsent(self, wanted: _Wanted, why: str, tickets=()) -> None:
         """`wanted` failed before its claim went (nothing of it can be written): `tickets`
-        made for it are dropped, and it is reported with `why` unless cancelled already."""
+        made for it are dropped, and it is reported with `why` unless it ended already."""
         for part in tickets:  # (their outcomes are nobody's: _collect drops them)
             with contextlib.suppress(PdhalError):
                 self.receiver.abandon(part, "its claim was not sent", unwritten=True)
