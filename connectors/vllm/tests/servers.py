@@ -41,13 +41,14 @@ class Served:
         router_args: tuple[str, ...] = (),
         hosts=None,
         dtype: str = "bfloat16",
+        messager_args: tuple[str, ...] = (),
     ):
         """`hosts` (pdhal.testing.netns.TwoHosts): the last decode server runs in the
         other network namespace, as on another host (Mooncake across the veth pair).
         `dtype`: the model's and the KV cache's; float32 where tokens under concurrent load
         are compared with tokens computed one request at a time (in bfloat16 a batch rounds
         differently, and the tiny model's greedy tokens of one prompt already differ on a
-        plain server)."""
+        plain server). `messager_args`: more of the messager's options."""
         self.cluster = Cluster(root, model, os.urandom(16).hex())
         self.namespace = f"serve{os.getpid()}{transport}{decodes}"
         self.cluster.env |= {
@@ -57,6 +58,7 @@ class Served:
             "OMP_NUM_THREADS": "1",
         }
         self.model, self.transport, self.dtype = model, transport, dtype
+        self.messager_args = messager_args
         self.urls: dict[str, str] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.hosts = hosts
@@ -107,7 +109,9 @@ class Served:
     def start_messager(self) -> None:
         """(Re)start the prefill server's messager, at its address."""
         host = ("--host", self.hosts.prefill_ip) if self.hosts else ()
-        self.cluster.start_messager("--transport", self.transport, *host, listen=self.messager)
+        self.cluster.start_messager(
+            "--transport", self.transport, *host, *self.messager_args, listen=self.messager
+        )
 
     def _serve(self, role: str, config: dict | None, there: bool = False) -> None:
         port = free_ports()
