@@ -260,6 +260,10 @@ class Messager:
                 if tid not in self.added:
                     self._remember(tid, why)
                     self.service.fail(tid, why)  # a decode rank claiming it hears so at once
+        elif kind == "abandon" and self.service is not None:
+            for tid in rest[1]:
+                if tid not in self.ended:  # (its outcome tells the prefill worker)
+                    self.service.fail(tid, "vLLM aborted the prefill request")
         elif kind == "progress" and self.feed is not None:
             _, seen, t = rest
             self.trace("seen", step=seen[0], layer=seen[1], t=t)

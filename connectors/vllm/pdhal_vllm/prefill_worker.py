@@ -137,11 +137,7 @@ class PrefillWorker:
                 for s in meta.stores
                 if s["tid"] not in self.sent
             ]
-        with self.send_lock:
-            try:
-                self.messager.send(("table", self.meta.step, table))
-            except OSError:
-                self.messager_alive = False
+        self._to_messager("table", self.meta.step, table)
         self.w.trace("table", step=self.meta.step, tids=[s["tid"] for s in table])
         if not self.messager_alive:
             with self.lock:
@@ -214,12 +210,22 @@ class PrefillWorker:
     def _tell_failed(self, tids: list[str]) -> None:
         """Tell the messager, if one is there (a successor), of transfers that failed for
         want of one: their decode side may claim them there, and hears so at once."""
+        if tids:
+            self._to_messager("failed", tids)
+
+    def _to_messager(self, *message) -> None:
+        """Send `message` to the messager, if one is there."""
         with self.send_lock:
-            if self.messager_alive and tids:
+            if self.messager_alive:
                 try:
-                    self.messager.send(("failed", tids))
+                    self.messager.send(message)
                 except OSError:
                     self.messager_alive = False
+
+    def abandon(self, tids: list[str]) -> None:
+        """vLLM aborted the requests of transfers `tids`: the messager fails them (and says
+        so), so their blocks are freed now. (Without a messager they failed already.)"""
+        self._to_messager("abandon", tids)
 
     def results(self, finished_req_ids: set[str], out: KVConnectorTransferResults) -> None:
         """A finished request is released once its transfer was written or failed."""

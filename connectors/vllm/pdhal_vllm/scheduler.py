@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllm.v1.request import RequestStatus
+
 from pdhal_vllm.metadata import MESSAGER, TRANSFER_ID, PdhalConnectorMetadata
 from pdhal_vllm.wire import ConnectorError
 
@@ -26,6 +28,7 @@ class Scheduler:
         self.new_loads: list[dict] = []
         self.new_unneeded: list[dict] = []
         self.new_cancelled: list[str] = []
+        self.new_abandoned: list[str] = []
         self.asked: set[str] = set()  # decode: req ids whose load was asked for (once)
         self.loading: set[str] = set()  # decode: req ids whose load has not ended
 
@@ -89,9 +92,12 @@ class Scheduler:
 
     def build(self, out: SchedulerOutput) -> PdhalConnectorMetadata:
         meta = PdhalConnectorMetadata(
-            loads=self.new_loads, unneeded=self.new_unneeded, cancelled=self.new_cancelled
+            loads=self.new_loads,
+            unneeded=self.new_unneeded,
+            cancelled=self.new_cancelled,
+            abandoned=self.new_abandoned,
         )
-        self.new_loads, self.new_unneeded, self.new_cancelled = [], [], []
+        self.new_loads, self.new_unneeded, self.new_cancelled, self.new_abandoned = [], [], [], []
         if not self.o.is_producer:
             return meta
         for new in out.scheduled_new_reqs:
@@ -152,6 +158,8 @@ class Scheduler:
     def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         state = self.stores.pop(request.request_id, None)
         if state is not None:  # hold the blocks until the messager wrote them (or gave up)
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                self.new_abandoned.append(state["tid"])
             return True, {TRANSFER_ID: state["tid"]}
         self.asked.discard(request.request_id)
         if request.request_id in self.loading:

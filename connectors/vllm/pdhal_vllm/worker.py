@@ -178,6 +178,8 @@ class Worker:
     def start_load(self, meta: PdhalConnectorMetadata) -> None:
         if self.decode is not None:
             self.decode.start_load(meta)
+        if self.prefill is not None and meta.abandoned:
+            self.prefill.abandon(meta.abandoned)
 
     def wait_layer(self, layer_name: str) -> None:
         if self.decode is not None:

@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import time
+import urllib.request
 
 import pytest
 from conftest import PY
@@ -94,6 +95,34 @@ def test_vllm_s_own_benchmark_client_completes_every_request(served, tmp_path):
         "decode", "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
     assert moved >= 12 * 99, moved
+
+
+def test_a_prefill_request_vllm_aborts_frees_its_blocks_at_once(served):
+    """A request whose prompt the prefill server stored, aborted by vLLM (its client went:
+    the router cancels the prefill request when the decode request fails) before any
+    decode side claimed it, is failed at once: its blocks come free well within the
+    messager's claim timeout (120 s), which a transfer nobody claims would otherwise wait."""
+    body = {
+        "model": served.model,
+        "prompt": PROMPTS[1],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+        "kv_transfer_params": {"do_remote_decode": True, "pdhal_transfer_id": "pdhal-abandoned"},
+    }
+    request = urllib.request.Request(
+        served.urls["prefill"] + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        answer.readline()  # its first token: the prompt was stored
+        assert served.metric("prefill", "vllm:kv_cache_usage_perc") > 0
+    # the connection closed mid-stream: vLLM aborts the request
+    deadline = time.monotonic() + 30
+    while served.metric("prefill", "vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, "the aborted request's blocks are still held"
+        time.sleep(0.2)
 
 
 def test_sigterm_leaves_nothing_behind(served):
