@@ -18,7 +18,8 @@ client's request again, on a decode instance, without transfer params: it prefil
 itself). While no prefill instance is healthy, every request meets that policy at once
 (recompute: the decode instances serve alone). An instance that fails a request or its
 health check (`GET /health`, every `--health-interval` s) gets no new request until it
-passes one again. A decode instance's own error (a failed KV load under
+passes one again. A client that hangs up has both instances abort its request at once
+(closing their connections), so each frees its KV now. A decode instance's own error (a failed KV load under
 kv_load_failure_policy "fail") goes to the client as is.
 `GET /health` answers 200 while every pool has a healthy instance (503 otherwise), with
 each instance's state.
@@ -225,20 +226,33 @@ class Router:
         self.trace("received", tid=tid, t=received)
         self.trace("forwarded", tid=tid)
         prefilled = asyncio.create_task(self._prefill(prefill, request.path, to_prefill, tid))
+        try:
+            return await self._pair(request, body, prefill, decode, prefilled, to_decode, tid)
+        except asyncio.CancelledError:  # the client hung up: the prefill instance aborts too
+            prefilled.cancel()
+            raise
+
+    async def _pair(self, request, body, prefill, decode, prefilled, to_decode, tid):
+        """The decode side of a request whose prefill runs as `prefilled`: the client's
+        answer, or what the failure policy gives."""
         if self.sequential:  # the decode once the prefill answered
             with contextlib.suppress(RouterError):
                 await prefilled
             if prefilled.exception() is not None:
                 return await self._prefill_failed(request, body, *_failure(prefill, prefilled))
         decoding = asyncio.create_task(self._first_bytes(decode, request.path, to_decode))
-        await asyncio.wait([prefilled, decoding], return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait([prefilled, decoding], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # (wait does not cancel what it waits for)
+            decoding.cancel()
+            raise
         if not decoding.done() and prefilled.exception() is not None:
             await _cancel(decoding)  # the client has no byte yet: the policy decides
             return await self._prefill_failed(request, body, *_failure(prefill, prefilled))
         try:
             answer, first = await decoding
         except RouterError as e:
-            await _cancel(prefilled)  # the messager fails the transfer nobody claims
+            await _cancel(prefilled)  # aborted, the prefill instance fails its transfer
             return _error(e.status, f"decode instance {decode.url}: {e}")
         self.trace("first", tid=tid, status=answer.status)
         if answer.status != 200:
@@ -333,7 +347,9 @@ async def _cancel(task: asyncio.Task) -> None:
 async def _serve(router: Router, host: str, port: int) -> None:
     """Serve until cancelled (SIGINT, SIGTERM); print the address once listening (port 0:
     any free port)."""
-    runner = web.AppRunner(router.app())
+    # a client that hangs up cancels its handler: its instances abort the request and
+    # free its KV at once, not when an answer finds no one to take it
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -97,6 +97,20 @@ def post(router: Server, path: str, body, timeout: float = 30) -> tuple[int, byt
         return e.code, e.read()
 
 
+def client(router: Server) -> subprocess.Popen:
+    """A client, in a process of its own, waiting on one request through `router`."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import urllib.request as u; u.urlopen(u.Request("
+            f"'{router.url}/v1/completions', data=b'{{\"prompt\": \"x\"}}', headers="
+            f"{{'Content-Type': 'application/json'}}), timeout=60)",
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def until(condition, bound: float = 20.0):
     deadline = time.monotonic() + bound
     while not (value := condition()):
@@ -144,16 +158,7 @@ def test_a_request_goes_to_the_least_loaded_instances(fleet):
     prefills = [fleet.fake("p0"), fleet.fake("p1")]
     slow, fast = fleet.fake("d0", "slow"), fleet.fake("d1")
     router = fleet.router(prefills, [slow, fast])
-    held = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import urllib.request as u; u.urlopen(u.Request("
-            f"'{router.url}/v1/completions', data=b'{{\"prompt\": \"x\"}}', headers="
-            f"{{'Content-Type': 'application/json'}}), timeout=60)",
-        ],
-        stderr=subprocess.DEVNULL,
-    )
+    held = client(router)
     try:
         until(lambda: any(e["server"] == "d0" for e in fleet.seen()))
         for _ in range(2):
@@ -166,6 +171,20 @@ def test_a_request_goes_to_the_least_loaded_instances(fleet):
     assert decodes == ["d0", "d1", "d1"]
     # the held request's prefill answered at once: p0 was idle again each time
     assert [e["server"] for e in fleet.seen() if e["server"].startswith("p")] == ["p0"] * 3
+
+
+def test_a_client_that_hangs_up_has_both_instances_abort_its_request(fleet):
+    """Both instances still working on it (slow) when the client goes: the router closes
+    both its requests at once (vLLM then aborts each and frees its KV), not when an answer
+    finds no client to take it."""
+    prefill, decode = fleet.fake("p0", "slow"), fleet.fake("d0", "slow")
+    router = fleet.router([prefill], [decode])
+    hung_up = client(router)
+    until(lambda: len(fleet.seen()) == 2)  # both instances have it
+    hung_up.kill()
+    hung_up.wait()
+    cancelled = until(lambda: len(fleet.seen("cancelled")) == 2 and fleet.seen("cancelled"))
+    assert sorted(e["server"] for e in cancelled) == ["d0", "p0"]
 
 
 @pytest.mark.parametrize("policy", ["error", "recompute"])
