@@ -180,7 +180,9 @@ def test_a_request_failed_while_a_layer_is_in_flight_is_reported_after_it(instal
 def test_a_stalled_decode_side_never_holds_up_the_caller_or_another(installed, monkeypatch):
     """One layer in flight at most; decode side "slow"'s first submit stalls. Its later
     layers wait in its own backlog: the caller goes on at once, and decode side "fast",
-    signalled after, lands first; "slow"'s request then fails with the stall."""
+    signalled after, lands first; "slow"'s request then fails with the stall (and nothing
+    more is written to "slow", which learns it by its own bound: 5 s here, 10x the stall
+    timeout, so the prefill side's stall is what ends it)."""
     monkeypatch.setenv("PDHAL_FAULTY_TRANSPORT", "stall:1@slow")
     slow, fast = Decode("slow"), Decode("fast")
     streamer = transfer.KVStreamer(
@@ -194,7 +196,7 @@ def test_a_stalled_decode_side_never_holds_up_the_caller_or_another(installed, m
         for request, decode in (("s", slow), ("f", fast)):
             streamer.add_request(request, [0], 4)
             dest = streamer.connect(decode.described)
-            streamer.set_destination(request, dest, [0], decode.expect(request))
+            streamer.set_destination(request, dest, [0], decode.expect(request, timeout=5.0))
         for layer in range(LAYERS):
             streamer.layer_ready(layer, [("s", 4)])
         for layer in range(LAYERS):
