@@ -6,6 +6,7 @@ asked whether it is available, from the path its backend found.
 
 from __future__ import annotations
 
+import ctypes
 from typing import ClassVar
 
 from cffi import FFI
@@ -28,7 +29,7 @@ class RuntimeLibrary:
     @classmethod
     def not_loadable(cls, error: OSError) -> str:
         """Why the library could not be loaded, and how to point pdhal at one."""
-        reason = str(error).split("  Additionally,")[0].strip()  # cffi's second guess adds nothing
+        reason = str(error).split("  Additionally,")[0].strip()  # (cffi's second guess)
         fix = f"set {cls.path_variable} to its path" if cls.path_variable else "install it"
         if cls.provided_by:
             fix += f", or install {cls.provided_by}"
@@ -46,6 +47,11 @@ class RuntimeLibrary:
             path, found_by = self.find_library()
         self.path = path
         self.found_by = found_by
+        if "/" not in path:
+            # the system loader first, directly: where it fails, cffi's dlopen would guess
+            # with ctypes.util.find_library, which runs ldconfig, gcc and ld (~0.1 s in every
+            # process that asks whether an absent runtime is there)
+            ctypes.CDLL(path)
         self.ffi = FFI()
         self.ffi.cdef(self.cdef)
         self.lib = self.ffi.dlopen(path)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import bisect
 import ctypes
-import ctypes.util
 import itertools
 import os
 import threading
@@ -56,7 +55,7 @@ class CpuPlatform(Platform):
 
 # ---- pinned host memory --------------------------------------------------------------
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # this process's symbols, libc's among them
 _counter = itertools.count()
 _live_buffers: dict[int, CpuHostBuffer] = {}  # address -> buffer, for set_data_ipc
 _live_lock = threading.Lock()
