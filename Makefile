@@ -2,6 +2,10 @@
 # backend distribution under backends/, the mooncake transport (transports/mooncake) and the
 # demo (demo/) installed editable, plus the test extras.
 PYTHON ?= python3
+# Python may cache compiled modules here (__pycache__, ignored by git): a machine that sets
+# PYTHONDONTWRITEBYTECODE has every process the suites start compile pdhal's sources again
+# (~18% of a test that starts fifty of them)
+unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BACKENDS := $(wildcard backends/*/pyproject.toml)
