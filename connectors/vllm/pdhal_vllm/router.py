@@ -19,8 +19,8 @@ itself). While no prefill instance is healthy, every request meets that policy a
 (recompute: the decode instances serve alone). An instance that fails a request or its
 health check (`GET /health`, every `--health-interval` s) gets no new request until it
 passes one again. A client that hangs up has both instances abort its request at once
-(closing their connections), so each frees its KV now. A decode instance's own error (a failed KV load under
-kv_load_failure_policy "fail") goes to the client as is.
+(closing their connections), so each frees its KV now. A decode instance's own error (a
+failed KV load under kv_load_failure_policy "fail") goes to the client as is.
 `GET /health` answers 200 while every pool has a healthy instance (503 otherwise), with
 each instance's state.
 
