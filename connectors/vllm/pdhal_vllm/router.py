@@ -244,19 +244,21 @@ class Router:
         try:
             await asyncio.wait([prefilled, decoding], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # (wait does not cancel what it waits for)
-            decoding.cancel()
+            _discard(decoding, decode)
             raise
         if not decoding.done() and prefilled.exception() is not None:
             await _cancel(decoding)  # the client has no byte yet: the policy decides
+            _discard(decoding, decode)  # (in case it answered meanwhile)
             return await self._prefill_failed(request, body, *_failure(prefill, prefilled))
         try:
             answer, first = await decoding
         except RouterError as e:
             await _cancel(prefilled)  # aborted, the prefill instance fails its transfer
             return _error(e.status, f"decode instance {decode.url}: {e}")
+        # the answer is this handler's now: _relay releases it, with nothing awaited before
         self.trace("first", tid=tid, status=answer.status)
         if answer.status != 200:
-            await _cancel(prefilled)
+            prefilled.cancel()
         try:
             return await self._relay(request, answer, first, decode)
         finally:
@@ -339,9 +341,23 @@ def _error(status: int, message: str) -> web.Response:
 
 
 async def _cancel(task: asyncio.Task) -> None:
+    """Cancel `task` and wait until it ended; the caller's own cancellation (its client
+    hung up meanwhile) passes through."""
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, RouterError):
-        await task
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # (retrieved: a failure it had is not this caller's)
+
+
+def _discard(decoding: asyncio.Task, decode: Instance) -> None:
+    """A decode request whose answer nobody will relay: cancelled (its connection closes,
+    vLLM aborts it), or, when it already answered, that answer closed and counted out."""
+    if not decoding.done():
+        decoding.cancel()
+    elif not decoding.cancelled() and decoding.exception() is None:
+        answer, _ = decoding.result()
+        answer.close()
+        decode.in_flight -= 1
 
 
 async def _serve(router: Router, host: str, port: int) -> None:

@@ -111,6 +111,16 @@ def client(router: Server) -> subprocess.Popen:
     )
 
 
+def health(router: Server) -> dict:
+    """The router's /health page (200 or 503): every instance's state."""
+    try:
+        with urllib.request.urlopen(router.url + "/health", timeout=10) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        assert e.code == 503
+        return json.loads(e.read())
+
+
 def until(condition, bound: float = 20.0):
     deadline = time.monotonic() + bound
     while not (value := condition()):
@@ -185,6 +195,9 @@ def test_a_client_that_hangs_up_has_both_instances_abort_its_request(fleet):
     hung_up.wait()
     cancelled = until(lambda: len(fleet.seen("cancelled")) == 2 and fleet.seen("cancelled"))
     assert sorted(e["server"] for e in cancelled) == ["d0", "p0"]
+    # counted out, and neither instance blamed for the client's going
+    state = until(lambda: (h := health(router)) and h["decode"][0]["in_flight"] == 0 and h)
+    assert all(i["in_flight"] == 0 and i["healthy"] for i in state["prefill"] + state["decode"])
 
 
 @pytest.mark.parametrize("policy", ["error", "recompute"])
@@ -214,30 +227,21 @@ def test_a_dead_instance_gets_no_request_until_it_is_back(fleet):
     router = fleet.router([prefill], [d0, d1])
     d0.proc.kill()
     d0.proc.wait()
-
-    def health():  # 200 or 503, each with every instance's state
-        try:
-            with urllib.request.urlopen(router.url + "/health", timeout=10) as answer:
-                return json.loads(answer.read())
-        except urllib.error.HTTPError as e:
-            assert e.code == 503
-            return json.loads(e.read())
-
-    states = until(lambda: (h := health()) and not h["decode"][0]["healthy"] and h)
+    states = until(lambda: (h := health(router)) and not h["decode"][0]["healthy"] and h)
     assert "health check failed" in states["decode"][0]["why"]
     for _ in range(3):
         status, answer = post(router, "/v1/completions", {"prompt": "w"})
         assert status == 200 and json.loads(answer)["server"] == "d1"
     d1.proc.kill()
     d1.proc.wait()
-    until(lambda: not any(d["healthy"] for d in health()["decode"]))
+    until(lambda: not any(d["healthy"] for d in health(router)["decode"]))
     status, answer = post(router, "/v1/completions", {"prompt": "w"})
     assert status == 503 and "no healthy decode instance" in json.loads(answer)["error"]["message"]
     with pytest.raises(urllib.error.HTTPError) as failed:
         urllib.request.urlopen(router.url + "/health", timeout=10)
     assert failed.value.code == 503
     fleet.fake("d0", port=d0.port)  # back, where the router knows it
-    until(lambda: health()["decode"][0]["healthy"])
+    until(lambda: health(router)["decode"][0]["healthy"])
     status, answer = post(router, "/v1/completions", {"prompt": "w"})
     assert status == 200 and json.loads(answer)["server"] == "d0"
 
