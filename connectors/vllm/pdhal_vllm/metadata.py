@@ -32,8 +32,9 @@ class PdhalConnectorMetadata(KVConnectorMetadata):
     #: prefill ranks stop sending them, so their blocks come free now, not at the load timeout
     cancelled: list[str] = field(default_factory=list)
     #: prefill: transfers of requests vLLM aborted (their client went, or the router's
-    #: decode request failed): failed at once, so their blocks come free now, not at the
-    #: messager's claim timeout, and a decode side that claims one hears so at once
+    #: decode request failed) or ended in an error: failed at once, so their blocks come
+    #: free now, not at the messager's claim timeout, and a decode side that claims one
+    #: hears so at once
     abandoned: list[str] = field(default_factory=list)
 
 

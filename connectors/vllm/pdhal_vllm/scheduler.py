@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from pdhal_vllm.connector import PdhalConnector
 
 
+#: how a prefill request ends when nobody will decode it: its transfer fails at once
+ABANDONED = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+
+
 class Scheduler:
     """Bookkeeping: what each step stores, what to load, which blocks to hold."""
 
@@ -158,7 +162,7 @@ class Scheduler:
     def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         state = self.stores.pop(request.request_id, None)
         if state is not None:  # hold the blocks until the messager wrote them (or gave up)
-            if request.status == RequestStatus.FINISHED_ABORTED:
+            if request.status in ABANDONED:
                 self.new_abandoned.append(state["tid"])
             return True, {TRANSFER_ID: state["tid"]}
         self.asked.discard(request.request_id)
