@@ -47,10 +47,11 @@ class RuntimeLibrary:
             path, found_by = self.find_library()
         self.path = path
         self.found_by = found_by
-        if "/" not in path:
-            # the system loader first, directly: where it fails, cffi's dlopen would guess
-            # with ctypes.util.find_library, which runs ldconfig, gcc and ld (~0.1 s in every
-            # process that asks whether an absent runtime is there)
+        if "/" not in path and "." in path:
+            # a soname: the system loader first, directly; where it fails, cffi's dlopen would
+            # guess with ctypes.util.find_library, which runs ldconfig, gcc and ld (~0.1 s in
+            # every process that asks whether an absent runtime is there). (cffi resolves a
+            # bare name such as "xpurt" through find_library only: left to it.)
             ctypes.CDLL(path)
         self.ffi = FFI()
         self.ffi.cdef(self.cdef)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import ctypes
+import ctypes.util
 import itertools
 import os
 import threading
@@ -55,7 +56,18 @@ class CpuPlatform(Platform):
 
 # ---- pinned host memory --------------------------------------------------------------
 
-_libc = ctypes.CDLL(None, use_errno=True)  # this process's symbols, libc's among them
+
+def _load_libc() -> ctypes.CDLL:
+    """libc itself: glibc's soname first (find_library runs ldconfig: ~10 ms a process);
+    never the process's own symbols, where a preloaded sanitizer's stand-in mlock is found
+    (ASan's does nothing and succeeds)."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not glibc
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+_libc = _load_libc()
 _counter = itertools.count()
 _live_buffers: dict[int, CpuHostBuffer] = {}  # address -> buffer, for set_data_ipc
 _live_lock = threading.Lock()
