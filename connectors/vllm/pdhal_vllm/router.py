@@ -17,10 +17,11 @@ client gets: `error` (HTTP 502 naming the instance and the reason) or `recompute
 client's request again, on a decode instance, without transfer params: it prefills
 itself). While no prefill instance is healthy, every request meets that policy at once
 (recompute: the decode instances serve alone). An instance that fails a request or its
-health check (`GET /health`, every `--health-interval` s) gets no new request until it
-passes one again. A client that hangs up has both instances abort its request at once
-(closing their connections), so each frees its KV now. A decode instance's own error (a
-failed KV load under kv_load_failure_policy "fail") goes to the client as is.
+health check (`GET /health`, every `--health-interval` s, answered within
+`--health-timeout` s) gets no new request until it passes one again. A client that hangs
+up has both instances abort its request at once (closing their connections), so each
+frees its KV now. A decode instance's own error (a failed KV load under
+kv_load_failure_policy "fail") goes to the client as is.
 `GET /health` answers 200 while every pool has a healthy instance (503 otherwise), with
 each instance's state.
 
@@ -112,6 +113,7 @@ class Router:
         on_prefill_failure: str = "error",
         timeout: float = 300.0,
         health_interval: float = 2.0,
+        health_timeout: float = 5.0,
         sequential: bool = False,
         trace: str | None = None,
     ):
@@ -127,6 +129,7 @@ class Router:
             timeout,
             health_interval,
         )
+        self.health_timeout = health_timeout
         self.sequential = sequential
         self.trace = Tracer(trace)
         self._session: ClientSession | None = None
@@ -168,18 +171,24 @@ class Router:
 
     async def _check_health(self) -> None:
         while True:
-            for instance in self.prefills + self.decodes:
-                try:
-                    async with self._session.get(
-                        f"{instance.url}/health", timeout=ClientTimeout(total=self.health_interval)
-                    ) as answer:
-                        if answer.status == 200:
-                            instance.healthy, instance.why = True, ""
-                        else:
-                            instance.failed(f"its health check answered {answer.status}")
-                except (ClientError, asyncio.TimeoutError) as e:
-                    instance.failed(f"its health check failed: {type(e).__name__}: {e}")
+            await asyncio.gather(*(self._check(i) for i in self.prefills + self.decodes))
             await asyncio.sleep(self.health_interval)
+
+    async def _check(self, instance: Instance) -> None:
+        """One health check. A dead instance refuses it at once; a busy one (a long step on
+        a loaded host) may take seconds to answer, and is not failed for that before
+        `health_timeout` (it was, at the interval: a prefill instance busy for a second had
+        every request recomputed meanwhile)."""
+        try:
+            async with self._session.get(
+                f"{instance.url}/health", timeout=ClientTimeout(total=self.health_timeout)
+            ) as answer:
+                if answer.status == 200:
+                    instance.healthy, instance.why = True, ""
+                else:
+                    instance.failed(f"its health check answered {answer.status}")
+        except (ClientError, asyncio.TimeoutError) as e:
+            instance.failed(f"its health check failed: {type(e).__name__}: {e}")
 
     # ---- one request ----------------------------------------------------------------
 
@@ -405,6 +414,12 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
     parser.add_argument("--health-interval", type=float, default=2.0)
     parser.add_argument(
+        "--health-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an instance has to answer a health check (a dead one refuses at once)",
+    )
+    parser.add_argument(
         "--sequential",
         action="store_true",
         help="send the decode request only once the prefill answered (vLLM's ExampleConnector)",
@@ -420,6 +435,7 @@ def main(argv=None) -> int:
         on_prefill_failure=args.on_prefill_failure,
         timeout=args.timeout,
         health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
         sequential=args.sequential,
         trace=args.trace,
     )

@@ -6,7 +6,8 @@ pdhal connector would, a prefill request (do_remote_decode) notes its transfer i
 prefilled when it answers, and a decode request (do_remote_prefill) answers only once its
 transfer id was noted (its KV landed). It appends each request's body, each prefill, and
 each request a client gave up on, to LOG as JSON lines. MODE: "ok"; "fail" (500 to every
-completion); "slow" (each completion waits 30 s first, so it stays in flight). It prints
+completion); "slow" (each completion waits 30 s first, so it stays in flight);
+"slowhealth" (/health answers after 1 s, as a busy vLLM server's may). It prints
 its port once listening (port 0: any free one)."""
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ async def prefilled(tid: str, bound: float = 30.0) -> None:
 
 
 async def health(_request) -> web.Response:
+    if MODE == "slowhealth":
+        await asyncio.sleep(1.0)
     return web.Response(text="ok")
 
 

@@ -222,6 +222,19 @@ def test_a_failing_prefill_cancels_the_decode_and_the_policy_answers(fleet, poli
     assert cancelled[0]["body"]["kv_transfer_params"]["do_remote_prefill"]
 
 
+def test_an_instance_slow_to_answer_its_health_check_is_not_failed_for_it(fleet):
+    """Its /health takes 1 s (a busy server's may), five checks an interval of 0.2 s:
+    it stays healthy and gets every request, as long as it answers within
+    --health-timeout."""
+    prefill, decode = fleet.fake("p0", "slowhealth"), fleet.fake("d0", "slowhealth")
+    router = fleet.router([prefill], [decode])
+    time.sleep(2.5)  # two slow checks of each have come and gone
+    state = health(router)
+    assert all(i["healthy"] for i in state["prefill"] + state["decode"]), state
+    status, answer = post(router, "/v1/completions", {"prompt": "y", "max_tokens": 2})
+    assert status == 200 and json.loads(answer)["server"] == "d0", answer
+
+
 def test_a_dead_instance_gets_no_request_until_it_is_back(fleet):
     prefill, d0, d1 = fleet.fake("p0"), fleet.fake("d0"), fleet.fake("d1")
     router = fleet.router([prefill], [d0, d1])
