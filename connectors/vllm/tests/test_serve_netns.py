@@ -29,7 +29,9 @@ def served(tmp_path_factory, model_dir):
             "mooncake",
             decodes=2,
             plain=False,
-            router_args=("--timeout", "20", "--health-interval", "1"),
+            # a cut link refuses nothing: its health checks fail by their timeout, which
+            # with the interval stays well inside the tests' settling time (8 s)
+            router_args=("--timeout", "20", "--health-interval", "1", "--health-timeout", "3"),
             hosts=hosts,
             dtype="float32",  # tokens under load equal tokens one at a time
         )
