@@ -52,13 +52,22 @@ static void atfork_child(void)
 }
 static void install_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
 
-static void registry_add(pdhal_segment *seg)
+static int reopen(int fd, int flags);
+
+/* seg->fd: a description of its own for `fd`'s file (the locks are taken on it), entered
+ * in the fork registry in the same step: a fork from another thread between the two would
+ * leave the child that description, and with it the lock taken on it next. */
+static int reopen_registered(pdhal_segment *seg, int fd, int flags)
 {
     pthread_once(&atfork_once, install_atfork);
     pthread_mutex_lock(&open_lock);
-    seg->next_open = open_segments;
-    open_segments = seg;
+    seg->fd = reopen(fd, flags);
+    if (seg->fd >= 0) {
+        seg->next_open = open_segments;
+        open_segments = seg;
+    }
     pthread_mutex_unlock(&open_lock);
+    return seg->fd;
 }
 
 static void registry_remove(pdhal_segment *seg)
@@ -132,6 +141,7 @@ static pdhal_segment *segment_new(const char *path)
 /* Free a handle nobody else can reach yet (create and open failing half-way). */
 static void segment_destroy(pdhal_segment *seg)
 {
+    registry_remove(seg);
     if (seg->hdr)
         munmap(seg->hdr, seg->map_bytes);
     if (seg->fd >= 0)
@@ -343,8 +353,7 @@ int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, u
     }
     seg->is_creator = 1;
     /* O_WRONLY: mode 0200 grants it to non-root creators too, and a write lock needs it. */
-    seg->fd = reopen(fd, O_WRONLY);
-    if (seg->fd < 0 || fchmod(fd, 0200) != 0 ||
+    if (reopen_registered(seg, fd, O_WRONLY) < 0 || fchmod(fd, 0200) != 0 ||
         lock_byte(seg->fd, PDHAL_LOCK_PRODUCER, F_WRLCK) != 0) {
         rc = pdhal_fail(errno, "cannot initialise %s: %s", path, strerror(errno));
         goto fail;
@@ -373,7 +382,6 @@ int pdhal_segment_create(const char *path, uint32_t kind, uint64_t body_bytes, u
         goto fail;
     }
     close(fd);
-    registry_add(seg);
     *out = seg;
     return 0;
 fail:
@@ -470,8 +478,7 @@ static int try_open(const char *path, uint32_t kind, uint32_t flags, pdhal_segme
         close(fd);
         return pdhal_fail(ENOMEM, "out of memory");
     }
-    seg->fd = reopen(fd, O_RDWR);
-    rc = seg->fd < 0 ? pdhal_fail(errno, "cannot reopen %s: %s", path, strerror(errno)) : 0;
+    rc = reopen_registered(seg, fd, O_RDWR) < 0 ? pdhal_fail(errno, "cannot reopen %s: %s", path, strerror(errno)) : 0;
     if (rc == 0)
         rc = map_segment(seg, fd, (uint64_t)st.st_size);
     close(fd); /* the mapping keeps what it needs */
@@ -549,7 +556,6 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, uin
         seg->cursor_layer = 0;
     }
     prefault_buffer(seg);
-    registry_add(seg);
     *out = seg;
     return 0;
 }
