@@ -119,42 +119,46 @@ def test_forked_child_does_not_keep_the_producer_alive():
     )
 
 
+#: forks 200 children while a thread creates segments; prints how many inherited a lock
+FORK_DURING_CREATE = """
+import os, threading
+from pdhal._protocol import core, names
+stop = threading.Event()
+def churn():  # 16 MiB buffers: their prefault keeps a creation open for ms
+    i = 0
+    while not stop.is_set():
+        path = names.buffer_path(f"forkwindow{i % 2}")
+        core.Segment.create(path, core.KIND_BUFFER, body_bytes=16 << 20).close()
+        i += 1
+creator = threading.Thread(target=churn)
+creator.start()
+locked = 0
+for _ in range(200):
+    pid = os.fork()
+    if pid == 0:
+        found = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                info = open(f"/proc/self/fdinfo/{fd}").read()
+            except OSError:
+                continue
+            found |= "/pdhal." in target and "lock:" in info
+        os._exit(found)
+    _, status = os.waitpid(pid, 0)
+    locked += os.waitstatus_to_exitcode(status)
+stop.set()
+creator.join()
+print(locked, flush=True)
+"""
+
+
 def test_a_fork_while_another_thread_creates_a_segment_leaves_the_child_no_lock():
     """A process forks (a data loader, a helper) while another of its threads creates a
     segment: the child must not inherit the producer lock (an open file description that
     holds it), or the segment's producer would look alive while the child lives. Each
     child looks at every pdhal file it holds open for a lock (/proc's fdinfo)."""
-    child = python_child("""
-        import os, threading
-        from pdhal._protocol import core, names
-        stop = threading.Event()
-        def churn():  # 16 MiB buffers: their prefault keeps a creation open for ms
-            i = 0
-            while not stop.is_set():
-                path = names.buffer_path(f"forkwindow{i % 2}")
-                core.Segment.create(path, core.KIND_BUFFER, body_bytes=16 << 20).close()
-                i += 1
-        creator = threading.Thread(target=churn)
-        creator.start()
-        locked = 0
-        for _ in range(200):
-            pid = os.fork()
-            if pid == 0:
-                found = 0
-                for fd in os.listdir("/proc/self/fd"):
-                    try:
-                        target = os.readlink(f"/proc/self/fd/{fd}")
-                        info = open(f"/proc/self/fdinfo/{fd}").read()
-                    except OSError:
-                        continue
-                    found |= "/pdhal." in target and "lock:" in info
-                os._exit(found)
-            _, status = os.waitpid(pid, 0)
-            locked += os.waitstatus_to_exitcode(status)
-        stop.set()
-        creator.join()
-        print(locked, flush=True)
-    """, stdout=subprocess.PIPE, text=True)
+    child = python_child(FORK_DURING_CREATE, stdout=subprocess.PIPE, text=True)
     out, _ = child.communicate(timeout=120)
     assert child.returncode == 0 and out.strip() == "0", (child.returncode, out)
 
