@@ -478,7 +478,8 @@ static int try_open(const char *path, uint32_t kind, uint32_t flags, pdhal_segme
         close(fd);
         return pdhal_fail(ENOMEM, "out of memory");
     }
-    rc = reopen_registered(seg, fd, O_RDWR) < 0 ? pdhal_fail(errno, "cannot reopen %s: %s", path, strerror(errno)) : 0;
+    if (reopen_registered(seg, fd, O_RDWR) < 0) /* (rc is 0 here) */
+        rc = pdhal_fail(errno, "cannot reopen %s: %s", path, strerror(errno));
     if (rc == 0)
         rc = map_segment(seg, fd, (uint64_t)st.st_size);
     close(fd); /* the mapping keeps what it needs */
