@@ -263,7 +263,7 @@ class Messager:
         elif kind == "abandon" and self.service is not None:
             for tid in rest[1]:
                 if tid not in self.ended:  # (its outcome tells the prefill worker)
-                    self.service.fail(tid, "vLLM aborted the prefill request")
+                    self.service.fail(tid, "vLLM ended the prefill request (aborted, or an error)")
         elif kind == "progress" and self.feed is not None:
             _, seen, t = rest
             self.trace("seen", step=seen[0], layer=seen[1], t=t)
