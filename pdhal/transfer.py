@@ -32,6 +32,18 @@ from pdhal._transfer.contract import (
 )
 from pdhal._transfer.feeds import PerChunkFeed, PerQueryFeed
 from pdhal._transfer.heads import HeadShard, head_shards, rank_heads
+from pdhal._transfer.kit import (
+    BatchState,
+    EngineTransport,
+    LandedBatch,
+    LatchedLink,
+    Option,
+    PollingBatch,
+    Registrations,
+    nap_until,
+    one_of,
+    positive,
+)
 from pdhal._transfer.layout import CacheLayout, CacheSpec, RunPlanner, block_runs
 from pdhal._transfer.metrics import LayerRecord, RequestRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome
@@ -50,20 +62,27 @@ from pdhal._transfer.streamer import Destination, KVStreamer
 __all__ = [
     "COMPLETIONS",
     "Batch",
+    "BatchState",
     "CacheLayout",
     "CacheSpec",
     "DecodeClient",
     "Destination",
     "Endpoint",
+    "EngineTransport",
     "HeadShard",
     "KVReceiver",
     "KVStreamer",
+    "LandedBatch",
+    "LatchedLink",
     "LayerRecord",
     "Link",
+    "Option",
     "Outcome",
     "PerChunkFeed",
     "PerQueryFeed",
+    "PollingBatch",
     "PrefillService",
+    "Registrations",
     "RequestRecord",
     "Run",
     "RunChecker",
@@ -73,7 +92,10 @@ __all__ = [
     "block_runs",
     "described_numbers",
     "head_shards",
+    "nap_until",
+    "one_of",
     "part_id",
+    "positive",
     "rank_address",
     "request_of",
     "region_bytes",

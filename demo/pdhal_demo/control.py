@@ -166,6 +166,15 @@ class Hub:
         self.logs.cleanup()
 
 
+def configure_transport(name: str, host: str, protocol: str) -> None:
+    """Give the mooncake transport this host's address and its protocol (the demo's --host
+    and --protocol); the other transports take none of them."""
+    if name == "mooncake":
+        from pdhal import transfer
+
+        transfer.transport("mooncake").configure(host=host, protocol=protocol)
+
+
 def require_mooncake() -> None:
     """Return if the mooncake transport can run here, else raise a DemoError saying what to
     install."""

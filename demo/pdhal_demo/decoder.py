@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdhal import ops, transfer
-from pdhal_demo.control import DemoError
+from pdhal_demo.control import DemoError, configure_transport
 from pdhal_demo.model import Chunk, TinyDecoder, cache_layout
 from pdhal_demo.plan import Plan
 
@@ -251,9 +251,9 @@ def run(link, setup: dict) -> None:
     shape = (plan.tp, *plan.model.cache_shape(plan.decode_cache_blocks, plan.tp))
     buffer = ops.host_alloc(int(np.prod(shape)) * 4)
     cache = buffer.as_numpy(np.float32, shape)
-    # the mooncake transport's address: PDHAL_DEMO_HOST is set when on another host
-    os.environ["PDHAL_MOONCAKE_HOST"] = os.environ.get("PDHAL_DEMO_HOST", setup["host"])
-    os.environ["PDHAL_MOONCAKE_PROTOCOL"] = setup["protocol"]
+    # this host's address: PDHAL_DEMO_HOST is set when the decoder is on another host
+    host = os.environ.get("PDHAL_DEMO_HOST", setup["host"])
+    configure_transport(plan.transport, host, setup["protocol"])
     receivers = _receivers(plan, cache, setup["cache_name"])
     claims = Claims(plan, receivers, bytes.fromhex(setup["session_key"]))
     link.send(("ready", {}))

@@ -22,7 +22,7 @@ import numpy as np
 
 import pdhal
 from pdhal import ops, transfer
-from pdhal_demo.control import DemoError, Outbox
+from pdhal_demo.control import DemoError, Outbox, configure_transport
 from pdhal_demo.model import cache_layout
 from pdhal_demo.plan import Plan
 
@@ -198,8 +198,7 @@ def run(link, setup: dict) -> None:
     names its rank's channels by the rank and the device id the parent gives it."""
     plan = Plan.from_json(setup["plan"])
     rank, device = setup["rank"], setup["device"]
-    os.environ["PDHAL_MOONCAKE_HOST"] = setup["host"]  # the mooncake transport's address
-    os.environ["PDHAL_MOONCAKE_PROTOCOL"] = setup["protocol"]
+    configure_transport(plan.transport, setup["host"], setup["protocol"])
     src_shape = plan.model.cache_shape(plan.prefill_cache_blocks, plan.tp)
     cache = ops.share_external_data(np.empty(0, np.float32), setup["prefill_cache"], src_shape)
     messager = Messager(link, plan, setup, cache)

@@ -177,6 +177,10 @@ def format_text(info: dict) -> str:
     for t in info["transports"]:
         detail = f"  {t['error']}" if "error" in t else f"  completion at {t['completion']}"
         lines.append(f"  {t['name']:<8} {t['status']:<12} {t['source']}{detail}")
+        for key, option in (t.get("options") or {}).items():
+            given = [f"${option['env']}"] if option["env"] else []
+            given += [] if option["default"] is None else [f"default {option['default']!r}"]
+            lines.append(f"           option {key}: {option['help']} ({', '.join(given)})")
     f = info["segment_folder"]
     if "error" in f:
         lines.append(f"segment folder: {f['path']}: {f['error']}")

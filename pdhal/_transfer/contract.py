@@ -234,6 +234,15 @@ class Transport:
     #: transports differ in it (their wire formats may).
     version: ClassVar[str] = ""
 
+    def configure(self, **options: object) -> None:
+        """Set the transport's options (each plugin documents its own: an address to
+        advertise, a protocol) before its first endpoint or link; InvalidArgumentError for
+        one it does not take or a value it refuses, naming it. Takes none by default."""
+        if options:
+            raise InvalidArgumentError(
+                f"transport {self.name!r} takes no options, got {', '.join(sorted(options))}"
+            )
+
     def endpoint(self, regions: list, name: str) -> Endpoint:
         """Make `regions` (memory objects pdhal knows: tensors, host buffers) reachable
         under `name` (unique on this host)."""

@@ -70,11 +70,26 @@ def _load(name: str) -> Transport:
     return found
 
 
+def _options(kind: type[Transport] | Transport) -> dict:
+    """A transport's options (Transport.configure): what each sets, its default and the
+    environment variable that gives it otherwise."""
+    return {
+        name: {"help": option.help, "default": option.default, "env": option.env}
+        for name, option in sorted(getattr(kind, "options", {}).items())
+    }
+
+
 def describe() -> list[dict]:
-    """Each transport: its name, where it comes from, whether it loads, and how it knows a
-    write completed (`pdhal info`; KVStreamer takes only "target")."""
+    """Each transport: its name, where it comes from, whether it loads, how it knows a
+    write completed (KVStreamer takes only "target"), and its options (`pdhal info`)."""
     out = [
-        {"name": name, "source": "built in", "status": "ok", "completion": kind.completion}
+        {
+            "name": name,
+            "source": "built in",
+            "status": "ok",
+            "completion": kind.completion,
+            "options": _options(kind),
+        }
         for name, kind in sorted(_builtin().items())
     ]
     for name, ep in sorted(_entry_points().items()):
@@ -87,7 +102,8 @@ def describe() -> list[dict]:
             "status": "ok",
         }
         try:
-            entry["completion"] = transport(name).completion
+            found = transport(name)
+            entry["completion"], entry["options"] = found.completion, _options(found)
         except (TransportLoadError, InvalidArgumentError) as e:
             entry["status"], entry["error"] = "broken", str(e)
         out.append(entry)

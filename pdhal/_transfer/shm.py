@@ -38,6 +38,7 @@ from pdhal._transfer.contract import (
     Transport,
     region_bytes,
 )
+from pdhal._transfer.kit import LandedBatch
 from pdhal._version import __version__
 
 
@@ -47,14 +48,6 @@ def _start_time(pid: int) -> str | None:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
-        return None
-
-
-class _Landed(Batch):
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float) -> None:
         return None
 
 
@@ -267,7 +260,7 @@ class ShmLink(Link):
                 copy(bases[region] + offset, src, nbytes)  # a peer shrinking it: an error
         finally:
             _extents.release(held)
-        return _Landed()
+        return LandedBatch()
 
     def close(self) -> None:
         """Unmap the destination's regions (their records stay: the endpoint's own), once

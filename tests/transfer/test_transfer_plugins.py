@@ -62,6 +62,7 @@ def test_info_lists_every_transport_and_names_the_broken_one(plugin_env):
         "source": "built in",
         "status": "ok",
         "completion": "target",
+        "options": {},
     }
     assert found["faulty"]["completion"] == "target"
     assert found["faulty"]["status"] == "ok"

@@ -12,7 +12,6 @@ that very step)."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 
 from pdhal import InvalidArgumentError, PdhalError
-from pdhal.transfer import DecodeClient, KVReceiver
+from pdhal.transfer import DecodeClient, KVReceiver, transport
 from pdhal_vllm.wire import ConnectorError
 
 if TYPE_CHECKING:
@@ -63,22 +62,14 @@ class _Load:
 class DecodeWorker:
     def __init__(self, worker: Worker):
         self.w = worker
-        transport = worker.extra["transport"]
-        # the mooncake transport reads its address and protocol from the environment
-        for key, var in (
-            ("mooncake_host", "PDHAL_MOONCAKE_HOST"),
-            ("mooncake_protocol", "PDHAL_MOONCAKE_PROTOCOL"),
-        ):
-            if worker.extra.get(key):
-                os.environ[var] = str(worker.extra[key])
+        name = worker.extra["transport"]
         try:
+            transport(name).configure(**worker.extra["transport_options"])
             self.receiver = KVReceiver(
-                worker.cache_layout(), worker.cache_name, transport_name=transport
+                worker.cache_layout(), worker.cache_name, transport_name=name
             )
         except PdhalError as exc:
-            raise ConnectorError(
-                f"the decode worker cannot receive over {transport!r}: {exc}"
-            ) from None
+            raise ConnectorError(f"the decode worker cannot receive over {name!r}: {exc}") from None
         self.client = DecodeClient(
             self.receiver,
             key=worker.key,

@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+from pdhal_vllm.wire import transport_options
+
 
 def kv_transfer_config(args) -> dict | None:
     if args.role == "plain":
@@ -42,8 +44,8 @@ def kv_transfer_config(args) -> dict | None:
     if args.trace:
         extra["trace"] = args.trace
         extra["trace_blocks"] = args.trace_blocks
-    if args.mooncake_host:
-        extra["mooncake_host"] = args.mooncake_host
+    if args.transport_option:
+        extra["transport_options"] = transport_options(args.transport_option)
     return {
         "kv_connector": "PdhalConnector",
         "kv_role": role,
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("--connector", choices=("pdhal", "example"), default="pdhal")
     parser.add_argument("--messager", help="HOST:PORT of the prefill rank's messager")
     parser.add_argument("--transport", default="shm", help="any installed transport plugin")
-    parser.add_argument("--mooncake-host", default=None)
+    parser.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--load-mode", choices=("async", "sync"), default="async")
     parser.add_argument("--load-timeout", type=float, default=60.0)
     parser.add_argument("--policy", choices=("recompute", "fail"), default="fail")

@@ -52,6 +52,7 @@ from pdhal_vllm.wire import (
     auth_key,
     head_crcs,
     reserve,
+    transport_options,
     worker_address,
 )
 
@@ -118,12 +119,17 @@ class Messager:
         trace: str | None,
         trace_blocks: bool = False,
         prefill_ranks: int = 1,
+        transport_options: dict | None = None,
     ):
         if transport not in transfer.transports():  # any installed plugin (pdhal info)
             raise ConnectorError(
                 f"transport {transport!r} is not installed; installed: "
                 f"{', '.join(transfer.transports())}"
             )
+        try:
+            transfer.transport(transport).configure(**(transport_options or {}))
+        except PdhalError as exc:
+            raise ConnectorError(f"--transport-option: {exc}") from None
         if not 0 <= rank < prefill_ranks:
             raise ConnectorError(f"--rank must be in [0, {prefill_ranks}) (--prefill-tp)")
         self.rank, self.prefill_ranks = rank, prefill_ranks
@@ -513,15 +519,12 @@ def main(argv=None) -> int:
         "installed transport plugin (the decode workers' 'transport' must be the same)",
     )
     parser.add_argument(
-        "--host",
-        default=None,
-        help="mooncake: the address this host advertises (default: $PDHAL_MOONCAKE_HOST, "
-        "else 127.0.0.1)",
-    )
-    parser.add_argument(
-        "--protocol",
-        default=None,
-        help="mooncake: tcp or rdma (default: $PDHAL_MOONCAKE_PROTOCOL, else tcp)",
+        "--transport-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one of the transport's options, repeated for each (mooncake: host=ADDRESS this "
+        "host advertises, protocol=tcp|rdma; `pdhal info` lists each transport's)",
     )
     parser.add_argument(
         "--claim-timeout",
@@ -543,10 +546,6 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--auth-key", default=None, help="hex key (default: $PDHAL_VLLM_KEY)")
     args = parser.parse_args(argv)
-    if args.host:
-        os.environ["PDHAL_MOONCAKE_HOST"] = args.host
-    if args.protocol:
-        os.environ["PDHAL_MOONCAKE_PROTOCOL"] = args.protocol
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: pdhal cleans up
     try:
         messager = Messager(
@@ -559,6 +558,7 @@ def main(argv=None) -> int:
             args.trace,
             args.trace_blocks,
             args.prefill_tp,
+            transport_options(args.transport_option),
         )
     except (ConnectorError, OSError) as exc:
         print(f"pdhal-vllm messager: {exc}", file=sys.stderr)

@@ -46,6 +46,17 @@ def auth_key(explicit: str | None = None) -> bytes:
         raise ConnectorError(f"{KEY_VAR} must be a hex string, got {raw!r}") from None
 
 
+def transport_options(given: list[str]) -> dict[str, str]:
+    """A transport's options from command-line KEY=VALUE words (Transport.configure)."""
+    options = {}
+    for word in given:
+        key, sep, value = word.partition("=")
+        if not sep or not key:
+            raise ConnectorError(f"a transport option is KEY=VALUE, got {word!r}")
+        options[key] = value
+    return options
+
+
 def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = str(text).rpartition(":")
     if not sep or not port.isdigit():

@@ -81,7 +81,7 @@ class Served:
             extra = {"transport": self.transport}
             there = self.hosts is not None and role == decoders[-1]
             if there:
-                extra["mooncake_host"] = self.hosts.decode_ip
+                extra["transport_options"] = {"host": self.hosts.decode_ip}
             self._serve(role, {"kv_role": "kv_consumer", "extra": extra}, there)
         for role in self.urls:
             self.wait_healthy(role)
@@ -108,7 +108,7 @@ class Served:
 
     def start_messager(self) -> None:
         """(Re)start the prefill server's messager, at its address."""
-        host = ("--host", self.hosts.prefill_ip) if self.hosts else ()
+        host = ("--transport-option", f"host={self.hosts.prefill_ip}") if self.hosts else ()
         self.cluster.start_messager(
             "--transport", self.transport, *host, *self.messager_args, listen=self.messager
         )

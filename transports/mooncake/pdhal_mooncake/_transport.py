@@ -1,6 +1,9 @@
 """The `mooncake` transport: one Mooncake transfer engine per process, P2PHANDSHAKE (no
-metadata server), RDMA or TCP (PDHAL_MOONCAKE_PROTOCOL, default tcp) on the address
-PDHAL_MOONCAKE_HOST (default 127.0.0.1). The endpoint registers its regions (device memory
+metadata server). Its options (`transport("mooncake").configure(...)`, before first use):
+  protocol   tcp (default) or rdma; else $PDHAL_MOONCAKE_PROTOCOL
+  host       the address this process advertises (default 127.0.0.1); else
+             $PDHAL_MOONCAKE_HOST
+The endpoint registers its regions (device memory
 by the address a NIC registers, pdhal's get_peer_mem_addr) and describes its session and
 their addresses; a link registers its sources and writes each run with
 transfer_submit_write, checked with transfer_check_status. (One batch_transfer_async_write
@@ -37,24 +40,25 @@ from __future__ import annotations
 
 import os
 import re
-import threading
-import time
 from importlib import metadata
 
 import numpy as np
 
 from pdhal import InvalidArgumentError, TransferError, ops
 from pdhal.transfer import (
-    Batch,
+    BatchState,
     Endpoint,
-    Link,
+    EngineTransport,
+    LatchedLink,
+    Option,
+    PollingBatch,
+    Registrations,
     RunChecker,
-    Transport,
     described_numbers,
+    one_of,
     region_bytes,
 )
 
-POLL_S = (50e-6, 500e-6)  # the first sleep between status checks, and the longest
 DONE, PENDING = 1, 0  # transfer_check_status
 #: The protocols whose completion is known at the target (see above).
 PROTOCOLS = ("tcp", "rdma")
@@ -122,14 +126,8 @@ def _engine_class():
 class _Engine:
     """The process's transfer engine, and what it has registered."""
 
-    def __init__(self):
-        self.host = os.environ.get("PDHAL_MOONCAKE_HOST", "127.0.0.1")
-        self.protocol = os.environ.get("PDHAL_MOONCAKE_PROTOCOL", "tcp")
-        if self.protocol not in PROTOCOLS:
-            raise InvalidArgumentError(
-                f"PDHAL_MOONCAKE_PROTOCOL={self.protocol!r}: the mooncake transport knows "
-                f"completion at the target over {' and '.join(PROTOCOLS)} only"
-            )
+    def __init__(self, host: str, protocol: str):
+        self.host, self.protocol = host, protocol
         self.distribution, self.version = _installed()
         if not acknowledged(self.version):
             least = ".".join(map(str, ACKNOWLEDGED))
@@ -153,76 +151,38 @@ class _Engine:
                 f"Mooncake initialize({self.host!r}, P2PHANDSHAKE, {self.protocol!r}) failed ({rc})"
             )
         self.session = f"{self.host}:{self.engine.get_rpc_port()}"
-        self._registered: dict[int, list[int]] = {}  # start -> [bytes, users]
-        self._lock = threading.Lock()
+        self.registered = Registrations(self._register, self._unregister)
 
-    def register(self, address: int, nbytes: int) -> int:
-        """Register [address, +nbytes) (a range inside one registered already counts as
-        another user of that one); returns the key to release() it with."""
-        with self._lock:
-            for start, entry in self._registered.items():
-                if start <= address and address + nbytes <= start + entry[0]:
-                    entry[1] += 1
-                    return start
-            rc = self.engine.register_memory(address, nbytes)
-            if rc != 0:
-                raise TransferError(
-                    f"Mooncake could not register {nbytes} bytes at {address:#x} ({rc}: "
-                    f"overlapping memory registered by another user, or not registrable)"
-                )
-            self._registered[address] = [nbytes, 1]
-            return address
+    def _register(self, address: int, nbytes: int) -> None:
+        rc = self.engine.register_memory(address, nbytes)
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake could not register {nbytes} bytes at {address:#x} ({rc}: "
+                f"overlapping memory registered by another user, or not registrable)"
+            )
 
-    def release(self, key: int) -> None:
-        """One user less of the registration `key`; unregistered with its last."""
-        with self._lock:
-            entry = self._registered.get(key)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._registered[key]
-                    self.engine.unregister_memory(key)
+    def _unregister(self, address: int, _token: None) -> None:
+        self.engine.unregister_memory(address)
 
 
-class MooncakeBatch(Batch):
+class MooncakeBatch(PollingBatch):
     def __init__(self, link: MooncakeLink, ids: list[int], nbytes: int):
-        self._link, self._ids, self.nbytes = link, ids, nbytes
-        self._failed: str | None = None
+        super().__init__(link, nbytes)
+        self._ids = ids
 
-    def done(self) -> bool:
-        if self._failed:
-            raise TransferError(self._failed)
-        status = self._link.status
+    def poll(self) -> tuple[BatchState, str]:
+        status = self.link.status
         while self._ids:
             state = status(self._ids[0])
             if state == PENDING:
-                return False
+                return BatchState.IN_FLIGHT, ""
             if state != DONE:
-                self._failed = self._link.failed(
-                    f"a write of {self.nbytes} bytes to {self._link.target} "
-                    f"{'timed out' if state == -2 else 'failed'} ({state})"
-                )
-                raise TransferError(self._failed)
+                return BatchState.FAILED, f"{'timed out' if state == -2 else 'failed'} ({state})"
             self._ids.pop(0)
-        return True
-
-    def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        nap, longest = POLL_S
-        while not self.done():
-            if time.monotonic() > deadline:  # a stall may pass: the link stays usable
-                self._failed = (
-                    f"a write of {self.nbytes} bytes to {self._link.target} did not land "
-                    f"within {timeout:.3g} s: the link or the destination is gone or stalled"
-                )
-                raise TransferError(self._failed)
-            time.sleep(nap)
-            nap = min(2 * nap, longest)
+        return BatchState.LANDED, ""
 
 
-class MooncakeLink(Link):
-    _broken: str | None = None
-
+class MooncakeLink(LatchedLink):
     def __init__(self, engine: _Engine, described: dict, sources: list[tuple[int, int]]):
         self._engine = engine
         if not isinstance(described, dict):
@@ -239,7 +199,7 @@ class MooncakeLink(Link):
         self._keys: list[int] = []
         try:
             for address, nbytes in sources:
-                self._keys.append(engine.register(address, nbytes))
+                self._keys.append(engine.registered.add(address, nbytes))
             self._connect(described)
         except BaseException:
             self.close()
@@ -256,7 +216,7 @@ class MooncakeLink(Link):
         if protocol != ours.protocol:
             raise TransferError(
                 f"the destination {self.target} uses Mooncake over {protocol!r}, this side "
-                f"over {ours.protocol!r} (PDHAL_MOONCAKE_PROTOCOL): set the same on both"
+                f"over {ours.protocol!r} (option protocol): set the same on both"
             )
         tcp_ok = protocol != "tcp" or (type(framing) is int and framing >= TCP_FRAMING)
         if not acknowledged(theirs) or not tcp_ok:
@@ -278,24 +238,15 @@ class MooncakeLink(Link):
         self._submit = engine.engine.transfer_submit_write
         self.status = engine.engine.transfer_check_status
         self._scratch = np.zeros(64, np.uint8)  # connect now (a read), not in the first layer
-        self._keys.append(engine.register(self._scratch.ctypes.data, self._scratch.nbytes))
+        self._keys.append(engine.registered.add(self._scratch.ctypes.data, self._scratch.nbytes))
         rc = engine.engine.transfer_sync_read(
             self.target, self._scratch.ctypes.data, self._addresses[0], 8
         )
         if rc != 0:
             raise TransferError(f"Mooncake could not reach {self.target} ({rc})")
 
-    def failed(self, why: str) -> str:
-        """Note a failure Mooncake reported: the link reports it (problem()) from now on."""
-        self._broken = why
-        return why
-
-    def problem(self) -> str | None:
-        return self._broken
-
-    def submit(self, runs) -> Batch:
-        if self._broken:
-            raise TransferError(self._broken)
+    def submit(self, runs) -> MooncakeBatch:
+        self.refuse_if_failed()
         runs = self._runs.check(runs)  # every run, before the first is written
         ids, total = [], 0
         for src, region, offset, nbytes in runs:
@@ -310,7 +261,7 @@ class MooncakeLink(Link):
 
     def close(self) -> None:
         while self._keys:
-            self._engine.release(self._keys.pop())
+            self._engine.registered.release(self._keys.pop())
 
 
 class MooncakeEndpoint(Endpoint):
@@ -320,7 +271,7 @@ class MooncakeEndpoint(Endpoint):
         try:
             for region, nbytes in zip(regions, self._sizes):
                 address = ops.get_peer_mem_addr(region)
-                self._keys.append(engine.register(address, nbytes))
+                self._keys.append(engine.registered.add(address, nbytes))
                 self._addresses.append(address)
         except BaseException:
             self.close()
@@ -343,29 +294,31 @@ class MooncakeEndpoint(Endpoint):
 
     def close(self) -> None:
         while self._keys:
-            self._engine.release(self._keys.pop())
+            self._engine.registered.release(self._keys.pop())
 
 
-class MooncakeTransport(Transport):
+class MooncakeTransport(EngineTransport):
     name = "mooncake"
     #: TCP with the acknowledged framing (required) or RDMA (RC writes): see above.
     completion = "target"
+    options = {
+        "protocol": Option(
+            "tcp or rdma: a write completes at the target over both",
+            "tcp",
+            "PDHAL_MOONCAKE_PROTOCOL",
+            one_of(*PROTOCOLS),
+        ),
+        "host": Option("the address this process advertises", "127.0.0.1", "PDHAL_MOONCAKE_HOST"),
+    }
 
-    def __init__(self):
-        self._engine: _Engine | None = None
-        self._lock = threading.Lock()
-
-    def _the_engine(self) -> _Engine:
-        with self._lock:
-            if self._engine is None:
-                self._engine = _Engine()
-            return self._engine
+    def make_engine(self, settings: dict) -> _Engine:
+        return _Engine(settings["host"], settings["protocol"])
 
     def endpoint(self, regions: list, name: str) -> Endpoint:
-        return MooncakeEndpoint(self._the_engine(), regions, name)
+        return MooncakeEndpoint(self.engine(), regions, name)
 
-    def connect(self, described: dict, sources: list[tuple[int, int]]) -> Link:
+    def connect(self, described: dict, sources: list[tuple[int, int]]) -> MooncakeLink:
         try:
-            return MooncakeLink(self._the_engine(), described, sources)
+            return MooncakeLink(self.engine(), described, sources)
         except (KeyError, TypeError, AttributeError) as e:
             raise InvalidArgumentError(f"not a mooncake endpoint's description: {e}") from None

@@ -55,20 +55,38 @@ def test_an_engine_refuses_a_mooncake_without_the_acknowledged_framing(
 ):
     monkeypatch.setattr(_transport, "_installed", lambda: installed)
     with pytest.raises(TransferError, match=match) as refused:
-        _transport._Engine()
+        _transport._Engine("127.0.0.1", "tcp")
     assert "pip install -U 'mooncake-transfer-engine>=0.3.12'" in str(refused.value)
 
 
 def test_an_engine_refuses_mc_tcp_proto_1(monkeypatch):
     monkeypatch.setenv("MC_TCP_PROTO", "1")
     with pytest.raises(TransferError, match="MC_TCP_PROTO=1 is set in this process"):
-        _transport._Engine()
+        _transport._Engine("127.0.0.1", "tcp")
 
 
-def test_a_protocol_without_completion_at_the_target_is_refused(monkeypatch):
+def test_a_protocol_without_completion_at_the_target_is_refused_where_it_is_given(monkeypatch):
+    fresh = _transport.MooncakeTransport()
+    with pytest.raises(InvalidArgumentError, match=r"option protocol='nvlink': it takes one of"):
+        fresh.configure(protocol="nvlink")
     monkeypatch.setenv("PDHAL_MOONCAKE_PROTOCOL", "nvlink")
-    with pytest.raises(InvalidArgumentError, match="PDHAL_MOONCAKE_PROTOCOL='nvlink'"):
-        _transport._Engine()
+    with pytest.raises(InvalidArgumentError, match=r"PDHAL_MOONCAKE_PROTOCOL='nvlink': .*'tcp'"):
+        fresh.endpoint([np.zeros(64, np.uint8)], "mc-refused")
+
+
+def test_the_options_given_rule_over_the_environment_and_bind_once_used(monkeypatch):
+    monkeypatch.setenv("PDHAL_MOONCAKE_HOST", "127.0.0.2")
+    fresh = _transport.MooncakeTransport()
+    fresh.configure(host="127.0.0.1")
+    buffer = np.zeros(64, np.uint8)
+    endpoint = fresh.endpoint([buffer], "mc-configured")
+    try:
+        assert endpoint.describe()["session"].startswith("127.0.0.1:")
+        fresh.configure(host="127.0.0.1")  # the same again: nothing to change
+        with pytest.raises(InvalidArgumentError, match=r"in use already with host='127.0.0.1'"):
+            fresh.configure(host="127.0.0.3")
+    finally:
+        endpoint.close()
 
 
 @pytest.fixture

@@ -11,12 +11,16 @@ progress thread with a poll() timeout of 0, which spins a core for the process's
 a timeout of PDHAL_NIXL_PROGRESS_US (default 10000: the thread wakes on UCX's event fd
 when data comes; the timeout is NIXL's workaround for a missed wake-up).
 
-Configuration, read when the transport is first used (the connect timeout: at each connect):
-  PDHAL_NIXL_UCX_TLS        UCX_TLS for the agent (e.g. tcp; unset: UCX's choice)
-  PDHAL_NIXL_NET_DEVICES    UCX_NET_DEVICES (the interfaces UCX may use; unset: all)
-  PDHAL_NIXL_PROGRESS_US    the progress thread's longest sleep (default 10000)
-  PDHAL_NIXL_CONNECT_TIMEOUT seconds the connecting read may take (default 10)
-  PDHAL_NIXL_IDLE_PEERS     peers kept connected with no link to them (default 16)
+Its options (`transport("nixl").configure(...)`, before first use; each else from its
+environment variable):
+  ucx_tls          UCX_TLS for the agent (e.g. tcp; unset: UCX's choice); PDHAL_NIXL_UCX_TLS
+  net_devices      UCX_NET_DEVICES (the interfaces UCX may use; unset: all);
+                   PDHAL_NIXL_NET_DEVICES
+  progress_us      the progress thread's longest sleep (default 10000); PDHAL_NIXL_PROGRESS_US
+  connect_timeout  seconds the connecting read may take (default 10);
+                   PDHAL_NIXL_CONNECT_TIMEOUT
+  idle_peers       peers kept connected with no link to them (default 16);
+                   PDHAL_NIXL_IDLE_PEERS
 On a machine without RDMA devices (/sys/class/infiniband empty) UCX_MODULES defaults to
 ^ib: UCX's ib module, loaded and left idle, makes the process segfault at exit (in its
 bundled libnl-route's destructor, rtnl_tc_unregister). UCX_LOG_FILE defaults to stderr
@@ -44,17 +48,21 @@ import numpy as np
 
 from pdhal import InvalidArgumentError, TransferError, ops
 from pdhal.transfer import (
-    Batch,
+    BatchState,
     Endpoint,
-    Link,
+    EngineTransport,
+    LandedBatch,
+    LatchedLink,
+    Option,
+    PollingBatch,
+    Registrations,
     RunChecker,
-    Transport,
     described_numbers,
+    nap_until,
+    positive,
     region_bytes,
     region_devices,
 )
-
-POLL_S = (50e-6, 500e-6)  # the first sleep between state checks, and the longest
 
 
 def _bindings():
@@ -81,13 +89,11 @@ def _quiet_python_logger() -> None:
     logger.setLevel(logging.WARNING)
 
 
-def _configure_ucx() -> None:
-    for ours, theirs in (
-        ("PDHAL_NIXL_UCX_TLS", "UCX_TLS"),
-        ("PDHAL_NIXL_NET_DEVICES", "UCX_NET_DEVICES"),
-    ):
-        if os.environ.get(ours):
-            os.environ[theirs] = os.environ[ours]
+def _configure_ucx(settings: dict) -> None:
+    """UCX reads its settings from the environment, when the agent starts."""
+    for key, theirs in (("ucx_tls", "UCX_TLS"), ("net_devices", "UCX_NET_DEVICES")):
+        if settings[key]:
+            os.environ[theirs] = settings[key]
     try:
         rdma = os.listdir("/sys/class/infiniband")
     except OSError:
@@ -97,19 +103,6 @@ def _configure_ucx() -> None:
     os.environ.setdefault("UCX_LOG_FILE", "stderr")  # UCX logs to stdout by default
 
 
-def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive number, got {raw!r}")
-    return value
-
-
 def _text(name) -> str:
     return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
 
@@ -117,16 +110,16 @@ def _text(name) -> str:
 class _Agent:
     """The process's NIXL agent, what it has registered, and the peers it has loaded."""
 
-    def __init__(self):
-        _configure_ucx()
-        progress_us = int(_env_number("PDHAL_NIXL_PROGRESS_US", 10000))
+    def __init__(self, settings: dict):
+        _configure_ucx(settings)
+        self.connect_timeout = settings["connect_timeout"]
         nixl = self.nixl = _bindings()
         _quiet_python_logger()
         config = nixl.nixlAgentConfig()
         config.useProgThread = True  # the destination's UCX must progress to receive (TCP)
         config.useListenThread = False  # metadata travels in describe(), not by socket
         config.syncMode = nixl.NIXL_THREAD_SYNC_RW
-        config.pthrDelay = progress_us
+        config.pthrDelay = settings["progress_us"]
         config.captureTelemetry = False
         self.name = f"pdhal-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = nixl.nixlAgent(self.name, config)
@@ -140,41 +133,27 @@ class _Agent:
             raise TransferError(f"NIXL could not start its UCX backend: {_why(e)}") from None
         self.backends = [self.backend]
         self.dram = nixl.DRAM_SEG
-        self._registered: dict[int, list] = {}  # start -> [bytes, users, descriptor list]
+        self.registered = Registrations(self._register, self._unregister)
         # peer agent -> [the name NIXL gave it, links, its metadata, seen failing]
         self._peers: dict[str, list] = {}
         self._idle: dict[str, None] = {}  # the peers no link uses, the longest idle first
         self._parked: list[tuple[int, str]] = []  # (request, peer) of closed links
-        self.idle_peers = int(_env_number("PDHAL_NIXL_IDLE_PEERS", 16))
+        self.idle_peers = settings["idle_peers"]
         self._lock = threading.Lock()
 
-    def register(self, address: int, nbytes: int) -> int:
-        """Register [address, +nbytes) of host memory (a range inside one registered
-        already counts as another user of that one); returns the key to release() it with."""
-        with self._lock:
-            for start, entry in self._registered.items():
-                if start <= address and address + nbytes <= start + entry[0]:
-                    entry[1] += 1
-                    return start
-            descs = self.nixl.nixlRegDList(self.dram, [(address, nbytes, 0, "")])
-            try:
-                self.agent.registerMem(descs, self.backends)
-            except Exception as e:
-                raise TransferError(
-                    f"NIXL could not register {nbytes} bytes at {address:#x}: {_why(e)}"
-                ) from None
-            self._registered[address] = [nbytes, 1, descs]
-            return address
+    def _register(self, address: int, nbytes: int):
+        """Register [address, +nbytes) of host memory; its descriptor list."""
+        descs = self.nixl.nixlRegDList(self.dram, [(address, nbytes, 0, "")])
+        try:
+            self.agent.registerMem(descs, self.backends)
+        except Exception as e:
+            raise TransferError(
+                f"NIXL could not register {nbytes} bytes at {address:#x}: {_why(e)}"
+            ) from None
+        return descs
 
-    def release(self, key: int) -> None:
-        """One user less of the registration `key`; deregistered with its last."""
-        with self._lock:
-            entry = self._registered.get(key)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._registered[key]
-                    self.agent.deregisterMem(entry[2], self.backends)
+    def _unregister(self, _address: int, descs) -> None:
+        self.agent.deregisterMem(descs, self.backends)
 
     def metadata(self) -> bytes:
         with self._lock:
@@ -227,7 +206,7 @@ class _Agent:
     def forget(self, peer: str, broken: bool) -> None:
         """One link less to `peer` (`broken`: it saw the peer fail). A peer no link uses
         stays loaded, connected, for the next link to it, unless it failed or
-        PDHAL_NIXL_IDLE_PEERS others are idle already: NIXL's invalidateRemoteMD leaves
+        idle_peers others are idle already: NIXL's invalidateRemoteMD leaves
         this process's sockets to the peer open (2 on a host with 2 interfaces) until
         the peer's process exits, so a peer dropped and linked again costs them again."""
         with self._lock:
@@ -255,58 +234,23 @@ def _why(e: Exception) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-class _Landed(Batch):
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float) -> None:
-        return None
-
-
-class NixlBatch(Batch):
+class NixlBatch(PollingBatch):
     def __init__(self, link: NixlLink, handle: int, nbytes: int):
-        self._link, self._handle, self.nbytes = link, handle, nbytes
-        self._failed: str | None = None
-        self._lock = threading.Lock()
+        super().__init__(link, nbytes)
+        self._handle = handle
 
-    def done(self) -> bool:
-        with self._lock:
-            if self._failed:
-                raise TransferError(self._failed)
-            if self._handle is None:
-                return True
-            state, why = self._link.state(self._handle)
-            if state is None:
-                return False
-            self._link.release(self._handle)
-            self._handle = None
-            if state:
-                return True
-            self._failed = self._link.failed(
-                f"a write of {self.nbytes} bytes to {self._link.target} failed ({why})"
-            )
-            raise TransferError(self._failed)
+    def poll(self) -> tuple[BatchState, str]:
+        state, why = self.link.state(self._handle)
+        if state is None:
+            return BatchState.IN_FLIGHT, ""
+        self.link.release(self._handle)
+        return (BatchState.LANDED, "") if state else (BatchState.FAILED, f"failed ({why})")
 
-    def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        nap, longest = POLL_S
-        while not self.done():
-            if time.monotonic() > deadline:  # a stall may pass: the link stays usable
-                with self._lock:
-                    if self._handle is not None:
-                        self._link.orphan(self._handle)
-                        self._handle = None
-                    self._failed = (
-                        f"a write of {self.nbytes} bytes to {self._link.target} did not land "
-                        f"within {timeout:.3g} s: the link or the destination is gone or stalled"
-                    )
-                raise TransferError(self._failed)
-            time.sleep(nap)
-            nap = min(2 * nap, longest)
+    def abandon(self) -> None:
+        self.link.orphan(self._handle)  # UCX cannot take a started write back: see above
 
 
-class NixlLink(Link):
-    _broken: str | None = None
+class NixlLink(LatchedLink):
     _peer = None
 
     def __init__(self, agent: _Agent, described: dict, sources: list[tuple[int, int]]):
@@ -330,7 +274,7 @@ class NixlLink(Link):
         self._xfer_list = nixl.nixlXferDList
         try:
             for address, nbytes in sources:
-                self._keys.append(agent.register(int(address), int(nbytes)))
+                self._keys.append(agent.registered.add(int(address), int(nbytes)))
             self._peer = agent.load(self.target, metadata)
             self._connect()
         except BaseException:
@@ -341,31 +285,28 @@ class NixlLink(Link):
         """Read the destination's first 8 bytes: connected now, not in the first layer,
         and a peer that cannot be reached is reported here."""
         scratch = np.zeros(8, np.uint8)
-        self._keys.append(self._agent.register(scratch.ctypes.data, scratch.nbytes))
+        self._keys.append(self._agent.registered.add(scratch.ctypes.data, scratch.nbytes))
         size = min(8, self.regions[0])
         handle = self._request(
             self._agent.nixl.NIXL_READ,
             [(scratch.ctypes.data, size, 0)],
             [(self._addresses[0], size, 0)],
         )
-        bound = _env_number("PDHAL_NIXL_CONNECT_TIMEOUT", 10.0)
-        deadline = time.monotonic() + bound
-        nap, longest = POLL_S
-        while True:
-            state, why = self.state(handle)
-            if state is not None:
-                self.release(handle)
-                if not state:
-                    raise TransferError(f"NIXL could not reach {self.target} ({why})")
-                return
-            if time.monotonic() > deadline:
-                self.orphan(handle)
-                raise TransferError(
-                    f"NIXL could not reach {self.target} within {bound:g} s "
-                    f"(PDHAL_NIXL_CONNECT_TIMEOUT)"
-                )
-            time.sleep(nap)
-            nap = min(2 * nap, longest)
+        bound = self._agent.connect_timeout
+        ended: list[tuple[bool | None, str]] = []
+
+        def answered() -> bool:
+            ended.append(self.state(handle))
+            return ended[-1][0] is not None
+
+        if not nap_until(answered, time.monotonic() + bound):
+            self.orphan(handle)
+            raise TransferError(
+                f"NIXL could not reach {self.target} within {bound:g} s (option connect_timeout)"
+            )
+        self.release(handle)
+        if not ended[-1][0]:
+            raise TransferError(f"NIXL could not reach {self.target} ({ended[-1][1]})")
 
     def _request(self, operation, local: list, remote: list) -> int:
         """Create and post one request; TransferError (the link latched broken) if NIXL
@@ -427,22 +368,13 @@ class NixlLink(Link):
             else:
                 self.release(handle)
 
-    def failed(self, why: str) -> str:
-        """Note a failure NIXL reported: the link reports it (problem()) from now on."""
-        self._broken = why
-        return why
-
-    def problem(self) -> str | None:
-        return self._broken
-
-    def submit(self, runs) -> Batch:
-        if self._broken:
-            raise TransferError(self._broken)
+    def submit(self, runs) -> PollingBatch | LandedBatch:
+        self.refuse_if_failed()
         runs = self._runs.check(runs)  # every run, before the first is written
         if self._orphans:
             self._reap()
         if not runs:
-            return _Landed()
+            return LandedBatch()
         addresses = self._addresses
         local = [(src, nbytes, 0) for src, _, _, nbytes in runs]
         remote = [(addresses[region] + offset, nbytes, 0) for _, region, offset, nbytes in runs]
@@ -456,13 +388,13 @@ class NixlLink(Link):
         self._reap()
         peer, self._peer = self._peer, None
         if peer is not None:
-            stuck = bool(self._orphans) or self._broken is not None
+            stuck = bool(self._orphans) or self.problem() is not None
             self._agent.forget(self.target, broken=stuck)
         with self._lock:
             orphans, self._orphans = self._orphans, []
         self._agent.park(orphans, self.target)
         while self._keys:
-            self._agent.release(self._keys.pop())
+            self._agent.registered.release(self._keys.pop())
 
 
 class NixlEndpoint(Endpoint):
@@ -479,7 +411,7 @@ class NixlEndpoint(Endpoint):
                         f"memory (DRAM) only"
                     )
                 address = ops.get_peer_mem_addr(region)
-                self._keys.append(agent.register(address, nbytes))
+                self._keys.append(agent.registered.add(address, nbytes))
                 self._addresses.append(address)
             self._metadata = base64.b64encode(agent.metadata()).decode()
         except BaseException:
@@ -499,32 +431,44 @@ class NixlEndpoint(Endpoint):
 
     def close(self) -> None:
         while self._keys:
-            self._agent.release(self._keys.pop())
+            self._agent.registered.release(self._keys.pop())
 
 
-class NixlTransport(Transport):
+class NixlTransport(EngineTransport):
     name = "nixl"
     #: NIXL's UCX backend follows each request's writes with ucp_ep_flush_nbx and keeps the
     #: request in progress until the flush completes (src/plugins/ucx/ucx_backend.cpp,
     #: sendXferRange; ucx_utils.cpp, flushEp): UCX completes a flush once every put before
     #: it completed at the remote side, over any of its transports (tcp acknowledges puts).
     completion = "target"
+    options = {
+        "ucx_tls": Option("UCX_TLS for the agent (e.g. tcp)", None, "PDHAL_NIXL_UCX_TLS"),
+        "net_devices": Option("UCX_NET_DEVICES for the agent", None, "PDHAL_NIXL_NET_DEVICES"),
+        "progress_us": Option(
+            "the progress thread's longest sleep (us)",
+            10000,
+            "PDHAL_NIXL_PROGRESS_US",
+            positive(int),
+        ),
+        "connect_timeout": Option(
+            "seconds a link's connecting read may take",
+            10.0,
+            "PDHAL_NIXL_CONNECT_TIMEOUT",
+            positive(float),
+        ),
+        "idle_peers": Option(
+            "peers kept connected with no link to them", 16, "PDHAL_NIXL_IDLE_PEERS", positive(int)
+        ),
+    }
 
-    def __init__(self):
-        self._agent: _Agent | None = None
-        self._lock = threading.Lock()
-
-    def _the_agent(self) -> _Agent:
-        with self._lock:
-            if self._agent is None:
-                self._agent = _Agent()
-            return self._agent
+    def make_engine(self, settings: dict) -> _Agent:
+        return _Agent(settings)
 
     def endpoint(self, regions: list, name: str) -> Endpoint:
-        return NixlEndpoint(self._the_agent(), regions, name)
+        return NixlEndpoint(self.engine(), regions, name)
 
-    def connect(self, described: dict, sources: list[tuple[int, int]]) -> Link:
+    def connect(self, described: dict, sources: list[tuple[int, int]]) -> NixlLink:
         try:
-            return NixlLink(self._the_agent(), described, sources)
+            return NixlLink(self.engine(), described, sources)
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidArgumentError(f"not a nixl endpoint's description: {e}") from None

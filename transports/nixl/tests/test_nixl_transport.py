@@ -1,7 +1,7 @@
 """What the nixl transport adds to the contract (`pytest --pdhal-transport nixl`): the
 plugin says what to install when NIXL is missing; a description that is not a nixl
 endpoint's is refused; a peer that is gone or stopped when connecting is reported within
-PDHAL_NIXL_CONNECT_TIMEOUT; links to one peer share its connection; NIXL's progress thread
+the option connect_timeout; links to one peer share its connection; NIXL's progress thread
 does not spin a core, and a process that used NIXL exits cleanly."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from pdhal_nixl._transport import NixlTransport
 
 import pdhal
 from pdhal import InvalidArgumentError, TransferError
@@ -83,17 +84,16 @@ def test_a_dead_peer_is_reported_at_connect(peer, source, namespace):
     assert left == [] and removed and all(f".{peer.proc.pid}." in p for p in removed)
 
 
-def test_a_stopped_peer_is_reported_at_connect_within_the_connect_timeout(
-    peer, source, monkeypatch
-):
-    monkeypatch.setenv("PDHAL_NIXL_CONNECT_TIMEOUT", "1.5")
+def test_a_stopped_peer_is_reported_at_connect_within_the_connect_timeout(peer, source):
+    nixl = NixlTransport()  # a transport of its own: this process's is configured already
+    nixl.configure(connect_timeout=1.5)
     peer.stop()
     started = time.monotonic()
-    with pytest.raises(TransferError, match=r"within 1.5 s \(PDHAL_NIXL_CONNECT_TIMEOUT\)"):
-        transport("nixl").connect(peer.described, _sources(source))
+    with pytest.raises(TransferError, match=r"within 1.5 s \(option connect_timeout\)"):
+        nixl.connect(peer.described, _sources(source))
     assert time.monotonic() - started < 10.0
     peer.resume()
-    link = transport("nixl").connect(peer.described, _sources(source))  # served again
+    link = nixl.connect(peer.described, _sources(source))  # served again
     try:
         link.submit([(source.ctypes.data, 0, 0, 64)]).wait(30.0)
     finally:
@@ -105,7 +105,7 @@ def test_links_to_one_peer_share_its_loaded_metadata(peer, source):
     one = nixl.connect(peer.described, _sources(source))
     two = nixl.connect(peer.described, _sources(source))
     try:
-        agent = nixl._agent
+        agent = nixl.engine()
         assert agent._peers[one.target][1] == 2
         one.close()
         two.submit([(source.ctypes.data, 0, 0, 64)]).wait(30.0)
