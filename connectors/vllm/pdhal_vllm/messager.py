@@ -75,6 +75,11 @@ class PrefillWorker:
     def pid(self):
         return self.hello.get("pid")
 
+    @property
+    def device(self):
+        """The physical device its layer-signal channel is named by."""
+        return self.hello.get("device", 0)
+
     def send(self, *message) -> None:
         if not self.alive:
             return
@@ -213,7 +218,7 @@ class Messager:
     def _watch(self, worker: PrefillWorker) -> None:
         """The pdhal reader of the prefill worker's layer signals: one event per wake-up."""
         try:
-            reader = ops.open_kv_signal_reader(self.rank, 0, timeout=30.0)
+            reader = ops.open_kv_signal_reader(self.rank, worker.device, timeout=30.0)
         except PdhalError as exc:
             self.events.put(
                 ("gone", worker, f"the prefill worker has no layer-signal channel: {exc}")

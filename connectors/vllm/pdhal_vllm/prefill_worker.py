@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.logger import init_logger
 
-from pdhal import ops
+from pdhal import ChannelBusyError, ops
 from pdhal.transfer import rank_address
 from pdhal_vllm.wire import ConnectorError, connect_worker, head_crcs
 
@@ -60,7 +60,16 @@ class PrefillWorker:
         self.send_lock = threading.Lock()  # messager and messager_alive change under it only
         ops.set_data_ipc(worker.buffers[0][1], worker.cache_name)
         # the channel exists, with an opening step, before the messager attaches
-        ops.open_shm_and_get_meta_signal(worker.rank, 0)
+        try:
+            ops.open_shm_and_get_meta_signal(worker.rank, worker.device)
+        except ChannelBusyError as exc:
+            raise ConnectorError(
+                f"another prefill instance on this host signals its layers as rank "
+                f"{worker.rank} of device {worker.device} ({exc}): give each prefill instance "
+                f"a device of its own (CUDA_VISIBLE_DEVICES; on a CPU host "
+                f"PDHAL_CPU_VISIBLE_DEVICES), or a PDHAL_NAMESPACE of its own shared only with "
+                f"its decode instances"
+            ) from None
         self._connect_messager(timeout=30.0)
 
     def _connect_messager(self, timeout: float) -> None:
@@ -75,6 +84,7 @@ class PrefillWorker:
                 "pid": os.getpid(),
                 "rank": w.rank,
                 "ranks": w.ranks,
+                "device": w.device,
                 "kv_heads": w.kv_heads,
                 "cache": w.cache_name,
                 "nbytes": w.buffers[0][0].nbytes,
@@ -127,7 +137,7 @@ class PrefillWorker:
                 "step will not reach the decode side",
                 len(meta.stores),
             )
-        self.meta = ops.open_shm_and_get_meta_signal(self.w.rank, 0)
+        self.meta = ops.open_shm_and_get_meta_signal(self.w.rank, self.w.device)
         with self.lock:  # (the messager's reader walks req_of when it goes)
             for store in meta.stores:
                 self.req_of[store["tid"]] = store["req"]

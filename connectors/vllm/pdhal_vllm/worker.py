@@ -56,6 +56,9 @@ class Worker:
         self.layout: list[list[int]] = []
         self.num_layers = 0
         self.cache_name = ""
+        #: the physical device of the KV cache: what this rank's layer-signal channel is
+        #: named by, so that instances on different devices of one host never share one
+        self.device = 0
         self.prefill = None  # a PrefillWorker, once registered (kv_producer)
         self.decode = None  # a DecodeWorker, once registered (kv_consumer)
 
@@ -153,6 +156,11 @@ class Worker:
             self.layout[0][2],
         )
         self.cache_name = f"pdhal-vllm.{os.getpid()}.{self.rank}"
+        local = kv_caches[names[0]].device.index or 0
+        try:
+            self.device = pdhal.current_platform().device_index(local)
+        except pdhal.PdhalError as exc:
+            raise ConnectorError(f"the KV cache's device: {exc}") from None
         if self.o.is_producer:
             self.prefill = PrefillWorker(self)
         if self.o.is_consumer:

@@ -90,10 +90,12 @@ class Cluster:
         env: dict | None = None,
         rank: int = 0,
         listen: str = "127.0.0.1:0",
+        name: str | None = None,
     ) -> str:
-        """The messager of prefill rank `rank` (named "messager", then "messager1", ...);
-        rank 0's address is the one the instances are given."""
-        name = f"messager{rank or ''}"
+        """The messager of prefill rank `rank` (named "messager", then "messager1", ...,
+        unless `name` says); the address of the one named "messager" is the one the
+        instances are given."""
+        name = name or f"messager{rank or ''}"
         log = open(self.path(f"{name}.log"), "w")
         proc = subprocess.Popen(
             [

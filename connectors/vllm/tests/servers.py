@@ -14,6 +14,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from conftest import PY, Cluster, free_ports
 
@@ -23,9 +24,12 @@ MAX_TOKENS = 8
 
 
 class Served:
-    """The servers, each with its URL and log: "prefill" and its messager ("messager", on
-    a port of its own that a restarted one takes again), "decode", "decode1", ... and
-    "plain"; all in one pdhal namespace. Each server's worker runs one unbound torch thread
+    """The servers, each with its URL and log: "prefill", "prefill1", ... each with its
+    messager ("messager", "messager1", ..., each on a port of its own that a restarted one
+    takes again), "decode", "decode1", ... and "plain"; all in one pdhal namespace, as an
+    xPyD node runs them: prefill server i on device i (PDHAL_CPU_VISIBLE_DEVICES, as
+    CUDA_VISIBLE_DEVICES gives each GPU server its own), whose layer-signal channel is
+    named by it. Each server's worker runs one unbound torch thread
     (vLLM's CPU build otherwise binds every server's OpenMP threads to the same cores,
     where they spin-wait on each other: steps of 15-40 s were seen here with four servers
     on two cores)."""
@@ -36,6 +40,7 @@ class Served:
         model: str,
         transport: str,
         *,
+        prefills: int = 1,
         decodes: int = 1,
         plain: bool = True,
         router_args: tuple[str, ...] = (),
@@ -50,7 +55,7 @@ class Served:
         differently, and the tiny model's greedy tokens of one prompt already differ on a
         plain server). `messager_args`: more of the messager's options."""
         self.cluster = Cluster(root, model, os.urandom(16).hex())
-        self.namespace = f"serve{os.getpid()}{transport}{decodes}"
+        self.namespace = f"serve{os.getpid()}{transport}{prefills}{decodes}"
         self.cluster.env |= {
             "PDHAL_NAMESPACE": self.namespace,
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
@@ -63,20 +68,26 @@ class Served:
         self.procs: dict[str, subprocess.Popen] = {}
         self.hosts = hosts
         here = hosts.prefill_ip if hosts else "127.0.0.1"
-        self.messager = f"{here}:{free_ports()}"
+        self.prefills = [f"prefill{i or ''}" for i in range(prefills)]
+        self.decodes = [f"decode{i or ''}" for i in range(decodes)]
+        self.messagers = [f"{here}:{free_ports()}" for _ in self.prefills]
+        self.messager = self.messagers[0]
         self.router: subprocess.Popen | None = None
         try:
-            self._start(decodes, plain, router_args)
+            self._start(plain, router_args)
         except BaseException:
             self.stop()  # what started: no server outlives a failed start
             raise
 
-    def _start(self, decodes: int, plain: bool, router_args) -> None:
-        decoders = [f"decode{i or ''}" for i in range(decodes)]
-        self.start_messager()
+    def _start(self, plain: bool, router_args) -> None:
+        decoders = self.decodes
+        for index in range(len(self.prefills)):
+            self.start_messager(index)
         if plain:
             self._serve("plain", None)
-        self._serve("prefill", {"kv_role": "kv_producer", "extra": {"messager": self.messager}})
+        for index, (role, messager) in enumerate(zip(self.prefills, self.messagers)):
+            config = {"kv_role": "kv_producer", "extra": {"messager": messager}}
+            self._serve(role, config, env={"PDHAL_CPU_VISIBLE_DEVICES": str(index)})
         for role in decoders:
             extra = {"transport": self.transport}
             there = self.hosts is not None and role == decoders[-1]
@@ -93,7 +104,7 @@ class Served:
                 "pdhal_vllm.router",
                 "--port",
                 "0",
-                f"--prefill={self.urls['prefill']}={self.messager}",
+                *(f"--prefill={self.urls[r]}={m}" for r, m in zip(self.prefills, self.messagers)),
                 *(f"--decode={self.urls[r]}" for r in decoders),
                 *router_args,
             ],
@@ -106,14 +117,21 @@ class Served:
         assert "listening on" in line, line + self.log("router")
         self.urls["router"] = line.split()[-1]
 
-    def start_messager(self) -> None:
-        """(Re)start the prefill server's messager, at its address."""
+    def start_messager(self, index: int = 0) -> None:
+        """(Re)start prefill server `index`'s messager, at its address."""
         host = ("--transport-option", f"host={self.hosts.prefill_ip}") if self.hosts else ()
         self.cluster.start_messager(
-            "--transport", self.transport, *host, *self.messager_args, listen=self.messager
+            "--transport",
+            self.transport,
+            *host,
+            *self.messager_args,
+            listen=self.messagers[index],
+            name=f"messager{index or ''}",
         )
 
-    def _serve(self, role: str, config: dict | None, there: bool = False) -> None:
+    def _serve(
+        self, role: str, config: dict | None, there: bool = False, env: dict | None = None
+    ) -> None:
         port = free_ports()
         args = [
             PY,
@@ -153,7 +171,7 @@ class Served:
         log = open(self.cluster.path(f"{role}.log"), "w")
         self.procs[role] = subprocess.Popen(
             args,
-            env=self.cluster.env,
+            env=self.cluster.env | (env or {}),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -178,7 +196,12 @@ class Served:
         return self.cluster.log(role, 60)
 
     def complete(
-        self, role: str, prompt: str, stream: bool = False, max_tokens: int = MAX_TOKENS
+        self,
+        role: str,
+        prompt: str,
+        stream: bool = False,
+        max_tokens: int = MAX_TOKENS,
+        kv_transfer_params: dict | None = None,
     ) -> str:
         body = {
             "model": self.model,
@@ -187,6 +210,8 @@ class Served:
             "temperature": 0,
             "stream": stream,
         }
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
         request = urllib.request.Request(
             self.urls[role] + "/v1/completions",
             data=json.dumps(body).encode(),
@@ -199,6 +224,27 @@ class Served:
         events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]", raw
         return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+    def pair(self, prefill: int, decode: str, prompt: str, tid: str) -> str:
+        """`prompt` prefilled on prefill server `prefill` (its index) and decoded on server
+        `decode`, both asked at once with the kv_transfer_params a router sends: the text."""
+        to_prefill = {"do_remote_decode": True, "pdhal_transfer_id": tid}
+        to_decode = {
+            "do_remote_prefill": True,
+            "pdhal_transfer_id": tid,
+            "pdhal_messager": self.messagers[prefill],
+        }
+        with ThreadPoolExecutor(1) as pool:
+            prefilled = pool.submit(
+                self.complete,
+                self.prefills[prefill],
+                prompt,
+                max_tokens=1,
+                kv_transfer_params=to_prefill,
+            )
+            text = self.complete(decode, prompt, kv_transfer_params=to_decode)
+            prefilled.result()
+        return text
 
     def attempt(self, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
         """("ok", text) or ("error", why) of one request through the router."""
@@ -247,12 +293,22 @@ class Served:
         self._wait_reclaimed()
         self.cluster.stop()
 
+    def _messagers(self) -> list[subprocess.Popen]:
+        return [p for name, p in self.cluster.procs.items() if name.startswith("messager")]
+
+    def messagers_own(self, segments: list[str]) -> bool:
+        """Whether each of `segments` is one of the messagers' own."""
+        pids = [proc.pid for proc in self._messagers()]
+        return all(any(f".{pid}." in name for pid in pids) for name in segments)
+
     def _wait_reclaimed(self, bound: float = 30.0) -> None:
-        """Until the messager removed what the servers' force-killed workers left (once
-        each worker it served exits), before it stops too."""
-        messager = self.cluster.procs.get("messager")
+        """Until the messagers removed what the servers' force-killed workers left (once
+        each worker they served exits), before they stop too."""
+        messagers = self._messagers()
         deadline = time.monotonic() + bound
-        while messager is not None and messager.poll() is None and time.monotonic() < deadline:
-            if all(f".{messager.pid}." in name for name in segments_of(self.namespace)):
+        while messagers and all(m.poll() is None for m in messagers):
+            if time.monotonic() > deadline:
+                return
+            if self.messagers_own(segments_of(self.namespace)):
                 return
             time.sleep(0.2)

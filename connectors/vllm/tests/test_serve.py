@@ -1,8 +1,10 @@
 """vLLM as its users run it, over shm and over Mooncake: `vllm serve` processes (servers.py),
-a messager, the router in front, and vLLM's own `vllm bench serve` client on its random
-dataset. Beside them a plain server (no connector) gives the reference outputs. The
-last test stops the servers as their users do (SIGTERM, vLLM's default shutdown
-force-killing its workers) and counts /dev/shm."""
+their messagers, the router in front, and vLLM's own `vllm bench serve` client on its
+random dataset. Over shm the servers are an xPyD node: two prefill servers (each on a
+device of its own) and two decode servers on one host, every prefill/decode pair of them
+used; over Mooncake one of each. Beside them a plain server (no connector) gives the
+reference outputs. The last test stops the servers as their users do (SIGTERM, vLLM's
+default shutdown force-killing its workers) and counts /dev/shm."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from servers import Served
 
 from pdhal.testing.reset import remove_leftovers, segments_of
 
+LOCAL = "vllm:prompt_tokens_by_source_total"
 PROMPTS = [
     "prefill and decode run on different machines",
     "the quick brown fox jumps over the lazy dog and the cache moves between them " * 3,
@@ -27,10 +30,22 @@ PROMPTS = [
 
 @pytest.fixture(scope="module", params=["shm", "mooncake"])
 def served(request, tmp_path_factory, model_dir):
-    s = Served(tmp_path_factory.mktemp("serve"), model_dir, request.param)
+    pairs = 2 if request.param == "shm" else 1  # shm: 2 prefill + 2 decode on one host
+    s = Served(
+        tmp_path_factory.mktemp("serve"),
+        model_dir,
+        request.param,
+        prefills=pairs,
+        decodes=pairs,
+    )
     yield s
     s.stop()
     remove_leftovers(s.namespace)
+
+
+def decoded(served: Served, metric: str, **labels: str) -> float:
+    """`metric` summed over the decode servers."""
+    return sum(served.metric(role, metric, **labels) for role in served.decodes)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -39,12 +54,28 @@ def test_outputs_through_the_router_equal_a_plain_server_s(served, stream):
         assert served.complete("router", prompt, stream) == served.complete("plain", prompt)
 
 
+def test_every_prefill_server_streams_to_every_decode_server(served):
+    """Each (prefill, decode) pair of servers, asked as a router asks them: the decode
+    server's tokens equal a plain server's, and it computed no prompt token but the last
+    (the rest came from that prefill server)."""
+    prompt = PROMPTS[1]
+    expected = served.complete("plain", prompt)
+    for prefill in range(len(served.prefills)):
+        for decode in served.decodes:
+            local = served.metric(decode, LOCAL, source="local_compute")
+            moved = served.metric(decode, LOCAL, source="external_kv_transfer")
+            tid = f"pair-{served.prefills[prefill]}-{decode}"
+            assert served.pair(prefill, decode, prompt, tid) == expected, tid
+            assert served.metric(decode, LOCAL, source="local_compute") - local <= 1, tid
+            assert served.metric(decode, LOCAL, source="external_kv_transfer") > moved, tid
+
+
 def test_vllm_s_own_benchmark_client_completes_every_request(served, tmp_path):
     """`vllm bench serve` on its random dataset through the router: every request
     completes, and the decode server computed no prompt token but the last of each (vLLM
     always computes that one itself): the rest came from the prefill server."""
-    local = served.metric("decode", "vllm:prompt_tokens_by_source_total", source="local_compute")
-    requests = served.metric("decode", "vllm:request_success_total")
+    local = decoded(served, LOCAL, source="local_compute")
+    requests = decoded(served, "vllm:request_success_total")
     run = subprocess.run(
         [
             PY,
@@ -85,15 +116,10 @@ def test_vllm_s_own_benchmark_client_completes_every_request(served, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["completed"] == 12 and result.get("failed", 0) == 0, result
-    done = served.metric("decode", "vllm:request_success_total") - requests
-    computed = (
-        served.metric("decode", "vllm:prompt_tokens_by_source_total", source="local_compute")
-        - local
-    )
+    done = decoded(served, "vllm:request_success_total") - requests
+    computed = decoded(served, LOCAL, source="local_compute") - local
     assert done == 12 and computed <= done, (done, computed)
-    moved = served.metric(
-        "decode", "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-    )
+    moved = decoded(served, LOCAL, source="external_kv_transfer")
     assert moved >= 12 * 99, moved
 
 
@@ -130,14 +156,13 @@ def test_sigterm_leaves_nothing_behind(served):
     workers, so their own clean-up never runs): the messager removes what the dead
     workers left, and the namespace is empty once everything stopped."""
     assert segments_of(served.namespace)  # the servers' KV caches, while they run
-    for role in ("prefill", "decode", "plain"):
-        served.procs[role].send_signal(signal.SIGTERM)
-    for role in ("prefill", "decode", "plain"):
-        assert served.procs[role].wait(120) is not None
+    for proc in served.procs.values():
+        proc.send_signal(signal.SIGTERM)
+    for proc in served.procs.values():
+        assert proc.wait(120) is not None
     deadline = time.monotonic() + 30
-    while (left := segments_of(served.namespace)) and time.monotonic() < deadline:
+    while not served.messagers_own(left := segments_of(served.namespace)):
+        assert time.monotonic() < deadline, left  # only the messagers' own are left
         time.sleep(0.2)
-    messager_pid = str(served.cluster.procs["messager"].pid)
-    assert all(f".{messager_pid}." in name for name in left), left  # only the messager's own
     served.stop()
     assert segments_of(served.namespace) == []
