@@ -1,10 +1,12 @@
 """What a test suite of code built on pdhal puts around its tests, as pdhal's own suites do
-(the core's, each backend's, the demo's, the vLLM connector's). In a conftest.py:
+(the core's, each backend's, the demo's, the vLLM connector's). In the pytest configuration
+(pyproject.toml's [tool.pytest.ini_options], or pytest.ini):
 
-    from pdhal.testing.fixtures import namespace  # noqa: F401  (autouse: every test)
+    pdhal_isolate = true
 
-gives every test a PDHAL_NAMESPACE of its own and fails one that leaves a segment behind;
-the functions run code in real child processes and count threads.
+gives every test a PDHAL_NAMESPACE of its own and fails one that leaves a segment behind
+(the `namespace` fixture here, autouse; pdhal's pytest plugin loads it); the functions run
+code in real child processes and count threads.
 """
 
 from __future__ import annotations

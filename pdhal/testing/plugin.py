@@ -1,5 +1,7 @@
 """The pytest plugin: `--pdhal-backend NAME` selects the backend and runs the backend kit's
-suite; `--pdhal-transport NAME` runs the transport kit's suite against transport NAME."""
+suite; `--pdhal-transport NAME` runs the transport kit's suite against transport NAME; the
+ini option `pdhal_isolate = true` gives every test a PDHAL_NAMESPACE of its own and fails
+one that leaves a segment behind (pdhal.testing.fixtures.namespace, autouse)."""
 
 from __future__ import annotations
 
@@ -25,9 +27,17 @@ def pytest_addoption(parser):
         default=None,
         help="run pdhal's transport conformance suite against transport NAME",
     )
+    parser.addini(
+        "pdhal_isolate",
+        type="bool",
+        default=False,
+        help="every test in a PDHAL_NAMESPACE of its own, failed if it leaves a segment behind",
+    )
 
 
 def pytest_configure(config):
+    if config.getini("pdhal_isolate"):
+        config.pluginmanager.import_plugin("pdhal.testing.fixtures")
     name = config.getoption("pdhal_backend", default=None)
     if name:
         os.environ["PDHAL_PLATFORM"] = name  # child processes of the suite inherit it

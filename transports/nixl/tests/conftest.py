@@ -1,11 +1,9 @@
-"""pdhal-nixl's tests: each in a PDHAL_NAMESPACE of its own, nothing left behind, UCX on
-TCP (PDHAL_NIXL_UCX_TLS, inherited by the processes a test starts): the wire between two
-hosts. On one host UCX would pick shared memory or CMA, whose writes land in a stopped
-process too, which is what the stall tests stop."""
+"""pdhal-nixl's tests (each in a PDHAL_NAMESPACE of its own, nothing left behind: the
+pdhal_isolate ini option): UCX on TCP (PDHAL_NIXL_UCX_TLS, inherited by the processes a
+test starts): the wire between two hosts. On one host UCX would pick shared memory or CMA,
+whose writes land in a stopped process too, which is what the stall tests stop."""
 
 import pytest
-
-from pdhal.testing.fixtures import namespace  # noqa: F401  (autouse: every test)
 
 
 @pytest.fixture(autouse=True)
