@@ -407,17 +407,10 @@ class Stack:
             "--no-enable-prefix-caching",
         ]
         if role.startswith("pdhal"):
-            extra = {"trace": self.trace}
-            extra |= (
-                {"messager": self.messager} if kv_role == "kv_producer" else {"transport": "shm"}
-            )
-            config = {
-                "kv_connector": "PdhalConnector",
-                "kv_connector_module_path": "pdhal_vllm.connector",
-                "kv_role": kv_role,
-                "kv_load_failure_policy": "fail",
-                "kv_connector_extra_config": extra,
-            }
+            from pdhal_vllm.config import kv_transfer_config
+
+            side = {"messager": self.messager} if kv_role == "kv_producer" else {"transport": "shm"}
+            config = kv_transfer_config(kv_role, trace=self.trace, **side)
             args += ["--kv-transfer-config", json.dumps(config)]
         elif role.startswith("example"):
             config = {
@@ -997,7 +990,7 @@ def main(argv=None) -> int:
         # floor((n-2)/32)*32: with n-1 a multiple of 32 its decode never finds them
         parser.error("--input-len must be at least 34 and not 1 more than a multiple of 32")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop all
-    from pdhal_vllm import tiny
+    from pdhal_vllm.testing import tiny
 
     cache = os.environ.get("PDHAL_VLLM_CACHE") or os.path.join(
         tempfile.gettempdir(), "pdhal-vllm-models"

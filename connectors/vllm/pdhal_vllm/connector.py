@@ -46,7 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from pdhal_vllm.metadata import MESSAGER, TRANSFER_ID, PdhalConnectorMetadata, config
+from pdhal_vllm.config import extra_config
+from pdhal_vllm.metadata import MESSAGER, TRANSFER_ID, PdhalConnectorMetadata
 from pdhal_vllm.scheduler import Scheduler
 from pdhal_vllm.worker import Worker
 
@@ -69,7 +70,7 @@ class PdhalConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._extra = config(vllm_config)
+        self._extra = extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self._block_size = vllm_config.cache_config.block_size
         self.is_producer = self._kv_transfer_config.is_kv_producer
         self.is_consumer = self._kv_transfer_config.is_kv_consumer

@@ -56,8 +56,8 @@ from pdhal_vllm.wire import (
     worker_address,
 )
 
-#: tests: "exit-after-layers:N" exits (status 3) once the streamer has landed N layer submits
-FAULT_VAR = "PDHAL_VLLM_MESSAGER_FAULT"
+#: Device ids a layer-signal channel can be named by: [0, DEVICES)
+DEVICES = 1 << 20
 #: Transfer ids of ended transfers kept, so a later table entry of one is not added again.
 ENDED = 10000
 
@@ -99,17 +99,15 @@ class Added:
 
 
 class _Feed:
-    """The service as PerQueryFeed drives it: every layer handed to it is also traced and
-    checked against the planted fault."""
+    """The service as PerQueryFeed drives it: each layer through the messager's
+    give_layer."""
 
     def __init__(self, messager: Messager, service: PrefillService):
         self.layout = service.layout
         self._messager, self._service = messager, service
 
     def layer_ready(self, layer: int, ready, signal_ns=None, *, step=None) -> None:
-        self._messager.check_fault()
-        self._service.layer_ready(layer, ready, signal_ns, step=step)
-        self._messager.given(layer, ready)
+        self._messager.give_layer(self._service, layer, ready, signal_ns, step)
 
 
 class Messager:
@@ -155,11 +153,6 @@ class Messager:
         self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._mark = 0  # trace: the streamer's metrics.layers_since cursor
         self._watched: set[int] = set()  # worker pids whose exit is awaited (reclaim)
-        fault = os.environ.get(FAULT_VAR, "")
-        self.exit_after = (
-            int(fault.split(":")[1]) if fault.startswith("exit-after-layers:") else None
-        )
-        self.layers_given = 0  # layer submits the service was given (the fault counts them)
         self._port, self.address = reserve(listen)  # each prefill worker's service listens there
         self.listener = Listener(worker_address(self.address), family="AF_UNIX", authkey=key)
 
@@ -293,6 +286,13 @@ class Messager:
                 f"{hello.get('rank', 0)} of {hello.get('ranks', 1)}",
             )
             return
+        device = hello.get("device", 0)
+        if type(device) is not int or not 0 <= device < DEVICES:
+            self._refuse(
+                worker,
+                f"the prefill worker's device must be an int in [0, {DEVICES}), got {device!r}",
+            )
+            return
         if self.prefill is not None and self.prefill.alive:
             self._refuse(worker, "this messager already serves a prefill worker")
             return
@@ -362,27 +362,15 @@ class Messager:
                 self.added[tid] = Added(prompt, list(blocks))
                 self._outcome(transfer.Outcome(tid, False, why))
 
-    def given(self, layer: int, ready) -> None:
-        """The service was given `layer` of `ready` (from the feed)."""
+    def give_layer(self, service: PrefillService, layer: int, ready, signal_ns, step) -> None:
+        """Give `service` `layer` of the (transfer id, tokens) in `ready` (PerQueryFeed's
+        call, on each layer signal), traced."""
+        service.layer_ready(layer, ready, signal_ns, step=step)
         if self.trace.on:
             now = time.monotonic_ns()
             for tid, _ in ready:
                 if tid in self.added:
                     self.trace("read", tid=tid, layer=layer, t=now)
-        self.layers_given += 1
-
-    def check_fault(self) -> None:
-        """The planted fault (tests): exit-after-layers:N exits before the service is given
-        layer submit N + 1, once the N given landed, so the decode cache holds exactly
-        those however the layer signals were batched."""
-        if self.exit_after is None or self.service is None or self.layers_given < self.exit_after:
-            return
-        metrics = self.service.streamer.metrics
-        deadline = time.monotonic() + 10.0
-        while metrics.layers_landed < self.exit_after and time.monotonic() < deadline:
-            time.sleep(0.001)  # (a test hook, once: the copies of those N run meanwhile)
-        self.trace("fault", what="exit", layers=metrics.layers_landed)
-        os._exit(3)
 
     # ---- outcomes -----------------------------------------------------------------------
 
@@ -497,7 +485,7 @@ class Messager:
         print(f"pdhal-vllm messager: {message}", file=sys.stderr, flush=True)
 
 
-def main(argv=None) -> int:
+def main(argv=None, messager_class: type[Messager] = Messager) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pdhal_vllm.messager",
         description=__doc__,
@@ -553,7 +541,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: pdhal cleans up
     try:
-        messager = Messager(
+        messager = messager_class(
             args.listen,
             args.rank,
             auth_key(args.auth_key),

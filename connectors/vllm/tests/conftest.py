@@ -20,8 +20,6 @@ import time
 
 import pytest
 
-from pdhal.testing.fixtures import namespace  # noqa: F401  (autouse: every test)
-
 if not os.environ.get("PDHAL_VLLM_TESTS"):
     collect_ignore_glob = ["test_*.py"]  # the main suite: run by `make test-vllm` instead
 else:
@@ -58,7 +56,11 @@ def model_dir(tmp_path_factory) -> str:
     """The tiny Llama, built once per run (or reused from PDHAL_VLLM_CACHE)."""
     root = os.environ.get("PDHAL_VLLM_CACHE") or str(tmp_path_factory.mktemp("models"))
     out = subprocess.run(
-        [PY, "-c", f"from pdhal_vllm import tiny; print(tiny.cached({root!r}, layers={LAYERS}))"],
+        [
+            PY,
+            "-c",
+            f"from pdhal_vllm.testing import tiny; print(tiny.cached({root!r}, layers={LAYERS}))",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -91,6 +93,7 @@ class Cluster:
         rank: int = 0,
         listen: str = "127.0.0.1:0",
         name: str | None = None,
+        module: str = "pdhal_vllm.messager",
     ) -> str:
         """The messager of prefill rank `rank` (named "messager", then "messager1", ...,
         unless `name` says); the address of the one named "messager" is the one the
@@ -102,7 +105,7 @@ class Cluster:
                 PY,
                 "-u",
                 "-m",
-                "pdhal_vllm.messager",
+                module,
                 "--listen",
                 listen,
                 "--rank",
@@ -125,19 +128,24 @@ class Cluster:
             self.messager_address = address
         return address
 
-    def start(self, role: str, prompt_file: str, *extra: str) -> subprocess.Popen:
-        log = open(self.path(f"{role}.log"), "w")
+    def start(
+        self, role: str, prompt_file: str, *extra: str, name: str | None = None
+    ) -> subprocess.Popen:
+        """Instance `role` (plain, prefill or decode) on `prompt_file`, known as `name`
+        (default: its role; another name also prefixes its traces: trace.NAME.ROLE0)."""
+        name = name or role
+        log = open(self.path(f"{name}.log"), "w")
         args = [
             PY,
             "-m",
-            "pdhal_vllm.instance",
+            "pdhal_vllm.testing.instance",
             role,
             "--model",
             self.model,
             "--prompts",
             prompt_file,
             "--out",
-            self.path(f"{role}.json"),
+            self.path(f"{name}.json"),
             "--max-tokens",
             str(MAX_TOKENS),
             "--timeout",
@@ -149,11 +157,11 @@ class Cluster:
                 "--messager",
                 self.messager_address,
                 "--trace",
-                self.path("trace"),
+                self.path("trace" if name == role else f"trace.{name}"),
                 "--trace-blocks",
             ]
         proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        self.procs[role] = proc
+        self.procs[name] = proc
         return proc
 
     def wait(self, role: str, timeout: float = 200) -> dict:
@@ -268,8 +276,8 @@ def head_crcs(events: list[dict]) -> dict[tuple, int]:
     }
 
 
-def write_prompts(cluster: Cluster, items: list[dict]) -> str:
-    path = cluster.path("prompts.json")
+def write_prompts(cluster: Cluster, items: list[dict], name: str = "prompts.json") -> str:
+    path = cluster.path(name)
     with open(path, "w") as f:
         json.dump(items, f)
     return path

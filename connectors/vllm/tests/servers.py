@@ -17,6 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from conftest import PY, Cluster, free_ports
+from pdhal_vllm.config import kv_transfer_config
 
 from pdhal.testing.reset import segments_of
 
@@ -156,14 +157,9 @@ class Served:
             args += [
                 "--kv-transfer-config",
                 json.dumps(
-                    {
-                        "kv_connector": "PdhalConnector",
-                        "kv_connector_module_path": "pdhal_vllm.connector",
-                        "kv_role": config["kv_role"],
-                        "kv_load_failure_policy": "fail",
-                        "kv_connector_extra_config": config["extra"]
-                        | {"trace": self.cluster.path("trace")},
-                    }
+                    kv_transfer_config(
+                        config["kv_role"], **config["extra"], trace=self.cluster.path("trace")
+                    )
                 ),
             ]
         if there:

@@ -1,24 +1,20 @@
 """The connector's configuration refused where it is given: kv_connector_extra_config's
-keys and its transport options, and the messager's --transport-option."""
+keys and its transport options, and the messager's --transport-option; the
+kv-transfer-config built in one place is one vLLM takes."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
-from pdhal_vllm.metadata import config
+from pdhal_vllm.config import extra_config, kv_transfer_config
 from pdhal_vllm.wire import ConnectorError
 
 
-def _vllm(extra: dict):
-    return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
-
-
 def test_the_extra_config_fills_its_defaults():
-    extra = config(_vllm({"transport": "mooncake", "transport_options": {"host": "10.0.0.2"}}))
+    extra = extra_config({"transport": "mooncake", "transport_options": {"host": "10.0.0.2"}})
     assert extra["transport_options"] == {"host": "10.0.0.2"}
     assert extra["load_mode"] == "async" and extra["messager"] is None
 
@@ -34,7 +30,31 @@ def test_the_extra_config_fills_its_defaults():
 )
 def test_a_wrong_extra_config_is_refused_naming_what_is_wrong(given, match):
     with pytest.raises(ConnectorError, match=match):
-        config(_vllm(given))
+        extra_config(given)
+
+
+def test_the_kv_transfer_config_is_one_vllm_takes():
+    from vllm.config import KVTransferConfig
+
+    built = kv_transfer_config("kv_consumer", "recompute", transport="shm", load_mode="sync")
+    taken = KVTransferConfig(**built)
+    assert taken.kv_connector == "PdhalConnector" and taken.is_kv_consumer
+    assert taken.kv_load_failure_policy == "recompute"
+    assert taken.kv_connector_extra_config == {"transport": "shm", "load_mode": "sync"}
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("kv_both",), r"kv_role must be one of kv_producer, kv_consumer, got 'kv_both'"),
+        (("kv_producer", "retry"), r"failure_policy must be one of fail, recompute"),
+    ],
+)
+def test_a_wrong_kv_transfer_config_is_refused_where_it_is_built(args, match):
+    with pytest.raises(ConnectorError, match=match):
+        kv_transfer_config(*args)
+    with pytest.raises(ConnectorError, match="no key 'messenger'"):
+        kv_transfer_config("kv_producer", messenger="127.0.0.1:1")
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ def test_messager_dies_mid_transfer(cluster, plain_tokens, policy):
     not use it."""
     items = prompts()
     path = write_prompts(cluster, items)
-    cluster.start_messager(env={"PDHAL_VLLM_MESSAGER_FAULT": "exit-after-layers:2"})
+    cluster.start_messager("--exit-after-layers", "2", module="pdhal_vllm.testing.messager")
     cluster.start(
         "decode",
         path,

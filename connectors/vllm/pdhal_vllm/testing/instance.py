@@ -1,4 +1,4 @@
-"""Run one vLLM instance on token prompts: `python -m pdhal_vllm.instance ROLE ...`.
+"""Run one vLLM instance on token prompts: `python -m pdhal_vllm.testing.instance ROLE ...`.
 
 ROLE is `plain` (no connector), `prefill` (kv_producer with the pdhal connector: each prompt
 is prefilled with max_tokens 1 and its KV streamed to the decode side) or `decode`
@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+from pdhal_vllm.config import kv_transfer_config as pdhal_kv_transfer_config
 from pdhal_vllm.wire import transport_options
 
 
@@ -38,21 +39,14 @@ def kv_transfer_config(args) -> dict | None:
         "transport": args.transport,
         "load_mode": args.load_mode,
         "load_timeout_s": args.load_timeout,
+        "transport_options": transport_options(args.transport_option),
     }
     if args.messager:
         extra["messager"] = args.messager
     if args.trace:
         extra["trace"] = args.trace
         extra["trace_blocks"] = args.trace_blocks
-    if args.transport_option:
-        extra["transport_options"] = transport_options(args.transport_option)
-    return {
-        "kv_connector": "PdhalConnector",
-        "kv_role": role,
-        "kv_connector_module_path": "pdhal_vllm.connector",
-        "kv_load_failure_policy": args.policy,
-        "kv_connector_extra_config": extra,
-    }
+    return pdhal_kv_transfer_config(role, args.policy, **extra)
 
 
 def params(args, prompt: dict):
@@ -136,8 +130,8 @@ def run(args) -> dict:
     init_s = time.monotonic() - t0
     engine = llm.llm_engine
     _touch(args.ready_file)
-    if args.wait_file:
-        _wait_for(args.wait_file, args.wait_timeout, args.poll)
+    for path in args.wait_file:
+        _wait_for(path, args.wait_timeout, args.poll)
     results = {p["tid"]: {"tid": p["tid"], "tokens": [], "finish_reason": None} for p in prompts}
     waiting = list(prompts)
 
@@ -194,7 +188,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pdhal_vllm.instance",
+        prog="python -m pdhal_vllm.testing.instance",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -236,7 +230,12 @@ def main(argv=None) -> int:
         help="with --trace: crc32 of every block (tests; costly)",
     )
     parser.add_argument("--ready-file", help="touched once the engine is up")
-    parser.add_argument("--wait-file", help="submit the prompts once this file exists")
+    parser.add_argument(
+        "--wait-file",
+        action="append",
+        default=[],
+        help="submit the prompts once this file exists (repeated: once each exists)",
+    )
     parser.add_argument("--wait-timeout", type=float, default=120.0)
     parser.add_argument("--submitted-file", help="touched after the first engine step")
     parser.add_argument("--finished-file", help="touched once every prompt finished")

@@ -6,7 +6,7 @@ on vLLM's CPU build. The same arguments give the same bytes on any machine with 
 torch and tokenizers. Sizes respect the CPU attention backend: head size 32, 64, 80 or more,
 and the engine's block size a multiple of 32.
 
-    python -m pdhal_vllm.tiny DIR [--layers N]
+    python -m pdhal_vllm.testing.tiny DIR [--layers N]
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _model(path: str, layers: int, hidden: int, heads: int, kv_heads: int) -> No
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m pdhal_vllm.tiny",
+        prog="python -m pdhal_vllm.testing.tiny",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,0 +1,70 @@
+"""The connector's configuration: kv_connector_extra_config's keys and their defaults,
+checked, and an instance's kv-transfer-config built from them (`kv_transfer_config`: the
+tests, the benchmark and `testing.instance` build it here, and a deployment script may).
+Imports no vLLM."""
+
+from __future__ import annotations
+
+from pdhal_vllm.wire import KEEPALIVE_S, ConnectorError
+
+#: The keys of kv_connector_extra_config, and their defaults (docs/engines/vllm.md).
+EXTRA_CONFIG = {
+    "messager": None,  # prefill: its messager's HOST:PORT; decode: the one to claim at
+    "transport": "shm",  # decode: any installed transport
+    "transport_options": {},  # decode: the transport's options (Transport.configure)
+    "load_mode": "async",
+    "load_timeout_s": 60.0,
+    "keepalive_s": KEEPALIVE_S,
+    "auth_key": None,
+    "trace": None,
+    "trace_blocks": False,
+}
+ROLES = ("kv_producer", "kv_consumer")
+FAILURE_POLICIES = ("fail", "recompute")
+
+
+def extra_config(given: dict | None) -> dict:
+    """kv_connector_extra_config `given`, its defaults filled in and checked."""
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(EXTRA_CONFIG))
+    if unknown:
+        raise ConnectorError(
+            f"kv_connector_extra_config has no key {', '.join(map(repr, unknown))}: it takes "
+            f"{', '.join(EXTRA_CONFIG)}"
+            + (
+                " (a transport's settings go in transport_options, e.g. {'host': ...})"
+                if any(key.startswith(("mooncake_", "nixl_")) for key in unknown)
+                else ""
+            )
+        )
+    extra = {**EXTRA_CONFIG, **given}
+    if extra["load_mode"] not in ("async", "sync"):
+        raise ConnectorError(f"load_mode must be 'async' or 'sync', got {extra['load_mode']!r}")
+    if not isinstance(extra["transport_options"], dict):
+        raise ConnectorError(
+            f"transport_options must be a JSON object of the transport's options, got "
+            f"{extra['transport_options']!r}"
+        )
+    return extra
+
+
+def kv_transfer_config(kv_role: str, failure_policy: str = "fail", **extra) -> dict:
+    """The kv-transfer-config of an instance with the pdhal connector (a dict: vLLM's
+    `kv_transfer_config=`, or json.dumps it for `--kv-transfer-config`). `kv_role`:
+    "kv_producer" (prefill) or "kv_consumer" (decode); `failure_policy`: vLLM's
+    kv_load_failure_policy for a load that failed; `extra`: kv_connector_extra_config
+    (checked here, not in the server it starts)."""
+    if kv_role not in ROLES:
+        raise ConnectorError(f"kv_role must be one of {', '.join(ROLES)}, got {kv_role!r}")
+    if failure_policy not in FAILURE_POLICIES:
+        raise ConnectorError(
+            f"failure_policy must be one of {', '.join(FAILURE_POLICIES)}, got {failure_policy!r}"
+        )
+    extra_config(extra)
+    return {
+        "kv_connector": "PdhalConnector",
+        "kv_connector_module_path": "pdhal_vllm.connector",
+        "kv_role": kv_role,
+        "kv_load_failure_policy": failure_policy,
+        "kv_connector_extra_config": extra,
+    }

@@ -1,0 +1,169 @@
+"""The messager against fake peers, no vLLM: a real `python -m pdhal_vllm.messager` process
+between a fake prefill worker in this process (its KV cache in pdhal memory, the worker's
+hello over the messager's local socket, its step tables and layer signals on the channel of
+its device) and a fake decode worker (pdhal's KVReceiver and DecodeClient). A transfer lands
+byte-equal and the worker hears it was sent; a worker of another rank, or a hello that is
+not one, is refused naming what is wrong; a transfer the worker abandons fails at once on
+the decode side."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import numpy as np
+import pytest
+from conftest import Cluster
+from pdhal_vllm.wire import connect_worker
+
+from pdhal import ops
+from pdhal.transfer import CacheLayout, CacheSpec, DecodeClient, KVReceiver
+
+LAYERS, BLOCKS, BLOCK_TOKENS, HEADS, BLOCK_BYTES = 2, 8, 4, 2, 256
+LAYER_BYTES = BLOCKS * BLOCK_BYTES
+DEVICE = 3  # the fake worker's KV cache is on device 3: its channel is named by it
+
+
+class FakePrefill:
+    """A prefill worker as the connector's is, to its messager."""
+
+    def __init__(self, address: str, key: bytes, channel: int = DEVICE, **hello):
+        """Its layer signals on device `channel`'s channel; `hello`: what its hello says
+        otherwise than a good worker's."""
+        self.buffer = ops.host_alloc(LAYERS * LAYER_BYTES)
+        self.cache = self.buffer.as_numpy(np.uint8, (LAYERS * LAYER_BYTES,))
+        self.cache[:] = np.random.default_rng(7).integers(0, 256, self.cache.size, np.uint8)
+        self.name = f"fake-prefill.{secrets.token_hex(4)}"
+        ops.set_data_ipc(self.cache, self.name)
+        self.device = channel
+        self.meta = ops.open_shm_and_get_meta_signal(0, channel)  # before the hello
+        said = {
+            "pid": 0,
+            "rank": 0,
+            "ranks": 1,
+            "device": self.device,
+            "kv_heads": HEADS,
+            "cache": self.name,
+            "nbytes": self.buffer.nbytes,
+            "layers": [[i * LAYER_BYTES, BLOCK_BYTES, BLOCK_BYTES, BLOCKS, HEADS] for i in (0, 1)],
+            "block_size": BLOCK_TOKENS,
+        }
+        self.conn = connect_worker(address, key, said | hello, timeout=30.0)
+
+    def answer(self, timeout: float = 30.0) -> tuple:
+        assert self.conn.poll(timeout), "the messager said nothing"
+        return self.conn.recv()
+
+    def step(self, table: list[dict]) -> None:
+        """A forward pass that stores `table`'s requests: its table, then each layer."""
+        self.meta = ops.open_shm_and_get_meta_signal(0, self.device)
+        self.conn.send(("table", self.meta.step, table))
+        for layer in range(LAYERS):
+            ops.signal_layer_ready(ops.init_signal_layerwise(self.meta, layer))
+
+    def block(self, layer: int, block: int) -> bytes:
+        start = layer * LAYER_BYTES + block * BLOCK_BYTES
+        return bytes(self.cache[start : start + BLOCK_BYTES])
+
+    def close(self) -> None:
+        self.conn.close()
+        ops.unset_data_ipc(None, self.name)
+        ops.host_free(self.buffer)
+
+
+class FakeDecode:
+    """A decode worker's receiving side."""
+
+    def __init__(self, key: bytes):
+        self.buffer = ops.host_alloc(LAYERS * LAYER_BYTES)
+        self.cache = self.buffer.as_numpy(np.uint8, (LAYERS * LAYER_BYTES,))
+        self.cache[:] = 0
+        specs = [
+            [CacheSpec(0, i * LAYER_BYTES, BLOCK_BYTES, BLOCK_BYTES, BLOCKS, HEADS)]
+            for i in range(LAYERS)
+        ]
+        self.receiver = KVReceiver(
+            CacheLayout([self.cache], specs), f"fake-decode.{secrets.token_hex(4)}"
+        )
+        self.client = DecodeClient(
+            self.receiver, key=key, block_tokens=BLOCK_TOKENS, kv_heads=HEADS
+        )
+
+    def outcome(self, tid: str, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for outcome in self.client.poll():
+                if outcome.request_id == tid:
+                    return outcome
+            time.sleep(0.01)
+        pytest.fail(f"no outcome of {tid} within {timeout} s")
+
+    def block(self, layer: int, block: int) -> bytes:
+        start = layer * LAYER_BYTES + block * BLOCK_BYTES
+        return bytes(self.cache[start : start + BLOCK_BYTES])
+
+    def close(self) -> None:
+        self.client.close()
+        self.receiver.close()
+        ops.host_free(self.buffer)
+
+
+@pytest.fixture
+def messager(tmp_path):
+    cluster = Cluster(tmp_path, "", secrets.token_hex(16))
+    address = cluster.start_messager()
+    yield address, bytes.fromhex(cluster.env["PDHAL_VLLM_KEY"]), cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def peers(messager):
+    address, key, _ = messager
+    prefill = FakePrefill(address, key)
+    assert prefill.answer()[0] == "ready"
+    decode = FakeDecode(key)
+    yield address, prefill, decode
+    decode.close()
+    prefill.close()
+
+
+def test_a_transfer_lands_byte_equal_and_the_worker_hears_it_was_sent(peers):
+    address, prefill, decode = peers
+    decode.client.claim("t1", address, [5, 6], tokens=2 * BLOCK_TOKENS, timeout=30)
+    prefill.step([{"tid": "t1", "blocks": [1, 2], "start": 0, "end": 8, "prompt_len": 8}])
+    assert decode.outcome("t1").landed
+    for layer in range(LAYERS):
+        for src, dst in ((1, 5), (2, 6)):
+            assert decode.block(layer, dst) == prefill.block(layer, src), (layer, src)
+    assert decode.block(0, 4) == bytes(BLOCK_BYTES)  # nothing else was written
+    assert prefill.answer() == ("sent", "t1")
+
+
+def test_a_transfer_the_worker_abandons_fails_at_once_on_the_decode_side(peers):
+    address, prefill, decode = peers
+    prefill.step([{"tid": "t2", "blocks": [3], "start": 0, "end": 4, "prompt_len": 4}])
+    prefill.conn.send(("abandon", ["t2"]))
+    started = time.monotonic()
+    decode.client.claim("t2", address, [7], tokens=BLOCK_TOKENS, timeout=30)
+    outcome = decode.outcome("t2")
+    assert not outcome.landed and "vLLM ended the prefill request" in outcome.reason
+    assert time.monotonic() - started < 10  # not at the claim's timeout (30 s)
+    assert prefill.answer()[0] == "failed"
+
+
+@pytest.mark.parametrize(
+    "hello, said",
+    [
+        ({"rank": 1, "ranks": 2}, "this messager serves prefill rank 0 of tensor parallelism 1"),
+        ({"device": -1}, "the prefill worker's device must be an int in [0, 1048576), got -1"),
+        ({"device": "0"}, "the prefill worker's device must be an int in [0, 1048576), got '0'"),
+    ],
+)
+def test_a_worker_the_messager_cannot_serve_is_refused_naming_why(messager, hello, said):
+    address, key, _ = messager
+    worker = FakePrefill(address, key, **hello)
+    try:
+        kind, why = worker.answer()
+        assert kind == "error" and said in why, why
+    finally:
+        worker.close()
