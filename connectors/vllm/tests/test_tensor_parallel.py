@@ -1,9 +1,11 @@
 """Tensor parallelism on both sides and between them: a prefill instance of TP P (a messager
-per rank, on consecutive ports) streams into a decode instance of TP D, each side's ranks
-worker processes of their own. Each decode rank holds KV heads [d * H / D, (d + 1) * H / D)
-and must receive exactly those, from whichever prefill ranks hold them; the bytes of every
-head of every block are compared where the prefill wrote them, where its messager read them
-and where the decode side holds them, and the tokens are a plain run's. The model runs in
+per rank, on consecutive ports) streams into decode instances of TP D, each side's ranks
+worker processes of their own; a prefill of TP 2 serves a decode instance of TP 2 and one of
+TP 1 at once (each part made when its decode rank says its split at its hello). Each decode
+rank holds KV heads [d * H / D, (d + 1) * H / D) and must receive exactly those, from
+whichever prefill ranks hold them; the bytes of every head of every block are compared
+where the prefill wrote them, where its messager read them and where the decode side holds
+them, and the tokens are a plain run's. The model runs in
 float32 here: in bfloat16 the ranks' partial sums round differently than one rank's whole
 sums, and the tiny model's greedy tokens already differ between plain TP 1 and TP 2 runs."""
 
@@ -45,40 +47,46 @@ def start_messagers(cluster, prefill_tp: int, base: int) -> None:
         )
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 2), (2, 1), (1, 2)])
-def test_each_decode_rank_receives_exactly_its_heads(cluster, plain_float32, prefill_tp, decode_tp):
+@pytest.mark.parametrize("prefill_tp, decode_tps", [(2, (2, 1)), (1, (2,))])
+def test_each_decode_rank_receives_exactly_its_heads(
+    cluster, plain_float32, prefill_tp, decode_tps
+):
     cluster.env |= UNBOUND
-    items = ITEMS
-    path = write_prompts(cluster, items)
+    # decode instance n (named "tpD.n") asks for its own transfers of the prompts
+    decodes = {f"tp{tp}.{n}": tp for n, tp in enumerate(decode_tps)}
+    asked = {name: [dict(item, tid=f"{name}-{item['tid']}") for item in ITEMS] for name in decodes}
     start_messagers(cluster, prefill_tp, free_ports(prefill_tp))
-    cluster.start(
-        "decode",
-        path,
-        "--tp",
-        str(decode_tp),
-        *FLOAT32,
-        "--submitted-file",
-        cluster.path("decode.submitted"),
-        *after_prefill(cluster),
-    )
+    for name, tp in decodes.items():
+        cluster.start(
+            "decode",
+            write_prompts(cluster, asked[name], f"{name}.prompts.json"),
+            "--tp",
+            str(tp),
+            *FLOAT32,
+            "--submitted-file",
+            cluster.path(f"{name}.submitted"),
+            *after_prefill(cluster),
+            name=name,
+        )
+    every_item = [item for items in asked.values() for item in items]
     cluster.start(
         "prefill",
-        path,
+        write_prompts(cluster, every_item),
         "--tp",
         str(prefill_tp),
         *FLOAT32,
         *prefill_first(cluster),
-        "--wait-file",
-        cluster.path("decode.submitted"),
+        *(arg for name in decodes for arg in ("--wait-file", cluster.path(f"{name}.submitted"))),
     )
-    decode = cluster.wait("decode", timeout=400)
+    for name in decodes:
+        decoded = cluster.wait(name, timeout=400)
+        for item, result in zip(asked[name], decoded["results"]):
+            assert result["tokens"] == plain_float32[tuple(item["tokens"])], item["tid"]
     cluster.wait("prefill", timeout=400)
-    for item, result in zip(items, decode["results"]):
-        assert result["tokens"] == plain_float32[tuple(item["tokens"])], item["tid"]
 
     blocks = {
         (item["tid"], layer, i)
-        for item in items
+        for item in every_item
         for layer in range(LAYERS)
         for i in range(-(-len(item["tokens"]) // 32))
     }
@@ -93,13 +101,16 @@ def test_each_decode_rank_receives_exactly_its_heads(cluster, plain_float32, pre
         read |= head_crcs(cluster.trace(f"messager{rank or ''}"))
     assert set(read) >= every  # (each messager reads every prompt block of its heads)
     assert {k: read[k] for k in every} == {k: written[k] for k in every}
-    for rank in range(decode_tp):
-        held = head_crcs(cluster.trace(f"decode{rank}"))
-        heads = set(rank_heads(KV_HEADS, decode_tp, rank))
-        assert {k[3] for k in held} == heads, rank  # this rank's heads, no other
-        assert held == {k: read[k] for k in every if k[3] in heads}, rank
-        landed = {}
-        for e in cluster.trace(f"decode{rank}"):
-            if e["kind"] == "landed":
-                landed.setdefault(e["tid"], []).append(e["layer"])
-        assert landed == {item["tid"]: list(range(LAYERS)) for item in items}, rank
+    for name, tp in decodes.items():
+        tids = {item["tid"] for item in asked[name]}
+        for rank in range(tp):
+            events = cluster.trace(f"{name}.decode{rank}")
+            held = head_crcs(events)
+            heads = set(rank_heads(KV_HEADS, tp, rank))
+            assert {k[3] for k in held} == heads, (name, rank)  # its rank's heads, no other
+            assert held == {k: read[k] for k in every if k[3] in heads and k[0] in tids}
+            landed = {}
+            for e in events:
+                if e["kind"] == "landed":
+                    landed.setdefault(e["tid"], []).append(e["layer"])
+            assert landed == {tid: list(range(LAYERS)) for tid in tids}, (name, rank)
