@@ -2,7 +2,8 @@
 region through pdhal's shared memory (set_data_ipc); a link maps them (get_data_ptr_ipc)
 and copies with memmove, so a submit has landed when it returns. A peer is alive while its
 process is: the endpoint's pid and start time are in its description (a recycled pid is
-another process).
+another process). So is its namespace: a link maps only within its own (as a session
+refuses a peer of another), and a description from another namespace is refused naming both.
 
 An endpoint name is unique on the host: a name a live endpoint serves, in this process or
 another, is refused (ChannelBusyError naming it). A link checks its peer's description (its
@@ -93,7 +94,8 @@ class ShmEndpoint(Endpoint):
         self._sizes = region_bytes(regions)
         self._names: list[str] = []
         self._key = None
-        key = (namespace(), name)
+        self._namespace = namespace()
+        key = (self._namespace, name)
         with _lock:
             if key in _serving:
                 raise ChannelBusyError(
@@ -123,6 +125,7 @@ class ShmEndpoint(Endpoint):
     def describe(self) -> dict:
         return {
             "transport": ShmTransport.name,
+            "namespace": self._namespace,
             "names": list(self._names),
             "regions": list(self._sizes),
             "pid": self._pid,
@@ -149,9 +152,17 @@ def _checked(described: object) -> tuple[int, str, list[str], list[int]]:
     naming what is wrong with it (a peer's word is checked like a caller's)."""
     if not isinstance(described, dict):
         raise InvalidArgumentError(f"an shm description must be a dict, got {described!r}")
-    missing = [key for key in ("pid", "started", "names", "regions") if key not in described]
+    fields = ("namespace", "pid", "started", "names", "regions")
+    missing = [key for key in fields if key not in described]
     if missing:
         raise InvalidArgumentError(f"the shm description lacks {', '.join(missing)}")
+    theirs, ours = described["namespace"], namespace()
+    if theirs != ours:
+        raise InvalidArgumentError(
+            f"the destination serves in namespace {theirs!r}, this process in {ours!r} "
+            f"(PDHAL_NAMESPACE): shm maps a peer's memory within one namespace, which keeps "
+            f"deployments apart; give both sides the same PDHAL_NAMESPACE"
+        )
     # a pid is at most PID_MAX_LIMIT (2^22) on Linux
     pid = checks.integer(described["pid"], "the description's pid", 1, 1 << 22)
     started = described["started"]

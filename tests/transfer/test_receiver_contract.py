@@ -216,6 +216,8 @@ def _garbage(described: dict) -> list[tuple[dict, str]]:
         (but(pid="x"), "pid"),
         (but(pid=True), "pid"),
         (but(started=12), "started"),
+        (but(namespace="theirs"), "namespace 'theirs', this process in 't"),
+        (but(namespace=None), "namespace None"),
         (but(names="liar.r0"), "names must be a list"),
         (but(names=[described["names"][0], "liar.r1"]), "2 regions but sizes 1"),
         (but(names=[3]), r"names\[0\]"),
@@ -224,6 +226,7 @@ def _garbage(described: dict) -> list[tuple[dict, str]]:
         (but(regions=[4096.0]), r"regions\[0\]"),
         (but(regions=4096), "regions must be a list"),
         ({k: v for k, v in described.items() if k != "pid"}, "lacks pid"),
+        ({k: v for k, v in described.items() if k != "namespace"}, "lacks namespace"),
         ("not a dict", "must be a dict"),
     ]
 
@@ -231,8 +234,10 @@ def _garbage(described: dict) -> list[tuple[dict, str]]:
 def test_a_description_claiming_more_than_its_peer_shares_is_refused(liar):
     """A peer that shares 4096 bytes and describes 1 MiB (which made a link copy past the
     mapping: SIGSEGV), or describes garbage, is refused at connect with an
-    InvalidArgumentError naming what was wrong, never a builtin error; its true description
+    InvalidArgumentError naming what was wrong, never a builtin error (one of another
+    namespace too, naming both: the description says its own); its true description
     connects and copies."""
+    assert liar["namespace"] == pdhal.namespace()
     shm = transfer.transport("shm")
     src = ops.host_alloc(4096)
     try:
