@@ -32,6 +32,7 @@ from pdhal._transfer.contract import (
 )
 from pdhal._transfer.feeds import PerChunkFeed, PerQueryFeed
 from pdhal._transfer.heads import HeadShard, head_shards, rank_heads
+from pdhal._transfer.keeper import Clock
 from pdhal._transfer.kit import (
     BatchState,
     EngineTransport,
@@ -65,6 +66,7 @@ __all__ = [
     "BatchState",
     "CacheLayout",
     "CacheSpec",
+    "Clock",
     "DecodeClient",
     "Destination",
     "Endpoint",

@@ -40,7 +40,6 @@ class Request:
     id: str
     given: list[int]  # source blocks of the prompt from block `base` on (more may come)
     prompt_tokens: int  # of the prompt, those that go (the decode side may need fewer)
-    added: float
     layers: int
     blocks: int  # the blocks that go: from `cached` to the last of prompt_tokens
     cached: int = 0  # the prompt's first blocks, on the decode side already

@@ -52,7 +52,7 @@ from pdhal._errors import (
 from pdhal._protocol.names import namespace
 from pdhal._transfer import checks, control, messages
 from pdhal._transfer.heads import head_shards, rank_heads
-from pdhal._transfer.keeper import Deadlines
+from pdhal._transfer.keeper import MONOTONIC, Clock, Deadlines
 from pdhal._transfer.layout import CacheLayout
 from pdhal._transfer.outcome import Outcome, Outcomes
 from pdhal._transfer.plugins import transport
@@ -208,8 +208,9 @@ class PrefillService:
     poll(). A request no decode side claims within `claim_timeout` s fails.
     `on_session_end(facts, reason)`: a decode rank's session ended (its parts failed); on
     that session's thread, quick (a decode process killed outright cannot remove its
-    segments: the engine may look for them, pdhal.cleanup). `streamer_options` go to the
-    KVStreamer (max_layers_in_flight, stall_timeout)."""
+    segments: the engine may look for them, pdhal.cleanup). `clock`: what its leases are
+    read on (a test's ManualClock). `streamer_options` go to the KVStreamer
+    (max_layers_in_flight, stall_timeout)."""
 
     def __init__(
         self,
@@ -226,6 +227,7 @@ class PrefillService:
         transport_name: str = "shm",
         on_outcome: Callable[[Outcome], None] | None = None,
         on_session_end: Callable[[messages.Facts, str], None] | None = None,
+        clock: Clock = MONOTONIC,
         **streamer_options,
     ):
         if not isinstance(layout, CacheLayout):
@@ -249,6 +251,7 @@ class PrefillService:
             transport_name=transport_name,
             claim_timeout=self.claim_timeout,
             on_outcome=self._events.put,
+            clock=clock,
             **streamer_options,
         )
         self.layout = layout
@@ -277,7 +280,7 @@ class PrefillService:
         self._clients: set[_Client] = set()
         self._outcomes = Outcomes()
         self._closed = False
-        self._clock = Deadlines("pdhal-session-clock")
+        self._clock = Deadlines("pdhal-session-clock", clock)
         try:
             self._listener = socket.create_server(bind)
         except OSError as e:
@@ -323,7 +326,7 @@ class PrefillService:
             if abandoned is not None and not waiting:  # (another decode side's claim wins)
                 self._fail(served, abandoned)
         self._deliver()
-        self._clock.at(time.monotonic() + self.claim_timeout, lambda: self._lease(served))
+        self._clock.after(self.claim_timeout, lambda: self._lease(served))
 
     def add_blocks(self, request_id: str, src_blocks) -> None:
         """More source blocks of `request_id`, after those it has."""
@@ -719,7 +722,7 @@ class PrefillService:
             )
         else:  # its table comes later: held for the claim lease
             self._claims[claim.part] = (client, claim)
-            self._clock.at(time.monotonic() + self.claim_timeout, lambda: self._claim_lapsed(claim))
+            self._clock.after(self.claim_timeout, lambda: self._claim_lapsed(claim))
 
     def _claim_lapsed(self, claim: messages.Claim) -> None:
         with self._lock:
@@ -853,7 +856,7 @@ class DecodeClient:
     its blocks free). connect() makes them now, raising: for a compatibility check up
     front (a refused hello is RefusedError naming both sides). poll() reports each claimed
     request once; freed() names those whose blocks stayed held (Outcome.blocks_free False)
-    once free."""
+    once free. `clock`: what claims' timeouts are read on (a test's ManualClock)."""
 
     def __init__(
         self,
@@ -866,6 +869,7 @@ class DecodeClient:
         tp_size: int = 1,
         keepalive: float = 5.0,
         connect_timeout: float = 5.0,
+        clock: Clock = MONOTONIC,
     ):
         if not isinstance(receiver, KVReceiver):
             raise InvalidArgumentError(f"receiver must be a KVReceiver, got {receiver!r}")
@@ -893,7 +897,7 @@ class DecodeClient:
         self._dialing: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         #: address -> the claims waiting for its session, being made on a thread
         self._awaiting: dict[str, list[_Wanted]] = {}
-        self._clock = Deadlines("pdhal-decode-clock")  # claims' deadlines while unsent
+        self._clock = Deadlines("pdhal-decode-clock", clock)  # claims' deadlines while unsent
         self._closed = False
 
     def claim(
@@ -934,7 +938,7 @@ class DecodeClient:
                 f"request {request_id!r}: {tokens} tokens from block {cached} on are "
                 f"{-(-tokens // self.facts.block_tokens) - cached} blocks, got {len(dst)}"
             )
-        ask = _Ask(instance, dst, tokens, cached, time.monotonic() + timeout, layerwise)
+        ask = _Ask(instance, dst, tokens, cached, self._clock.now() + timeout, layerwise)
         wanted = _Wanted(request_id, ask)
         with self._lock:
             self._open()
@@ -1046,7 +1050,7 @@ class DecodeClient:
             if self._wanted.get(wanted.request_id) is not wanted:
                 return  # ended meanwhile (its timeout passed while its session was made)
         try:
-            if time.monotonic() >= wanted.ask.deadline:
+            if self._clock.now() >= wanted.ask.deadline:
                 raise SessionError("its timeout passed before its sessions were made")
             rank0 = self._live(instance.rank0)
             if rank0 is None:
@@ -1086,7 +1090,7 @@ class DecodeClient:
             return
         tickets = {}
         try:
-            left = max(1e-3, ask.deadline - time.monotonic())
+            left = max(1e-3, ask.deadline - self._clock.now())
             for part in parts:
                 tickets[part] = self.receiver.expect(part, left, layerwise=ask.layerwise)
         except PdhalError as e:

@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable
 
 from pdhal._errors import ClosedHandleError, InvalidArgumentError
-from pdhal._transfer import checks, mailbox
+from pdhal._transfer import checks, keeper, mailbox
 from pdhal._transfer.contract import require_memory, require_target_completion
 from pdhal._transfer.destination import Destination, Send, StatusWrite, Write
 from pdhal._transfer.heads import HeadShard
-from pdhal._transfer.keeper import Deadlines
+from pdhal._transfer.keeper import MONOTONIC, Clock, Deadlines
 from pdhal._transfer.layout import CacheLayout, RunPlanner, block_runs
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome, Outcomes
@@ -56,7 +56,8 @@ class KVStreamer:
     `on_outcome`: called with each request's Outcome on the thread that ended it (one of
     a destination's threads, the streamer's clock, or the caller's), for a messager whose
     thread is blocked on the next signal; poll() then returns none. It must be quick; what
-    it raises is logged and dropped."""
+    it raises is logged and dropped. `clock`: what its leases and deadlines are read on
+    (time.monotonic(); a test passes pdhal.testing.ManualClock)."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class KVStreamer:
         stall_timeout: float = 10.0,
         claim_timeout: float = 60.0,
         on_outcome: Callable[[Outcome], None] | None = None,
+        clock: Clock = MONOTONIC,
     ):
         if not isinstance(layout, CacheLayout):
             raise InvalidArgumentError(f"layout must be a CacheLayout, got {layout!r}")
@@ -79,6 +81,7 @@ class KVStreamer:
         if on_outcome is not None and not callable(on_outcome):
             raise InvalidArgumentError(f"on_outcome must be callable, got {on_outcome!r}")
         self._on_outcome = on_outcome
+        clock = keeper.checked(clock)
         self._transport = transport(transport_name)
         require_target_completion(self._transport)  # a LANDED word never beats its bytes
         require_memory(self._transport, layout.memory, "the prefill caches'")
@@ -92,7 +95,7 @@ class KVStreamer:
         self._watched: set[Destination] = set()  # those with a peer check scheduled
         self.metrics = TransferMetrics()
         self._closed = False
-        self._clock = Deadlines("pdhal-transfer-clock")
+        self._clock = Deadlines("pdhal-transfer-clock", clock)
 
     # ---- destinations and requests --------------------------------------------------
 
@@ -205,7 +208,6 @@ class KVStreamer:
             request_id,
             src,
             tokens,
-            time.monotonic(),
             self.layout.num_layers,
             whole - cached,
             cached,
@@ -214,7 +216,7 @@ class KVStreamer:
             if request_id in self._requests:
                 raise InvalidArgumentError(f"request {request_id!r} was added already")
             self._requests[request_id] = request
-        self._clock.at(request.added + self.claim_timeout, lambda: self._claim_expired(request))
+        self._clock.after(self.claim_timeout, lambda: self._claim_expired(request))
 
     def add_blocks(self, request_id: str, src_blocks) -> None:
         """More of `request_id`'s source blocks, after those it has: the layers they make
@@ -307,10 +309,8 @@ class KVStreamer:
             watch = dest not in self._watched
             self._watched.add(dest)
         if watch:
-            self._clock.at(time.monotonic() + PEER_CHECK_S, lambda: self._check_peer(dest))
-        self._clock.at(
-            time.monotonic() + deadline_s, lambda: self._ticket_expired(request, deadline_s)
-        )
+            self._clock.after(PEER_CHECK_S, lambda: self._check_peer(dest))
+        self._clock.after(deadline_s, lambda: self._ticket_expired(request, deadline_s))
         self._send_ready(request)
 
     @staticmethod
@@ -391,9 +391,7 @@ class KVStreamer:
                 ):
                     by_dest.setdefault(id(request.dest), (request.dest, []))[1].append(request)
         for request in lease:
-            self._clock.at(
-                time.monotonic() + self.claim_timeout, lambda r=request: self._sources_expired(r)
-            )
+            self._clock.after(self.claim_timeout, lambda r=request: self._sources_expired(r))
         for dest, requests in by_dest.values():
             self._send(dest, layer, requests, signal_ns, step)
 
@@ -661,7 +659,7 @@ class KVStreamer:
                     for key in keys:
                         del self._destinations[key]
         if users:
-            self._clock.at(time.monotonic() + PEER_CHECK_S, lambda: self._check_peer(dest))
+            self._clock.after(PEER_CHECK_S, lambda: self._check_peer(dest))
         elif why is not None:
             dest.stop(time.monotonic())  # its threads end on their own once idle
 

@@ -15,14 +15,16 @@ import time
 import pytest
 
 import pdhal
-from pdhal import InvalidArgumentError, SessionError, transfer
+from pdhal import InvalidArgumentError, SessionError, ops, transfer
 from pdhal._transfer import control, messages
+from pdhal.testing import ManualClock
 from pdhal.testing.session_peers import (
     CACHES,
     KEY,
     KV_HEADS,
     LAYERS,
     Peer,
+    _caches,
     value,
 )
 
@@ -291,11 +293,23 @@ def test_a_claim_of_a_request_failed_or_ended_is_answered_at_once(peers):
         assert (landed, free) == (False, True) and why in reason, reason
 
 
-def test_a_request_nobody_claims_fails_by_the_claim_lease(peers):
-    service, _ = prefill(peers, "--claim-timeout", "0.5")
-    service.send("add", "r1", [1], 4)
-    service.read("added")
-    assert service.read("outcome", bound=30)[:2] == ["r1", False]
+def test_a_request_nobody_claims_fails_at_its_claim_lease_not_before(caches):
+    """On the service's clock: a request added and never claimed fails claim_timeout
+    later, not a moment before, naming its lease."""
+    clock = ManualClock()
+    service = transfer.PrefillService(
+        caches, 4, key=KEY, kv_heads=KV_HEADS, claim_timeout=60, clock=clock
+    )
+    try:
+        service.add_request("r1", [1], 4)
+        clock.advance(59.99)
+        assert service.poll(timeout=0.5) == []  # (its lease job has not run)
+        clock.advance(0.01)
+        assert service.poll() == [
+            transfer.Outcome("r1", False, "no decode side claimed it within 60 s")
+        ]
+    finally:
+        service.close()
 
 
 def test_a_malformed_claim_ends_that_session_only(peers, receiver):
@@ -353,17 +367,20 @@ def next_message(conn: control.Frames) -> messages.Message:
 
 
 @pytest.fixture
-def receiver():
-    """A KVReceiver in this process (a hand-made peer's, or a client's)."""
-    from pdhal import ops
-    from pdhal.testing.session_peers import _caches
-
+def caches():
+    """The caches of rank 0 of 1 (host memory, zeros) in this process, as a CacheLayout."""
     layout, _, _ = _caches(0, 1, 16, fill=False)
-    r = transfer.KVReceiver(layout, f"here-{os.getpid()}")
-    yield r
-    r.close()
+    yield layout
     for buffer in layout.memory:
         ops.host_free(buffer)
+
+
+@pytest.fixture
+def receiver(caches):
+    """A KVReceiver in this process (a hand-made peer's, or a client's)."""
+    r = transfer.KVReceiver(caches, f"here-{os.getpid()}")
+    yield r
+    r.close()
 
 
 def test_a_claim_for_blocks_outside_the_caches_is_refused_at_the_call(receiver):
@@ -382,23 +399,26 @@ def test_a_claim_for_blocks_outside_the_caches_is_refused_at_the_call(receiver):
 
 def test_a_claim_ends_by_its_own_timeout_and_nothing_is_reported_after_close(receiver):
     """While its session is being made (a service that never answers, connect_timeout
-    5 s), a claim still fails by its own timeout (0.5 s); a host name the resolver
-    refuses fails its claim too (connect() raises); claims in flight at close() are not
-    reported after it."""
+    60 s), a claim still fails by its own timeout (30 s on the client's clock, not a
+    moment before); a host name the resolver refuses fails its claim too (connect()
+    raises); claims in flight at close() are not reported after it."""
     hung = socket.create_server(("127.0.0.1", 0))
     address = f"127.0.0.1:{hung.getsockname()[1]}"
+    clock = ManualClock()
     client = transfer.DecodeClient(
-        receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=4, connect_timeout=5
+        receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=4, connect_timeout=60, clock=clock
     )
-    started = time.monotonic()
-    client.claim("short", address, [1], tokens=4, timeout=0.5)
+    client.claim("short", address, [1], tokens=4, timeout=30)
     bad_host = "a" * 70 + ".example:5000"  # a label idna refuses (a UnicodeError)
     client.claim("bad host", bad_host, [2], tokens=4, timeout=30)
+    clock.advance(29.99)
     ended = {}
-    while len(ended) < 2:
+    while "bad host" not in ended:
         ended.update((o.request_id, o) for o in client.poll())
         time.sleep(0.01)
-    assert time.monotonic() - started < 4  # not the 5 s dial's
+    assert "short" not in ended  # (its timeout job has not run; the dial hangs)
+    clock.advance(0.01)
+    ended.update((o.request_id, o) for o in client.poll())
     assert "its timeout passed" in ended["short"].reason and ended["short"].blocks_free
     assert "cannot reach the session service" in ended["bad host"].reason
     with pytest.raises(SessionError, match="cannot reach the session service"):

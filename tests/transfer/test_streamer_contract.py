@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import threading
@@ -21,6 +22,7 @@ import pdhal
 from pdhal import ops, transfer
 from pdhal._transfer import plugins as _transports
 from pdhal._transfer.shm import _start_time
+from pdhal.testing import ManualClock
 from pdhal.testing.fixtures import python_child
 from pdhal.testing.transfer_peers import (
     BLOCK_TOKENS,
@@ -176,37 +178,85 @@ def test_a_reused_slot_reports_none_of_the_last_request_s_layers(decode, streame
 
 def test_a_request_whose_source_blocks_never_come_fails_by_its_lease(decode):
     """add_request with the first of 3 blocks, the prompt whole in every layer, and
-    add_blocks never called: failed claim_timeout later, on both sides, not pending
-    forever; the streamer is never polled (outcomes by on_outcome), so its own clock
-    keeps the lease."""
-    heard = []
-    streamer = make_streamer(claim_timeout=0.3, on_outcome=heard.append)
+    add_blocks never called: failed claim_timeout after the prompt was whole (not a moment
+    before), on both sides, not pending forever; the streamer is never polled (outcomes by
+    on_outcome), so its own clock keeps the lease."""
+    heard, clock = queue.SimpleQueue(), ManualClock()
+    streamer = make_streamer(claim_timeout=60, on_outcome=heard.put, clock=clock)
     try:
-        dest, ticket = streamer.connect(decode.described), decode.expect("short")
-        streamer.add_request("short", [0], 12)  # claimed at once: its claim lease is short
+        dest, ticket = streamer.connect(decode.described), decode.expect("short", timeout=600)
+        streamer.add_request("short", [0], 12)
         streamer.set_destination("short", dest, [1, 2, 3], ticket)
         stream_whole(streamer, "short", 12)
-        deadline = time.monotonic() + 30
-        while not heard:
-            assert time.monotonic() < deadline, "the request never ended"
-            time.sleep(0.01)
-        [outcome] = heard
+        clock.advance(59.999)
+        with pytest.raises(queue.Empty):  # (its lease job has not run: nothing to come)
+            heard.get(timeout=0.5)
+        clock.advance(0.001)
+        outcome = heard.get(timeout=30)  # told once its FAILED word is written
         assert not outcome.landed and "not all its source blocks were given" in outcome.reason
+        assert "within 60 s" in outcome.reason
         landed, reason, _, _ = decode.wait("short")
         assert not landed and "source blocks" in reason
     finally:
         streamer.close()
 
 
+def test_a_request_nobody_claims_fails_at_its_claim_lease_exactly():
+    """A request no decode side is set for fails claim_timeout after add_request, not a
+    moment before, with the lease in its reason. (A clock that is not a Clock is refused
+    at the call.)"""
+    with pytest.raises(pdhal.InvalidArgumentError, match="clock must be a pdhal.transfer.Clock"):
+        make_streamer(clock=time.monotonic)
+    clock = ManualClock()
+    streamer = make_streamer(claim_timeout=60, clock=clock)
+    try:
+        streamer.add_request("orphan", [0, 1], 8)
+        clock.advance(30)
+        streamer.add_request("later", [2], 4)
+        clock.advance(29.999)
+        assert streamer.poll() == []
+        clock.advance(0.001)
+        assert streamer.poll() == [
+            transfer.Outcome("orphan", False, "no decode side claimed it within 60 s")
+        ]
+        clock.advance(30)
+        assert [o.request_id for o in streamer.poll()] == ["later"]
+    finally:
+        streamer.close()
+
+
+def test_a_claimed_request_fails_at_its_decode_side_s_deadline(decode):
+    """A request claimed with a ticket of 20 s whose layers never come fails on the
+    prefill side when that deadline passes on its clock, not before, and its decode side
+    reads why (it is not left to find out by its own timeout)."""
+    clock = ManualClock()
+    streamer = make_streamer(clock=clock)
+    try:
+        streamer.add_request("slow", [0], 4)
+        streamer.set_destination(
+            "slow", streamer.connect(decode.described), [1], decode.expect("slow", timeout=20)
+        )
+        clock.advance(19.99)
+        assert streamer.poll(timeout=0.5) == []  # (its deadline job has not run)
+        clock.advance(0.01)
+        [outcome] = outcomes_until(streamer, 1)  # once its FAILED word is written
+        assert not outcome.landed and "its decode side's deadline (20 s) passed" in outcome.reason
+        landed, reason, _, _ = decode.wait("slow")
+        assert not landed and "deadline" in reason
+    finally:
+        streamer.close()
+
+
 def test_leases_and_dead_peers_are_kept_without_any_poll(decode, namespace):
     """A messager hearing outcomes through on_outcome never polls: a request nobody claims
-    still fails by its lease (a streamer of 0.2 s leases, holding nothing else), and one
-    whose decode process was killed by the streamer's peer check."""
-    heard = []
-    leases = make_streamer(claim_timeout=0.2, on_outcome=heard.append)
+    still fails by its lease (a streamer holding nothing else, its clock moved on), and
+    one whose decode process was killed by the streamer's peer check."""
+    heard, clock = [], ManualClock()
+    leases = make_streamer(claim_timeout=60, on_outcome=heard.append, clock=clock)
     streamer = make_streamer(on_outcome=heard.append)
     try:
         leases.add_request("orphan", [0], 4)
+        clock.advance(60)
         streamer.add_request("doomed", [1, 2], 8)
         streamer.set_destination(
             "doomed", streamer.connect(decode.described), [0, 1], decode.expect("doomed")
@@ -218,7 +268,7 @@ def test_leases_and_dead_peers_are_kept_without_any_poll(decode, namespace):
             assert time.monotonic() < deadline, f"only {heard}"
             time.sleep(0.01)
         ended = {o.request_id: o for o in heard}
-        assert "no decode side claimed it within 0.2 s" in ended["orphan"].reason
+        assert "no decode side claimed it within 60 s" in ended["orphan"].reason
         assert not ended["doomed"].landed and "is gone" in ended["doomed"].reason
     finally:
         leases.close()
