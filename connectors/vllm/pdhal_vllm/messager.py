@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import pickle
 import queue
 import select
 import signal
@@ -110,6 +111,17 @@ class _Feed:
         self._messager.give_layer(self._service, layer, ready, signal_ns, step)
 
 
+#: What a prefill worker sends after its hello: (kind,) -> the message's length.
+WORKER_SENDS = {("table",): 3, ("failed",): 2, ("abandon",): 2}
+#: The largest message read from a prefill worker (a step's table of requests).
+MAX_FRAME = 16 << 20
+
+
+def _receive(conn: Connection):
+    """One message from a prefill worker, refused past MAX_FRAME bytes (OSError)."""
+    return pickle.loads(conn.recv_bytes(MAX_FRAME))
+
+
 class Messager:
     def __init__(
         self,
@@ -187,26 +199,37 @@ class Messager:
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
     def _read(self, conn: Connection) -> None:
+        """A prefill worker's connection: its hello, then its messages, each checked to be
+        one it sends (of at most MAX_FRAME bytes); anything else ends that connection, told
+        why, and the messager serves on."""
         try:
-            kind, hello = conn.recv()
-        except (EOFError, OSError, TypeError, ValueError):
+            kind, hello = _receive(conn)
+        except Exception as exc:  # anything at all: a peer's bytes
+            self.trace("refused", error=f"an unreadable hello: {type(exc).__name__}: {exc}")
             conn.close()
             return
         if kind != "hello" or not isinstance(hello, dict):
+            self.trace("refused", error=f"a first message that is not a hello: {kind!r:.80}")
             conn.close()
             return
         worker = PrefillWorker(conn, hello)
         self.events.put(("hello", worker))
         while True:
             try:
-                message = conn.recv()
+                message = _receive(conn)
             except (EOFError, OSError):
+                why = f"the prefill worker (pid {worker.pid}) closed its connection"
+                break
+            except Exception as exc:
+                why = f"the prefill worker (pid {worker.pid}) sent an unreadable message: {exc}"
+                break
+            if not isinstance(message, tuple) or WORKER_SENDS.get(message[:1]) != len(message):
+                why = f"the prefill worker (pid {worker.pid}) sent {message!r:.80}: not a message"
                 break
             self.events.put((message[0], worker, *message[1:]))
         worker.alive = False
-        self.events.put(
-            ("gone", worker, f"the prefill worker (pid {worker.pid}) closed its connection")
-        )
+        conn.close()
+        self.events.put(("gone", worker, why))
 
     def _watch(self, worker: PrefillWorker) -> None:
         """The pdhal reader of the prefill worker's layer signals: one event per wake-up."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import RequestStatus
 
 from pdhal_vllm.metadata import MESSAGER, TRANSFER_ID, PdhalConnectorMetadata
-from pdhal_vllm.wire import ConnectorError
+from pdhal_vllm.wire import ConnectorError, parse_address
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -21,6 +21,21 @@ if TYPE_CHECKING:
 
 #: how a prefill request ends when nobody will decode it: its transfer fails at once
 ABANDONED = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+
+
+def _transfer_id(req_id: str, params: dict, remote: str) -> str:
+    """The request's transfer id from its kv_transfer_params (a client's word: checked)."""
+    tid = params.get(TRANSFER_ID)
+    if tid is None:
+        raise ConnectorError(
+            f"request {req_id} asks for remote {remote} without kv_transfer_params[{TRANSFER_ID!r}]"
+        )
+    if not isinstance(tid, str) or not tid:
+        raise ConnectorError(
+            f"request {req_id}: kv_transfer_params[{TRANSFER_ID!r}] must be a non-empty "
+            f"string, got {tid!r}"
+        )
+    return tid
 
 
 class Scheduler:
@@ -44,18 +59,15 @@ class Scheduler:
             or request.request_id in self.asked
         ):
             return 0, False  # also after a failed load (asked): then vLLM recomputes
-        if TRANSFER_ID not in params:
-            raise ConnectorError(
-                f"request {request.request_id} asks for remote prefill "
-                f"without kv_transfer_params[{TRANSFER_ID!r}]"
-            )
+        tid = _transfer_id(request.request_id, params, "prefill")
+        messager = self._messager(request, params)  # (before vLLM allocates its blocks)
         count = len(request.prompt_token_ids or ()) - num_computed - (1 if self.o._sync else 0)
         if count <= 0:  # its prefix cache has what it needs: the prefill side hears so now
             self.asked.add(request.request_id)
             self.new_unneeded.append(
                 {
-                    "tid": params[TRANSFER_ID],
-                    "messager": self._messager(request, params),
+                    "tid": tid,
+                    "messager": messager,
                     "num_tokens": len(request.prompt_token_ids or ()) - self.o._sync,
                 }
             )
@@ -70,6 +82,15 @@ class Scheduler:
                 f"kv_transfer_params[{MESSAGER!r}] or the connector's "
                 f"`messager`)"
             )
+        if not isinstance(messager, str):
+            raise ConnectorError(
+                f"request {request.request_id}: kv_transfer_params[{MESSAGER!r}] must be "
+                f"'HOST:PORT', got {messager!r}"
+            )
+        try:
+            parse_address(messager)
+        except ConnectorError as e:
+            raise ConnectorError(f"request {request.request_id}: {MESSAGER}: {e}") from None
         return messager
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
@@ -85,7 +106,7 @@ class Scheduler:
         self.new_loads.append(
             {
                 "req": request.request_id,
-                "tid": params[TRANSFER_ID],
+                "tid": _transfer_id(request.request_id, params, "prefill"),
                 "messager": messager,
                 "blocks": list(blocks.get_block_ids()[0]),
                 "first_token": total - num_external,
@@ -112,13 +133,8 @@ class Scheduler:
             )
             if not params or not params.get("do_remote_decode"):
                 continue
-            if TRANSFER_ID not in params:
-                raise ConnectorError(
-                    f"request {new.req_id} asks for remote decode without "
-                    f"kv_transfer_params[{TRANSFER_ID!r}]"
-                )
             state = self.stores[new.req_id] = {
-                "tid": params[TRANSFER_ID],
+                "tid": _transfer_id(new.req_id, params, "decode"),
                 "blocks": list(new.block_ids[0]),
                 "prompt_len": len(new.prompt_token_ids or ()),
             }
@@ -152,7 +168,7 @@ class Scheduler:
                 {
                     "req": req_id,
                     "tid": state["tid"],
-                    "blocks": state["blocks"],
+                    "blocks": list(state["blocks"]),  # (this step's: the next one adds)
                     "start": computed,
                     "end": end,
                     "prompt_len": state["prompt_len"],

@@ -59,8 +59,8 @@ def transport_options(given: list[str]) -> dict[str, str]:
 
 def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = str(text).rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConnectorError(f"an address is HOST:PORT, got {text!r}")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConnectorError(f"an address is HOST:PORT (a port of 0-65535), got {text!r}")
     return host, int(port)
 
 

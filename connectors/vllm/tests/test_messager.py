@@ -8,6 +8,7 @@ the decode side."""
 
 from __future__ import annotations
 
+import pickle
 import secrets
 import time
 
@@ -167,3 +168,28 @@ def test_a_worker_the_messager_cannot_serve_is_refused_naming_why(messager, hell
         assert kind == "error" and said in why, why
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"not a pickle", pickle.dumps(42), pickle.dumps(("exited", 1)), pickle.dumps({"k": 1})],
+    ids=["unreadable", "not-a-tuple", "an-internal-event", "a-dict"],
+)
+def test_a_worker_that_sends_garbage_is_dropped_and_the_next_is_served(messager, garbage):
+    """A served worker whose next message is not one a worker sends: its connection ends
+    (the messager's reader lived on and marked it gone), and a worker connecting after it
+    is served, not refused as a second worker of the rank."""
+    address, key, _ = messager
+    bad = FakePrefill(address, key)
+    try:
+        assert bad.answer()[0] == "ready"
+        bad.conn.send_bytes(garbage)
+        with pytest.raises(EOFError):
+            bad.answer()  # the messager closed it
+    finally:
+        bad.close()
+    good = FakePrefill(address, key)
+    try:
+        assert good.answer()[0] == "ready"
+    finally:
+        good.close()
