@@ -14,6 +14,7 @@ engine, a NIXL agent) all need, written once.
 from __future__ import annotations
 
 import enum
+import math
 import os
 import threading
 import time
@@ -68,10 +69,11 @@ def positive(kind: type) -> Callable[[object], float]:
     def parse(value: object) -> float:
         try:
             number = kind(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # (int(inf) overflows)
             number = 0
-        if isinstance(value, bool) or not number > 0:
-            raise ValueError(f"a positive {'integer' if kind is int else 'number'}")
+        truncated = kind is int and isinstance(value, float) and value != number
+        if isinstance(value, (bool, bytes)) or truncated or not 0 < number < math.inf:
+            raise ValueError(f"a finite positive {'integer' if kind is int else 'number'}")
         return number
 
     return parse
@@ -260,6 +262,8 @@ class PollingBatch(Batch):
             return self._state is BatchState.LANDED
 
     def wait(self, timeout: float) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise InvalidArgumentError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         if nap_until(self.done, time.monotonic() + timeout):
             return
         with self._lock:

@@ -46,9 +46,12 @@ def test_a_transport_without_options_refuses_any():
     [
         ({"speed": 1}, r"transport 'toy' has no option 'speed' \(its options: depth, mode\)"),
         ({"mode": "warp"}, r"option mode='warp': it takes one of 'slow', 'fast'"),
-        ({"depth": 0}, r"option depth=0: it takes a positive integer"),
-        ({"depth": True}, r"option depth=True: it takes a positive integer"),
-        ({"depth": "many"}, r"option depth='many': it takes a positive integer"),
+        ({"depth": 0}, r"option depth=0: it takes a finite positive integer"),
+        ({"depth": True}, r"option depth=True: it takes a finite positive integer"),
+        ({"depth": "many"}, r"option depth='many': it takes a finite positive integer"),
+        ({"depth": 1.9}, r"option depth=1.9: it takes a finite positive integer"),
+        ({"depth": float("inf")}, r"option depth=inf: it takes a finite positive integer"),
+        ({"depth": b"3"}, r"option depth=b'3': it takes a finite positive integer"),
     ],
 )
 def test_an_option_is_refused_at_configure_naming_it(given, match):
@@ -69,7 +72,7 @@ def test_given_options_rule_over_the_environment_which_rules_over_defaults(monke
 def test_a_wrong_environment_value_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv("PDHAL_TOY_DEPTH", "-3")
     with pytest.raises(
-        InvalidArgumentError, match=r"PDHAL_TOY_DEPTH='-3': .*a positive integer.*option 'depth'"
+        InvalidArgumentError, match=r"PDHAL_TOY_DEPTH='-3': .*a finite positive integer.*option 'depth'"
     ):
         Toy().engine()
 
@@ -167,6 +170,15 @@ def test_a_wait_that_runs_out_fails_the_batch_only_and_abandons_its_runs():
     batch.states = [LANDED]  # landing later changes nothing: the caller was told
     with pytest.raises(TransferError, match="did not land"):
         batch.done()
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1, "1", None, True])
+def test_a_wait_of_no_timeout_is_refused_at_the_call(timeout):
+    """NaN napped forever; a string or None raised a builtin TypeError."""
+    batch = Scripted(Toylink(), [IN_FLIGHT])
+    with pytest.raises(InvalidArgumentError, match="timeout must be a number of seconds"):
+        batch.wait(timeout)
+    assert batch.abandoned == 0 and not batch.done()  # nothing happened to it
 
 
 def test_threads_asking_one_batch_at_once_see_one_landing():
