@@ -39,7 +39,9 @@ MONOTONIC = Clock()
 
 
 def checked(clock: object) -> Clock:
-    """`clock` if it is a Clock (InvalidArgumentError otherwise)."""
+    """`clock` if it is a Clock, MONOTONIC for None (InvalidArgumentError otherwise)."""
+    if clock is None:
+        return MONOTONIC
     if not isinstance(clock, Clock):
         raise InvalidArgumentError(
             f"clock must be a pdhal.transfer.Clock (e.g. pdhal.testing.ManualClock), got {clock!r}"
@@ -50,7 +52,7 @@ def checked(clock: object) -> Clock:
 class Deadlines:
     """Jobs run at their deadlines (on `clock`), on one thread, in deadline order."""
 
-    def __init__(self, name: str, clock: Clock = MONOTONIC):
+    def __init__(self, name: str, clock: Clock | None = None):
         self.clock = checked(clock)
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()  # ties run in the order they were added
@@ -58,7 +60,7 @@ class Deadlines:
         self._closed = False
         self._running = False  # a job runs now (settle() waits for it)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        clock.watch(self)
+        self.clock.watch(self)
         self._thread.start()
 
     def now(self) -> float:

@@ -52,7 +52,7 @@ from pdhal._errors import (
 from pdhal._protocol.names import namespace
 from pdhal._transfer import checks, control, messages
 from pdhal._transfer.heads import head_shards, rank_heads
-from pdhal._transfer.keeper import MONOTONIC, Clock, Deadlines
+from pdhal._transfer.keeper import Clock, Deadlines
 from pdhal._transfer.layout import CacheLayout
 from pdhal._transfer.outcome import Outcome, Outcomes
 from pdhal._transfer.plugins import transport
@@ -227,7 +227,7 @@ class PrefillService:
         transport_name: str = "shm",
         on_outcome: Callable[[Outcome], None] | None = None,
         on_session_end: Callable[[messages.Facts, str], None] | None = None,
-        clock: Clock = MONOTONIC,
+        clock: Clock | None = None,
         **streamer_options,
     ):
         if not isinstance(layout, CacheLayout):
@@ -869,7 +869,7 @@ class DecodeClient:
         tp_size: int = 1,
         keepalive: float = 5.0,
         connect_timeout: float = 5.0,
-        clock: Clock = MONOTONIC,
+        clock: Clock | None = None,
     ):
         if not isinstance(receiver, KVReceiver):
             raise InvalidArgumentError(f"receiver must be a KVReceiver, got {receiver!r}")

@@ -30,7 +30,7 @@ from pdhal._transfer import checks, keeper, mailbox
 from pdhal._transfer.contract import require_memory, require_target_completion
 from pdhal._transfer.destination import Destination, Send, StatusWrite, Write
 from pdhal._transfer.heads import HeadShard
-from pdhal._transfer.keeper import MONOTONIC, Clock, Deadlines
+from pdhal._transfer.keeper import Clock, Deadlines
 from pdhal._transfer.layout import CacheLayout, RunPlanner, block_runs
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome, Outcomes
@@ -69,7 +69,7 @@ class KVStreamer:
         stall_timeout: float = 10.0,
         claim_timeout: float = 60.0,
         on_outcome: Callable[[Outcome], None] | None = None,
-        clock: Clock = MONOTONIC,
+        clock: Clock | None = None,
     ):
         if not isinstance(layout, CacheLayout):
             raise InvalidArgumentError(f"layout must be a CacheLayout, got {layout!r}")

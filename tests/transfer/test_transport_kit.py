@@ -72,7 +72,8 @@ def test_given_options_rule_over_the_environment_which_rules_over_defaults(monke
 def test_a_wrong_environment_value_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv("PDHAL_TOY_DEPTH", "-3")
     with pytest.raises(
-        InvalidArgumentError, match=r"PDHAL_TOY_DEPTH='-3': .*a finite positive integer.*option 'depth'"
+        InvalidArgumentError,
+        match=r"PDHAL_TOY_DEPTH='-3': .*a finite positive integer.*'depth'",
     ):
         Toy().engine()
 
