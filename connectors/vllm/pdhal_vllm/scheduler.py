@@ -1,9 +1,15 @@
 """The connector's scheduler side: which requests a step stores (prefill) or loads (decode),
 and which blocks stay held until their transfer ended. It runs in vLLM's scheduler process
-and only keeps books: every byte and every message is the worker side's."""
+and only keeps books: every byte and every message is the worker side's.
+
+A request's kv_transfer_params are a client's word, checked here. It never raises into vLLM's
+scheduler for them: an exception there ends the engine core, every request with it. A request
+whose params are wrong is refused alone, logged naming what was wrong: a decode instance
+computes its prompt itself, a prefill instance sends its KV nowhere."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from vllm.v1.request import RequestStatus
@@ -18,6 +24,8 @@ if TYPE_CHECKING:
 
     from pdhal_vllm.connector import PdhalConnector
 
+
+log = logging.getLogger(__name__)
 
 #: how a prefill request ends when nobody will decode it: its transfer fails at once
 ABANDONED = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
@@ -59,8 +67,13 @@ class Scheduler:
             or request.request_id in self.asked
         ):
             return 0, False  # also after a failed load (asked): then vLLM recomputes
-        tid = _transfer_id(request.request_id, params, "prefill")
-        messager = self._messager(request, params)  # (before vLLM allocates its blocks)
+        try:  # (before vLLM allocates its blocks)
+            tid = _transfer_id(request.request_id, params, "prefill")
+            messager = self._messager(request, params)
+        except ConnectorError as e:  # the client's word: this request alone is refused
+            self.asked.add(request.request_id)
+            log.warning("pdhal connector: %s; it is computed here instead", e)
+            return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed - (1 if self.o._sync else 0)
         if count <= 0:  # its prefix cache has what it needs: the prefill side hears so now
             self.asked.add(request.request_id)
@@ -133,8 +146,13 @@ class Scheduler:
             )
             if not params or not params.get("do_remote_decode"):
                 continue
+            try:
+                tid = _transfer_id(new.req_id, params, "decode")
+            except ConnectorError as e:  # the client's word: this request alone is refused
+                log.warning("pdhal connector: %s; its KV goes to no decode side", e)
+                continue
             state = self.stores[new.req_id] = {
-                "tid": _transfer_id(new.req_id, params, "decode"),
+                "tid": tid,
                 "blocks": list(new.block_ids[0]),
                 "prompt_len": len(new.prompt_token_ids or ()),
             }

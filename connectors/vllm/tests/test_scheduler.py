@@ -17,12 +17,13 @@ the router, so a wrong one is refused at the call that gets it, naming what is w
 from __future__ import annotations
 
 import functools
+import logging
+import re
 
 import pytest
 from pdhal_vllm.config import kv_transfer_config
 from pdhal_vllm.connector import PdhalConnector
 from pdhal_vllm.metadata import MESSAGER, TRANSFER_ID, PdhalConnectorMetadata
-from pdhal_vllm.wire import ConnectorError
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -147,10 +148,22 @@ def test_a_prefill_instance_loads_nothing():
     assert conn.get_num_new_matched_tokens(decode_request(), CACHED) == (0, False)
 
 
-def test_a_remote_prefill_without_a_transfer_id_is_refused_naming_the_request():
+def computed_here(conn: PdhalConnector, req: Request, caplog, said: str) -> None:
+    """`req`'s params are refused: never an exception into vLLM's scheduler (which would
+    end its engine core, every request with it), but a warning saying `said`; the request
+    is computed here, nothing is loaded, and it is not asked again."""
+    with caplog.at_level(logging.WARNING, logger="pdhal_vllm"):
+        assert conn.get_num_new_matched_tokens(req, CACHED) == (0, False)
+    assert re.search(said, caplog.text), caplog.text
+    conn.update_state_after_alloc(req, blocks(), 0)
+    assert step(conn).loads == []
+    assert conn.get_num_new_matched_tokens(req, CACHED) == (0, False)
+
+
+def test_a_remote_prefill_without_a_transfer_id_is_computed_here_naming_why(caplog):
     conn = connector()
-    with pytest.raises(ConnectorError, match=rf"request req-9 .*{TRANSFER_ID}"):
-        conn.get_num_new_matched_tokens(decode_request("req-9", **{TRANSFER_ID: DROP}), CACHED)
+    req = decode_request("req-9", **{TRANSFER_ID: DROP})
+    computed_here(conn, req, caplog, rf"request req-9 .*{TRANSFER_ID}.*computed here")
 
 
 @pytest.mark.parametrize(
@@ -235,14 +248,12 @@ def test_a_request_allocated_without_external_tokens_loads_nothing():
     assert step(conn).loads == []
 
 
-def test_a_remote_prefill_without_any_messager_is_never_loaded():
+def test_a_remote_prefill_without_any_messager_is_never_loaded(caplog):
     """Neither the params nor the connector name a messager: refused, naming the request
-    and the key to set, before any load goes to the worker."""
+    and the key to set, before vLLM allocates its blocks."""
     conn = connector()
     req = decode_request("req-7", **{MESSAGER: DROP})
-    with pytest.raises(ConnectorError, match=rf"request req-7: no messager .*{MESSAGER}"):
-        allocate(conn, req)
-    assert step(conn).loads == []
+    computed_here(conn, req, caplog, rf"request req-7: no messager .*{MESSAGER}")
 
 
 # ---- decode side: a request that finishes -----------------------------------------------
@@ -359,11 +370,22 @@ def test_a_request_without_do_remote_decode_is_not_stored_nor_held():
     assert finish(conn, req, RequestStatus.FINISHED_LENGTH_CAPPED) == (False, None)
 
 
-def test_a_remote_decode_without_a_transfer_id_is_refused_naming_the_request():
+@pytest.mark.parametrize("tid", [DROP, 7, None, ["t"]], ids=["none-given", "int", "none", "list"])
+def test_a_remote_decode_without_a_transfer_id_is_stored_nowhere_naming_why(tid, caplog):
+    """Refused alone (never an exception into vLLM's scheduler): a warning naming the
+    request and the key; the step stores nothing of it, and it holds no block when done;
+    the other requests of the step are stored."""
     conn = connector("kv_producer", messager=PREFILL_MESSAGER)
-    req = prefill_request("req-9", **{TRANSFER_ID: DROP})
-    with pytest.raises(ConnectorError, match=rf"request req-9 .*{TRANSFER_ID}"):
-        step(conn, new_step(req, [1, 2, 3, 4], 100))
+    bad, good = prefill_request("req-9", **{TRANSFER_ID: tid}), prefill_request("req-1")
+    out = new_step(bad, [1, 2, 3, 4], 100)
+    other = new_step(good, [5, 6, 7, 8], 100)
+    out.scheduled_new_reqs += other.scheduled_new_reqs
+    out.num_scheduled_tokens.update(other.num_scheduled_tokens)
+    with caplog.at_level(logging.WARNING, logger="pdhal_vllm"):
+        stores = step(conn, out).stores
+    assert re.search(rf"request req-9.*{TRANSFER_ID}.*no decode side", caplog.text)
+    assert [s["req"] for s in stores] == ["req-1"]
+    assert finish(conn, bad, RequestStatus.FINISHED_LENGTH_CAPPED) == (False, None)
 
 
 # ---- prefill side: a request that finishes ----------------------------------------------
@@ -405,31 +427,17 @@ def test_a_prefill_request_aborted_before_any_step_stored_it_holds_nothing():
 # ---- kv_transfer_params from outside: refused where they come in ------------------------
 
 
-@pytest.mark.parametrize("tid", [7, None, ["t"]], ids=["int", "none", "list"])
-def test_a_transfer_id_that_is_not_a_string_is_refused_when_matched(tid):
-    conn = connector()
-    with pytest.raises(ConnectorError, match=TRANSFER_ID):
-        conn.get_num_new_matched_tokens(decode_request(**{TRANSFER_ID: tid}), CACHED)
-
-
-@pytest.mark.parametrize("tid", [7, None, ["t"]], ids=["int", "none", "list"])
-def test_a_prefill_transfer_id_that_is_not_a_string_is_refused(tid):
-    conn = connector("kv_producer", messager=PREFILL_MESSAGER)
-    req = prefill_request(**{TRANSFER_ID: tid})
-    with pytest.raises(ConnectorError, match=TRANSFER_ID):
-        step(conn, new_step(req, [1, 2, 3, 4], 100))
+@pytest.mark.parametrize("tid", [7, None, ["t"], ""], ids=["int", "none", "list", "empty"])
+def test_a_transfer_id_that_is_not_a_string_is_refused_when_matched(tid, caplog):
+    computed_here(
+        connector(), decode_request(**{TRANSFER_ID: tid}), caplog, f"{TRANSFER_ID}.*computed here"
+    )
 
 
 @pytest.mark.parametrize(
-    "messager", [47100, "127.0.0.1", {"host": "127.0.0.1"}], ids=["int", "no-port", "object"]
+    "messager",
+    [47100, "127.0.0.1", {"host": "127.0.0.1"}, ":5000", "h:99999"],
+    ids=["int", "no-port", "object", "no-host", "port-range"],
 )
-def test_a_messager_that_is_not_host_port_is_refused_before_any_load(messager):
-    conn = connector()
-    with pytest.raises(ConnectorError, match=MESSAGER):
-        allocate(conn, decode_request(**{MESSAGER: messager}))
-
-
-def test_a_remote_prefill_without_any_messager_is_refused_when_matched():
-    conn = connector()
-    with pytest.raises(ConnectorError, match=MESSAGER):
-        conn.get_num_new_matched_tokens(decode_request(**{MESSAGER: DROP}), CACHED)
+def test_a_messager_that_is_not_host_port_is_refused_when_matched(messager, caplog):
+    computed_here(connector(), decode_request(**{MESSAGER: messager}), caplog, MESSAGER)
