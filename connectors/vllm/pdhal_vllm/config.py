@@ -5,7 +5,7 @@ Imports no vLLM."""
 
 from __future__ import annotations
 
-from pdhal_vllm.wire import KEEPALIVE_S, ConnectorError
+from pdhal_vllm.wire import KEEPALIVE_S, ConnectorError, parse_address
 
 #: The keys of kv_connector_extra_config, and their defaults (docs/engines/vllm.md).
 EXTRA_CONFIG = {
@@ -20,6 +20,7 @@ EXTRA_CONFIG = {
     "trace_blocks": False,
 }
 ROLES = ("kv_producer", "kv_consumer")
+DAY = 86400  # the longest timeout taken, in seconds
 FAILURE_POLICIES = ("fail", "recompute")
 
 
@@ -40,11 +41,25 @@ def extra_config(given: dict | None) -> dict:
     extra = {**EXTRA_CONFIG, **given}
     if extra["load_mode"] not in ("async", "sync"):
         raise ConnectorError(f"load_mode must be 'async' or 'sync', got {extra['load_mode']!r}")
-    if not isinstance(extra["transport_options"], dict):
+    options = extra["transport_options"]
+    if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
         raise ConnectorError(
-            f"transport_options must be a JSON object of the transport's options, got "
-            f"{extra['transport_options']!r}"
+            f"transport_options must be a JSON object of the transport's options, got {options!r}"
         )
+    if extra["messager"] is not None:
+        if not isinstance(extra["messager"], str):
+            raise ConnectorError(f"messager must be 'HOST:PORT', got {extra['messager']!r}")
+        parse_address(extra["messager"])
+    for key in ("transport", "auth_key", "trace"):
+        value = extra[key]
+        if (value is not None or key == "transport") and (not isinstance(value, str) or not value):
+            raise ConnectorError(f"{key} must be a non-empty string, got {value!r}")
+    for key in ("load_timeout_s", "keepalive_s"):
+        value = extra[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= DAY:
+            raise ConnectorError(f"{key} must be a number of seconds in (0, {DAY}], got {value!r}")
+    if not isinstance(extra["trace_blocks"], bool):
+        raise ConnectorError(f"trace_blocks must be true or false, got {extra['trace_blocks']!r}")
     return extra
 
 

@@ -26,6 +26,15 @@ def test_the_extra_config_fills_its_defaults():
         ({"mooncake_host": "10.0.0.2"}, r"settings go in transport_options"),
         ({"transport_options": ["host=x"]}, r"transport_options must be a JSON object"),
         ({"load_mode": "eager"}, r"load_mode must be 'async' or 'sync'"),
+        ({"transport_options": {1: "x"}}, r"transport_options must be a JSON object"),
+        ({"messager": 5}, r"messager must be 'HOST:PORT', got 5"),
+        ({"messager": "127.0.0.1"}, r"an address is HOST:PORT"),
+        ({"transport": ""}, r"transport must be a non-empty string"),
+        ({"auth_key": 5}, r"auth_key must be a non-empty string, got 5"),
+        ({"load_timeout_s": float("nan")}, r"load_timeout_s must be a number of seconds"),
+        ({"load_timeout_s": -1}, r"load_timeout_s must be a number of seconds"),
+        ({"keepalive_s": "5"}, r"keepalive_s must be a number of seconds in \(0, 86400\]"),
+        ({"trace_blocks": "false"}, r"trace_blocks must be true or false"),
     ],
 )
 def test_a_wrong_extra_config_is_refused_naming_what_is_wrong(given, match):
