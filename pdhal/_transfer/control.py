@@ -103,19 +103,22 @@ class Frames:
         return b"".join(chunks)
 
     def write(self, frame: bytes, within: float) -> None:
-        """Send `frame` whole within `within` s; SessionError otherwise."""
+        """Send `frame` whole within `within` s; SessionError otherwise. What the socket
+        takes at once is sent however late the caller is (a thread descheduled past its
+        bound on a loaded machine still says its last words); only waiting is bounded."""
         data = memoryview(_HEADER.pack(len(frame)) + frame)
         deadline = time.monotonic() + within
         while data:
+            try:
+                data = data[self.sock.send(data) :]
+                continue
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                raise SessionError(f"a send failed ({e})") from None
             left = deadline - time.monotonic()
             if left <= 0 or not self._ready(left, reading=False):
                 raise SessionError(f"the peer read nothing for {within:g} s")
-            try:
-                data = data[self.sock.send(data) :]
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError as e:
-                raise SessionError(f"a send failed ({e})") from None
 
     def _ready(self, within: float, *, reading: bool) -> bool:
         """Whether the socket can be read (or written) within `within` s; SessionError once
