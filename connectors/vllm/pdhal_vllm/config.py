@@ -5,7 +5,7 @@ Imports no vLLM."""
 
 from __future__ import annotations
 
-from pdhal_vllm.wire import KEEPALIVE_S, ConnectorError, parse_address
+from pdhal_vllm.wire import KEEPALIVE_S, ConnectorError, checked_address
 
 #: The keys of kv_connector_extra_config, and their defaults (docs/engines/vllm.md).
 EXTRA_CONFIG = {
@@ -47,9 +47,7 @@ def extra_config(given: dict | None) -> dict:
             f"transport_options must be a JSON object of the transport's options, got {options!r}"
         )
     if extra["messager"] is not None:
-        if not isinstance(extra["messager"], str):
-            raise ConnectorError(f"messager must be 'HOST:PORT', got {extra['messager']!r}")
-        parse_address(extra["messager"])
+        checked_address(extra["messager"], "messager")
     for key in ("transport", "auth_key", "trace"):
         value = extra[key]
         if (value is not None or key == "transport") and (not isinstance(value, str) or not value):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import RequestStatus
 
 from pdhal_vllm.metadata import MESSAGER, TRANSFER_ID, PdhalConnectorMetadata
-from pdhal_vllm.wire import ConnectorError, parse_address
+from pdhal_vllm.wire import ConnectorError, checked_address
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -95,16 +95,9 @@ class Scheduler:
                 f"kv_transfer_params[{MESSAGER!r}] or the connector's "
                 f"`messager`)"
             )
-        if not isinstance(messager, str):
-            raise ConnectorError(
-                f"request {request.request_id}: kv_transfer_params[{MESSAGER!r}] must be "
-                f"'HOST:PORT', got {messager!r}"
-            )
-        try:
-            parse_address(messager)
-        except ConnectorError as e:
-            raise ConnectorError(f"request {request.request_id}: {MESSAGER}: {e}") from None
-        return messager
+        return checked_address(
+            messager, f"request {request.request_id}: kv_transfer_params[{MESSAGER!r}]"
+        )
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         if num_external <= 0 or not self.o.is_consumer:

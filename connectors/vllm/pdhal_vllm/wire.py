@@ -57,6 +57,17 @@ def transport_options(given: list[str]) -> dict[str, str]:
     return options
 
 
+def checked_address(value: object, what: str) -> str:
+    """`value` if it is a 'HOST:PORT' string; ConnectorError naming `what` otherwise."""
+    if not isinstance(value, str):
+        raise ConnectorError(f"{what} must be 'HOST:PORT', got {value!r}")
+    try:
+        parse_address(value)
+    except ConnectorError as e:
+        raise ConnectorError(f"{what}: {e}") from None
+    return value
+
+
 def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = str(text).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
