@@ -30,6 +30,7 @@ from pdhal._transfer.contract import (
     region_devices,
     require_target_completion,
 )
+from pdhal._transfer.control import Frames, authenticate
 from pdhal._transfer.feeds import PerChunkFeed, PerQueryFeed
 from pdhal._transfer.heads import HeadShard, head_shards, rank_heads
 from pdhal._transfer.keeper import Clock
@@ -44,6 +45,7 @@ from pdhal._transfer.kit import (
     nap_until,
     one_of,
     positive,
+    word,
 )
 from pdhal._transfer.layout import CacheLayout, CacheSpec, RunPlanner, block_runs
 from pdhal._transfer.metrics import LayerRecord, RequestRecord, TransferMetrics
@@ -71,6 +73,7 @@ __all__ = [
     "Destination",
     "Endpoint",
     "EngineTransport",
+    "Frames",
     "HeadShard",
     "KVReceiver",
     "KVStreamer",
@@ -91,6 +94,7 @@ __all__ = [
     "RunPlanner",
     "Transport",
     "TransferMetrics",
+    "authenticate",
     "block_runs",
     "described_numbers",
     "head_shards",
@@ -106,4 +110,5 @@ __all__ = [
     "require_target_completion",
     "transport",
     "transports",
+    "word",
 ]

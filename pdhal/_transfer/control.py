@@ -66,11 +66,11 @@ class Frames:
         self.sock, self.peer = sock, peer
 
     def read(
-        self, first_within: float, whole_within: float, most: int = messages.MOST_BYTES
+        self, first_within: float | None, whole_within: float, most: int = messages.MOST_BYTES
     ) -> bytes | None:
-        """The next frame; None if none began within `first_within` s. SessionError if the
-        peer closed, sent a frame over `most` bytes, or did not finish it within
-        `whole_within` s of its first byte."""
+        """The next frame; None if none began within `first_within` s (None: wait for one
+        as long as it takes). SessionError if the peer closed, sent a frame over `most`
+        bytes, or did not finish it within `whole_within` s of its first byte."""
         header = self._read(_HEADER.size, first_within, whole_within)
         if header is None:
             return None
@@ -79,12 +79,15 @@ class Frames:
             raise Malformed(f"a frame of {size} bytes (at most {most})")
         return self._read(size, whole_within, whole_within, started=True) if size else b""
 
-    def _read(self, n: int, first: float, whole: float, started: bool = False) -> bytes | None:
+    def _read(
+        self, n: int, first: float | None, whole: float, started: bool = False
+    ) -> bytes | None:
         chunks, got = [], 0
-        deadline = time.monotonic() + (whole if started else first)
+        bound = whole if started else first
+        deadline = None if bound is None else time.monotonic() + bound
         while got < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._ready(left, reading=True):
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not self._ready(left, reading=True):
                 if not got and not started:
                     return None
                 raise SessionError(f"the peer sent part of a frame and stopped for {whole:g} s")
@@ -120,8 +123,9 @@ class Frames:
             if left <= 0 or not self._ready(left, reading=False):
                 raise SessionError(f"the peer read nothing for {within:g} s")
 
-    def _ready(self, within: float, *, reading: bool) -> bool:
-        """Whether the socket can be read (or written) within `within` s; SessionError once
+    def _ready(self, within: float | None, *, reading: bool) -> bool:
+        """Whether the socket can be read (or written) within `within` s (None: once it
+        can); SessionError once
         it was closed under the caller (close() from another thread)."""
         try:
             ready = select.select(
@@ -147,13 +151,13 @@ def dial(address: str, key: bytes, timeout: float) -> Frames:
         sock = socket.create_connection((host, port), timeout=timeout)
     except (OSError, UnicodeError) as e:  # (UnicodeError: a host name idna refuses)
         raise SessionError(f"cannot reach the session service at {address}: {e}") from None
-    return _handshake(sock, key, timeout, address, dialled=True)
+    return authenticate(sock, key, timeout, address, dialled=True)
 
 
 def accept(sock: socket.socket, key: bytes, timeout: float, peer: str) -> Frames:
     """The accepted `sock`, both sides proven to hold `key` within `timeout` s (a peer that
     says nothing is dropped then); SessionError otherwise."""
-    return _handshake(sock, key, timeout, peer, dialled=False)
+    return authenticate(sock, key, timeout, peer, dialled=False)
 
 
 def _proof(key: bytes, role: bytes, challenges: tuple[bytes, bytes]) -> bytes:
@@ -163,12 +167,15 @@ def _proof(key: bytes, role: bytes, challenges: tuple[bytes, bytes]) -> bytes:
     return hmac.new(key, role + challenges[0] + challenges[1], hashlib.sha256).digest()
 
 
-def _handshake(
+def authenticate(
     sock: socket.socket, key: bytes, timeout: float, peer: str, *, dialled: bool
 ) -> Frames:
-    """Both sides send a challenge; the dialler proves it holds `key` first, and only then
-    does the acceptor prove it (so an acceptor answers nothing to a peer without the key);
-    each proof covers the prover's role and both challenges (_proof)."""
+    """The frames of connected `sock` (TCP or a local socket) once both sides proved they
+    hold `key` within `timeout` s; SessionError naming `peer` otherwise (the socket is
+    closed then). Both sides send a challenge; the dialler (`dialled`) proves it holds
+    `key` first, and only then does the acceptor prove it (so an acceptor answers nothing
+    to a peer without the key); each proof covers the prover's role and both challenges
+    (_proof)."""
     _keepalive(sock, timeout)
     frames = Frames(sock, peer)
     deadline = time.monotonic() + timeout
@@ -211,7 +218,9 @@ def _handshake(
 
 def _keepalive(sock: socket.socket, bound: float) -> None:
     """TCP's own probes and a bound on unacknowledged data, so the kernel too gives up on a
-    cut link."""
+    cut link (a local socket has no link to cut)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
     idle = max(1, int(bound / 3))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)

@@ -41,6 +41,14 @@ def nap_until(ready: Callable[[], bool], deadline: float) -> bool:
     return True
 
 
+def word(value: object) -> str:
+    """An Option parser taking a non-empty string of printable characters without spaces
+    (a host, a device list): what an Option takes unless it says otherwise."""
+    if isinstance(value, str) and value and all(c.isprintable() and c != " " for c in value):
+        return value
+    raise ValueError("a non-empty string without spaces")
+
+
 @dataclass(frozen=True)
 class Option:
     """One setting a transport takes: `parse` turns a given value (or the environment
@@ -49,7 +57,7 @@ class Option:
     help: str
     default: object = None
     env: str | None = None
-    parse: Callable[[object], object] = str
+    parse: Callable[[object], object] = word
 
 
 def one_of(*allowed: str) -> Callable[[object], str]:

@@ -561,6 +561,43 @@ def test_a_peer_without_the_key_cannot_reflect_the_service_s_own_proof(peers):
     second.close()
 
 
+def test_a_local_link_is_authenticated_within_its_bound_and_waits_unbounded_once_up():
+    """transfer.authenticate over a local socket (an engine's worker and its messager): both
+    sides hold the key and a frame passes, read with no bound on its first byte; a side
+    without the key is refused at both ends; a silent peer is dropped at the bound."""
+    import threading
+
+    def both(key_a: bytes, key_b: bytes) -> list:
+        a, b = socket.socketpair(socket.AF_UNIX)
+        got = [None, None]
+
+        def side(i, sock, key):
+            try:
+                got[i] = transfer.authenticate(sock, key, 10, f"side{i}", dialled=i == 0)
+            except SessionError as e:
+                got[i] = e
+
+        threads = [threading.Thread(target=side, args=(0, a, key_a))]
+        threads[0].start()
+        side(1, b, key_b)
+        threads[0].join()
+        return got
+
+    dialler, acceptor = both(KEY, KEY)
+    timer = threading.Timer(0.2, dialler.write, (b"late", 10))
+    timer.start()
+    assert acceptor.read(None, 10) == b"late"  # (no bound on the first byte: it waited)
+    timer.join()
+    dialler.close()
+    acceptor.close()
+    refused = both(KEY, b"another key")
+    assert all(isinstance(end, SessionError) for end in refused), refused
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with pytest.raises(SessionError, match="no challenge came within 0.2 s"):
+        transfer.authenticate(a, KEY, 0.2, "a silent peer", dialled=False)
+    b.close()
+
+
 def test_a_closed_service_frees_its_address_for_a_successor(receiver):
     """close() releases the port at once (its accept thread woken, not left holding the
     listening socket): a successor in this process listens at the same address, and a

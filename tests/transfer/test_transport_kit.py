@@ -61,6 +61,20 @@ def test_an_option_is_refused_at_configure_naming_it(given, match):
     assert toy.engine() == {"mode": "slow", "depth": 4}  # nothing of it was kept
 
 
+class Hosted(EngineTransport):
+    name = "hosted"
+    options = {"host": Option("where", "127.0.0.1", "PDHAL_HOSTED_HOST")}
+
+
+@pytest.mark.parametrize("given", [42, "", "a b", "a\n", ["h"], None, b"h"])
+def test_an_option_takes_a_word_unless_it_says_otherwise(given):
+    """A host given as a number, a list or with a space is refused at configure, not
+    stringified into an address the engine fails on later."""
+    with pytest.raises(InvalidArgumentError, match=r"it takes a non-empty string without spaces"):
+        Hosted().configure(host=given)
+    Hosted().configure(host="node-3.example:17000")
+
+
 def test_given_options_rule_over_the_environment_which_rules_over_defaults(monkeypatch):
     monkeypatch.setenv("PDHAL_TOY_MODE", "fast")
     monkeypatch.setenv("PDHAL_TOY_DEPTH", "9")
