@@ -5,7 +5,7 @@ Imports no vLLM."""
 
 from __future__ import annotations
 
-from pdhal_vllm.wire import KEEPALIVE_S, ConnectorError, checked_address
+from pdhal_vllm.wire import KEEPALIVE_S, ConnectorError, checked_address, checked_seconds
 
 #: The keys of kv_connector_extra_config, and their defaults (docs/engines/vllm.md).
 EXTRA_CONFIG = {
@@ -17,10 +17,8 @@ EXTRA_CONFIG = {
     "keepalive_s": KEEPALIVE_S,
     "auth_key": None,
     "trace": None,
-    "trace_blocks": False,
 }
 ROLES = ("kv_producer", "kv_consumer")
-DAY = 86400  # the longest timeout taken, in seconds
 FAILURE_POLICIES = ("fail", "recompute")
 
 
@@ -53,11 +51,7 @@ def extra_config(given: dict | None) -> dict:
         if (value is not None or key == "transport") and (not isinstance(value, str) or not value):
             raise ConnectorError(f"{key} must be a non-empty string, got {value!r}")
     for key in ("load_timeout_s", "keepalive_s"):
-        value = extra[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= DAY:
-            raise ConnectorError(f"{key} must be a number of seconds in (0, {DAY}], got {value!r}")
-    if not isinstance(extra["trace_blocks"], bool):
-        raise ConnectorError(f"trace_blocks must be true or false, got {extra['trace_blocks']!r}")
+        checked_seconds(extra[key], key)
     return extra
 
 

@@ -63,6 +63,9 @@ __all__ = ["MESSAGER", "TRANSFER_ID", "PdhalConnector", "PdhalConnectorMetadata"
 
 
 class PdhalConnector(KVConnectorBase_V1):
+    #: The worker side (the tests' subclass traces more).
+    worker_class = Worker
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -80,7 +83,7 @@ class PdhalConnector(KVConnectorBase_V1):
             self.worker = None
         else:
             self.scheduler = None
-            self.worker = Worker(self, vllm_config)
+            self.worker = self.worker_class(self, vllm_config)
 
     # ---- worker side ----------------------------------------------------------------------
 

@@ -182,8 +182,6 @@ class DecodeWorker:
     def _landed(self, load: _Load, layers: int) -> None:
         for layer in range(load.layers, layers):
             self.w.trace("landed", tid=load.tid, layer=layer)
-            if self.w.trace_blocks:  # before a sync load's forward may see it, and write it
-                self.w.trace_heads(load.tid, layer, load.blocks[load.cached :], load.cached)
         load.layers = max(load.layers, layers)
 
     def _fail(self, load: _Load, why: str) -> None:

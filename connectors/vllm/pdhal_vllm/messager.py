@@ -7,8 +7,11 @@ their caches (--transport: shm on one host, mooncake or nixl across hosts) while
 layers compute. The prefill worker connects over a local socket named by that address
 (wire.worker_address) and says hello with its KV cache (shared memory) and its layout; the
 messager then makes the service over that cache, one per prefill worker (a restarted worker
-gets a new one at the same address). Per step, the worker sends the step's table (transfer
-id, its blocks, the tokens the step wrote) before the step's first layer signal: a request
+gets a new one at the same address). That socket takes only processes of the messager's own
+user that prove they hold the deployment's key, each within its own bound (wire.WorkerLink),
+and what they send is checked to be a worker's message before it is used. Per step, the
+worker sends the step's table (transfer id, its blocks, the tokens the step wrote) before
+the step's first layer signal: a request
 is the service's once its table first names it, and the table and the layer signals (read
 through pdhal: a futex wait, never a sleep loop) drive the service through
 pdhal.transfer.PerQueryFeed. Each transfer's end goes back to the worker ("sent" or
@@ -31,7 +34,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import pickle
 import queue
 import select
 import signal
@@ -40,21 +42,23 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from dataclasses import dataclass
 
 import pdhal
 from pdhal import PdhalError, ProducerDiedError, SignalTimeoutError, ops, transfer
-from pdhal.transfer import CacheLayout, CacheSpec, PerQueryFeed, PrefillService, rank_heads
+from pdhal.transfer import CacheLayout, CacheSpec, PerQueryFeed, PrefillService
 from pdhal_vllm.wire import (
+    HANDSHAKE_S,
     KEEPALIVE_S,
     ConnectorError,
     Tracer,
+    WorkerLink,
     auth_key,
-    head_crcs,
+    checked_seconds,
+    listen_workers,
+    peer_process,
     reserve,
     transport_options,
-    worker_address,
 )
 
 #: Device ids a layer-signal channel can be named by: [0, DEVICES)
@@ -65,16 +69,13 @@ ENDED = 10000
 
 @dataclass
 class PrefillWorker:
-    """The connected prefill worker: its connection and its hello."""
+    """The connected prefill worker: its link, its process (as the kernel knows it) and
+    its hello."""
 
-    conn: Connection
+    link: WorkerLink
+    pid: int
     hello: dict
-    lock: threading.Lock = field(default_factory=threading.Lock)
     alive: bool = True
-
-    @property
-    def pid(self):
-        return self.hello.get("pid")
 
     @property
     def device(self):
@@ -82,13 +83,15 @@ class PrefillWorker:
         return self.hello.get("device", 0)
 
     def send(self, *message) -> None:
+        """Tell the worker `message`; one that does not read it within its bound is
+        dropped (its reader then says it went)."""
         if not self.alive:
             return
         try:
-            with self.lock:
-                self.conn.send(message)
-        except OSError:
+            self.link.send(*message)
+        except ConnectorError:
             self.alive = False
+            self.link.close()
 
 
 @dataclass
@@ -111,15 +114,47 @@ class _Feed:
         self._messager.give_layer(self._service, layer, ready, signal_ns, step)
 
 
-#: What a prefill worker sends after its hello: (kind,) -> the message's length.
-WORKER_SENDS = {("table",): 3, ("failed",): 2, ("abandon",): 2}
-#: The largest message read from a prefill worker (a step's table of requests).
-MAX_FRAME = 16 << 20
+#: The fields of a table entry, each a non-negative int but the transfer id and blocks.
+ENTRY_FIELDS = ("tid", "blocks", "start", "end", "prompt_len")
 
 
-def _receive(conn: Connection):
-    """One message from a prefill worker, refused past MAX_FRAME bytes (OSError)."""
-    return pickle.loads(conn.recv_bytes(MAX_FRAME))
+def _count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _tids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, str) and t for t in value)
+
+
+def _entry(value) -> bool:
+    """Whether `value` is a table entry: a transfer id, its block ids, token counts."""
+    return (
+        isinstance(value, dict)
+        and all(k in value for k in ENTRY_FIELDS)
+        and isinstance(value["tid"], str)
+        and bool(value["tid"])
+        and isinstance(value["blocks"], list)
+        and all(_count(b) for b in value["blocks"])
+        and all(_count(value[k]) for k in ("start", "end", "prompt_len"))
+    )
+
+
+def _table(items) -> bool:
+    """Whether `items` are a table's: its step, then its entries."""
+    return (
+        len(items) == 2
+        and _count(items[0])
+        and isinstance(items[1], list)
+        and all(_entry(e) for e in items[1])
+    )
+
+
+#: What a prefill worker sends after its hello: kind -> whether its items are that kind's.
+WORKER_SENDS = {
+    "table": _table,
+    "failed": lambda items: len(items) == 1 and _tids(items[0]),
+    "abandon": lambda items: len(items) == 1 and _tids(items[0]),
+}
 
 
 class Messager:
@@ -132,7 +167,6 @@ class Messager:
         claim_timeout: float,
         keepalive: float,
         trace: str | None,
-        trace_blocks: bool = False,
         prefill_ranks: int = 1,
         transport_options: dict | None = None,
     ):
@@ -147,26 +181,24 @@ class Messager:
             raise ConnectorError(f"--transport-option: {exc}") from None
         if not 0 <= rank < prefill_ranks:
             raise ConnectorError(f"--rank must be in [0, {prefill_ranks}) (--prefill-tp)")
+        checked_seconds(claim_timeout, "--claim-timeout")
+        checked_seconds(keepalive, "--keepalive")
         self.rank, self.prefill_ranks = rank, prefill_ranks
         self.key, self.transport, self.claim_timeout = key, transport, claim_timeout
         self.keepalive = keepalive
         self.trace = Tracer(trace)
-        self.trace_blocks = bool(trace) and trace_blocks
         self.events: queue.Queue = queue.Queue()
         self.prefill: PrefillWorker | None = None
         self.service: PrefillService | None = None
         self.feed: PerQueryFeed | None = None
-        self.src = None  # the prefill cache, mapped
-        self.layout: list[list[int]] = []  # per layer: offset, stride, block bytes, blocks, heads
         self.block_size = 0
-        self.kv_heads = 0  # the model's, from the prefill worker's hello
         self.added: dict[str, Added] = {}  # transfer id -> the request in the service
         #: transfer id -> "" (sent) or why it failed, for the last ENDED transfers
         self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._mark = 0  # trace: the streamer's metrics.layers_since cursor
         self._watched: set[int] = set()  # worker pids whose exit is awaited (reclaim)
         self._port, self.address = reserve(listen)  # each prefill worker's service listens there
-        self.listener = Listener(worker_address(self.address), family="AF_UNIX", authkey=key)
+        self.listener = listen_workers(self.address)
 
     # ---- connections --------------------------------------------------------------------
 
@@ -190,45 +222,56 @@ class Messager:
                 self._report(traceback.format_exc())
 
     def _accept(self) -> None:
+        """Each connection of this user's processes to its own reader (none waits on
+        another's handshake); another user's is closed at once."""
         while True:
             try:
-                conn = self.listener.accept()
-            except Exception as exc:  # a client without the key, or one that hung up
-                self.trace("refused", error=f"{type(exc).__name__}: {exc}")
+                sock, _ = self.listener.accept()
+            except OSError as exc:  # out of descriptors: they come back as links end
+                self.trace("refused", error=f"accepting failed: {exc}")
+                time.sleep(0.1)
                 continue
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+            pid, uid = peer_process(sock)
+            if uid != os.getuid():
+                self.trace("refused", error=f"process {pid} of user {uid}, not this one's")
+                sock.close()
+                continue
+            threading.Thread(target=self._read, args=(sock, pid), daemon=True).start()
 
-    def _read(self, conn: Connection) -> None:
-        """A prefill worker's connection: its hello, then its messages, each checked to be
-        one it sends (of at most MAX_FRAME bytes); anything else ends that connection, told
-        why, and the messager serves on."""
+    def _read(self, sock, pid: int) -> None:
+        """Process `pid`'s connection: the key proven and its hello, each within
+        HANDSHAKE_S, then its messages, each checked to be one a worker sends (WORKER_SENDS);
+        anything else ends that connection alone, and the messager serves on."""
         try:
-            kind, hello = _receive(conn)
-        except Exception as exc:  # anything at all: a peer's bytes
-            self.trace("refused", error=f"an unreadable hello: {type(exc).__name__}: {exc}")
-            conn.close()
+            link = WorkerLink.accepted(sock, self.key)
+        except ConnectorError as exc:
+            self.trace("refused", error=f"process {pid}: {exc}")
             return
-        if kind != "hello" or not isinstance(hello, dict):
-            self.trace("refused", error=f"a first message that is not a hello: {kind!r:.80}")
-            conn.close()
+        try:
+            hello = link.receive(HANDSHAKE_S)
+            if hello is None or hello[0] != "hello" or len(hello) != 2:
+                raise ConnectorError(f"its first message must be its hello, got {hello!r:.80}")
+            if not isinstance(hello[1], dict):
+                raise ConnectorError(f"its hello must be an object, got {hello[1]!r:.80}")
+        except ConnectorError as exc:
+            self.trace("refused", error=f"process {pid}: {exc}")
+            link.close()
             return
-        worker = PrefillWorker(conn, hello)
+        worker = PrefillWorker(link, pid, hello[1])
         self.events.put(("hello", worker))
         while True:
             try:
-                message = _receive(conn)
-            except (EOFError, OSError):
-                why = f"the prefill worker (pid {worker.pid}) closed its connection"
+                message = link.receive()
+            except ConnectorError as exc:
+                why = f"the prefill worker (pid {pid}) went: {exc}"
                 break
-            except Exception as exc:
-                why = f"the prefill worker (pid {worker.pid}) sent an unreadable message: {exc}"
-                break
-            if not isinstance(message, tuple) or WORKER_SENDS.get(message[:1]) != len(message):
-                why = f"the prefill worker (pid {worker.pid}) sent {message!r:.80}: not a message"
+            check = WORKER_SENDS.get(message[0])
+            if check is None or not check(message[1:]):
+                why = f"the prefill worker (pid {pid}) sent {message!r:.80}: not a message"
                 break
             self.events.put((message[0], worker, *message[1:]))
         worker.alive = False
-        conn.close()
+        link.close()
         self.events.put(("gone", worker, why))
 
     def _watch(self, worker: PrefillWorker) -> None:
@@ -321,8 +364,8 @@ class Messager:
             return
         if self.prefill is not None:  # gone, its "gone" not handled yet
             self._end_prefill(f"the prefill worker (pid {self.prefill.pid}) was replaced")
-        try:
-            src = ops.share_external_data("uint8", hello["cache"], [hello["nbytes"]])
+        try:  # (the worker shared its cache before its hello: no waiting for it)
+            src = ops.share_external_data("uint8", hello["cache"], [hello["nbytes"]], timeout=0)
             layout = CacheLayout([src], [[CacheSpec(0, *layer)] for layer in hello["layers"]])
             service = PrefillService(
                 layout,
@@ -338,12 +381,11 @@ class Messager:
                 on_outcome=lambda outcome: self.events.put(("outcome", outcome)),
                 on_session_end=lambda facts, why: self.events.put(("decode_gone", facts, why)),
             )
-        except (PdhalError, KeyError, TypeError) as exc:
+        except (PdhalError, KeyError, TypeError, ValueError) as exc:
             self._refuse(worker, f"the messager cannot stream from this prefill cache: {exc}")
             return
-        self.prefill, self.src, self.service = worker, src, service
-        self.layout, self.block_size = hello["layers"], hello["block_size"]
-        self.kv_heads = hello["kv_heads"]
+        self.prefill, self.service = worker, service
+        self.block_size = hello["block_size"]
         self.feed = PerQueryFeed(_Feed(self, service))
         self._mark = 0
         threading.Thread(
@@ -356,7 +398,7 @@ class Messager:
         """Tell `worker` why it is not served, and drop its connection."""
         worker.send("error", why)
         worker.alive = False
-        worker.conn.close()
+        worker.link.close()
         self._report(f"refused the prefill worker (pid {worker.pid}): {why}")
 
     # ---- requests -----------------------------------------------------------------------
@@ -404,15 +446,14 @@ class Messager:
         added = self.added.pop(tid, None)
         if added is None:
             return  # (its prefill worker went: ended then)
-        if outcome.landed and self.trace_blocks:
-            self._trace_source(tid, added)
-        self._remember(tid, "" if outcome.landed else outcome.reason or "failed")
+        why = "" if outcome.landed else outcome.reason or "failed"
+        self._remember(tid, why)
         if outcome.landed:
             self.trace("sent", tid=tid)
             self.prefill.send("sent", tid)
             return
-        self._report(f"transfer {tid}: {outcome.reason}")
-        self.prefill.send("failed", tid, outcome.reason)
+        self._report(f"transfer {tid}: {why}")
+        self.prefill.send("failed", tid, why)
 
     def _remember(self, tid: str, why: str) -> None:
         self.ended[tid] = why
@@ -435,16 +476,6 @@ class Messager:
                 submit_ns=record.submit_ns,
                 t=record.end_ns,
             )
-
-    def _trace_source(self, tid: str, added: Added) -> None:
-        """crc32 of each head of each prompt block of the transfer, in the prefill cache
-        (which holds them until the prefill worker hears the transfer ended)."""
-        head0 = rank_heads(self.kv_heads, self.prefill_ranks, self.rank).start
-        for layer, (offset, stride, nbytes, _, heads) in enumerate(self.layout):
-            for i, block in enumerate(added.blocks[: -(-added.prompt // self.block_size)]):
-                start = offset + block * stride
-                crcs = head_crcs(self.src[start : start + nbytes], heads)
-                self.trace("block", tid=tid, layer=layer, i=i, head0=head0, crcs=crcs)
 
     # ---- workers that go ----------------------------------------------------------------
 
@@ -498,10 +529,9 @@ class Messager:
         for tid in self.added:
             self._remember(tid, why)
         gone = self.prefill.pid
-        self.prefill = self.service = self.feed = self.src = None
+        self.prefill = self.service = self.feed = None
         self.added.clear()
-        if isinstance(gone, int):
-            self._reclaim_after(gone)
+        self._reclaim_after(gone)
 
     def _report(self, message: str) -> None:
         self.trace("error", error=message)
@@ -555,11 +585,6 @@ def main(argv=None, messager_class: type[Messager] = Messager) -> int:
         help="seconds a decode worker may be silent before its session ends",
     )
     parser.add_argument("--trace", default=None, help="append JSON-lines events to this file")
-    parser.add_argument(
-        "--trace-blocks",
-        action="store_true",
-        help="with --trace: crc32 of every block sent (tests; costly)",
-    )
     parser.add_argument("--auth-key", default=None, help="hex key (default: $PDHAL_VLLM_KEY)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: pdhal cleans up
@@ -572,7 +597,6 @@ def main(argv=None, messager_class: type[Messager] = Messager) -> int:
             args.claim_timeout,
             args.keepalive,
             args.trace,
-            args.trace_blocks,
             args.prefill_tp,
             transport_options(args.transport_option),
         )

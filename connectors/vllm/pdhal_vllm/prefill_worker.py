@@ -7,18 +7,15 @@ messager says its transfer ended (sent or failed)."""
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
-from multiprocessing import AuthenticationError
 from typing import TYPE_CHECKING
 
-import torch
 from vllm.logger import init_logger
 
 from pdhal import ChannelBusyError, ops
 from pdhal.transfer import rank_address
-from pdhal_vllm.wire import ConnectorError, connect_worker, head_crcs
+from pdhal_vllm.wire import ConnectorError, connect_worker
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -77,11 +74,10 @@ class PrefillWorker:
         reports on a thread of its own. `timeout`: how long one that refuses connections
         is retried (one that accepted has HELLO_S to answer)."""
         w = self.w
-        conn = connect_worker(
+        link = connect_worker(
             self.address,
             w.key,
             {
-                "pid": os.getpid(),
                 "rank": w.rank,
                 "ranks": w.ranks,
                 "device": w.device,
@@ -94,28 +90,22 @@ class PrefillWorker:
             timeout=timeout,
         )
         try:
-            if not conn.poll(HELLO_S):
-                raise ConnectorError(
-                    f"the messager for {self.address} did not answer within {HELLO_S:.0f} s"
-                )
-            kind, payload = conn.recv()
-        except (EOFError, OSError) as exc:
-            conn.close()  # else it would hold the messager for this worker: closed, it is free
+            answer = link.receive(HELLO_S)
+        except ConnectorError as exc:
+            link.close()  # else it would hold the messager for this worker: closed, it is free
             raise ConnectorError(f"the messager for {self.address} went: {exc}") from None
-        except ConnectorError:
-            conn.close()
-            raise
-        if kind != "ready":
-            conn.close()
+        if answer is None or answer[0] != "ready":
+            link.close()
             raise ConnectorError(
-                f"the messager for {self.address} refused this prefill worker: {payload}"
+                f"the messager for {self.address} refused this prefill worker: "
+                + (f"no answer within {HELLO_S:.0f} s" if answer is None else f"{answer[1:]}")
             )
         with self.send_lock:
-            self.messager, self.messager_alive = conn, True
+            self.messager, self.messager_alive = link, True
         with self.lock:  # (those failed from now on are told as they fail)
             self._tell_failed(list(self.unsent))
         threading.Thread(
-            target=self._read_messager, args=(conn,), name="pdhal-vllm-messager", daemon=True
+            target=self._read_messager, args=(link,), name="pdhal-vllm-messager", daemon=True
         ).start()
 
     # ---- signals ------------------------------------------------------------------------
@@ -123,8 +113,6 @@ class PrefillWorker:
     def save_layer(self, meta: PdhalConnectorMetadata, index: int, kv_layer) -> None:
         if self.meta is None:
             self._open_step(meta)
-        if self.w.trace_blocks:
-            self._trace_blocks(meta, index, kv_layer)
         posted = time.monotonic_ns()
         ops.signal_layer_ready(ops.init_signal_layerwise(self.meta, index))
         self.w.trace("signal", step=self.meta.step, layer=index, t=posted)
@@ -154,38 +142,36 @@ class PrefillWorker:
                 for store in meta.stores:
                     self._messager_gone(store["tid"])
 
-    def _trace_blocks(self, meta, index: int, kv_layer) -> None:
-        bs, heads = self.w.block_size, self.w.layout[index][4]
-        for store in meta.stores:
-            for i in range(store["start"] // bs, -(-store["end"] // bs)):
-                data = kv_layer[store["blocks"][i]].contiguous().view(torch.uint8).numpy()
-                crcs = head_crcs(data, heads)
-                self.w.trace(
-                    "block", tid=store["tid"], layer=index, i=i, head0=self.w.head0, crcs=crcs
-                )
-
     def end_step(self) -> None:
         self.meta = None
 
     # ---- the messager ---------------------------------------------------------------
 
-    def _read_messager(self, conn) -> None:
-        """What the messager on `conn` reports: each transfer's end. Once it is gone, the
-        transfers it had not ended are released as failed, and its successor (a messager
-        restarted at the same address) is looked for every MESSAGER_RETRY_S."""
+    def _read_messager(self, link) -> None:
+        """What the messager on `link` reports: each transfer's end. Once it is gone (or
+        says what it never says), the transfers it had not ended are released as failed,
+        and its successor (a messager restarted at the same address) is looked for every
+        MESSAGER_RETRY_S."""
         while True:
             try:
-                message = conn.recv()
-            except (EOFError, OSError, TypeError):
+                message = link.receive()
+            except ConnectorError:
                 break
-            if message[0] in ("sent", "failed"):
-                with self.lock:
-                    self.sent[message[1]] = None if message[0] == "sent" else message[2]
-                if message[0] == "failed":
-                    logger.error("pdhal connector: transfer %s failed: %s", message[1], message[2])
-                self.w.trace(message[0], tid=message[1])
+            kind, *items = message
+            if kind == "sent" and len(items) == 1 and isinstance(items[0], str):
+                why = None
+            elif kind == "failed" and len(items) == 2 and all(isinstance(i, str) for i in items):
+                why = items[1]
+                logger.error("pdhal connector: transfer %s failed: %s", *items)
+            else:
+                logger.error("pdhal connector: the messager sent %.80r: not a message", message)
+                break
+            with self.lock:
+                self.sent[items[0]] = why
+            self.w.trace(kind, tid=items[0])
+        link.close()
         with self.send_lock:
-            if self.messager is conn:  # (not a successor's, connected meanwhile)
+            if self.messager is link:  # (not a successor's, connected meanwhile)
                 self.messager_alive = False
         if self.closing:
             return
@@ -203,7 +189,7 @@ class PrefillWorker:
             time.sleep(MESSAGER_RETRY_S)
             try:
                 self._connect_messager(timeout=MESSAGER_RETRY_S)
-            except (ConnectorError, OSError, EOFError, AuthenticationError):
+            except ConnectorError:
                 continue  # not back yet
             logger.warning("pdhal connector: rank %d's cache messager is back", self.w.rank)
             self.w.trace("messager_back")
@@ -228,9 +214,10 @@ class PrefillWorker:
         with self.send_lock:
             if self.messager_alive:
                 try:
-                    self.messager.send(message)
-                except OSError:
+                    self.messager.send(*message)
+                except ConnectorError:
                     self.messager_alive = False
+                    self.messager.close()  # its reader ends, and looks for a successor
 
     def abandon(self, tids: list[str]) -> None:
         """vLLM aborted the requests of transfers `tids`: the messager fails them (and says
@@ -255,7 +242,4 @@ class PrefillWorker:
     def shutdown(self) -> None:
         self.closing = True
         if self.messager is not None:
-            try:
-                self.messager.close()
-            except OSError:
-                pass
+            self.messager.close()

@@ -5,8 +5,8 @@ A decode worker and a messager speak pdhal's session protocol (pdhal.transfer.De
 PrefillService; docs/session-protocol.md) at the messager's address. The prefill worker and
 its messager (one host: the messager maps the worker's KV cache) speak over a local socket
 named by that address (`worker_address`): the worker's hello (its KV cache and layout), each
-step's table, and each transfer's end. Both ask for the deployment's key: PDHAL_VLLM_KEY
-(hex) or the connector's `auth_key`.
+step's table, and each transfer's end, as JSON (a WorkerLink). Both ask for the deployment's
+key: PDHAL_VLLM_KEY (hex) or the connector's `auth_key`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import threading
 import time
-import zlib
-from multiprocessing.connection import Client, Connection
+
+from pdhal import PdhalError
+from pdhal.transfer import Frames, authenticate
 
 KEY_VAR = "PDHAL_VLLM_KEY"
 #: The control sessions' liveness bound (s) by default (the decode workers'
@@ -25,6 +27,10 @@ KEY_VAR = "PDHAL_VLLM_KEY"
 #: vLLM worker's threads can be starved for seconds on a loaded host, and a false end
 #: fails every request of that session.
 KEEPALIVE_S = 15.0
+#: How long each end of a worker's link has to prove it holds the key.
+HANDSHAKE_S = 10.0
+#: The largest message on a worker's link (a step's table of requests).
+MOST_BYTES = 16 << 20
 
 
 class ConnectorError(RuntimeError):
@@ -68,6 +74,17 @@ def checked_address(value: object, what: str) -> str:
     return value
 
 
+#: The longest bound taken, in seconds.
+DAY = 86400
+
+
+def checked_seconds(value: object, what: str) -> float:
+    """`value` if it is a number of seconds in (0, DAY]; ConnectorError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= DAY:
+        raise ConnectorError(f"{what} must be a number of seconds in (0, {DAY}], got {value!r}")
+    return value
+
+
 def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = str(text).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -98,31 +115,103 @@ def worker_address(address: str) -> str:
     return f"\0pdhal-vllm-messager/{host}:{port}"
 
 
-def connect_worker(address: str, key: bytes, hello: dict, timeout: float) -> Connection:
-    """The prefill worker's link to the messager at `address` (retrying while it starts),
-    its hello sent."""
+class WorkerLink:
+    """A prefill worker's local link to its messager, at either end: messages are JSON
+    lists whose first item is their kind, each in one frame of at most MOST_BYTES, sent
+    once both ends proved they hold the deployment's key (pdhal.transfer.authenticate).
+    Nothing a peer sends is run (no pickle), and every wait but receive()'s is bounded."""
+
+    def __init__(self, frames: Frames):
+        self._frames = frames
+        self._lock = threading.Lock()  # one message at a time, from any thread
+
+    @classmethod
+    def accepted(cls, sock: socket.socket, key: bytes) -> WorkerLink:
+        """The link of a connection the messager accepted, once the worker proved it holds
+        `key` within HANDSHAKE_S; ConnectorError otherwise (the socket is closed then)."""
+        try:
+            return cls(authenticate(sock, key, HANDSHAKE_S, "a prefill worker", dialled=False))
+        except PdhalError as exc:
+            raise ConnectorError(str(exc)) from None
+
+    def send(self, *message, within: float = KEEPALIVE_S) -> None:
+        """Send `message` (its kind, then its items) whole within `within` s;
+        ConnectorError if the other end did not read it (or went)."""
+        frame = json.dumps(message).encode()
+        with self._lock:
+            try:
+                self._frames.write(frame, within)
+            except PdhalError as exc:
+                raise ConnectorError(str(exc)) from None
+
+    def receive(self, within: float | None = None) -> list | None:
+        """The next message (a non-empty list); None if none began within `within` s (None:
+        wait as long as it takes). ConnectorError if the other end went or sent what is
+        not a message."""
+        try:
+            frame = self._frames.read(within, HANDSHAKE_S, most=MOST_BYTES)
+        except PdhalError as exc:
+            raise ConnectorError(str(exc)) from None
+        if frame is None:
+            return None
+        try:
+            message = json.loads(frame)
+        except ValueError:  # (UnicodeDecodeError too)
+            raise ConnectorError(f"a message that is not JSON: {frame[:80]!r}") from None
+        if not isinstance(message, list) or not message or not isinstance(message[0], str):
+            raise ConnectorError(f"{message!r:.80} is not a message: a list, its kind first")
+        return message
+
+    def close(self) -> None:
+        self._frames.close()
+
+
+def listen_workers(address: str) -> socket.socket:
+    """The messager's local socket for its prefill worker, at `worker_address(address)`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(worker_address(address))
+    except OSError as exc:
+        sock.close()
+        raise ConnectorError(f"another messager serves {address} on this host ({exc})") from None
+    sock.listen()
+    return sock
+
+
+def peer_process(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of local socket `sock`, as the kernel
+    knows them (SO_PEERCRED: nothing the peer says)."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
+def connect_worker(address: str, key: bytes, hello: dict, timeout: float) -> WorkerLink:
+    """The prefill worker's link to the messager at `address` (retried for `timeout` s
+    while none listens), its hello sent."""
     deadline = time.monotonic() + timeout
     while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn = Client(worker_address(address), family="AF_UNIX", authkey=key)
+            sock.connect(worker_address(address))
             break
         except (ConnectionRefusedError, FileNotFoundError) as exc:
+            sock.close()
             if time.monotonic() > deadline:
                 raise ConnectorError(
                     f"no messager answers for {address} after {timeout:.0f} s ({exc}): start "
                     f"`python -m pdhal_vllm.messager --listen {address}` on this host"
                 ) from None
             time.sleep(0.1)
-        except EOFError:  # it went during the key's challenge (killed, restarting)
-            raise ConnectorError(
-                f"the messager for {address} closed the connection as it was made"
-            ) from None
     try:
-        conn.send(("hello", hello))
-    except OSError as exc:
-        conn.close()
-        raise ConnectorError(f"the messager for {address} went before the hello ({exc})") from None
-    return conn
+        link = WorkerLink(
+            authenticate(sock, key, HANDSHAKE_S, f"the messager for {address}", dialled=True)
+        )
+        link.send("hello", hello, within=HANDSHAKE_S)
+    except (PdhalError, ConnectorError) as exc:
+        sock.close()
+        why = f"the messager for {address} did not take this worker: {exc}"
+        raise ConnectorError(why) from None
+    return link
 
 
 class Tracer:
@@ -154,11 +243,3 @@ def read_trace(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def head_crcs(block, heads: int) -> list[int]:
-    """crc32 of each of a head-major block's `heads` equal parts (tests: the bytes of each
-    KV head, wherever the tensor-parallel split of a side put it)."""
-    data = memoryview(block).cast("B")
-    size = len(data) // heads
-    return [zlib.crc32(data[h * size : (h + 1) * size]) for h in range(heads)]

@@ -17,7 +17,9 @@ from vllm.logger import init_logger
 import pdhal
 from pdhal import ops
 from pdhal.transfer import CacheLayout, CacheSpec, rank_heads
-from pdhal_vllm.wire import ConnectorError, Tracer, auth_key, head_crcs
+from pdhal_vllm.decode_worker import DecodeWorker
+from pdhal_vllm.prefill_worker import PrefillWorker
+from pdhal_vllm.wire import ConnectorError, Tracer, auth_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,6 +31,10 @@ logger = init_logger(__name__)
 
 
 class Worker:
+    #: The halves made for the roles an instance has (the tests' subclasses trace more).
+    prefill_class = PrefillWorker
+    decode_class = DecodeWorker
+
     def __init__(self, owner: PdhalConnector, vllm_config: VllmConfig):
         self.o = owner
         self.extra = owner._extra
@@ -47,8 +53,6 @@ class Worker:
         #: the first of the KV heads this rank holds (of all the model's)
         self.head0 = rank_heads(self.kv_heads, self.ranks, self.rank).start
         self.trace = Tracer(self._trace_path())
-        #: tests: crc32 of every block where it is written and where it lands (costly)
-        self.trace_blocks = self.trace.on and bool(self.extra.get("trace_blocks"))
         self.key = auth_key(self.extra.get("auth_key"))
         self.buffers: list = []  # (host buffer, tensor) of the KV cache allocation
         self.layer_index: dict[str, int] = {}
@@ -116,9 +120,6 @@ class Worker:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        from pdhal_vllm.decode_worker import DecodeWorker
-        from pdhal_vllm.prefill_worker import PrefillWorker
-
         if len(self.buffers) != 1:
             raise ConnectorError(
                 f"the pdhal connector needs vLLM's KV cache in one pdhal host buffer, got "
@@ -162,24 +163,13 @@ class Worker:
         except pdhal.PdhalError as exc:
             raise ConnectorError(f"the KV cache's device: {exc}") from None
         if self.o.is_producer:
-            self.prefill = PrefillWorker(self)
+            self.prefill = self.prefill_class(self)
         if self.o.is_consumer:
-            self.decode = DecodeWorker(self)
+            self.decode = self.decode_class(self)
 
     def cache_layout(self) -> CacheLayout:
         """The KV cache as pdhal.transfer describes caches."""
         return CacheLayout([self.buffers[0][0]], [[CacheSpec(0, *layer)] for layer in self.layout])
-
-    def trace_heads(self, tid: str, layer: int, blocks, first: int) -> None:
-        """crc32 of each head of `blocks` (prompt block `first` on) of `layer`, as this
-        cache holds them (tests)."""
-        whole = self.buffers[0][0]
-        view = whole.as_numpy(np.uint8, (whole.nbytes,))
-        off, stride, nbytes, _, heads = self.layout[layer]
-        for i, block in enumerate(blocks, first):
-            start = off + block * stride
-            crcs = head_crcs(view[start : start + nbytes], heads)
-            self.trace("block", tid=tid, layer=layer, i=i, head0=self.head0, crcs=crcs)
 
     # ---- what vLLM calls, to the roles' halves ----------------------------------------
 

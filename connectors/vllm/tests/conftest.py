@@ -93,7 +93,7 @@ class Cluster:
         rank: int = 0,
         listen: str = "127.0.0.1:0",
         name: str | None = None,
-        module: str = "pdhal_vllm.messager",
+        module: str = "pdhal_vllm.testing.crc",
     ) -> str:
         """The messager of prefill rank `rank` (named "messager", then "messager1", ...,
         unless `name` says); the address of the one named "messager" is the one the
@@ -112,7 +112,6 @@ class Cluster:
                 str(rank),
                 "--trace",
                 self.path(f"trace.{name}.jsonl"),
-                "--trace-blocks",
                 *extra,
             ],
             env=dict(self.env, **(env or {})),

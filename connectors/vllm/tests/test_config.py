@@ -34,7 +34,6 @@ def test_the_extra_config_fills_its_defaults():
         ({"load_timeout_s": float("nan")}, r"load_timeout_s must be a number of seconds"),
         ({"load_timeout_s": -1}, r"load_timeout_s must be a number of seconds"),
         ({"keepalive_s": "5"}, r"keepalive_s must be a number of seconds in \(0, 86400\]"),
-        ({"trace_blocks": "false"}, r"trace_blocks must be true or false"),
     ],
 )
 def test_a_wrong_extra_config_is_refused_naming_what_is_wrong(given, match):

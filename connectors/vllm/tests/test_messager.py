@@ -4,18 +4,19 @@ hello over the messager's local socket, its step tables and layer signals on the
 its device) and a fake decode worker (pdhal's KVReceiver and DecodeClient). A transfer lands
 byte-equal and the worker hears it was sent; a worker of another rank, or a hello that is
 not one, is refused naming what is wrong; a transfer the worker abandons fails at once on
-the decode side."""
+the decode side; a process that connects and says nothing, or lacks the key, or sends what
+a worker never sends, keeps no worker from being served."""
 
 from __future__ import annotations
 
-import pickle
 import secrets
+import socket
 import time
 
 import numpy as np
 import pytest
 from conftest import Cluster
-from pdhal_vllm.wire import connect_worker
+from pdhal_vllm.wire import ConnectorError, connect_worker, worker_address
 
 from pdhal import ops
 from pdhal.transfer import CacheLayout, CacheSpec, DecodeClient, KVReceiver
@@ -39,7 +40,6 @@ class FakePrefill:
         self.device = channel
         self.meta = ops.open_shm_and_get_meta_signal(0, channel)  # before the hello
         said = {
-            "pid": 0,
             "rank": 0,
             "ranks": 1,
             "device": self.device,
@@ -49,16 +49,21 @@ class FakePrefill:
             "layers": [[i * LAYER_BYTES, BLOCK_BYTES, BLOCK_BYTES, BLOCKS, HEADS] for i in (0, 1)],
             "block_size": BLOCK_TOKENS,
         }
-        self.conn = connect_worker(address, key, said | hello, timeout=30.0)
+        try:
+            self.link = connect_worker(address, key, said | hello, timeout=30.0)
+        except ConnectorError:
+            self.free()
+            raise
 
     def answer(self, timeout: float = 30.0) -> tuple:
-        assert self.conn.poll(timeout), "the messager said nothing"
-        return self.conn.recv()
+        message = self.link.receive(timeout)
+        assert message is not None, "the messager said nothing"
+        return tuple(message)
 
     def step(self, table: list[dict]) -> None:
         """A forward pass that stores `table`'s requests: its table, then each layer."""
         self.meta = ops.open_shm_and_get_meta_signal(0, self.device)
-        self.conn.send(("table", self.meta.step, table))
+        self.link.send("table", self.meta.step, table)
         for layer in range(LAYERS):
             ops.signal_layer_ready(ops.init_signal_layerwise(self.meta, layer))
 
@@ -67,7 +72,10 @@ class FakePrefill:
         return bytes(self.cache[start : start + BLOCK_BYTES])
 
     def close(self) -> None:
-        self.conn.close()
+        self.link.close()
+        self.free()
+
+    def free(self) -> None:
         ops.unset_data_ipc(None, self.name)
         ops.host_free(self.buffer)
 
@@ -143,7 +151,7 @@ def test_a_transfer_lands_byte_equal_and_the_worker_hears_it_was_sent(peers):
 def test_a_transfer_the_worker_abandons_fails_at_once_on_the_decode_side(peers):
     address, prefill, decode = peers
     prefill.step([{"tid": "t2", "blocks": [3], "start": 0, "end": 4, "prompt_len": 4}])
-    prefill.conn.send(("abandon", ["t2"]))
+    prefill.link.send("abandon", ["t2"])
     started = time.monotonic()
     decode.client.claim("t2", address, [7], tokens=BLOCK_TOKENS, timeout=30)
     outcome = decode.outcome("t2")
@@ -170,10 +178,31 @@ def test_a_worker_the_messager_cannot_serve_is_refused_naming_why(messager, hell
         worker.close()
 
 
+ENTRY = {"tid": "t", "blocks": [1], "start": 0, "end": 4, "prompt_len": 4}
+
+
 @pytest.mark.parametrize(
     "garbage",
-    [b"not a pickle", pickle.dumps(42), pickle.dumps(("exited", 1)), pickle.dumps({"k": 1})],
-    ids=["unreadable", "not-a-tuple", "an-internal-event", "a-dict"],
+    [
+        b"not json",
+        b"42",
+        b'["exited", 1]',
+        b'{"k": 1}',
+        b'["table", -1, []]',
+        b'["table", 1, [{"tid": 5}]]',
+        b'["table", 1, [%s]]' % str(ENTRY | {"blocks": [1.5]}).replace("'", '"').encode(),
+        b'["abandon", "t"]',
+    ],
+    ids=[
+        "unreadable",
+        "not-a-list",
+        "an-internal-event",
+        "a-dict",
+        "a-negative-step",
+        "an-entry-without-fields",
+        "a-fractional-block",
+        "tids-not-a-list",
+    ],
 )
 def test_a_worker_that_sends_garbage_is_dropped_and_the_next_is_served(messager, garbage):
     """A served worker whose next message is not one a worker sends: its connection ends
@@ -183,8 +212,8 @@ def test_a_worker_that_sends_garbage_is_dropped_and_the_next_is_served(messager,
     bad = FakePrefill(address, key)
     try:
         assert bad.answer()[0] == "ready"
-        bad.conn.send_bytes(garbage)
-        with pytest.raises(EOFError):
+        bad.link._frames.write(garbage, 5.0)  # (bytes no WorkerLink would send)
+        with pytest.raises(ConnectorError, match="closed"):
             bad.answer()  # the messager closed it
     finally:
         bad.close()
@@ -193,3 +222,39 @@ def test_a_worker_that_sends_garbage_is_dropped_and_the_next_is_served(messager,
         assert good.answer()[0] == "ready"
     finally:
         good.close()
+
+
+def test_a_silent_process_or_one_without_the_key_keeps_no_worker_from_being_served(messager):
+    """A local process that connects and says nothing holds its own connection only (each
+    is authenticated apart, within its bound); one without the key is refused."""
+    address, key, _ = messager
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(worker_address(address))
+    try:
+        with pytest.raises(ConnectorError, match="did not take this worker"):
+            FakePrefill(address, bytes(16))
+        worker = FakePrefill(address, key)  # while the silent one is still connected
+        try:
+            assert worker.answer()[0] == "ready"
+            assert silent.recv(1 << 10)  # its challenge: it too was answered, apart
+        finally:
+            worker.close()
+    finally:
+        silent.close()
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--claim-timeout", "nan"], "--claim-timeout must be a number of seconds in (0, 86400]"),
+        (["--keepalive", "-1"], "--keepalive must be a number of seconds in (0, 86400]"),
+        (["--rank", "2", "--prefill-tp", "2"], "--rank must be in [0, 2)"),
+        (["--transport", "carrier-pigeon"], "transport 'carrier-pigeon' is not installed"),
+    ],
+)
+def test_a_messager_started_with_a_bad_flag_says_which_and_exits(argv, said, capsys):
+    """At its start, not at the first worker's hello (which it would refuse, each time)."""
+    from pdhal_vllm.messager import main
+
+    assert main(["--auth-key", "00" * 16, *argv]) == 1
+    assert said in capsys.readouterr().err

@@ -45,8 +45,11 @@ def kv_transfer_config(args) -> dict | None:
         extra["messager"] = args.messager
     if args.trace:
         extra["trace"] = args.trace
-        extra["trace_blocks"] = args.trace_blocks
-    return pdhal_kv_transfer_config(role, args.policy, **extra)
+    config = pdhal_kv_transfer_config(role, args.policy, **extra)
+    if args.trace_blocks:
+        config["kv_connector"] = "CrcPdhalConnector"
+        config["kv_connector_module_path"] = "pdhal_vllm.testing.crc"
+    return config
 
 
 def params(args, prompt: dict):
@@ -227,7 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--trace-blocks",
         action="store_true",
-        help="with --trace: crc32 of every block (tests; costly)",
+        help="with --trace: crc32 of every block (pdhal_vllm.testing.crc's connector)",
     )
     parser.add_argument("--ready-file", help="touched once the engine is up")
     parser.add_argument(

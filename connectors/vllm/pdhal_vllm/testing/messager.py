@@ -1,7 +1,8 @@
 """The messager with a planted fault, for the tests: `python -m pdhal_vllm.testing.messager
 --exit-after-layers N [the messager's options]` exits (status 3) before its service is
 given layer submit N + 1, once the N it was given landed, so the decode cache holds
-exactly those however the layer signals were batched."""
+exactly those however the layer signals were batched. It traces crc32s as
+pdhal_vllm.testing.crc's does."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import sys
 import time
 
 from pdhal_vllm import messager
+from pdhal_vllm.testing.crc import CrcMessager
 
 
-class ExitingMessager(messager.Messager):
+class ExitingMessager(CrcMessager):
     exit_after = 0
     given = 0  # layer submits the service was given
 
