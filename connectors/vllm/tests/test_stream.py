@@ -88,7 +88,7 @@ def check_stream(cluster, items, sync: bool = False) -> None:
     assert {k: held[k] for k in blocks} == {k: read_[k] for k in blocks}
 
 
-@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+@pytest.mark.parametrize("transport", ["shm", "mooncake", "nixl"])
 def test_decode_equals_plain_run(cluster, plain_tokens, transport):
     items = prompts()
     prefill, decode = run_pd(cluster, items, transport)
