@@ -25,6 +25,7 @@ import collections
 import hashlib
 import hmac
 import logging
+import math
 import os
 import select
 import socket
@@ -125,15 +126,21 @@ class Frames:
 
     def _ready(self, within: float | None, *, reading: bool) -> bool:
         """Whether the socket can be read (or written) within `within` s (None: once it
-        can); SessionError once
-        it was closed under the caller (close() from another thread)."""
+        can); SessionError once it was closed under the caller (close() from another
+        thread). poll, not select: an engine's process holds thousands of descriptors, and
+        select takes none numbered 1024 or more."""
+        fd = self.sock.fileno()
+        if fd < 0:
+            raise SessionError("the connection was closed")
+        waiter = select.poll()
+        waiter.register(fd, select.POLLIN if reading else select.POLLOUT)
         try:
-            ready = select.select(
-                [self.sock] if reading else [], [] if reading else [self.sock], [], within
-            )
-        except (OSError, ValueError):  # ValueError: its fd is -1 now
+            events = waiter.poll(None if within is None else math.ceil(max(within, 0) * 1000))
+        except OSError:
             raise SessionError("the connection was closed") from None
-        return bool(ready[0] or ready[1])
+        if any(mask & select.POLLNVAL for _, mask in events):
+            raise SessionError("the connection was closed")
+        return bool(events)
 
     def close(self) -> None:
         try:

@@ -45,7 +45,8 @@ class PerQueryFeed:
     def step(self, step: int, requests) -> None:
         """Step `step` computed `requests`: (request_id, tokens in the cache after it).
         Checked here, whole (an int step, each request id a non-empty str, each tokens an
-        int >= 0): a table refused is not kept."""
+        int >= 1, as layer_ready takes them): a table refused is not kept, so no table is
+        kept that every later layer signal would fail on."""
         step = integer(step, "step")
         if isinstance(requests, (str, bytes, dict)) or not hasattr(requests, "__iter__"):
             raise InvalidArgumentError(
@@ -57,7 +58,7 @@ class PerQueryFeed:
             table.append(
                 (
                     name(request_id, f"requests[{index}]'s request id"),
-                    integer(tokens, f"requests[{index}]'s tokens"),
+                    integer(tokens, f"requests[{index}]'s tokens", 1),
                 )
             )
         if step in self._tables:

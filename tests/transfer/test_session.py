@@ -598,6 +598,36 @@ def test_a_local_link_is_authenticated_within_its_bound_and_waits_unbounded_once
     b.close()
 
 
+def test_a_link_on_a_descriptor_past_1024_works():
+    """An engine's process holds thousands of descriptors (vLLM raises its limit to 65535):
+    a link whose socket is numbered past select()'s 1024 is read and written like any."""
+    import resource
+    import threading
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    try:
+        a, b = socket.socketpair(socket.AF_UNIX)
+        high = []
+        for sock, fd in ((a, 2000), (b, 2001)):
+            os.dup2(sock.fileno(), fd)
+            high.append(socket.socket(fileno=fd))
+            sock.close()
+        got = []
+        dialler = threading.Thread(
+            target=lambda: got.append(transfer.authenticate(high[0], KEY, 10, "a", dialled=True))
+        )
+        dialler.start()
+        acceptor = transfer.authenticate(high[1], KEY, 10, "b", dialled=False)
+        dialler.join()
+        got[0].write(b"past 1024", 10)
+        assert acceptor.read(10, 10) == b"past 1024"
+        got[0].close()
+        acceptor.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_closed_service_frees_its_address_for_a_successor(receiver):
     """close() releases the port at once (its accept thread woken, not left holding the
     listening socket): a successor in this process listens at the same address, and a

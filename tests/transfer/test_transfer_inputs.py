@@ -254,6 +254,7 @@ class FakeStreamer:
         (1, [("a", 6.0)], r"requests\[0\]'s tokens must be an int"),
         (1, [("a", True)], r"requests\[0\]'s tokens must be an int"),
         (1, [("a", 6), ("b", -1)], r"requests\[1\]'s tokens must be an int"),
+        (1, [("a", 6), ("b", 0)], r"requests\[1\]'s tokens must be an int in \[1, "),
         (1, [(None, 6)], r"requests\[0\]'s request id must be a non-empty str"),
         (1, [("", 6)], r"requests\[0\]'s request id must be a non-empty str"),
         (1, [("a",)], r"requests\[0\] \(request_id, tokens\) must be a pair"),
