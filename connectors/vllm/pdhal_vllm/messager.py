@@ -65,33 +65,52 @@ from pdhal_vllm.wire import (
 DEVICES = 1 << 20
 #: Transfer ids of ended transfers kept, so a later table entry of one is not added again.
 ENDED = 10000
+#: Connections that have not said their hello yet, at most (each has HANDSHAKE_S to): more
+#: are closed at once, so a flood of silent ones (from this user's processes: no other
+#: user's is taken) costs a bounded number of threads.
+GREETING = 512
 
 
-@dataclass
 class PrefillWorker:
     """The connected prefill worker: its link, its process (as the kernel knows it) and
-    its hello."""
+    its hello. What the messager tells it is written by a thread of its own, so a worker
+    that does not read holds up nothing but itself (dropped once it read nothing for
+    KEEPALIVE_S)."""
 
-    link: WorkerLink
-    pid: int
-    hello: dict
-    alive: bool = True
+    def __init__(self, link: WorkerLink, pid: int, hello: dict):
+        self.link, self.pid, self.hello = link, pid, hello
+        self.alive = True
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages, then None: close
+        threading.Thread(target=self._write, name="pdhal-vllm-to-worker", daemon=True).start()
 
     @property
-    def device(self):
+    def device(self) -> int:
         """The physical device its layer-signal channel is named by."""
-        return self.hello.get("device", 0)
+        return self.hello["device"]
 
     def send(self, *message) -> None:
-        """Tell the worker `message`; one that does not read it within its bound is
-        dropped (its reader then says it went)."""
-        if not self.alive:
-            return
-        try:
-            self.link.send(*message)
-        except ConnectorError:
-            self.alive = False
-            self.link.close()
+        """Tell the worker `message` (never blocks)."""
+        if self.alive:
+            self._outbox.put(message)
+
+    def close(self) -> None:
+        """Close its link once what was sent so far is written."""
+        self.alive = False
+        self._outbox.put(None)
+
+    def end(self) -> None:
+        """Close its link now (it went, or broke it)."""
+        self.close()
+        self.link.close()
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.link.send(*message)
+            except ConnectorError:  # it went, or read nothing: its reader says so
+                self.alive = False
+                break
+        self.link.close()
 
 
 @dataclass
@@ -114,7 +133,7 @@ class _Feed:
         self._messager.give_layer(self._service, layer, ready, signal_ns, step)
 
 
-#: The fields of a table entry, each a non-negative int but the transfer id and blocks.
+#: The fields of a table entry.
 ENTRY_FIELDS = ("tid", "blocks", "start", "end", "prompt_len")
 
 
@@ -127,7 +146,8 @@ def _tids(value) -> bool:
 
 
 def _entry(value) -> bool:
-    """Whether `value` is a table entry: a transfer id, its block ids, token counts."""
+    """Whether `value` is a table entry: a transfer id, its block ids, the tokens the step
+    wrote ([start, end), at least one) and the prompt's length (at least one)."""
     return (
         isinstance(value, dict)
         and all(k in value for k in ENTRY_FIELDS)
@@ -136,7 +156,32 @@ def _entry(value) -> bool:
         and isinstance(value["blocks"], list)
         and all(_count(b) for b in value["blocks"])
         and all(_count(value[k]) for k in ("start", "end", "prompt_len"))
+        and value["start"] < value["end"]
+        and value["prompt_len"] >= 1
     )
+
+
+#: A prefill worker's hello: its fields that are counts (ints >= 0); and "cache", the name
+#: its KV cache is shared as, and "layers", per layer [offset, stride, block bytes, blocks,
+#: heads] (checked by pdhal.transfer.CacheSpec).
+HELLO_COUNTS = ("rank", "ranks", "device", "kv_heads", "nbytes", "block_size")
+
+
+def _hello_problem(hello: dict) -> str | None:
+    """What is wrong with the fields of a prefill worker's hello, or None."""
+    for key in (*HELLO_COUNTS, "cache", "layers"):
+        if key not in hello:
+            return f"its hello has no {key!r}"
+    for key in HELLO_COUNTS:
+        if not _count(hello[key]):
+            return f"its hello's {key} must be an int >= 0, got {hello[key]!r:.80}"
+    if not isinstance(hello["cache"], str) or not 0 < len(hello["cache"]) <= 255:
+        return f"its hello's cache must be a name of 1-255 characters, got {hello['cache']!r:.80}"
+    if not isinstance(hello["layers"], list) or not all(
+        isinstance(layer, list) for layer in hello["layers"]
+    ):
+        return f"its hello's layers must be a list of lists, got {hello['layers']!r:.80}"
+    return None
 
 
 def _table(items) -> bool:
@@ -224,6 +269,7 @@ class Messager:
     def _accept(self) -> None:
         """Each connection of this user's processes to its own reader (none waits on
         another's handshake); another user's is closed at once."""
+        greeting = threading.BoundedSemaphore(GREETING)
         while True:
             try:
                 sock, _ = self.listener.accept()
@@ -233,20 +279,55 @@ class Messager:
                 continue
             pid, uid = peer_process(sock)
             if uid != os.getuid():
-                self.trace("refused", error=f"process {pid} of user {uid}, not this one's")
-                sock.close()
-                continue
-            threading.Thread(target=self._read, args=(sock, pid), daemon=True).start()
+                why = f"process {pid} of user {uid}, not this one's"
+            elif not greeting.acquire(blocking=False):
+                why = f"process {pid}: {GREETING} connections are saying hello already"
+            else:
+                try:
+                    threading.Thread(
+                        target=self._read, args=(sock, pid, greeting), daemon=True
+                    ).start()
+                    continue
+                except RuntimeError as exc:  # no thread to be had: this one waits for none
+                    greeting.release()
+                    why = f"process {pid}: {exc}"
+            self.trace("refused", error=why)
+            sock.close()
 
-    def _read(self, sock, pid: int) -> None:
+    def _read(self, sock, pid: int, greeting: threading.BoundedSemaphore) -> None:
         """Process `pid`'s connection: the key proven and its hello, each within
         HANDSHAKE_S, then its messages, each checked to be one a worker sends (WORKER_SENDS);
         anything else ends that connection alone, and the messager serves on."""
         try:
+            link, hello = self._greet(sock, pid)
+        finally:
+            greeting.release()
+        if link is None:
+            return
+        worker = PrefillWorker(link, pid, hello)
+        self.events.put(("hello", worker))
+        why = f"the prefill worker (pid {pid}) went"
+        try:
+            while True:
+                message = link.receive()
+                check = WORKER_SENDS.get(message[0])
+                if check is None or not check(message[1:]):
+                    why = f"the prefill worker (pid {pid}) sent {message!r:.80}: not a message"
+                    break
+                self.events.put((message[0], worker, *message[1:]))
+        except ConnectorError as exc:
+            why = f"the prefill worker (pid {pid}) went: {exc}"
+        finally:  # whatever ended it: the worker is gone, and the loop hears so
+            worker.end()
+            self.events.put(("gone", worker, why))
+
+    def _greet(self, sock, pid: int) -> tuple[WorkerLink | None, dict]:
+        """The link of process `pid` and its hello, or (None, {}) once refused (traced)."""
+        try:
             link = WorkerLink.accepted(sock, self.key)
         except ConnectorError as exc:
             self.trace("refused", error=f"process {pid}: {exc}")
-            return
+            return None, {}
         try:
             hello = link.receive(HANDSHAKE_S)
             if hello is None or hello[0] != "hello" or len(hello) != 2:
@@ -256,23 +337,8 @@ class Messager:
         except ConnectorError as exc:
             self.trace("refused", error=f"process {pid}: {exc}")
             link.close()
-            return
-        worker = PrefillWorker(link, pid, hello[1])
-        self.events.put(("hello", worker))
-        while True:
-            try:
-                message = link.receive()
-            except ConnectorError as exc:
-                why = f"the prefill worker (pid {pid}) went: {exc}"
-                break
-            check = WORKER_SENDS.get(message[0])
-            if check is None or not check(message[1:]):
-                why = f"the prefill worker (pid {pid}) sent {message!r:.80}: not a message"
-                break
-            self.events.put((message[0], worker, *message[1:]))
-        worker.alive = False
-        link.close()
-        self.events.put(("gone", worker, why))
+            return None, {}
+        return link, hello[1]
 
     def _watch(self, worker: PrefillWorker) -> None:
         """The pdhal reader of the prefill worker's layer signals: one event per wake-up."""
@@ -323,7 +389,10 @@ class Messager:
             self.trace("table", step=step, tids=[e["tid"] for e in entries])
             for entry in entries:
                 self._add(entry)
-            self.feed.step(step, [(e["tid"], e["end"]) for e in entries])
+            try:
+                self.feed.step(step, [(e["tid"], e["end"]) for e in entries])
+            except PdhalError as exc:  # (a step it gave already): a worker that is broken
+                self._end_prefill(f"the prefill worker (pid {worker.pid}) sent a table: {exc}")
         elif kind == "failed" and self.service is not None:  # while no messager was there
             why = "the cache messager was gone (restarted since)"
             for tid in rest[1]:
@@ -344,19 +413,23 @@ class Messager:
     def _hello(self, worker: PrefillWorker) -> None:
         hello = worker.hello
         self.trace("hello", role="prefill", peer_pid=worker.pid)
-        if hello.get("ranks", 1) != self.prefill_ranks or hello.get("rank") != self.rank:
+        problem = _hello_problem(hello)
+        if problem is not None:
+            self._refuse(worker, problem)
+            return
+        if hello["ranks"] != self.prefill_ranks or hello["rank"] != self.rank:
             self._refuse(
                 worker,
                 f"this messager serves prefill rank {self.rank} of tensor parallelism "
                 f"{self.prefill_ranks} (--rank, --prefill-tp); the prefill worker is rank "
-                f"{hello.get('rank', 0)} of {hello.get('ranks', 1)}",
+                f"{hello['rank']} of {hello['ranks']}",
             )
             return
-        device = hello.get("device", 0)
-        if type(device) is not int or not 0 <= device < DEVICES:
+        if hello["device"] >= DEVICES:
             self._refuse(
                 worker,
-                f"the prefill worker's device must be an int in [0, {DEVICES}), got {device!r}",
+                f"the prefill worker's device must be an int in [0, {DEVICES}), got "
+                f"{hello['device']}",
             )
             return
         if self.prefill is not None and self.prefill.alive:
@@ -381,8 +454,9 @@ class Messager:
                 on_outcome=lambda outcome: self.events.put(("outcome", outcome)),
                 on_session_end=lambda facts, why: self.events.put(("decode_gone", facts, why)),
             )
-        except (PdhalError, KeyError, TypeError, ValueError) as exc:
-            self._refuse(worker, f"the messager cannot stream from this prefill cache: {exc}")
+        except (PdhalError, TypeError, ValueError) as exc:
+            why = f"the messager cannot stream from this prefill cache: {exc}"
+            self._refuse(worker, why[:400])
             return
         self.prefill, self.service = worker, service
         self.block_size = hello["block_size"]
@@ -397,8 +471,7 @@ class Messager:
     def _refuse(self, worker: PrefillWorker, why: str) -> None:
         """Tell `worker` why it is not served, and drop its connection."""
         worker.send("error", why)
-        worker.alive = False
-        worker.link.close()
+        worker.close()
         self._report(f"refused the prefill worker (pid {worker.pid}): {why}")
 
     # ---- requests -----------------------------------------------------------------------
@@ -517,7 +590,7 @@ class Messager:
     def _end_prefill(self, why: str) -> None:
         """The prefill worker is gone: its service fails every transfer not ended (on both
         sides) and closes; a decode rank that claims one of them later hears so at once."""
-        self.prefill.alive = False
+        self.prefill.close()
         self._report(why)
         service = self.service
         if service is not None:

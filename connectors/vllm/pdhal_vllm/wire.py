@@ -156,7 +156,7 @@ class WorkerLink:
             return None
         try:
             message = json.loads(frame)
-        except ValueError:  # (UnicodeDecodeError too)
+        except (ValueError, RecursionError):  # (UnicodeDecodeError; nesting past the stack)
             raise ConnectorError(f"a message that is not JSON: {frame[:80]!r}") from None
         if not isinstance(message, list) or not message or not isinstance(message[0], str):
             raise ConnectorError(f"{message!r:.80} is not a message: a list, its kind first")

@@ -164,8 +164,13 @@ def test_a_transfer_the_worker_abandons_fails_at_once_on_the_decode_side(peers):
     "hello, said",
     [
         ({"rank": 1, "ranks": 2}, "this messager serves prefill rank 0 of tensor parallelism 1"),
-        ({"device": -1}, "the prefill worker's device must be an int in [0, 1048576), got -1"),
-        ({"device": "0"}, "the prefill worker's device must be an int in [0, 1048576), got '0'"),
+        ({"device": 1 << 20}, "the prefill worker's device must be an int in [0, 1048576), got"),
+        ({"device": -1}, "its hello's device must be an int >= 0, got -1"),
+        ({"device": "0"}, "its hello's device must be an int >= 0, got '0'"),
+        ({"rank": False}, "its hello's rank must be an int >= 0, got False"),
+        ({"rank": None}, "its hello's rank must be an int >= 0, got None"),
+        ({"cache": "x" * 300}, "its hello's cache must be a name of 1-255 characters"),
+        ({"layers": "all"}, "its hello's layers must be a list of lists, got 'all'"),
     ],
 )
 def test_a_worker_the_messager_cannot_serve_is_refused_naming_why(messager, hello, said):
@@ -192,6 +197,9 @@ ENTRY = {"tid": "t", "blocks": [1], "start": 0, "end": 4, "prompt_len": 4}
         b'["table", 1, [{"tid": 5}]]',
         b'["table", 1, [%s]]' % str(ENTRY | {"blocks": [1.5]}).replace("'", '"').encode(),
         b'["abandon", "t"]',
+        b'["table", 1, [%s]]' % str(ENTRY | {"end": 0}).replace("'", '"').encode(),
+        b'["table", 1, [%s]]' % str(ENTRY | {"prompt_len": 0}).replace("'", '"').encode(),
+        b"[" * 100000 + b"]" * 100000,
     ],
     ids=[
         "unreadable",
@@ -202,6 +210,9 @@ ENTRY = {"tid": "t", "blocks": [1], "start": 0, "end": 4, "prompt_len": 4}
         "an-entry-without-fields",
         "a-fractional-block",
         "tids-not-a-list",
+        "no-token-written",
+        "an-empty-prompt",
+        "nested-past-the-stack",
     ],
 )
 def test_a_worker_that_sends_garbage_is_dropped_and_the_next_is_served(messager, garbage):
@@ -258,3 +269,47 @@ def test_a_messager_started_with_a_bad_flag_says_which_and_exits(argv, said, cap
 
     assert main(["--auth-key", "00" * 16, *argv]) == 1
     assert said in capsys.readouterr().err
+
+
+def test_a_table_of_a_step_given_already_drops_that_worker_and_the_next_is_served(messager):
+    """A second table for one step is a broken worker: the messager ends it (its transfers
+    fail) rather than keep a table that every later layer signal trips on."""
+    address, key, _ = messager
+    bad = FakePrefill(address, key)
+    try:
+        assert bad.answer()[0] == "ready"
+        bad.link.send("table", 7, [ENTRY])
+        bad.link.send("table", 7, [ENTRY | {"tid": "u"}])
+        while True:  # its transfers' ends, then the close
+            with pytest.raises(ConnectorError, match="closed"):
+                assert bad.answer()[0] == "failed"
+                continue
+            break
+    finally:
+        bad.close()
+    good = FakePrefill(address, key)
+    try:
+        assert good.answer()[0] == "ready"
+    finally:
+        good.close()
+
+
+def test_a_worker_that_reads_nothing_holds_up_no_one_else(messager):
+    """A table whose every entry fails at once (its blocks are outside the cache) makes one
+    "failed" per entry for a worker that never reads them: they queue for that worker
+    alone, and another process's hello is answered meanwhile, not after the send bound."""
+    address, key, _ = messager
+    deaf = FakePrefill(address, key)
+    try:
+        assert deaf.answer()[0] == "ready"
+        entries = [ENTRY | {"tid": f"t{i:05}", "blocks": [10**6]} for i in range(5000)]
+        deaf.link.send("table", 1, entries)
+        started = time.monotonic()
+        other = FakePrefill(address, key)
+        try:
+            assert other.answer()[0] == "error"  # "already serves": it was heard
+            assert time.monotonic() - started < 10  # (the send bound is 15 s)
+        finally:
+            other.close()
+    finally:
+        deaf.close()

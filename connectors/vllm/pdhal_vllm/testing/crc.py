@@ -1,12 +1,11 @@
-"""The connector and its messager with crc32 tracing, for the tests (costly): each KV head
-of each prompt block as the prefill worker writes it, as its messager reads it once the
-transfer landed, and as the decode worker holds it once each layer landed, each a "block"
-event of the process's trace (the tests compare the three, wherever each side's
-tensor-parallel split put the head).
+"""crc32 tracing of KV blocks, for the tests (costly): each KV head of each prompt block, as
+a "block" event of the process's trace (the tests compare, per head, where the prefill
+worker wrote it, where its messager read it once the transfer landed, and where the decode
+worker holds it, wherever each side's tensor-parallel split put the head).
 
-An instance: kv_connector "CrcPdhalConnector", kv_connector_module_path
-"pdhal_vllm.testing.crc", with a "trace" in its extra config. Its messager:
-`python -m pdhal_vllm.testing.crc --trace PATH [the messager's options]`.
+This module is the messager's side and imports no vLLM: `python -m pdhal_vllm.testing.crc
+--trace PATH [the messager's options]`. The workers' side is
+pdhal_vllm.testing.crc_connector (kv_connector "CrcPdhalConnector").
 """
 
 from __future__ import annotations
@@ -14,15 +13,8 @@ from __future__ import annotations
 import sys
 import zlib
 
-import numpy as np
-import torch
-
 from pdhal.transfer import rank_heads
 from pdhal_vllm import messager
-from pdhal_vllm.connector import PdhalConnector
-from pdhal_vllm.decode_worker import DecodeWorker
-from pdhal_vllm.prefill_worker import PrefillWorker
-from pdhal_vllm.worker import Worker
 
 
 def head_crcs(block, heads: int) -> list[int]:
@@ -31,46 +23,6 @@ def head_crcs(block, heads: int) -> list[int]:
     data = memoryview(block).cast("B")
     size = len(data) // heads
     return [zlib.crc32(data[h * size : (h + 1) * size]) for h in range(heads)]
-
-
-class CrcPrefillWorker(PrefillWorker):
-    def save_layer(self, meta, index: int, kv_layer) -> None:
-        """Each block this step wrote of layer `index`, then the layer's signal."""
-        w = self.w
-        bs, heads = w.block_size, w.layout[index][4]
-        for store in meta.stores:
-            for i in range(store["start"] // bs, -(-store["end"] // bs)):
-                data = kv_layer[store["blocks"][i]].contiguous().view(torch.uint8).numpy()
-                w.trace(
-                    "block", tid=store["tid"], layer=index, i=i, head0=w.head0,
-                    crcs=head_crcs(data, heads),
-                )  # fmt: skip
-        super().save_layer(meta, index, kv_layer)
-
-
-class CrcDecodeWorker(DecodeWorker):
-    def _landed(self, load, layers: int) -> None:
-        """Each prompt block of each layer that landed, before a sync load's forward may
-        see it (and write it)."""
-        w = self.w
-        whole = w.buffers[0][0]
-        view = whole.as_numpy(np.uint8, (whole.nbytes,))
-        for layer in range(load.layers, layers):
-            offset, stride, nbytes, _, heads = w.layout[layer]
-            for i, block in enumerate(load.blocks[load.cached :], load.cached):
-                start = offset + block * stride
-                crcs = head_crcs(view[start : start + nbytes], heads)
-                w.trace("block", tid=load.tid, layer=layer, i=i, head0=w.head0, crcs=crcs)
-        super()._landed(load, layers)
-
-
-class CrcWorker(Worker):
-    prefill_class = CrcPrefillWorker
-    decode_class = CrcDecodeWorker
-
-
-class CrcPdhalConnector(PdhalConnector):
-    worker_class = CrcWorker
 
 
 class CrcMessager(messager.Messager):

@@ -48,7 +48,7 @@ def kv_transfer_config(args) -> dict | None:
     config = pdhal_kv_transfer_config(role, args.policy, **extra)
     if args.trace_blocks:
         config["kv_connector"] = "CrcPdhalConnector"
-        config["kv_connector_module_path"] = "pdhal_vllm.testing.crc"
+        config["kv_connector_module_path"] = "pdhal_vllm.testing.crc_connector"
     return config
 
 
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--trace-blocks",
         action="store_true",
-        help="with --trace: crc32 of every block (pdhal_vllm.testing.crc's connector)",
+        help="with --trace: crc32 of every block (pdhal_vllm.testing.crc_connector)",
     )
     parser.add_argument("--ready-file", help="touched once the engine is up")
     parser.add_argument(
