@@ -15,6 +15,7 @@ EXTRA_CONFIG = {
     "load_mode": "async",
     "load_timeout_s": 60.0,
     "keepalive_s": KEEPALIVE_S,
+    "idle_wait_s": 0.01,  # decode: an idle step's longest wait for a load to end
     "auth_key": None,
     "trace": None,
 }
@@ -52,6 +53,9 @@ def extra_config(given: dict | None) -> dict:
             raise ConnectorError(f"{key} must be a non-empty string, got {value!r}")
     for key in ("load_timeout_s", "keepalive_s"):
         checked_seconds(extra[key], key)
+    wait = extra["idle_wait_s"]
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1:
+        raise ConnectorError(f"idle_wait_s must be seconds in [0, 1] (0: never wait), got {wait!r}")
     return extra
 
 

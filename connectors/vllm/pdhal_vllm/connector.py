@@ -108,7 +108,7 @@ class PdhalConnector(KVConnectorBase_V1):
         self.worker.end_step()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self.worker.results(finished_req_ids)
+        return self.worker.results(finished_req_ids, self._get_connector_metadata())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()

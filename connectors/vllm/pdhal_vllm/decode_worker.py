@@ -34,8 +34,11 @@ logger = init_logger(__name__)
 #: a claim never waits on it; a loaded messager's hello can take seconds). One that
 #: refuses connections fails the loads that need it at once.
 CONNECT_S = 10.0
-#: The longest sleep between two looks at a layer's progress (sync loads).
+#: The longest sleep between two looks at a layer's progress (sync loads), or at the
+#: loads' outcomes in an idle step.
 LAYER_POLL_S = 1e-3
+#: The first of those sleeps (each next one twice as long, up to LAYER_POLL_S).
+FIRST_NAP_S = 50e-6
 
 
 @dataclass(eq=False)
@@ -81,6 +84,7 @@ class DecodeWorker:
             keepalive=float(worker.extra["keepalive_s"]),
         )
         self.timeout = float(worker.extra["load_timeout_s"])
+        self.idle_wait = float(worker.extra["idle_wait_s"])
         self.loads: dict[str, _Load] = {}  # vLLM's request id -> its load, until reported
         self.claims: dict[str, _Load] = {}  # transfer id -> its load, until its outcome
         self.held: dict[str, _Load] = {}  # transfer id -> a failed load whose blocks are held
@@ -195,7 +199,7 @@ class DecodeWorker:
         """Sync loads: return once layer `index` of each of this step's loads is in the
         cache, or its load failed (its blocks then go to vLLM as load errors)."""
         for load in self.step_loads:
-            nap = 50e-6
+            nap = FIRST_NAP_S
             while not load.done and load.layers <= index:
                 self._collect()
                 self._progress(load)
@@ -207,10 +211,13 @@ class DecodeWorker:
                 load.flagged = True
                 self.load_error_blocks.update(load.blocks[load.cached :])
 
-    def results(self, out: KVConnectorTransferResults) -> None:
+    def results(self, out: KVConnectorTransferResults, idle: bool = False) -> None:
         """The async loads that ended (landed, or failed with their blocks free) go to
-        vLLM; sync ones were reported per layer (load_errors)."""
+        vLLM; sync ones were reported per layer (load_errors). In an `idle` step, first
+        wait for one to end (_await_a_load)."""
         self._collect()
+        if idle:
+            self._await_a_load()
         self._trace_claims()
         if self.w.trace.on:  # each layer of an async load as it lands
             for load in [x for x in self.loads.values() if not x.done]:
@@ -224,6 +231,28 @@ class DecodeWorker:
             out.finished_recving.add(req)
             if load.error is not None:
                 out.failed_recving.add(req)
+
+    def _await_a_load(self) -> None:
+        """vLLM scheduled nothing this step, and returning now would only start another
+        empty one (the engine steps while any request waits for its KV): return once an
+        async load can be reported, or after idle_wait_s, which bounds what a request
+        arriving meanwhile waits. The loads' outcomes are written into this cache by the
+        prefill side (no wake reaches here), so this looks at them, napping FIRST_NAP_S
+        doubling to LAYER_POLL_S: a landing is noticed within LAYER_POLL_S."""
+        waiting = [x for x in self.loads.values() if not x.sync]
+        if not waiting or any(x.done and not x.held for x in waiting):
+            return  # nothing to wait for, or something to report now
+        deadline = time.monotonic() + self.idle_wait
+        nap = FIRST_NAP_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(nap, left))
+            nap = min(2 * nap, LAYER_POLL_S)
+            self._collect()
+            if any(x.done and not x.held for x in waiting):
+                return
 
     def load_errors(self) -> set[int]:
         errors, self.load_error_blocks = self.load_error_blocks, set()

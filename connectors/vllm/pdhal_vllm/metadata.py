@@ -30,3 +30,7 @@ class PdhalConnectorMetadata(KVConnectorMetadata):
     #: free now, not at the messager's claim timeout, and a decode side that claims one
     #: hears so at once
     abandoned: list[str] = field(default_factory=list)
+    #: vLLM scheduled no token this step (its requests wait for their KV, or for nothing):
+    #: a decode worker waits a moment for a load to end (DecodeWorker.results), so the
+    #: engine does not run empty step after empty step while the KV is on its way
+    idle: bool = False

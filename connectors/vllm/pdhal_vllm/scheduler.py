@@ -127,6 +127,7 @@ class Scheduler:
             unneeded=self.new_unneeded,
             cancelled=self.new_cancelled,
             abandoned=self.new_abandoned,
+            idle=out.total_num_scheduled_tokens == 0,
         )
         self.new_loads, self.new_unneeded, self.new_cancelled, self.new_abandoned = [], [], [], []
         if not self.o.is_producer:

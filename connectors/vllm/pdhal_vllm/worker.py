@@ -191,10 +191,12 @@ class Worker:
         if self.prefill is not None:
             self.prefill.end_step()
 
-    def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def results(
+        self, finished_req_ids: set[str], meta: PdhalConnectorMetadata
+    ) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
         if self.decode is not None:
-            self.decode.results(out)
+            self.decode.results(out, idle=meta.idle)
         if self.prefill is not None:
             self.prefill.results(finished_req_ids, out)
         return out

@@ -34,6 +34,8 @@ def test_the_extra_config_fills_its_defaults():
         ({"load_timeout_s": float("nan")}, r"load_timeout_s must be a number of seconds"),
         ({"load_timeout_s": -1}, r"load_timeout_s must be a number of seconds"),
         ({"keepalive_s": "5"}, r"keepalive_s must be a number of seconds in \(0, 86400\]"),
+        ({"idle_wait_s": 2}, r"idle_wait_s must be seconds in \[0, 1\] \(0: never wait\)"),
+        ({"idle_wait_s": float("nan")}, r"idle_wait_s must be seconds in \[0, 1\]"),
     ],
 )
 def test_a_wrong_extra_config_is_refused_naming_what_is_wrong(given, match):

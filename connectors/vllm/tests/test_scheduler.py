@@ -235,6 +235,15 @@ def test_an_allocated_load_goes_into_the_next_steps_metadata_exactly_once(load_m
     assert step(conn).loads == []
 
 
+def test_a_step_that_schedules_no_token_is_marked_idle_for_the_worker():
+    """(the decode worker waits in an idle step for a load to end, never in a busy one)"""
+    conn = connector()
+    req = decode_request()
+    allocate(conn, req)
+    assert step(conn).idle
+    assert not step(conn, cached_step(req.request_id, 100, 1)).idle
+
+
 def test_the_messager_is_the_connectors_own_when_the_params_name_none():
     conn = connector(messager="10.0.0.2:47100")
     allocate(conn, decode_request(**{MESSAGER: DROP}))
