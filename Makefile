@@ -192,12 +192,15 @@ $(VLLM_STAMP): connectors/vllm/pyproject.toml transports/mooncake/pyproject.toml
 	$(VLLM_PY) -c "from pdhal_nixl._transport import _bindings; _bindings()"
 	touch $@
 
-.PHONY: test-vllm bench-vllm
+.PHONY: test-vllm bench-vllm bench-decode-idle
 test-vllm: $(VLLM_STAMP) ibverbs
 	PDHAL_VLLM_TESTS=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider connectors/vllm/tests
 
 bench-vllm: $(VLLM_STAMP) ibverbs
 	$(VLLM_PY) bench/bench_vllm.py
+
+bench-decode-idle: $(VLLM_STAMP) ibverbs
+	$(VLLM_PY) bench/bench_decode_idle.py
 
 # ---- NIXL: pdhal-nixl (transports/nixl/) and its tests (transports/nixl/tests) -------------
 # `make test-nixl` runs the transport kit against the `nixl` transport twice, UCX over TCP
