@@ -50,6 +50,8 @@ import time
 
 from bench_vllm import PY, STARTUP_FAILED, BenchError, Procs, free_port, get, post
 
+import pdhal
+
 MODES = ("wait", "spin")
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 BLOCK = 32
@@ -169,10 +171,11 @@ def round_of(procs: Procs, urls: dict, mode: str, args, r: int, model: str) -> d
 def run(args, root: str, model: str) -> dict:
     from pdhal_vllm.config import kv_transfer_config
 
+    namespace = f"benchidle{os.getpid()}"
     env = dict(
         os.environ,
         PDHAL_VLLM_KEY=secrets.token_hex(16),
-        PDHAL_NAMESPACE=f"benchidle{os.getpid()}",
+        PDHAL_NAMESPACE=namespace,
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="1",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
@@ -204,6 +207,12 @@ def run(args, root: str, model: str) -> dict:
     finally:
         procs.stop(list(procs.procs))
         procs.close()
+        # the servers' KV caches (a GiB each) once their processes are gone: vLLM's
+        # workers are killed, so they cannot remove them
+        removed, _ = pdhal.cleanup(namespace)
+        left = sorted(p for p in os.listdir("/dev/shm") if f".{namespace}." in p)
+        if left:
+            print(f"bench_decode_idle: left in /dev/shm: {', '.join(left)}", file=sys.stderr)
     return results
 
 
