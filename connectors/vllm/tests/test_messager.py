@@ -183,6 +183,15 @@ def test_a_worker_the_messager_cannot_serve_is_refused_naming_why(messager, hell
         worker.close()
 
 
+def assert_served(address: str, key: bytes) -> None:
+    """A worker connecting now is served (not refused as a second worker of the rank)."""
+    good = FakePrefill(address, key)
+    try:
+        assert good.answer()[0] == "ready"
+    finally:
+        good.close()
+
+
 ENTRY = {"tid": "t", "blocks": [1], "start": 0, "end": 4, "prompt_len": 4}
 
 
@@ -228,11 +237,7 @@ def test_a_worker_that_sends_garbage_is_dropped_and_the_next_is_served(messager,
             bad.answer()  # the messager closed it
     finally:
         bad.close()
-    good = FakePrefill(address, key)
-    try:
-        assert good.answer()[0] == "ready"
-    finally:
-        good.close()
+    assert_served(address, key)
 
 
 def test_a_silent_process_or_one_without_the_key_keeps_no_worker_from_being_served(messager):
@@ -287,11 +292,7 @@ def test_a_table_of_a_step_given_already_drops_that_worker_and_the_next_is_serve
             break
     finally:
         bad.close()
-    good = FakePrefill(address, key)
-    try:
-        assert good.answer()[0] == "ready"
-    finally:
-        good.close()
+    assert_served(address, key)
 
 
 def test_a_worker_that_reads_nothing_holds_up_no_one_else(messager):
