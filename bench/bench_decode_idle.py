@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import statistics
 import sys
@@ -48,7 +47,7 @@ import tempfile
 import threading
 import time
 
-from bench_vllm import PY, STARTUP_FAILED, BenchError, Procs, free_port, get, post
+from bench_vllm import PY, BenchError, Procs, free_port, post, server_env
 
 import pdhal
 
@@ -65,23 +64,6 @@ def serve(procs: Procs, name: str, model: str, config: dict, executor: str) -> s
     args += ["--seed", "0", "--dtype", "bfloat16", "--no-enable-prefix-caching"]
     procs.start(name, [*args, "--kv-transfer-config", json.dumps(config)])
     return f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(procs: Procs, urls: dict[str, str], bound: float) -> None:
-    deadline = time.monotonic() + bound
-    for name, url in urls.items():
-        while True:
-            procs.check(name)
-            if any(m in procs.log(name, 400) for m in STARTUP_FAILED):
-                raise BenchError(f"{name} failed to start:\n{procs.log(name)}")
-            try:
-                if get(url + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise BenchError(f"{name} not up within {bound:.0f} s:\n{procs.log(name)}")
-            time.sleep(1)
 
 
 def events(path: str) -> list[dict]:
@@ -172,16 +154,7 @@ def run(args, root: str, model: str) -> dict:
     from pdhal_vllm.config import kv_transfer_config
 
     namespace = f"benchidle{os.getpid()}"
-    env = dict(
-        os.environ,
-        PDHAL_VLLM_KEY=secrets.token_hex(16),
-        PDHAL_NAMESPACE=namespace,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="1",
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        OMP_NUM_THREADS="1",
-    )
-    procs = Procs(root, env)
+    procs = Procs(root, server_env(namespace))
     results: dict[str, list[dict]] = {m: [] for m in MODES}
     try:
         trace = procs.path("trace.messager.jsonl")
@@ -198,7 +171,9 @@ def run(args, root: str, model: str) -> dict:
                 "kv_consumer", idle_wait_s=wait, trace=procs.path(f"trace.{mode}")
             )
             urls[mode] = serve(procs, mode, model, config, args.executor)
-        wait_healthy(procs, {n: urls[n] for n in ("prefill", *MODES)}, args.start_timeout)
+        deadline = time.monotonic() + args.start_timeout
+        for name in ("prefill", *MODES):
+            procs.wait_healthy(name, urls[name], deadline, args.start_timeout)
         for r in range(args.rounds):
             for mode in MODES[r % 2 :] + MODES[: r % 2]:
                 time.sleep(2.0)  # vLLM's processes spin a second after their last work

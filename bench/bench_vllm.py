@@ -226,6 +226,23 @@ class Procs:
                 os.killpg(group, signal.SIGKILL)
         return killed
 
+    def wait_healthy(self, name: str, url: str, deadline: float, bound: float) -> None:
+        """Return once server `name` answers /health at `url`; BenchError once any process
+        exited, `name` failed to start, or `deadline` (the start's `bound` s) passed."""
+        while True:
+            for each in self.procs:
+                self.check(each)
+            if any(m in self.log(name, 400) for m in STARTUP_FAILED):  # its API server may
+                raise BenchError(f"{name} failed to start:\n{self.log(name)}")  # wait on
+            try:
+                if get(url + "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise BenchError(f"{name} not up within {bound:.0f} s:\n{self.log(name)}")
+            time.sleep(1)
+
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system) of each process group so far, by name."""
         ticks = os.sysconf("SC_CLK_TCK")
@@ -423,19 +440,7 @@ class Stack:
         self.urls[role] = f"http://127.0.0.1:{port}"
 
     def _wait_healthy(self, role: str, deadline: float, bound: float) -> None:
-        while True:
-            self.check()
-            log = self.p.log(role, 400)
-            if any(m in log for m in STARTUP_FAILED):  # its API server may wait on regardless
-                raise BenchError(f"{role} failed to start:\n{self.p.log(role)}")
-            try:
-                if get(self.urls[role] + "/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise BenchError(f"{role} not up within {bound:.0f} s:\n{self.p.log(role)}")
-            time.sleep(1)
+        self.p.wait_healthy(role, self.urls[role], deadline, bound)
 
     def front(self, mode: str) -> str:
         return self.urls["plain" if mode == "plain" else f"{mode}-router"]
@@ -703,9 +708,10 @@ def warm_up(stack: Stack, length: int) -> None:
                 raise BenchError(f"a warm-up request through {mode} failed: {exc}") from None
 
 
-def run(args, root: str, model: str) -> dict:
-    namespace = f"benchvllm{os.getpid()}"
-    env = dict(
+def server_env(namespace: str) -> dict:
+    """The environment of a run's processes: its key and pdhal namespace, and vLLM's CPU
+    build set for several servers on a few cores."""
+    return dict(
         os.environ,
         PDHAL_VLLM_KEY=secrets.token_hex(16),
         PDHAL_NAMESPACE=namespace,
@@ -716,7 +722,11 @@ def run(args, root: str, model: str) -> dict:
         VLLM_CPU_OMP_THREADS_BIND="nobind",
         OMP_NUM_THREADS="1",
     )
-    procs = Procs(root, env)
+
+
+def run(args, root: str, model: str) -> dict:
+    namespace = f"benchvllm{os.getpid()}"
+    procs = Procs(root, server_env(namespace))
     max_len = max(512, -(-(args.input_len + args.output_len + 64) // 32) * 32)
     stack = Stack(procs, model, max_len)
     out: dict = {"runs": {m: [] for m in MODES}}
