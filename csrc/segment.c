@@ -20,6 +20,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -184,6 +185,38 @@ static void prefault_buffer(pdhal_segment *seg)
 {
     if (seg->kind == PDHAL_KIND_BUFFER)
         (void)madvise(seg->hdr, seg->map_bytes, MADV_POPULATE_WRITE);
+}
+
+static void *prefault_thread(void *arg)
+{
+    prefault_buffer(arg);
+    pdhal_segment_unref(arg);
+    return NULL;
+}
+
+/* An opener of another process's buffer maps its pages on a thread of its own, holding a
+ * reference (the mapping outlives a close meanwhile): populating a GiB KV cache took seconds
+ * on a loaded host, and the opener (a messager restarted under its worker, a decode session
+ * being made) was answering no one meanwhile. Its first copies fault in what is not mapped
+ * yet. The thread blocks every signal (they are the opener's threads' to handle). When no
+ * thread can be had, the pages fault in on first touch. */
+static void prefault_in_background(pdhal_segment *seg)
+{
+    if (seg->kind != PDHAL_KIND_BUFFER)
+        return;
+    sigset_t all, was;
+    sigfillset(&all);
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0)
+        return;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pdhal_segment_ref(seg);
+    pthread_sigmask(SIG_SETMASK, &all, &was); /* the new thread inherits the mask */
+    pthread_t thread;
+    if (pthread_create(&thread, &attr, prefault_thread, seg) != 0)
+        pdhal_segment_unref(seg);
+    pthread_sigmask(SIG_SETMASK, &was, NULL);
+    pthread_attr_destroy(&attr);
 }
 
 /* The folder part of `path` ("." when it has none) into `dir`. */
@@ -556,7 +589,7 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, uin
         seg->cursor_step = atomic_load_explicit(&seg->hdr->consumed, memory_order_acquire) + 1;
         seg->cursor_layer = 0;
     }
-    prefault_buffer(seg);
+    prefault_in_background(seg);
     *out = seg;
     return 0;
 }
