@@ -44,6 +44,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import numpy  # noqa: F401 (see Messager.__init__)
+
 import pdhal
 from pdhal import PdhalError, ProducerDiedError, SignalTimeoutError, ops, transfer
 from pdhal.transfer import CacheLayout, CacheSpec, PerQueryFeed, PrefillService
@@ -228,6 +230,12 @@ class Messager:
             raise ConnectorError(f"--rank must be in [0, {prefill_ranks}) (--prefill-tp)")
         checked_seconds(claim_timeout, "--claim-timeout")
         checked_seconds(keepalive, "--keepalive")
+        # What serving a worker's hello needs is loaded before this messager says it
+        # listens, not in that hello: the platform's backend, and numpy (imported above),
+        # through which the cpu platform maps the worker's cache. A messager restarted
+        # under a live worker on a loaded host took 8 s loading them there, and every
+        # request meanwhile failed for want of a messager.
+        pdhal.current_platform()
         self.rank, self.prefill_ranks = rank, prefill_ranks
         self.key, self.transport, self.claim_timeout = key, transport, claim_timeout
         self.keepalive = keepalive

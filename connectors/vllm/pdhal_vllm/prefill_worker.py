@@ -185,12 +185,16 @@ class PrefillWorker:
             for tid in self.req_of:
                 if tid not in self.sent:
                     self._messager_gone(tid)
+        said = None
         while not self.closing:
             time.sleep(MESSAGER_RETRY_S)
             try:
                 self._connect_messager(timeout=MESSAGER_RETRY_S)
-            except ConnectorError:
-                continue  # not back yet
+            except ConnectorError as exc:  # not back yet: why, each time it changes
+                if str(exc) != said:
+                    said = str(exc)
+                    logger.warning("pdhal connector: no cache messager yet: %s", said)
+                continue
             logger.warning("pdhal connector: rank %d's cache messager is back", self.w.rank)
             self.w.trace("messager_back")
             return

@@ -194,7 +194,7 @@ def connect_worker(address: str, key: bytes, hello: dict, timeout: float) -> Wor
         try:
             sock.connect(worker_address(address))
             break
-        except (ConnectionRefusedError, FileNotFoundError) as exc:
+        except OSError as exc:  # none listens (yet), or its backlog is full: tried again
             sock.close()
             if time.monotonic() > deadline:
                 raise ConnectorError(
