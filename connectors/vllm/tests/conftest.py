@@ -99,7 +99,7 @@ class Cluster:
         unless `name` says); the address of the one named "messager" is the one the
         instances are given."""
         name = name or f"messager{rank or ''}"
-        log = open(self.path(f"{name}.log"), "w")
+        log = open(self.path(f"{name}.log"), "a")  # (a restarted one's after its predecessor's)
         proc = subprocess.Popen(
             [
                 PY,
@@ -118,6 +118,10 @@ class Cluster:
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
+            # its own session, as a deployed service's and each server's here: the kernel
+            # shares CPU out by session (autogroup), and in this one a loaded run's busy
+            # loops left it 2% of a core, so that a restarted one took 10 s to listen
+            start_new_session=True,
         )
         self.procs[name] = proc
         line = proc.stdout.readline()

@@ -113,8 +113,21 @@ def under_load(served: Served, expected: dict, fault, busy: str) -> float:
         if outcome == "ok":
             assert text == expected[prompt], (prompt, text)
     failed = [r for r in late if r[3] != "ok"]
-    assert not failed, f"{len(failed)} of {len(late)} requests after the fault failed: {failed[0]}"
+    assert not failed, (
+        f"{len(failed)} of {len(late)} requests after the fault failed: {failed[0]}\n"
+        + "".join(f"--- {role}.log (pdhal)\n{pdhal_lines(served, role)}" for role in PARTS)
+    )
     return hit
+
+
+#: whose logs a failure shows
+PARTS = ("messager", "prefill", "decode")
+
+
+def pdhal_lines(served: Served, role: str, most: int = 30) -> str:
+    """The last `most` lines pdhal wrote in `role`'s log."""
+    lines = [x for x in served.cluster.log(role, 100000).splitlines() if "pdhal" in x]
+    return "\n".join(lines[-most:]) + "\n"
 
 
 def assert_idle(served: Served, roles, bound: float = 60) -> None:
