@@ -29,6 +29,14 @@ each instance's state.
 connectors whose decode side must find the whole KV there when it first looks (vLLM's
 ExampleConnector: a decode scheduled mid-prefill finds the prompt's folder but not every
 layer's file); pdhal's decode side waits for the layers itself, so it does not need it.
+
+`--kv-transfer-params prefill` fronts any vLLM connector the way vLLM's own P/D proxy does:
+the prefill instance gets `{"do_remote_decode": true}`, and the decode instance, once the
+prefill answered, the `kv_transfer_params` that answer carries (NixlConnector's engine id,
+host, port and block ids; pdhal's transfer id and messager); a prefill answer without them
+is a prefill failure. `--prefill URL` then needs no messager. The default, `pdhal`, makes
+them here (a transfer id, the prefill's messager) and sends both requests at once, so
+pdhal's decode side takes each layer as it lands.
 `--trace FILE` appends a JSON line per request step (CLOCK_MONOTONIC ns `t`, the transfer
 id `tid`): "received" (the request's body read), "forwarded" (prefill request sent; the
 decode request too unless sequential), "prefilled" (the prefill instance answered),
@@ -55,6 +63,8 @@ log = logging.getLogger("pdhal_vllm.router")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 POLICIES = ("error", "recompute")
+#: Where a decode request's kv_transfer_params come from (see the module docstring).
+PARAMS = ("pdhal", "prefill")
 
 
 class RouterError(RuntimeError):
@@ -95,10 +105,8 @@ def _instance(text: str, kind: str) -> Instance:
     url, _, messager = text.partition("=")
     if not url.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"a {kind} instance is http(s)://HOST:PORT, got {url!r}")
-    if kind == "prefill" and not messager:
-        raise argparse.ArgumentTypeError(
-            f"a prefill instance is URL=MESSAGER (its messager's HOST:PORT), got {text!r}"
-        )
+    if kind == "decode" and messager:
+        raise argparse.ArgumentTypeError(f"a decode instance is a URL, got {text!r}")
     return Instance(url.rstrip("/"), messager or None)
 
 
@@ -115,6 +123,7 @@ class Router:
         health_interval: float = 2.0,
         health_timeout: float = 5.0,
         sequential: bool = False,
+        kv_transfer_params: str = "pdhal",
         trace: str | None = None,
     ):
         if not prefills or not decodes:
@@ -123,6 +132,17 @@ class Router:
             raise ValueError(
                 f"on_prefill_failure must be one of {POLICIES}, got {on_prefill_failure!r}"
             )
+        if kv_transfer_params not in PARAMS:
+            raise ValueError(
+                f"kv_transfer_params must be one of {PARAMS}, got {kv_transfer_params!r}"
+            )
+        unnamed = [i.url for i in prefills if i.messager is None]
+        if kv_transfer_params == "pdhal" and unnamed:
+            raise ValueError(
+                f"a prefill instance is URL=MESSAGER (its messager's HOST:PORT) unless the "
+                f"kv_transfer_params come from the prefill's answer; none for {unnamed[0]}"
+            )
+        self.params = kv_transfer_params
         self.prefills, self.decodes = prefills, decodes
         self.policy, self.timeout, self.health_interval = (
             on_prefill_failure,
@@ -130,7 +150,7 @@ class Router:
             health_interval,
         )
         self.health_timeout = health_timeout
-        self.sequential = sequential
+        self.sequential = sequential or kv_transfer_params == "prefill"
         self.trace = Tracer(trace)
         self._session: ClientSession | None = None
         self._health: asyncio.Task | None = None
@@ -217,21 +237,23 @@ class Router:
             prefill = self._pick(self.prefills, "prefill")
         except RouterError as e:  # every prefill instance down: the policy decides
             return await self._prefill_failed(request, body, str(e), e.status)
-        tid = f"pdhal-{uuid.uuid4().hex}"
+        tid = f"pdhal-{uuid.uuid4().hex}"  # (the trace's name of the request, either way)
         to_prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        to_prefill |= {
-            "max_tokens": 1,
-            "kv_transfer_params": {"do_remote_decode": True, "pdhal_transfer_id": tid},
-        }
+        to_prefill["max_tokens"] = 1
         if "max_completion_tokens" in to_prefill:
             to_prefill["max_completion_tokens"] = 1
-        to_decode = body | {
-            "kv_transfer_params": {
-                "do_remote_prefill": True,
-                "pdhal_transfer_id": tid,
-                "pdhal_messager": prefill.messager,
+        if self.params == "pdhal":
+            to_prefill["kv_transfer_params"] = {"do_remote_decode": True, "pdhal_transfer_id": tid}
+            to_decode = body | {
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "pdhal_transfer_id": tid,
+                    "pdhal_messager": prefill.messager,
+                }
             }
-        }
+        else:  # the prefill's answer gives them (_pair)
+            to_prefill["kv_transfer_params"] = {"do_remote_decode": True}
+            to_decode = body
         self.trace("received", tid=tid, t=received)
         self.trace("forwarded", tid=tid)
         prefilled = asyncio.create_task(self._prefill(prefill, request.path, to_prefill, tid))
@@ -249,6 +271,15 @@ class Router:
                 await prefilled
             if prefilled.exception() is not None:
                 return await self._prefill_failed(request, body, *_failure(prefill, prefilled))
+            if self.params == "prefill":
+                params = prefilled.result()
+                if not isinstance(params, dict):
+                    why = (
+                        f"prefill instance {prefill.url} answered without kv_transfer_params "
+                        f"(is its connector's kv_role kv_producer?)"
+                    )
+                    return await self._prefill_failed(request, body, why, 502)
+                to_decode = body | {"kv_transfer_params": params}
         decoding = asyncio.create_task(self._first_bytes(decode, request.path, to_decode))
         try:
             await asyncio.wait([prefilled, decoding], return_when=asyncio.FIRST_COMPLETED)
@@ -275,7 +306,8 @@ class Router:
             with contextlib.suppress(RouterError, asyncio.CancelledError):
                 await prefilled  # done by now: the first token needed its KV
 
-    async def _prefill(self, prefill: Instance, path: str, body: dict, tid: str) -> None:
+    async def _prefill(self, prefill: Instance, path: str, body: dict, tid: str):
+        """The prefill request: the kv_transfer_params its answer carries (None if none)."""
         prefill.in_flight += 1
         try:
             async with self._session.post(prefill.url + path, json=body) as answer:
@@ -283,6 +315,11 @@ class Router:
                 self.trace("prefilled", tid=tid, status=answer.status)
                 if answer.status != 200:
                     raise RouterError(answer.status, f"answered {answer.status}: {text[:300]}")
+            try:
+                said = json.loads(text)
+            except ValueError:
+                raise RouterError(502, f"answered what is not JSON: {text[:300]}") from None
+            return said.get("kv_transfer_params") if isinstance(said, dict) else None
         except (ClientError, asyncio.TimeoutError) as e:
             prefill.failed(f"{type(e).__name__}: {e}")
             raise RouterError(502, f"{type(e).__name__}: {e}") from None
@@ -398,9 +435,9 @@ def main(argv=None) -> int:
         "--prefill",
         action="append",
         required=True,
-        metavar="URL=MESSAGER",
+        metavar="URL[=MESSAGER]",
         type=lambda t: _instance(t, "prefill"),
-        help="a prefill instance and its messager",
+        help="a prefill instance and its messager (none with --kv-transfer-params prefill)",
     )
     parser.add_argument(
         "--decode",
@@ -425,20 +462,31 @@ def main(argv=None) -> int:
         help="send the decode request only once the prefill answered (vLLM's ExampleConnector)",
     )
     parser.add_argument(
+        "--kv-transfer-params",
+        choices=PARAMS,
+        default="pdhal",
+        help="made here for pdhal (both requests at once), or passed on from the prefill's "
+        "answer to the decode (vLLM's proxy pattern: any connector, NixlConnector included)",
+    )
+    parser.add_argument(
         "--trace", default=None, help="append a JSON line per request step to this file"
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
-    router = Router(
-        args.prefill,
-        args.decode,
-        on_prefill_failure=args.on_prefill_failure,
-        timeout=args.timeout,
-        health_interval=args.health_interval,
-        health_timeout=args.health_timeout,
-        sequential=args.sequential,
-        trace=args.trace,
-    )
+    try:
+        router = Router(
+            args.prefill,
+            args.decode,
+            on_prefill_failure=args.on_prefill_failure,
+            timeout=args.timeout,
+            health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+            sequential=args.sequential,
+            kv_transfer_params=args.kv_transfer_params,
+            trace=args.trace,
+        )
+    except ValueError as e:
+        parser.error(str(e))
     asyncio.run(_serve(router, args.host, args.port))
     return 0
 

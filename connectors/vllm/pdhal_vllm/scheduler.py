@@ -140,8 +140,12 @@ class Scheduler:
             )
             if not params or not params.get("do_remote_decode"):
                 continue
-            try:
-                tid = _transfer_id(new.req_id, params, "decode")
+            try:  # (none given, as vLLM's proxy asks: it is named here, and said at its end)
+                tid = (
+                    _transfer_id(new.req_id, params, "decode")
+                    if TRANSFER_ID in params
+                    else f"pdhal-{new.req_id}"
+                )
             except ConnectorError as e:  # the client's word: this request alone is refused
                 log.warning("pdhal connector: %s; its KV goes to no decode side", e)
                 continue
@@ -192,7 +196,12 @@ class Scheduler:
         if state is not None:  # hold the blocks until the messager wrote them (or gave up)
             if request.status in ABANDONED:
                 self.new_abandoned.append(state["tid"])
-            return True, {TRANSFER_ID: state["tid"]}
+            # what its decode side is to be asked with (a proxy passes them on)
+            return True, {
+                "do_remote_prefill": True,
+                TRANSFER_ID: state["tid"],
+                MESSAGER: self.o._extra["messager"],
+            }
         self.asked.discard(request.request_id)
         if request.request_id in self.loading:
             # finished (aborted) while its KV may still be landing: keep the blocks until

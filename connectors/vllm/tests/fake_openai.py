@@ -1,18 +1,21 @@
 """A stand-in OpenAI server for the router's tests: `python fake_openai.py NAME MODE LOG [PORT]`.
 
 It answers /v1/completions and /v1/chat/completions (JSON, or server-sent events when the
-request streams) with text naming itself, and /health with 200. As a vLLM instance of the
-pdhal connector would, a prefill request (do_remote_decode) notes its transfer id as
-prefilled when it answers, and a decode request (do_remote_prefill) answers only once its
-transfer id was noted (its KV landed). It appends each request's body, each prefill, and
-each request a client gave up on, to LOG as JSON lines. MODE: "ok"; "fail" (500 to every
-completion); "slow" (each completion waits 30 s first, so it stays in flight);
-"slowhealth" (/health answers after 1 s, as a busy vLLM server's may). It prints
+request streams) with text naming itself, and /health with 200. As a vLLM instance of a P/D
+connector would, a prefill request (do_remote_decode) notes its transfer id (pdhal's, or one
+of its own) as prefilled and answers with the kv_transfer_params its decode side needs (as
+NixlConnector does: its engine and request), and a decode request (do_remote_prefill)
+answers only once its transfer id was noted (its KV landed). It appends each request's body,
+each prefill, and each request a client gave up on, to LOG as JSON lines. MODE: "ok"; "fail"
+(500 to every completion); "slow" (each completion waits 30 s first, so it stays in flight);
+"slowhealth" (/health answers after 1 s, as a busy vLLM server's may); "noparams" (a prefill
+answers without kv_transfer_params, as an instance with no producer connector). It prints
 its port once listening (port 0: any free one)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 
@@ -20,6 +23,7 @@ from aiohttp import web
 
 NAME, MODE, LOG = sys.argv[1], sys.argv[2], sys.argv[3]
 PORT = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+SERIAL = itertools.count()
 
 
 def note(**entry) -> None:
@@ -37,12 +41,19 @@ async def completion(request: web.Request) -> web.StreamResponse:
         if MODE == "slow":
             await asyncio.sleep(30)
         if params.get("do_remote_prefill"):
-            await prefilled(params["pdhal_transfer_id"])
-        if params.get("do_remote_decode"):
-            note(event="prefilled", tid=params["pdhal_transfer_id"])
-        text = f"from {NAME}"
+            await prefilled(params.get("pdhal_transfer_id") or params["remote_request_id"])
+        answer = {"choices": [{"text": f"from {NAME}"}], "server": NAME}
+        if params.get("do_remote_decode") and MODE != "noparams":
+            tid = params.get("pdhal_transfer_id") or f"{NAME}-{next(SERIAL)}"
+            note(event="prefilled", tid=tid)
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "remote_engine_id": NAME,
+                "remote_request_id": tid,
+            }
         if not body.get("stream"):
-            return web.json_response({"choices": [{"text": text}], "server": NAME})
+            return web.json_response(answer)
+        text = answer["choices"][0]["text"]
         out = web.StreamResponse()
         out.content_type = "text/event-stream"
         await out.prepare(request)

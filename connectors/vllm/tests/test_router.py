@@ -333,3 +333,49 @@ def test_bad_instances_on_the_command_line_are_refused():
         timeout=60,
     )
     assert run.returncode == 2 and "a prefill instance is URL=MESSAGER" in run.stderr
+
+
+def test_params_from_the_prefill_go_to_the_decode_as_vllms_proxy_does(fleet):
+    """--kv-transfer-params prefill (any vLLM connector, NixlConnector's way): the prefill
+    is asked for do_remote_decode alone, and its answer's kv_transfer_params go to the
+    decode once it answered; no messager is needed."""
+    prefill, decode = fleet.fake("p0"), fleet.fake("d0")
+    bare = Server(
+        sys.executable, "-m", "pdhal_vllm.router", "--port", "0", "--prefill", prefill.url,
+        "--decode", decode.url, "--kv-transfer-params", "prefill",
+    )  # fmt: skip
+    fleet.servers.append(bare)
+    for stream in (False, True):
+        status, answer = post(bare, "/v1/completions", {"prompt": "a", "stream": stream})
+        assert status == 200 and b"d0" in answer
+    sent = fleet.seen()
+    to_prefill = [e["body"] for e in sent if e["server"] == "p0"]
+    to_decode = [e["body"] for e in sent if e["server"] == "d0"]
+    assert [b["kv_transfer_params"] for b in to_prefill] == [{"do_remote_decode": True}] * 2
+    assert [b["kv_transfer_params"] for b in to_decode] == [
+        {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_request_id": f"p0-{i}"}
+        for i in (0, 1)
+    ]
+    events = [json.loads(line) for line in fleet.log.read_text().splitlines()]
+    order = [(e["server"], e["event"], e.get("tid")) for e in events]
+    for i in (0, 1):  # each decode request went once its prefill answered
+        assert (
+            order.index(("p0", "prefilled", f"p0-{i}"))
+            < [n for n, e in enumerate(events) if e["server"] == "d0"][i]
+        )
+
+
+def test_a_prefill_answer_without_params_meets_the_policy(fleet, tmp_path):
+    """A prefill instance whose connector is no kv_producer answers without
+    kv_transfer_params: that is its failure, and the policy answers."""
+    plain, decode = fleet.fake("p0", "noparams"), fleet.fake("d0")
+    router = Server(
+        sys.executable, "-m", "pdhal_vllm.router", "--port", "0", "--prefill", plain.url,
+        "--decode", decode.url, "--kv-transfer-params", "prefill",
+        "--on-prefill-failure", "error",
+    )  # fmt: skip
+    fleet.servers.append(router)
+    status, answer = post(router, "/v1/completions", {"prompt": "a"})
+    message = json.loads(answer)["error"]["message"]
+    assert status == 502 and "answered without kv_transfer_params" in message, message
+    assert [e["server"] for e in fleet.seen()] == ["p0"]  # the decode was never asked

@@ -379,8 +379,8 @@ def test_a_request_without_do_remote_decode_is_not_stored_nor_held():
     assert finish(conn, req, RequestStatus.FINISHED_LENGTH_CAPPED) == (False, None)
 
 
-@pytest.mark.parametrize("tid", [DROP, 7, None, ["t"]], ids=["none-given", "int", "none", "list"])
-def test_a_remote_decode_without_a_transfer_id_is_stored_nowhere_naming_why(tid, caplog):
+@pytest.mark.parametrize("tid", [7, None, ["t"], ""], ids=["int", "none", "list", "empty"])
+def test_a_remote_decode_with_a_bad_transfer_id_is_stored_nowhere_naming_why(tid, caplog):
     """Refused alone (never an exception into vLLM's scheduler): a warning naming the
     request and the key; the step stores nothing of it, and it holds no block when done;
     the other requests of the step are stored."""
@@ -401,16 +401,33 @@ def test_a_remote_decode_without_a_transfer_id_is_stored_nowhere_naming_why(tid,
 
 
 def test_a_finished_prefill_request_holds_its_blocks_and_names_its_transfer():
-    """Its blocks stay until the messager wrote them (the worker's finished_sending); the
-    client's kv_transfer_params name the transfer; nothing is abandoned."""
+    """Its blocks stay until the messager wrote them (the worker's finished_sending); its
+    kv_transfer_params are the decode side's to be asked with (the client's transfer id,
+    this instance's messager); nothing is abandoned."""
     conn = connector("kv_producer", messager=PREFILL_MESSAGER)
     req = prefill_request()
     step(conn, new_step(req, [1, 2, 3, 4], 100))
     assert finish(conn, req, RequestStatus.FINISHED_LENGTH_CAPPED) == (
         True,
-        {TRANSFER_ID: "t-req-1"},
+        {"do_remote_prefill": True, TRANSFER_ID: "t-req-1", MESSAGER: PREFILL_MESSAGER},
     )
     assert step(conn).abandoned == []
+
+
+def test_a_prefill_request_given_no_transfer_id_is_stored_under_one_it_names():
+    """vLLM's proxy pattern: the prefill is asked with do_remote_decode alone, and what its
+    answer carries is passed on to the decode side, which a decode instance takes."""
+    conn = connector("kv_producer", messager=PREFILL_MESSAGER)
+    req = prefill_request("req-7", **{TRANSFER_ID: DROP})
+    assert [s["tid"] for s in step(conn, new_step(req, [1, 2, 3, 4], 100)).stores] == [
+        "pdhal-req-7"
+    ]
+    _, params = finish(conn, req, RequestStatus.FINISHED_LENGTH_CAPPED)
+    decode = connector()
+    assert allocate(decode, request("req-8", params), 0) == len(PROMPT)
+    assert [(x["tid"], x["messager"]) for x in step(decode).loads] == [
+        ("pdhal-req-7", PREFILL_MESSAGER)
+    ]
 
 
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
