@@ -307,7 +307,8 @@ class Router:
                 await prefilled  # done by now: the first token needed its KV
 
     async def _prefill(self, prefill: Instance, path: str, body: dict, tid: str):
-        """The prefill request: the kv_transfer_params its answer carries (None if none)."""
+        """The prefill request: with --kv-transfer-params prefill, the kv_transfer_params
+        its answer carries (None if none); else None, its answer unread."""
         prefill.in_flight += 1
         try:
             async with self._session.post(prefill.url + path, json=body) as answer:
@@ -315,6 +316,8 @@ class Router:
                 self.trace("prefilled", tid=tid, status=answer.status)
                 if answer.status != 200:
                     raise RouterError(answer.status, f"answered {answer.status}: {text[:300]}")
+            if self.params != "prefill":
+                return None
             try:
                 said = json.loads(text)
             except ValueError:
