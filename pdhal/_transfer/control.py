@@ -307,6 +307,13 @@ class ControlLink:
                 self._tell = messages.encode(messages.Refused(tell))
             self._end(reason)
 
+    def wait_closed(self) -> None:
+        """Return once the connection closed after end(): its last words written or given
+        up (within the writer's own bounds: `keepalive` s for a frame under way, then a
+        moment). A process that exits right after end() would lose them otherwise."""
+        if self._writer.ident is not None:  # (a link never started has nothing queued)
+            self._writer.join()
+
     def _end(self, reason: str) -> None:
         """(under self._cond)"""
         if self._ended is not None:

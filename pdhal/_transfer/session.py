@@ -423,9 +423,11 @@ class PrefillService:
             self._claims.clear()
         self._clock.close()
         self.streamer.close()  # every failure word written (or given up) by its bound...
-        for client in clients:  # ...before the sessions end: their decode sides heard it
-            if client.link is not None:
-                client.link.end("the prefill service closed", tell="the prefill service closed")
+        links = [client.link for client in clients if client.link is not None]
+        for link in links:  # ...before the sessions end: their decode sides heard it
+            link.end("the prefill service closed", tell="the prefill service closed")
+        for link in links:  # said, not merely queued, by the time close() returns
+            link.wait_closed()
         # ...and before a successor can take the address (shut down first: a close alone
         # neither wakes the thread blocked in accept() nor frees the port while it is)
         with contextlib.suppress(OSError):
@@ -1022,9 +1024,11 @@ class DecodeClient:
             self._closed = True
             services = list(self._services.values())
         self._clock.close()
-        for service in services:
-            if service.link is not None:
-                service.link.end("the decode client closed", tell="the decode client closed")
+        links = [service.link for service in services if service.link is not None]
+        for link in links:
+            link.end("the decode client closed", tell="the decode client closed")
+        for link in links:  # said, not merely queued, by the time close() returns
+            link.wait_closed()
 
     def __enter__(self) -> DecodeClient:
         return self
