@@ -178,13 +178,27 @@ static int map_segment(pdhal_segment *seg, int fd, uint64_t bytes)
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
 
+/* Bytes populated per madvise call. The kernel holds the process's mmap lock for reading
+ * through one call, and an mmap or munmap on another thread (a new thread's stack, an
+ * allocator's arena) queues for it as a writer, with every page fault of every other
+ * thread queued behind that: one call over a GiB KV cache froze a messager for 26 s on a
+ * loaded host (its sessions silent past their keepalive). Between chunks the lock is
+ * released and those go first. */
+#define PREFAULT_CHUNK ((size_t)32 << 20)
+
 /* Map every page of a buffer now: a KV cache is touched whole anyway, and a page fault per
  * 4 KiB on first touch made the first copy through a fresh mapping 4x slower. Best effort:
  * older kernels (EINVAL) or a short memory cgroup leave the pages to fault in later. */
 static void prefault_buffer(pdhal_segment *seg)
 {
-    if (seg->kind == PDHAL_KIND_BUFFER)
-        (void)madvise(seg->hdr, seg->map_bytes, MADV_POPULATE_WRITE);
+    if (seg->kind != PDHAL_KIND_BUFFER)
+        return;
+    char *base = (char *)seg->hdr;
+    for (size_t at = 0; at < seg->map_bytes; at += PREFAULT_CHUNK) {
+        size_t n = seg->map_bytes - at < PREFAULT_CHUNK ? seg->map_bytes - at : PREFAULT_CHUNK;
+        if (madvise(base + at, n, MADV_POPULATE_WRITE) != 0)
+            return;
+    }
 }
 
 static void *prefault_thread(void *arg)
