@@ -95,9 +95,11 @@ def _touch(path: str | None) -> None:
         os.replace(path + ".tmp", path)
 
 
-def _held_transfers() -> int:
-    """Transfers the connector in this process still holds blocks for: a prefill's not
-    yet written, a decode's loads not ended."""
+def _held_transfers(worker=None) -> int:
+    """Transfers the connector of the worker process this runs in still holds blocks for:
+    a prefill's not yet written, a decode's loads not ended (run on each worker by
+    collective_rpc, which passes the worker: with TP > 1 they are processes of their own,
+    and this process's connector is the scheduler side's)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
@@ -176,7 +178,7 @@ def run(args) -> dict:
             sys.exit(f"the {args.role} instance did not finish within {args.timeout:.0f} s")
     # A prefill's blocks stay held until the messager has written them, an aborted
     # decode's until its loads ended: keep stepping.
-    while _held_transfers():
+    while sum(llm.collective_rpc(_held_transfers)):
         engine.step()
         time.sleep(0.001)
         if time.monotonic() > deadline:
