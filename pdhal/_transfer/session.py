@@ -409,7 +409,8 @@ class PrefillService:
     def close(self) -> None:
         """Fail what is not ended (each decode side told: claims waiting for their request
         are unserved, parts get their failure word), then close the streamer and, once its
-        writes settled, every session."""
+        writes settled, every session. Returns once each session's last words were written
+        (a decode side that reads nothing holds it up to the keepalive bound)."""
         why = "the prefill service was closed"
         with self._lock:
             if self._closed:
@@ -1017,7 +1018,9 @@ class DecodeClient:
         return out
 
     def close(self) -> None:
-        """End every session (the receiver stays the caller's)."""
+        """End every session (the receiver stays the caller's). Returns once each session's
+        last words were written (a prefill side that reads nothing holds it up to the
+        keepalive bound)."""
         with self._lock:
             if self._closed:
                 return
