@@ -1,10 +1,23 @@
-"""vLLM served as its users serve it, three ways side by side in one run, measured by vLLM's
-own benchmark client (`vllm bench serve`, its random dataset, streamed completions):
+"""vLLM served as its users serve it, several ways side by side in one run, measured by
+vLLM's own benchmark client (`vllm bench serve`, its random dataset, streamed completions).
+`--modes` picks them (default pdhal,nixl,plain):
 
 - pdhal: a prefill and a decode `vllm serve` with the pdhal connector and a messager
   between them (shm), behind pdhal's router (`python -m pdhal_vllm.router`), which sends
   each request to both at once; each layer's KV goes to the decode cache as soon as the
   prefill forward wrote it;
+- pdhal-nixl: the same over pdhal's NIXL transport (a messager of its own): the byte mover
+  NixlConnector uses, layer by layer;
+- nixl: vLLM's NixlConnector as a vLLM user runs it on this CPU build
+  (`{"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}`, a
+  VLLM_NIXL_SIDE_CHANNEL_PORT of each server's own), behind pdhal's router with
+  `--kv-transfer-params prefill` (vLLM's proxy pattern: the decode request goes once the
+  prefill answered, with the params that answer carries); the decode pulls the whole
+  prompt's KV then;
+- nixl-tuned: the same as a careful user runs it on a small host: NIXL's progress thread
+  sleeping 10 ms between events instead of spinning a core in every server, and vLLM's
+  NIXL worker not pinning itself to the last core (over the user's taskset), both by
+  bench/server_site/sitecustomize.py (no vLLM option does either);
 - example: a prefill and a decode `vllm serve` with vLLM's own ExampleConnector (each layer
   saved to a safetensors file inside the prefill forward, found by a hash of the prompt;
   the decode's first forward loads them all), behind the same router with `--sequential`:
@@ -15,15 +28,27 @@ own benchmark client (`vllm bench serve`, its random dataset, streamed completio
   while computing the prompt itself, having found nothing yet);
 - plain: one `vllm serve` without a connector, the client straight on it.
 
+With --pin (the default on 2 or more cores) each prefill server runs on core 0 and each
+decode server on core 1 (taskset), as a deployment gives each its own accelerator, and
+plain on core 0; the routers, messagers and the client go where the kernel puts them.
+Every server's processes start with bench/server_site/sitecustomize.py, which asks the
+kernel for AMX tiles where the CPU has them: vLLM's CPU attention uses them without asking,
+and a decode server that never ran a large matmul died at its first attention (pdhal's
+connector asks itself; the others' servers get the same here).
+
+For a sequential mode (nixl, nixl-tuned, example) the router's trace gives, as medians, the prefill
+round trip and the time from the prefill's answer to the decode's first byte (the whole KV
+moved, then the first token).
+
     .venv-vllm/bin/python bench/bench_vllm.py [--rounds 2] [--prompts 12] [--input-len 300]
     .venv-vllm/bin/python bench/bench_vllm.py --json     # everything as JSON
 
-All five servers (started as `python -m pdhal_vllm.vllm_cli serve`, vLLM's CLI), the
-messager and both routers start once, in parallel, and stay up; each server's worker runs
+Every mode's servers (started as `python -m pdhal_vllm.vllm_cli serve`, vLLM's CLI), the
+messagers and the routers start once, in parallel, and stay up; each server's worker runs
 one unbound torch thread (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS=1: vLLM's CPU
-build otherwise binds every worker's OpenMP threads to the same cores, where five servers'
+build otherwise binds every worker's OpenMP threads to the same cores, where the servers'
 threads spin-wait on each other for seconds). Two warm-up requests as long as the
-benchmark's go through each front. Then each round runs the three modes one after another
+benchmark's go through each front. Then each round runs the modes one after another
 (the order rotating between rounds) on the same prompts (`--seed` plus the round). The
 client is vLLM's `vllm bench serve` itself (its parser and main, as `python -m
 pdhal_vllm.vllm_cli bench serve ARGS` runs them), in one process for every run so that
@@ -72,13 +97,11 @@ The parts add up to the client's TTFT of that request; the medians of the parts 
 up to the median TTFT. Not in any part: the prefill server's answer to the router (it runs
 beside the decode). The traces (connector, messager, router) cost the pdhal mode a file
 write per layer and per request event, and a traced decode worker asks for each layer's
-progress: a little of its time. For the example mode the router's trace gives, as
-medians, the prefill round trip and the time from the prefill's answer to the decode's
-first byte (every layer's file loaded, then the first token).
+progress: a little of its time.
 
-On a shared 2-core machine the absolute numbers mean little (five servers, a messager, two
-routers and the client on two cores, and whatever else runs there; the P/D modes have two
-busy servers where plain has one): read the ratios, measured in one run on the same
+On a shared 2-core machine the absolute numbers mean little (every mode's servers,
+messagers and routers and the client on two cores, and whatever else runs there; the P/D
+modes have two busy servers where plain has one): read the ratios, measured in one run on the same
 prompts.
 
 BENCH_SMOKE=1 (`BENCH_SMOKE=1 make bench-vllm`): one round of 4 prompts of 100 tokens and
@@ -111,17 +134,41 @@ import urllib.request
 
 PY = sys.executable
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # BENCH_SMOKE=1 make bench-vllm: the same runs, small
-MODES = ("pdhal", "example", "plain")
-LABELS = {"pdhal": "pdhal layer-wise", "example": "ExampleConnector", "plain": "plain (1 server)"}
-SERVERS = {  # role -> the kv-transfer roles; plain has none
-    "plain": None,
-    "pdhal-prefill": "kv_producer",
-    "pdhal-decode": "kv_consumer",
-    "example-prefill": "kv_producer",
-    "example-decode": "kv_consumer",
+#: Every mode there is (--modes picks; each P/D mode is a prefill and a decode server).
+MODES = ("pdhal", "pdhal-nixl", "nixl", "nixl-tuned", "example", "plain")
+DEFAULT_MODES = ("pdhal", "nixl", "plain")
+LABELS = {
+    "pdhal": "pdhal layer-wise",
+    "pdhal-nixl": "pdhal over NIXL",
+    "nixl": "NixlConnector",
+    "nixl-tuned": "NixlConnector tuned",
+    "example": "ExampleConnector",
+    "plain": "plain (1 server)",
 }
+#: The transport of each pdhal mode's messager and decode side.
+PDHAL_TRANSPORTS = {"pdhal": "shm", "pdhal-nixl": "nixl"}
+
+
+def servers_of(modes) -> dict[str, str | None]:
+    """role -> its kv-transfer role (plain has none), for `modes`."""
+    roles: dict[str, str | None] = {}
+    for mode in modes:
+        if mode == "plain":
+            roles["plain"] = None
+        else:
+            roles |= {f"{mode}-prefill": "kv_producer", f"{mode}-decode": "kv_consumer"}
+    return roles
+
+
 SETTLE_S = 2.0
 STARTUP_FAILED = ("EngineCore failed to start", "Engine core initialization failed")
+#: The modes of vLLM's NixlConnector: as shipped, and as a careful user runs it on a small
+#: host (bench/server_site/sitecustomize.py).
+NIXL_MODES = ("nixl", "nixl-tuned")
+#: Run at the start of each server's processes (AMX tiles; NixlConnector tuned).
+SERVER_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_site")
+#: Each pdhal mode's messager process.
+MESSAGER_OF = {"pdhal": "messager", "pdhal-nixl": "messager-nixl"}
 PARTS = ("router", "prefill_queue", "prefill_forward", "transfer", "decode")
 PART_HEADS = ("router", "queue", "forward", "transfer", "decode")
 
@@ -142,15 +189,20 @@ class Procs:
         return os.path.join(self.root, name)
 
     def start(
-        self, name: str, args: list[str], pipe: bool = False, stdin: bool = False
+        self,
+        name: str,
+        args: list[str],
+        pipe: bool = False,
+        stdin: bool = False,
+        env: dict | None = None,
     ) -> subprocess.Popen:
-        """Start `name`; with `pipe`, its stdout is read by first_line (then into its log);
-        with `stdin`, its stdin is a pipe."""
+        """Start `name` (`env`: variables of its own); with `pipe`, its stdout is read by
+        first_line (then into its log); with `stdin`, its stdin is a pipe."""
         log = open(self.path(f"{name}.log"), "w")
         self._logs.append(log)
         proc = subprocess.Popen(
             args,
-            env=self.env,
+            env=self.env | (env or {}),
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE if pipe else log,
             stderr=log,
@@ -346,10 +398,14 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 class Stack:
-    """The messager, the five servers and the two routers of the run."""
+    """The messagers, the servers and the routers of the run's modes."""
 
-    def __init__(self, procs: Procs, model: str, max_model_len: int):
+    def __init__(self, procs: Procs, model: str, max_model_len: int, modes, pin: bool):
         self.p, self.model, self.max_model_len = procs, model, max_model_len
+        self.pin = pin
+        self.modes = tuple(modes)
+        self.servers = servers_of(self.modes)
+        self.messagers: dict[str, str] = {}  # pdhal mode -> its messager's HOST:PORT
         self.urls: dict[str, str] = {}
         self.trace = procs.path("trace")  # the connector's: trace.prefill0.jsonl, ...
         self.storage = procs.path("example-kv")  # the ExampleConnector's files
@@ -357,52 +413,42 @@ class Stack:
 
     def start(self, bound: float) -> None:
         p = self.p
-        p.start(
-            "messager",
-            [
-                PY,
-                "-u",
-                "-m",
-                "pdhal_vllm.messager",
-                "--listen",
-                "127.0.0.1:0",
-                "--transport",
-                "shm",
-                "--trace",
-                p.path("trace.messager.jsonl"),
-            ],
-            pipe=True,
-        )
-        self.messager = p.first_line("messager", 120, "listening on").split()[-1]
+        for mode, transport in PDHAL_TRANSPORTS.items():
+            if mode not in self.modes:
+                continue
+            name = MESSAGER_OF[mode]
+            args = [PY, "-u", "-m", "pdhal_vllm.messager", "--listen", "127.0.0.1:0"]
+            args += ["--transport", transport]
+            if mode == "pdhal":  # (the traced one: the TTFT split)
+                args += ["--trace", p.path("trace.messager.jsonl")]
+            p.start(name, args, pipe=True)
+            self.messagers[mode] = p.first_line(name, 120, "listening on").split()[-1]
         os.makedirs(self.storage, exist_ok=True)
-        for role, kv_role in SERVERS.items():
+        for role, kv_role in self.servers.items():
             self._serve(role, kv_role)
         p.start("client", [PY, os.path.abspath(__file__), "--client"], stdin=True)
         deadline = time.monotonic() + bound
-        for role in SERVERS:
+        for role in self.servers:
             self._wait_healthy(role, deadline, bound)
-        for mode in ("pdhal", "example"):
+        for mode in self.modes:
+            if mode == "plain":
+                continue
             name = f"{mode}-router"
-            args = [
-                PY,
-                "-u",
-                "-m",
-                "pdhal_vllm.router",
-                "--port",
-                "0",
-                f"--prefill={self.urls[mode + '-prefill']}={self.messager}",
-                f"--decode={self.urls[mode + '-decode']}",
-                "--timeout",
-                "600",
-                "--trace",
-                p.path(f"trace.{name}.jsonl"),
-            ]
-            if mode == "example":
-                args.append("--sequential")
+            prefill = self.urls[mode + "-prefill"]
+            args = [PY, "-u", "-m", "pdhal_vllm.router", "--port", "0"]
+            args += [f"--decode={self.urls[mode + '-decode']}", "--timeout", "600"]
+            args += ["--trace", p.path(f"trace.{name}.jsonl")]
+            if mode in PDHAL_TRANSPORTS:
+                args.append(f"--prefill={prefill}={self.messagers[mode]}")
+            elif mode == "example":
+                args += [f"--prefill={prefill}", "--sequential"]
+            else:  # NixlConnector: its prefill's answer says where its KV is (and when)
+                args += [f"--prefill={prefill}", "--kv-transfer-params", "prefill"]
             p.start(name, args, pipe=True)
             self.urls[name] = p.first_line(name, 120, "listening on").split()[-1]
 
     def _serve(self, role: str, kv_role: str | None) -> None:
+        mode = role.rpartition("-")[0]
         port = free_port()
         args = [
             PY,
@@ -423,20 +469,36 @@ class Stack:
             "bfloat16",
             "--no-enable-prefix-caching",
         ]
-        if role.startswith("pdhal"):
+        env = None
+        if mode in PDHAL_TRANSPORTS:
             from pdhal_vllm.config import kv_transfer_config
 
-            side = {"messager": self.messager} if kv_role == "kv_producer" else {"transport": "shm"}
-            config = kv_transfer_config(kv_role, trace=self.trace, **side)
-            args += ["--kv-transfer-config", json.dumps(config)]
-        elif role.startswith("example"):
+            side = (
+                {"messager": self.messagers[mode]}
+                if kv_role == "kv_producer"
+                else {"transport": PDHAL_TRANSPORTS[mode]}
+            )
+            trace = self.trace if mode == "pdhal" else None
+            config = kv_transfer_config(kv_role, trace=trace, **side)
+        elif mode == "example":
             config = {
                 "kv_connector": "ExampleConnector",
                 "kv_role": kv_role,
                 "kv_connector_extra_config": {"shared_storage_path": self.storage},
             }
+        elif mode in NIXL_MODES:  # as a vLLM user runs it on a CPU build (module docstring)
+            config = {"kv_connector": "NixlConnector", "kv_role": kv_role}
+            config["kv_buffer_device"] = "cpu"
+            env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            if mode == "nixl-tuned":
+                env["BENCH_NIXL_TUNED"] = "1"
+        if kv_role is not None:
             args += ["--kv-transfer-config", json.dumps(config)]
-        self.p.start(role, args)
+        path = self.p.env.get("PYTHONPATH")
+        env = (env or {}) | {"PYTHONPATH": SERVER_SITE + (os.pathsep + path if path else "")}
+        if self.pin:  # a core of its own: a prefill on the first, a decode on the second
+            args = ["taskset", "-c", "1" if kv_role == "kv_consumer" else "0", *args]
+        self.p.start(role, args, env=env)
         self.urls[role] = f"http://127.0.0.1:{port}"
 
     def _wait_healthy(self, role: str, deadline: float, bound: float) -> None:
@@ -667,11 +729,16 @@ def split_pdhal(stack: Stack, results: list[dict]) -> list[dict]:
     return rows
 
 
-def example_split(stack: Stack, since_ns: int) -> dict | None:
-    """The example router's medians over the requests it got from `since_ns` on (not the
-    warm-ups): its prefill round trip, then the decode's first byte."""
+#: The modes whose router sends the decode request once the prefill answered.
+SEQUENTIAL = (*NIXL_MODES, "example")
+
+
+def sequential_split(stack: Stack, mode: str, since_ns: int) -> dict | None:
+    """`mode`'s router's medians over the requests it got from `since_ns` on (not the
+    warm-ups): its prefill round trip, then the decode's first byte (the whole KV moved,
+    then the first token)."""
     router: dict[str, dict[str, int]] = {}
-    for e in _events(stack.p.path("trace.example-router.jsonl")):
+    for e in _events(stack.p.path(f"trace.{mode}-router.jsonl")):
         router.setdefault(e["tid"], {}).setdefault(e["kind"], e["t"])
     done = [
         ev
@@ -697,7 +764,7 @@ def example_split(stack: Stack, since_ns: int) -> dict | None:
 def warm_up(stack: Stack, length: int) -> None:
     """Two requests through each front, their prompts (token ids, not the benchmark's) as
     long as the benchmark's: a server's first forwards of a shape cost more."""
-    for mode in MODES:
+    for mode in stack.modes:
         for i in range(2):
             prompt = [(7 * j + 13 * i) % 990 + 2 for j in range(length)]
             body = {"model": stack.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
@@ -728,9 +795,10 @@ def run(args, root: str, model: str) -> dict:
     namespace = f"benchvllm{os.getpid()}"
     procs = Procs(root, server_env(namespace))
     max_len = max(512, -(-(args.input_len + args.output_len + 64) // 32) * 32)
-    stack = Stack(procs, model, max_len)
-    out: dict = {"runs": {m: [] for m in MODES}}
-    out |= {"decode_tokens": {m: [] for m in MODES}, "cpu_s": {m: [] for m in MODES}}
+    modes = args.modes
+    stack = Stack(procs, model, max_len, modes, args.pin)
+    out: dict = {"runs": {m: [] for m in modes}}
+    out |= {"decode_tokens": {m: [] for m in modes}, "cpu_s": {m: [] for m in modes}}
     times = {}
     try:
         t = time.monotonic()
@@ -741,7 +809,8 @@ def run(args, root: str, model: str) -> dict:
         _say(args, f"servers up and warm in {times['start_s']:.0f} s")
         t, since_ns = time.monotonic(), time.monotonic_ns()
         for r in range(args.rounds):
-            order = MODES[r % 3 :] + MODES[: r % 3]
+            turn = r % len(modes)
+            order = modes[turn:] + modes[:turn]
             for mode in order:
                 if mode == "example":  # nothing of an earlier run to find
                     shutil.rmtree(stack.storage, ignore_errors=True)
@@ -770,8 +839,10 @@ def run(args, root: str, model: str) -> dict:
                 stack.check()
         times["bench_s"] = time.monotonic() - t
         time.sleep(1.0)  # the messager traces the streamer's records twice a second
-        out["split"] = split_pdhal(stack, out["runs"]["pdhal"])
-        out["example_router"] = example_split(stack, since_ns)
+        out["split"] = split_pdhal(stack, out["runs"]["pdhal"]) if "pdhal" in modes else []
+        out["sequential"] = {
+            m: sequential_split(stack, m, since_ns) for m in modes if m in SEQUENTIAL
+        }
     except BenchError as exc:
         raise BenchError(f"{exc}\nthe processes then: {procs.states()}") from None
     finally:
@@ -798,14 +869,15 @@ def stop(stack: Stack, namespace: str) -> dict:
     vllm_shm = stack.shm | p.shm_mapped()  # vLLM's own (its executor's message queues)
     killed = p.stop(["client"], bound=10)
     killed += p.stop([n for n in p.procs if n.endswith("router")], bound=20)
-    killed += p.stop([n for n in p.procs if n in SERVERS], bound=60)
-    messager = p.procs.get("messager")
+    killed += p.stop([n for n in p.procs if n in stack.servers], bound=60)
+    messagers = [p.procs[n] for n in MESSAGER_OF.values() if n in p.procs]
     deadline = time.monotonic() + 20
-    while messager is not None and messager.poll() is None and time.monotonic() < deadline:
-        if all(f".{messager.pid}." in name for name in segments_of(namespace)):
+    while any(m.poll() is None for m in messagers) and time.monotonic() < deadline:
+        owners = [f".{m.pid}." for m in messagers]
+        if all(any(o in name for o in owners) for name in segments_of(namespace)):
             break
         time.sleep(0.2)
-    killed += p.stop(["messager"], bound=20)
+    killed += p.stop([n for n in MESSAGER_OF.values() if n in p.procs], bound=20)
     removed = remove_leftovers(namespace)
     in_use = _mapped_anywhere()
     for path in sorted(vllm_shm - in_use):  # a killed process's, nobody else's
@@ -828,7 +900,7 @@ def summarize(args, out: dict) -> dict:
         "output_throughput",
     )
     modes = {}
-    for mode in MODES:
+    for mode in args.modes:
         runs = out["runs"][mode]
         modes[mode] = {k: statistics.median(r[k] for r in runs) for k in keys}
         tokens = out["decode_tokens"][mode]
@@ -842,15 +914,16 @@ def summarize(args, out: dict) -> dict:
                 cpu[name] = cpu.get(name, 0.0) + seconds
         modes[mode]["cpu_s"] = {k: round(v, 2) for k, v in sorted(cpu.items())}
         modes[mode]["bench_duration_s"] = sum(r["duration"] for r in runs)
-    pd = modes["pdhal"]
     ratios = {}
-    for other in ("plain", "example"):
-        o = modes[other]
-        ratios[f"pdhal/{other}"] = {
-            "median_ttft": pd["median_ttft_ms"] / o["median_ttft_ms"],
-            "request_throughput": pd["request_throughput"] / o["request_throughput"],
-            "output_throughput": pd["output_throughput"] / o["output_throughput"],
-        }
+    for mine in (m for m in args.modes if m in PDHAL_TRANSPORTS):
+        pd = modes[mine]
+        for other in (m for m in args.modes if m not in PDHAL_TRANSPORTS):
+            o = modes[other]
+            ratios[f"{mine}/{other}"] = {
+                "median_ttft": pd["median_ttft_ms"] / o["median_ttft_ms"],
+                "request_throughput": pd["request_throughput"] / o["request_throughput"],
+                "output_throughput": pd["output_throughput"] / o["output_throughput"],
+            }
     rows = out["split"]
     split = {
         "requests": rows,
@@ -878,7 +951,7 @@ def summarize(args, out: dict) -> dict:
         "modes": modes,
         "ratios": ratios,
         "pdhal_ttft_split": split,
-        "example_router": out["example_router"],
+        "sequential_router": out["sequential"],
         "times": out["times"],
         "stop": out["stop"],
         "note": "absolute numbers on a shared 2-core machine mean little; ratios measured "
@@ -886,38 +959,8 @@ def summarize(args, out: dict) -> dict:
     }
 
 
-def report(s: dict) -> None:
-    st = s["setup"]
-    print(
-        f"vllm bench serve, random dataset: {st['prompts']} prompts x {st['input_len']} tokens "
-        f"-> {st['output_len']} tokens, concurrency {st['concurrency']}, {st['rounds']} "
-        f"round(s); tiny Llama, {st['layers']} layers, hidden {st['hidden']} "
-        f"({st['kv_bytes_per_request'] / 2**20:.1f} MiB of KV per request); per mode the "
-        "median over rounds of each run's own figures"
-    )
-    print(
-        f"  {'mode':18s} {'TTFT med':>9s} {'TTFT p99':>9s} {'ITL med':>8s} {'req/s':>7s} "
-        f"{'out tok/s':>9s}  decode computed"
-    )
-    for mode in MODES:
-        m = s["modes"][mode]
-        print(
-            f"  {LABELS[mode]:18s} {m['median_ttft_ms']:6.1f} ms {m['p99_ttft_ms']:6.1f} ms "
-            f"{m['median_itl_ms']:5.1f} ms {m['request_throughput']:7.2f} "
-            f"{m['output_throughput']:9.1f}  {m['decode_computed_prompt_tokens']:.0f} of "
-            f"{m['prompt_tokens']} prompt tokens"
-        )
-    print("  CPU seconds each process group used during the mode's runs (all rounds):")
-    for mode in MODES:
-        m = s["modes"][mode]
-        used = ", ".join(f"{name} {sec:.1f}" for name, sec in m["cpu_s"].items())
-        print(f"    {LABELS[mode]:18s} ({m['bench_duration_s']:.0f} s of runs): {used}")
-    for key, r in s["ratios"].items():
-        print(
-            f"  {key:15s} TTFT {r['median_ttft']:.2f}x   request throughput "
-            f"{r['request_throughput']:.2f}x   output throughput {r['output_throughput']:.2f}x"
-        )
-    split = s["pdhal_ttft_split"]
+def _report_split(split: dict) -> None:
+    """The pdhal mode's TTFT split, per request and its medians."""
     rows = split["requests"]
     print(
         "pdhal TTFT split per request (ms): router = client -> router forwards; queue = -> "
@@ -950,14 +993,49 @@ def report(s: dict) -> None:
         )
     else:
         print("  no pdhal request could be paired with its traces")
-    ex = s["example_router"]
-    if ex:
+
+
+def report(s: dict) -> None:
+    st = s["setup"]
+    print(
+        f"vllm bench serve, random dataset: {st['prompts']} prompts x {st['input_len']} tokens "
+        f"-> {st['output_len']} tokens, concurrency {st['concurrency']}, {st['rounds']} "
+        f"round(s); tiny Llama, {st['layers']} layers, hidden {st['hidden']} "
+        f"({st['kv_bytes_per_request'] / 2**20:.1f} MiB of KV per request); per mode the "
+        "median over rounds of each run's own figures"
+    )
+    print(
+        f"  {'mode':18s} {'TTFT med':>9s} {'TTFT p99':>9s} {'ITL med':>8s} {'req/s':>7s} "
+        f"{'out tok/s':>9s}  decode computed"
+    )
+    for mode in s["modes"]:
+        m = s["modes"][mode]
         print(
-            f"example (router's clock, medians): prefill round trip "
-            f"{ex['prefill_round_trip_ms']:.1f} ms, then the decode's first byte "
-            f"{ex['decode_first_byte_after_prefill_ms']:.1f} ms later (every layer's file "
-            "loaded, the first token)"
+            f"  {LABELS[mode]:18s} {m['median_ttft_ms']:6.1f} ms {m['p99_ttft_ms']:6.1f} ms "
+            f"{m['median_itl_ms']:5.1f} ms {m['request_throughput']:7.2f} "
+            f"{m['output_throughput']:9.1f}  {m['decode_computed_prompt_tokens']:.0f} of "
+            f"{m['prompt_tokens']} prompt tokens"
         )
+    print("  CPU seconds each process group used during the mode's runs (all rounds):")
+    for mode in s["modes"]:
+        m = s["modes"][mode]
+        used = ", ".join(f"{name} {sec:.1f}" for name, sec in m["cpu_s"].items())
+        print(f"    {LABELS[mode]:18s} ({m['bench_duration_s']:.0f} s of runs): {used}")
+    for key, r in s["ratios"].items():
+        print(
+            f"  {key:18s} TTFT {r['median_ttft']:.2f}x   request throughput "
+            f"{r['request_throughput']:.2f}x   output throughput {r['output_throughput']:.2f}x"
+        )
+    if "pdhal" in s["modes"]:
+        _report_split(s["pdhal_ttft_split"])
+    for mode, ex in s["sequential_router"].items():
+        if ex:
+            print(
+                f"{LABELS[mode]} (its router's clock, medians): prefill round trip "
+                f"{ex['prefill_round_trip_ms']:.1f} ms, then the decode's first byte "
+                f"{ex['decode_first_byte_after_prefill_ms']:.1f} ms later (the whole KV "
+                "moved, then the first token)"
+            )
     t = s["times"]
     print(
         f"servers up and warm in {t.get('start_s', 0):.0f} s, benchmark runs "
@@ -969,10 +1047,18 @@ def report(s: dict) -> None:
             f"and removed: {s['stop']['leftovers_removed']}"
         )
     print(
-        "Absolute numbers on a shared 2-core machine mean little (every process of the three "
-        "modes and the client share two cores); the ratios, measured in one run on the same "
+        "Absolute numbers on a shared 2-core machine mean little (every process of every mode "
+        "and the client share two cores); the ratios, measured in one run on the same "
         "prompts, do."
     )
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"modes are some of {', '.join(MODES)}; got {text!r}")
+    return modes
 
 
 def main(argv=None) -> int:
@@ -989,6 +1075,20 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="round r uses seed + r")
     parser.add_argument("--start-timeout", type=float, default=420.0, help="servers up, s")
     parser.add_argument("--run-timeout", type=float, default=300.0, help="one bench run, s")
+    parser.add_argument(
+        "--modes",
+        type=_modes,
+        default=DEFAULT_MODES,
+        help=f"comma-separated, of {', '.join(MODES)} (default {','.join(DEFAULT_MODES)})",
+    )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=(os.cpu_count() or 1) >= 2,
+        help="each prefill server on core 0 and each decode server on core 1 (taskset), as "
+        "a deployment gives each its own accelerator; plain on core 0 (default: on, with 2 "
+        "or more cores)",
+    )
     parser.add_argument("--keep", default=None, help="keep logs and traces in this folder")
     parser.add_argument("--json", action="store_true", help="print everything as JSON")
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
