@@ -480,6 +480,10 @@ class Stack:
             )
             trace = self.trace if mode == "pdhal" else None
             config = kv_transfer_config(kv_role, trace=trace, **side)
+            # each pdhal prefill server on a device of its own, as on an xPyD node: two on
+            # one device would signal their layers on one channel (refused at start)
+            if kv_role == "kv_producer":
+                env = {"PDHAL_CPU_VISIBLE_DEVICES": str(list(PDHAL_TRANSPORTS).index(mode))}
         elif mode == "example":
             config = {
                 "kv_connector": "ExampleConnector",
