@@ -225,7 +225,9 @@ def test_a_slow_rank_stalls_only_itself():
 def test_signalling_after_the_forward_pass_reads_as_exposed_not_overlapped():
     """The same run with every layer signalled after the forward pass (--signal-at-end):
     per request, nothing of the transfer lay before the last signal and all of it is
-    exposed, where layer by layer only about the last layer's copy is."""
+    exposed, where layer by layer most of it lay before. The share is compared, not the
+    two runs' exposed milliseconds: on a loaded machine a small run's whole copy after the
+    forward took 1.9 ms where the layer-wise run's last layer took 3.4 ms (CI-like load)."""
     runs = {}
     for how, extra in (("layer-wise", []), ("at-end", ["--signal-at-end"])):
         run = demo(*SMALL, "--layers", "8", "--mode", "per_query", "--json", *extra)
@@ -238,7 +240,6 @@ def test_signalling_after_the_forward_pass_reads_as_exposed_not_overlapped():
     }
     assert end["layer_signals"] == "after the forward pass", figures
     assert end["overlap_efficiency_p50"] <= 0.3 < 0.6 <= lw["overlap_efficiency_p50"], figures
-    assert end["exposed_ms_p50"] > lw["exposed_ms_p50"], figures
 
 
 @pytest.mark.parametrize(
