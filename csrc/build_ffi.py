@@ -25,6 +25,7 @@ SOURCES = [
     "kernel.c",
     "copy.c",
     "fault.c",
+    "copier.c",
 ]
 
 

@@ -47,7 +47,14 @@ from pdhal._transfer.kit import (
     positive,
     word,
 )
-from pdhal._transfer.layout import CacheLayout, CacheSpec, RunPlanner, block_runs
+from pdhal._transfer.layout import (
+    BlockRuns,
+    CacheLayout,
+    CacheSpec,
+    LayerCopies,
+    RunPlanner,
+    block_runs,
+)
 from pdhal._transfer.metrics import LayerRecord, RequestRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import names as transports
@@ -66,6 +73,7 @@ __all__ = [
     "COMPLETIONS",
     "Batch",
     "BatchState",
+    "BlockRuns",
     "CacheLayout",
     "CacheSpec",
     "Clock",
@@ -79,6 +87,7 @@ __all__ = [
     "KVStreamer",
     "LandedBatch",
     "LatchedLink",
+    "LayerCopies",
     "LayerRecord",
     "Link",
     "Option",

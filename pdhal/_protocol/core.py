@@ -314,17 +314,6 @@ def run_store(store) -> None:
     lib.pdhal_store_run(store)
 
 
-def copy_guarded(dst: int, src: int, nbytes: int) -> None:
-    """pdhal_copy_guarded: copy `nbytes` from address `src` into shared memory at `dst`
-    whose owner may shrink it: TransferError (not a SIGBUS) when it did."""
-    rc = lib.pdhal_copy_guarded(ffi.cast("void *", dst), ffi.cast("const void *", src), nbytes)
-    if rc < 0:
-        raise TransferError(
-            f"the destination's memory was taken away under a copy (SIGBUS: its owner shrank "
-            f"the shared file): {ffi.string(lib.pdhal_last_error()).decode(errors='replace')}"
-        )
-
-
 def copy_blocks(
     copy_fn,
     kind: int,
@@ -476,3 +465,128 @@ def _event(event):
     if isinstance(event, int):
         return ffi.cast("void *", event)
     return event
+
+
+#: What a copier's post raises for each errno: a run outside what the link may touch is a
+#: TransferError (a peer's description or a caller's run); a closed copier is one too.
+_COPIER_ERRORS = {
+    errno.ERANGE: TransferError,
+    errno.EPIPE: TransferError,
+    errno.ECHILD: TransferError,
+}
+
+
+class CopyJob:
+    """One posted job of a Copier: wait for it, or ask whether it ran."""
+
+    __slots__ = ("_ptr",)
+
+    def __init__(self, ptr):
+        self._ptr = ffi.gc(ptr, lib.pdhal_copy_job_free)
+
+    def done(self) -> bool:
+        return bool(lib.pdhal_copy_job_done(self._ptr))
+
+    def wait(self, timeout: float) -> None:
+        """Return once every copy of the job ran; TransferError if one met memory its owner
+        took away (SIGBUS), or if the job had not run within `timeout` seconds."""
+        rc = lib.pdhal_copy_job_wait(self._ptr, deadline_ns(timeout))
+        if rc == -errno.ETIMEDOUT:
+            raise TransferError(f"the copies did not run within {timeout:g} s")
+        if rc < 0:
+            _raise(
+                rc,
+                "the destination's memory was taken away under a copy",
+                {errno.EFAULT: TransferError},
+            )
+
+
+class Copier:
+    """A C copier thread (copier.c): host copies into one destination's regions mapped here
+    (`bases`, `sizes`), from the memory in `sources` ((address, bytes) pairs), run in order
+    off the caller's thread and without the GIL. Thread-safe; destroy() runs what was
+    posted, then refuses more (TransferError)."""
+
+    __slots__ = ("_ptr", "_lock")
+
+    def __init__(self, bases: list[int], sizes: list[int], sources: list[tuple[int, int]]):
+        out = ffi.new("pdhal_copier **")
+        flat = [word for span in sources for word in span]
+        check(
+            lib.pdhal_copier_create(
+                ffi.new("uint64_t[]", bases),
+                ffi.new("uint64_t[]", sizes),
+                len(bases),
+                ffi.new("uint64_t[]", flat),
+                len(sources),
+                out,
+            ),
+            "starting the copier",
+        )
+        self._ptr = ffi.gc(out[0], lib.pdhal_copier_destroy)
+        self._lock = threading.Lock()
+
+    def post_runs(self, runs: list[tuple[int, int, int, int]]) -> CopyJob:
+        """Queue `runs` ((source address, region, offset, bytes), plain ints) as one job."""
+        packed = ffi.new("uint64_t[]", [word for run in runs for word in run])
+        return self._post(lib.pdhal_copier_post_runs, packed, len(runs))
+
+    def post_blocks(self, caches, ncaches: int, block_runs, nruns: int) -> CopyJob:
+        """Queue the byte copies of `block_runs` (cdata int64_t[3 * nruns]) in each of
+        `caches` (cdata pdhal_copy_cache[ncaches]) as one job."""
+        return self._post(lib.pdhal_copier_post_blocks, caches, ncaches, block_runs, nruns)
+
+    def _post(self, post, *args) -> CopyJob:
+        out = ffi.new("pdhal_copy_job **")
+        with self._lock:  # destroy() frees the copier: not while a post is inside it
+            if self._ptr is None:
+                raise TransferError("the link was closed")
+            check(post(self._ptr, *args, out), "posting copies", overrides=_COPIER_ERRORS)
+        return CopyJob(out[0])
+
+    def destroy(self) -> None:
+        """Run every job posted, then stop the thread. Idempotent."""
+        with self._lock:
+            ptr, self._ptr = self._ptr, None
+        if ptr is not None:
+            ffi.gc(ptr, None)
+            lib.pdhal_copier_destroy(ptr)
+
+
+def copy_caches(caches: list[tuple[int, int, int, int, int, int]]):
+    """A cdata pdhal_copy_cache[] of (source address, source stride, region, destination
+    offset, destination stride, block bytes) per cache, for Copier.post_blocks."""
+    return ffi.new("pdhal_copy_cache[]", caches)
+
+
+def block_run_words(runs: list[tuple[int, int, int]]):
+    """A cdata int64_t[] of `runs` ((first source block, first destination block, count))."""
+    return ffi.new("int64_t[]", [word for run in runs for word in run])
+
+
+class Bell:
+    """A doorbell between threads of this process (pdhal_bell): ring() wakes every thread
+    inside wait(); a waiter passes seen(), read before it decided to wait, so a ring between
+    that read and the wait is not missed. The wait runs without the GIL."""
+
+    __slots__ = ("_bell",)
+
+    def __init__(self):
+        self._bell = ffi.new("pdhal_bell *")
+
+    def seen(self) -> int:
+        return self._bell.seq
+
+    def ring(self) -> None:
+        lib.pdhal_bell_ring(self._bell)
+
+    def wait(self, seen: int, timeout: float | None = None) -> bool:
+        """Wait until a ring after `seen`, at most `timeout` seconds (None: no limit): True
+        if one came."""
+        deadline = deadline_ns(timeout)
+        while self._bell.seq == seen:
+            rc = lib.pdhal_bell_wait(self._bell, seen, deadline)
+            if rc == -errno.ETIMEDOUT:
+                return False
+            check(rc, "waiting on a doorbell")
+        return True

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import bisect
 import operator
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from pdhal._errors import InvalidArgumentError, TransferError
 from pdhal._inputs.tensors import memory_ref
 from pdhal._transfer.checks import LARGEST, integer
+
+if TYPE_CHECKING:
+    from pdhal._transfer.layout import BlockRuns, LayerCopies
 
 #: One copy: (source address, destination region index, byte offset in it, bytes).
 Run = tuple[int, int, int, int]
@@ -65,6 +68,10 @@ class RunChecker:
             spans.append((start, start + integer(span[1], f"{what}'s bytes")))
         self._sources = sorted(spans)
         self._starts = [a for a, _ in self._sources]
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The memory runs may be read from, as (address, bytes), checked."""
+        return [(start, end - start) for start, end in self._sources]
 
     def check(self, runs: list[Run]) -> list[Run]:
         """`runs`, every field of every run checked; submit copies the runs this returns (a
@@ -195,6 +202,13 @@ class Link:
         another landed lands after it."""
         raise NotImplementedError
 
+    def submit_blocks(self, layer: LayerCopies, runs: BlockRuns) -> Batch:
+        """Start the copies of block `runs` in one `layer` of the destination's caches, as
+        submit(layer.copies(runs.runs)) does (what this default does): a transport that
+        takes block runs whole (Transport.posts) expands and checks them in C instead, with
+        no Python per run."""
+        return self.submit(layer.copies(runs.runs))
+
     def problem(self) -> str | None:
         """None while the peer looks alive; else why not (checked before each submit)."""
         return None
@@ -233,6 +247,11 @@ class Transport:
     #: Its version ("" if it does not say): a session's hello refuses two sides whose
     #: transports differ in it (their wire formats may).
     version: ClassVar[str] = ""
+    #: True when a Link's submit only queues the copies (for a thread that is not the
+    #: caller's) and returns at once: the streamer then submits on the caller's thread,
+    #: not handing each write to a thread of its own first. False (the default): a submit
+    #: may take its time, and runs on the destination's submitting thread.
+    posts: ClassVar[bool] = False
 
     def configure(self, **options: object) -> None:
         """Set the transport's options (each plugin documents its own: an address to

@@ -26,9 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdhal._errors import TransferError
+from pdhal._protocol import core as _core
 from pdhal._transfer import mailbox
 from pdhal._transfer.contract import Batch, Link
-from pdhal._transfer.layout import RunPlanner
+from pdhal._transfer.layout import BlockRuns, RunPlanner
 
 #: The shortest wait for a write whose stall_timeout passed while it queued: one look.
 MIN_WAIT_S = 1e-3
@@ -51,7 +52,7 @@ class Send(Write):
 
     layer: int = 0
     items: list = field(default_factory=list)  # (request, blocks) it carries
-    copies: list = field(default_factory=list)  # the transport's runs
+    runs: BlockRuns | None = None  # its block runs, the same in each layer of a step
     nbytes: int = 0
     signal_ns: int = 0
     step: int | None = None  # the engine's, if it said
@@ -108,14 +109,17 @@ class Destination:
         stall_timeout: float,
         settled: Callable[[Destination, Write, str | None], None],
         broken: Callable[[Destination, int, str], None],
+        posts: bool = False,
     ):
         """`connect(status source)`: a new link to the decode side; `settled(dest, write,
         reason)`: a write landed (None), failed (its reason) or was dropped unsent ("");
-        `broken(dest, epoch, reason)`: every request put before `epoch` is to fail."""
+        `broken(dest, epoch, reason)`: every request put before `epoch` is to fail;
+        `posts`: the transport's submit only queues its copies (Transport.posts), so a write
+        put while nothing waits is submitted on the caller's thread."""
         self.planner, self.status_region, self.status_slots = planner, status_region, status_slots
         self.receiver = receiver  # the receiver tickets for this decode side must name
         self._connect, self._window, self._stall = connect, window, stall_timeout
-        self._settled, self._broken = settled, broken
+        self._settled, self._broken, self._posts = settled, broken, posts
         #: Why its process is gone, once a peer check found it so (a gone decode side is
         #: not connected again: its requests fail, and it is forgotten once it has none).
         self.gone: str | None = None
@@ -123,8 +127,13 @@ class Destination:
         self._inbox: collections.deque[Write] = collections.deque()  # waiting for the window
         self._submitted: collections.deque[Write] = collections.deque()  # in order
         self._taken = 0  # window places held: being submitted, or submitted and unsettled
+        self._submitting = 0  # writes being submitted (0 or 1), on either thread
         self._stopping = False
         self._submitting_done = False
+        #: Rung when _submitted grows or submitting ended: the completing thread waits on
+        #: it in C, so a write submitted on a caller's thread hands no lock to a Python
+        #: thread (Condition.notify is ~100 us of the caller's time under the GIL)
+        self._bell = _core.Bell()
         #: The link generation: a break starts the next one.
         self.epoch = 0
         #: (generation, why) once a connect after a break failed: its other writes fail
@@ -161,15 +170,43 @@ class Destination:
     # ---- what the streamer asks ---------------------------------------------------
 
     def put(self, write: Write) -> None:
-        """Queue `write` behind those put before it (never blocks on the decode side)."""
+        """Queue `write` behind those put before it (never blocks on the decode side). With
+        a transport that posts, a write that would be the next submitted, with window room
+        and a link, is submitted here: a post returns at once."""
+        direct = self._posts and not self._unneeded(write)
         with self._cond:
-            if not self._submitting_done:
-                write.epoch = self.epoch
-                self._inbox.append(write)
-                self._cond.notify_all()
-                return
-        write.failed = "the streamer was closed"
-        self._settled(self, write, write.failed)
+            if self._submitting_done:
+                channel = None
+            else:
+                write.epoch, channel = self.epoch, self._channel
+                if not (
+                    direct
+                    and channel is not None
+                    and not self._inbox
+                    and not self._submitting
+                    and self._taken < self._window
+                ):
+                    self._inbox.append(write)
+                    self._cond.notify_all()
+                    return
+                self._submitting += 1
+                self._taken += 1
+                channel.outstanding += 1
+        if channel is None:
+            write.failed = "the streamer was closed"
+            self._settled(self, write, write.failed)
+            return
+        try:
+            self._send(write, channel)
+        finally:
+            if write.batch is None and write.failed is None:  # a KeyboardInterrupt in it
+                write.failed = "the submit was interrupted"
+            with self._cond:
+                self._submitting -= 1
+                self._submitted.append(write)
+                if self._inbox:  # put meanwhile: the submitting thread's turn
+                    self._cond.notify_all()
+            self._bell.ring()
 
     def problem(self) -> str | None:
         """Why the decode side looks gone (its link's problem()), or None."""
@@ -235,25 +272,34 @@ class Destination:
             with self._cond:
                 # once stopping, it ends when nothing is queued or in flight (a write
                 # settling may queue another: a failure's word after its reason)
-                while not (self._inbox and self._taken < self._window) and not (
-                    self._stopping and not self._inbox and not self._taken
-                ):
+                while not (
+                    self._inbox and self._taken < self._window and not self._submitting
+                ) and not (self._stopping and not self._inbox and not self._taken):
                     self._cond.wait()
-                if not self._inbox:
+                write = self._inbox.popleft() if self._inbox else None
+                if write is None:
                     self._submitting_done = True
-                    self._cond.notify_all()
-                    return
-                write = self._inbox.popleft()
-                self._taken += 1
+                else:
+                    self._taken += 1
+                    self._submitting += 1  # no put submits on its own thread meanwhile
+            if write is None:
+                self._bell.ring()  # the completing thread ends once what it has settled
+                return
             self._submit(write)
             with self._cond:
+                self._submitting -= 1
                 self._submitted.append(write)
-                self._cond.notify_all()
+            self._bell.ring()
+
+    @staticmethod
+    def _unneeded(write: Write) -> bool:
+        """Whether `write` carries blocks no live request needs (dropped, not sent)."""
+        return isinstance(write, Send) and not any(r.live for r, _ in write.items)
 
     def _submit(self, write: Write) -> None:
         """Submit `write` on the current link (connecting anew after a break); a write no
         live request needs is dropped, one that cannot be submitted failed."""
-        if isinstance(write, Send) and not any(r.live for r, _ in write.items):
+        if self._unneeded(write):
             write.failed = ""
             return
         with self._cond:  # the write counts on its link before it is made: a break
@@ -272,17 +318,22 @@ class Destination:
                     self._channel = channel
                 else:  # broken again meanwhile: this link is not the current one
                     channel.retired = True
-        write.channel = channel
+        self._send(write, channel)
+
+    def _send(self, write: Write, channel: _Channel) -> None:
+        """Submit `write` on `channel` (which counts it outstanding already)."""
+        write.channel, link = channel, channel.link
         if isinstance(write, StatusWrite):
             write.buffer = channel.status.take()
             ctypes.memmove(write.buffer, write.data, len(write.data))
             offset = write.request.slot * mailbox.SLOT_BYTES + write.at
             runs = [(write.buffer, self.status_region, offset, len(write.data))]
-        else:
-            runs = write.copies
         write.submit_ns = time.monotonic_ns()
         try:
-            write.batch = channel.link.submit(runs)
+            if isinstance(write, StatusWrite):
+                write.batch = link.submit(runs)
+            else:
+                write.batch = link.submit_blocks(self.planner.layer(write.layer), write.runs)
         except Exception as e:  # TransferError, or a transport's bug
             write.failed = _why(e)
 
@@ -290,9 +341,13 @@ class Destination:
         """Settle each submitted write in order: waited for until stall_timeout after it
         was submitted (the writes behind a stalled one do not each wait it again)."""
         while True:
+            while True:
+                with self._cond:
+                    seen = self._bell.seen()  # before looking: a ring after it is not missed
+                    if self._submitted or self._submitting_done:
+                        break
+                self._bell.wait(seen)
             with self._cond:
-                while not self._submitted and not self._submitting_done:
-                    self._cond.wait()
                 if not self._submitted:
                     return
                 write = self._submitted[0]
@@ -319,7 +374,8 @@ class Destination:
             with self._cond:  # its window place goes only now: what it queued is seen
                 self._submitted.popleft()
                 self._taken -= 1
-                self._cond.notify_all()
+                if self._inbox or self._stopping:  # the submitting thread waits for room
+                    self._cond.notify_all()
 
 
 def _within(open_: Callable[[], _Channel], bound: float, what: str) -> _Channel:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pdhal._errors import InvalidArgumentError
 from pdhal._memory import extents as _extents
 from pdhal._memory.blocks import block_bytes_of, resolve
+from pdhal._protocol import core as _core
 from pdhal._protocol.names import validate_index
 from pdhal._transfer.checks import integer, name
 from pdhal._transfer.heads import HeadShard
@@ -333,39 +334,57 @@ def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, 
     return [tuple(r) for r in runs]
 
 
-class RunPlanner:
-    """The byte copies of block runs from a source layout into a destination's layers:
-    (source address, destination region, destination offset, bytes), one per run and
-    cache (one per block where a stride is not the block size). What each layer needs is
-    worked out once; src_blocks and dst_blocks are the fewest blocks of any layer's cache
-    on each side, which block ids are checked against (KVStreamer, before they are sent)."""
+class BlockRuns:
+    """The block runs of one step's requests to one destination (block_runs' tuples),
+    planned once and sent in every layer; `words` packs them for a transport that takes
+    them whole (Link.submit_blocks), once."""
 
-    def __init__(self, src: CacheLayout, dst_layers: list[list[CacheSpec]]):
-        self._layers = [
-            [
-                (
-                    src.regions[s.region][0] + s.offset,
-                    s.stride,
-                    d.region,
-                    d.offset,
-                    d.stride,
-                    s.block_bytes,
-                    s.stride == s.block_bytes == d.stride,
-                )
-                for s, d in zip(mine, theirs)
-            ]
-            for mine, theirs in zip(src.layers, dst_layers)
-        ]
-        self.src_blocks = min(s.blocks for caches in src.layers for s in caches)
-        self.dst_blocks = min(d.blocks for caches in dst_layers for d in caches)
-        #: Bytes one block is in each layer, all its caches together.
-        self.block_bytes = [sum(s.block_bytes for s in caches) for caches in src.layers]
+    __slots__ = ("runs", "_words")
 
-    def copies(self, layer: int, runs) -> list[tuple[int, int, int, int]]:
-        """The copies of `runs` in `layer` (ids within src_blocks and dst_blocks)."""
+    def __init__(self, runs: list[tuple[int, int, int]]):
+        self.runs = runs
+        self._words = None
+
+    @property
+    def words(self):
+        """The runs as C's int64_t[3 * len(runs)] (made on first use)."""
+        if self._words is None:
+            self._words = _core.block_run_words(self.runs)
+        return self._words
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+
+class LayerCopies:
+    """One layer's caches, paired across the two sides: how block runs become byte copies
+    in it (copies(), in Python; `caches`, for a transport that expands them in C)."""
+
+    __slots__ = ("_caches", "_packed")
+
+    def __init__(self, caches: list[tuple[int, int, int, int, int, int]]):
+        #: (source address, source stride, destination region, its offset, its stride,
+        #: block bytes) per cache
+        self._caches = caches
+        self._packed = None
+
+    @property
+    def caches(self):
+        """The caches as C's pdhal_copy_cache[] (made on first use)."""
+        if self._packed is None:
+            self._packed = _core.copy_caches(self._caches)
+        return self._packed
+
+    @property
+    def count(self) -> int:
+        return len(self._caches)
+
+    def copies(self, runs) -> list[tuple[int, int, int, int]]:
+        """The byte copies (source address, region, offset, bytes) of block `runs`: one per
+        run and cache where both strides are the block size, else one per block."""
         out = []
-        for base, s_stride, region, offset, d_stride, block, contiguous in self._layers[layer]:
-            if contiguous:
+        for base, s_stride, region, offset, d_stride, block in self._caches:
+            if s_stride == block == d_stride:
                 out += [
                     (base + s * s_stride, region, offset + d * d_stride, n * block)
                     for s, d, n in runs
@@ -377,3 +396,41 @@ class RunPlanner:
                     for i in range(n)
                 ]
         return out
+
+
+class RunPlanner:
+    """The byte copies of block runs from a source layout into a destination's layers:
+    (source address, destination region, destination offset, bytes), one per run and
+    cache (one per block where a stride is not the block size). What each layer needs is
+    worked out once; src_blocks and dst_blocks are the fewest blocks of any layer's cache
+    on each side, which block ids are checked against (KVStreamer, before they are sent)."""
+
+    def __init__(self, src: CacheLayout, dst_layers: list[list[CacheSpec]]):
+        self._layers = [
+            LayerCopies(
+                [
+                    (
+                        src.regions[s.region][0] + s.offset,
+                        s.stride,
+                        d.region,
+                        d.offset,
+                        d.stride,
+                        s.block_bytes,
+                    )
+                    for s, d in zip(mine, theirs)
+                ]
+            )
+            for mine, theirs in zip(src.layers, dst_layers)
+        ]
+        self.src_blocks = min(s.blocks for caches in src.layers for s in caches)
+        self.dst_blocks = min(d.blocks for caches in dst_layers for d in caches)
+        #: Bytes one block is in each layer, all its caches together.
+        self.block_bytes = [sum(s.block_bytes for s in caches) for caches in src.layers]
+
+    def layer(self, layer: int) -> LayerCopies:
+        """How block runs become copies in `layer`."""
+        return self._layers[layer]
+
+    def copies(self, layer: int, runs) -> list[tuple[int, int, int, int]]:
+        """The copies of `runs` in `layer` (ids within src_blocks and dst_blocks)."""
+        return self._layers[layer].copies(runs)

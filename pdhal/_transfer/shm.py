@@ -1,6 +1,8 @@
 """The `shm` transport (built in): both sides on one host. The endpoint publishes each
 region through pdhal's shared memory (set_data_ipc); a link maps them (get_data_ptr_ipc)
-and copies with memmove, so a submit has landed when it returns. A peer is alive while its
+and hands its copies to a C thread of its own (copier.c), which memmoves them in order
+without the GIL: a submit checks every run and returns once they are queued, and its batch
+is done once they are in the destination's memory. A peer is alive while its
 process is: the endpoint's pid and start time are in its description (a recycled pid is
 another process). So is its namespace: a link maps only within its own (as a session
 refuses a peer of another), and a description from another namespace is refused naming both.
@@ -40,6 +42,7 @@ from pdhal._transfer.contract import (
     region_bytes,
 )
 from pdhal._transfer.kit import LandedBatch
+from pdhal._transfer.layout import BlockRuns, LayerCopies
 from pdhal._version import __version__
 
 
@@ -188,10 +191,35 @@ def _checked(described: object) -> tuple[int, str, list[str], list[int]]:
     return pid, started, list(names), sizes
 
 
+class _ShmBatch(Batch):
+    """One submit's copies, queued on the link's copier; while they may run, the
+    destination's regions are held (a free of them here waits), until the batch is seen
+    done or the link closes."""
+
+    __slots__ = ("_job", "_link")
+
+    def __init__(self, job: _core.CopyJob, link: ShmLink):
+        self._job, self._link = job, link
+
+    def done(self) -> bool:
+        if not self._job.done():
+            return False
+        self.wait(0)
+        return True
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self._job.wait(timeout)
+        finally:
+            if self._job.done():
+                self._link._let_go(self)
+
+
 class ShmLink(Link):
-    """The endpoint's regions mapped here; a submit copies at once. The destination's exit
-    is watched through a pidfd (opened once, then checked to be the described process by
-    its start time), or through /proc where pidfds are missing."""
+    """The endpoint's regions mapped here, copied into by a copier thread (a submit
+    queues). The destination's exit is watched through a pidfd (opened once, then checked
+    to be the described process by its start time), or through /proc where pidfds are
+    missing."""
 
     def __init__(self, described: dict, sources: list[tuple[int, int]], timeout: float):
         self._pid, self._started, names, sizes = _checked(described)
@@ -202,6 +230,9 @@ class ShmLink(Link):
         # each region's address and extent (held while copying into it), as one value: a
         # close swaps it whole, so a submit reads both of one mapping
         self._targets: tuple[list[int], list[_extents.Extent]] = ([], [])
+        self._copier: _core.Copier | None = None
+        self._lock = threading.Lock()  # a post against close
+        self._holding: dict[_ShmBatch, list[_extents.Extent]] = {}  # batches that may run
         self._pidfd, self._exit, self._exit_lock = -1, None, threading.Lock()
         try:
             self._pidfd = os.pidfd_open(self._pid)
@@ -237,6 +268,7 @@ class ShmLink(Link):
                 self._targets[1].append(extent)
             if names:
                 self._records = [buffer_path(names[0]), buffer_path(names[-1])]
+            self._copier = _core.Copier(self._targets[0], sizes, self._runs.spans())
         except BaseException:
             self.close()
             raise
@@ -258,25 +290,58 @@ class ShmLink(Link):
         why = self.problem()
         if why is not None:
             raise TransferError(why)
-        runs = self._runs.check(runs)  # every run, before the first byte moves
-        (bases, extents), copy = self._targets, _core.copy_guarded
-        if len(bases) != len(self.regions):
-            raise TransferError("the link was closed")
-        try:  # a close meanwhile unmaps the regions only once these copies are done
-            held = _extents.hold(extents)
+        runs = self._runs.check(runs)  # every field, named; the copier checks the bounds too
+        if not runs:
+            return LandedBatch()
+        return self._post(lambda copier: copier.post_runs(runs))
+
+    def submit_blocks(self, layer: LayerCopies, runs: BlockRuns) -> Batch:
+        """The copier expands and checks the block runs in C: no Python per run."""
+        why = self.problem()
+        if why is not None:
+            raise TransferError(why)
+        if not len(runs):
+            return LandedBatch()
+        return self._post(
+            lambda copier: copier.post_blocks(layer.caches, layer.count, runs.words, len(runs))
+        )
+
+    def _post(self, post) -> Batch:
+        """post(copier)'s job as a batch, the destination's regions held while it may run (a
+        peer shrinking them fails it: a SIGBUS the copier survives)."""
+        try:  # a close meanwhile unmaps the regions only once these copies ran
+            held = _extents.hold(self._targets[1])
         except ClosedHandleError:
             raise TransferError("the link was closed") from None
         try:
-            for src, region, offset, nbytes in runs:
-                copy(bases[region] + offset, src, nbytes)  # a peer shrinking it: an error
-        finally:
+            with self._lock:
+                if self._copier is None:
+                    raise TransferError("the link was closed")
+                batch = _ShmBatch(post(self._copier), self)
+                self._holding[batch] = held
+        except BaseException:
             _extents.release(held)
-        return LandedBatch()
+            raise
+        return batch
+
+    def _let_go(self, batch: _ShmBatch) -> None:
+        """`batch` ran: its hold on the destination's regions goes (once)."""
+        with self._lock:
+            held = self._holding.pop(batch, None)
+        if held is not None:
+            _extents.release(held)
 
     def close(self) -> None:
         """Unmap the destination's regions (their records stay: the endpoint's own), once
-        no other link of this process maps them. Idempotent."""
+        no other link of this process maps them, after the copies queued ran. Idempotent."""
         self._targets = ([], [])
+        with self._lock:
+            copier, self._copier = self._copier, None
+            holding, self._holding = self._holding, {}
+        if copier is not None:
+            copier.destroy()  # runs what was queued: nothing copies into what is unmapped
+        for held in holding.values():
+            _extents.release(held)
         while self._names:
             _unmap(self._names.pop())
         with self._exit_lock:
@@ -287,9 +352,11 @@ class ShmLink(Link):
 
 class ShmTransport(Transport):
     name = "shm"
-    #: A submit's memmove into the mapped destination has written every byte by the time
-    #: it returns: the batch is done at the target.
+    #: A batch is done once the copier's memmove wrote its every byte into the mapped
+    #: destination: done at the target.
     completion = "target"
+    #: A submit only queues the copies on the link's copier thread.
+    posts = True
     #: memmove: host memory on both sides.
     memory = ("cpu",)
     #: The shared-file format is pdhal's own.

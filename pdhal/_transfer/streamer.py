@@ -31,7 +31,7 @@ from pdhal._transfer.contract import require_memory, require_target_completion
 from pdhal._transfer.destination import Destination, Send, StatusWrite, Write
 from pdhal._transfer.heads import HeadShard
 from pdhal._transfer.keeper import Clock, Deadlines
-from pdhal._transfer.layout import CacheLayout, RunPlanner, block_runs
+from pdhal._transfer.layout import BlockRuns, CacheLayout, RunPlanner, block_runs
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome, Outcomes
 from pdhal._transfer.plugins import transport
@@ -90,7 +90,7 @@ class KVStreamer:
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}
         self._outcomes = Outcomes()
-        self._plans: dict[tuple, list] = {}  # (destination, the step's spans) -> its runs
+        self._plans: dict[tuple, BlockRuns] = {}  # (destination, the step's spans) -> its runs
         self._destinations: dict[str, Destination] = {}  # by their description
         self._watched: set[Destination] = set()  # those with a peer check scheduled
         self.metrics = TransferMetrics()
@@ -177,6 +177,7 @@ class KVStreamer:
             self.stall_timeout,
             self._write_settled,
             self._broken,
+            posts=getattr(self._transport, "posts", False) is True,
         )
         with self._lock:
             known = self._destinations.setdefault(key, dest)
@@ -450,19 +451,19 @@ class KVStreamer:
             for request, first, end in spans:
                 src += request.source(first, end)
                 dst += request.dst_blocks[first:end]
-            runs = block_runs(src, dst)  # ids checked when the request and its destination came
+            # ids checked when the request and its destination came
+            runs = BlockRuns(block_runs(src, dst))
             with self._lock:
                 if len(self._plans) >= PLANS:
                     self._plans.clear()
                 self._plans[key] = runs
         blocks = sum(n for _, n in items)
-        copies = dest.planner.copies(layer, runs)
         nbytes = dest.planner.block_bytes[layer] * blocks
         dest.put(
             Send(
                 layer=layer,
                 items=items,
-                copies=copies,
+                runs=runs,
                 nbytes=nbytes,
                 signal_ns=signal_ns,
                 step=step,

@@ -259,6 +259,65 @@ int pdhal_copy_blocks_layers(pdhal_copy_fn copy, int kind, void *stream, void *c
                              uint64_t dst_blocks, const void *const *src, uint64_t src_blocks,
                              uint64_t layers, uint64_t block_bytes, const int64_t *dst_ids,
                              const int64_t *src_ids, uint64_t count);
+
+/* ---- the copier (copier.c) ---- */
+/* A thread that runs posted host copies in order, guarded (pdhal_copy_guarded), into the
+ * regions of one destination mapped in this process, from the memory it may copy from. */
+typedef struct pdhal_copier pdhal_copier;
+/* One posted job: wait on it, then free it (the copier keeps its own reference until the
+ * job ran, so a handle may be freed at any time). */
+typedef struct pdhal_copy_job pdhal_copy_job;
+/* One cache of a layer, as block runs expand into byte copies: block b of the source is at
+ * src + b * src_stride; block b of the destination at dst_offset + b * dst_stride in region
+ * `region`; block_bytes of each go. Strides equal to block_bytes on both sides make a run of
+ * blocks one copy; otherwise each block is a copy of its own. */
+typedef struct {
+    uint64_t src;
+    uint64_t src_stride;
+    uint64_t region;
+    uint64_t dst_offset;
+    uint64_t dst_stride;
+    uint64_t block_bytes;
+} pdhal_copy_cache;
+/* Start a copier over `regions` destination regions (region_base[i]: where region i is
+ * mapped here, region_bytes[i]: its size) copying from `nsources` (address, bytes) pairs of
+ * `sources`. 0 with *out set, or -errno. */
+int pdhal_copier_create(const uint64_t *region_base, const uint64_t *region_bytes,
+                        uint32_t regions, const uint64_t *sources, uint32_t nsources,
+                        pdhal_copier **out);
+/* Post `count` runs of 4 words (source address, region, offset, bytes) as one job, behind
+ * those posted before. Every run is checked before anything is queued: -EINVAL (0 bytes),
+ * -ERANGE (outside a region or the sources), naming the run; -ECHILD in a forked child;
+ * -EPIPE once destroy began. 0 with *job set. Thread-safe. */
+int pdhal_copier_post_runs(pdhal_copier *copier, const uint64_t *runs, uint64_t count,
+                           pdhal_copy_job **job);
+/* Post the byte copies of `nruns` block runs of 3 words (first source block, first
+ * destination block, blocks) in each of `ncaches` caches, as one job, checked as
+ * pdhal_copier_post_runs checks. */
+int pdhal_copier_post_blocks(pdhal_copier *copier, const pdhal_copy_cache *caches,
+                             uint32_t ncaches, const int64_t *block_runs, uint64_t nruns,
+                             pdhal_copy_job **job);
+/* Wait until `job` ran, at most until deadline_ns (CLOCK_MONOTONIC, pdhal_now_ns): 0 (every
+ * copy done), -EFAULT (a copy met memory its owner took away; the detail names it),
+ * -ETIMEDOUT. */
+int pdhal_copy_job_wait(pdhal_copy_job *job, int64_t deadline_ns);
+/* 1 once `job` ran (done or failed), else 0: never blocks. */
+int pdhal_copy_job_done(pdhal_copy_job *job);
+void pdhal_copy_job_free(pdhal_copy_job *job);
+/* Run every job posted, join the thread, free. Jobs' handles stay valid. NULL does nothing. */
+void pdhal_copier_destroy(pdhal_copier *copier);
+
+/* A doorbell between threads of this process: ring bumps `seq` and wakes its waiters; a
+ * waiter passes the `seq` it saw before it decided to wait, so no ring is missed. Zero it to
+ * start. */
+typedef struct {
+    uint32_t seq;
+    uint32_t waiters;
+} pdhal_bell;
+/* Wait until `seq` is no longer `seen`, at most until deadline_ns: 0 (it moved, or a slice of
+ * the wait ended: look again), -ETIMEDOUT. */
+int pdhal_bell_wait(pdhal_bell *bell, uint32_t seen, int64_t deadline_ns);
+void pdhal_bell_ring(pdhal_bell *bell);
 /* PDHAL_CDEF_END */
 
 #ifdef __cplusplus

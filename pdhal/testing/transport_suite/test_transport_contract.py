@@ -18,7 +18,14 @@ import pytest
 
 import pdhal
 from pdhal import InvalidArgumentError, TransferError
-from pdhal.transfer import COMPLETIONS, Transport, require_target_completion
+from pdhal.transfer import (
+    COMPLETIONS,
+    BlockRuns,
+    LayerCopies,
+    Transport,
+    block_runs,
+    require_target_completion,
+)
 
 
 def _source(nbytes: int, seed: int) -> np.ndarray:
@@ -52,6 +59,38 @@ def test_every_byte_of_many_runs_lands_where_it_was_sent(transport, destination)
         assert dest.digests() == [_digest(e) for e in expect]
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["whole", "strided"])
+def test_block_runs_land_as_their_planned_copies_would(transport, destination, strided):
+    """submit_blocks (what the streamer calls per layer) lands exactly the bytes of the
+    copies LayerCopies plans for the same block runs, in two caches: whole blocks (one copy
+    per run) or strided ones (one per block), the last block of a region included."""
+    block, count = 256, 16
+    stride = 2 * block if strided else block
+    dest = destination([count * block, count * stride])
+    source = _source(2 * count * stride, seed=11)
+    layer = LayerCopies(
+        [
+            (source.ctypes.data, stride, 0, 0, block, block),
+            (source.ctypes.data + count * stride, stride, 1, 0, stride, block),
+        ]
+    )
+    runs = BlockRuns(block_runs([0, 1, 2, 9, 5], [15, 3, 4, 0, 14]))
+    link = transport.connect(dest.described, [(source.ctypes.data, source.nbytes)])
+    try:
+        link.submit_blocks(layer, runs).wait(30.0)
+        expect = [np.zeros(count * block, np.uint8), np.zeros(count * stride, np.uint8)]
+        for address, region, offset, nbytes in layer.copies(runs.runs):
+            at = address - source.ctypes.data
+            expect[region][offset : offset + nbytes] = source[at : at + nbytes]
+        assert dest.digests() == [_digest(e) for e in expect]
+        past = BlockRuns([(0, 0, 1), (0, count, 1)])  # one block past region 0's end
+        with pytest.raises(TransferError, match="outside the destination"):
+            link.submit_blocks(layer, past)
+    finally:
+        link.close()
+    assert dest.digests() == [_digest(e) for e in expect]  # the refused submit wrote nothing
 
 
 def test_a_later_submit_lands_over_an_earlier_one(transport, destination):

@@ -1,0 +1,365 @@
+/* copier.c: host copies into another process's mapped memory, run in order on a thread of
+ * the copier's own, with no Python and no GIL.
+ *
+ * The shm transport's link owns one copier per decode side it maps. A post checks every copy
+ * against what the copier was created with (the destination's regions, the memory it may
+ * copy from) before it queues anything, so a bad run fails the post, never a later copy; the
+ * thread then runs each job's copies guarded (a SIGBUS from a peer that shrank its file fails
+ * that job, not the process) and marks the job done, waking whoever waits on it. A post of
+ * block runs expands them into byte copies here, cache by cache, so a layer of a step costs
+ * the caller one call however many runs it has. */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+enum { JOB_PENDING = 0, JOB_DONE = 1, JOB_FAILED = 2 };
+
+struct pdhal_copy_job {
+    _Atomic uint32_t state; /* futex word: JOB_PENDING until the thread ran it */
+    _Atomic int refs;       /* the poster's handle and the queue's */
+    char why[256];          /* a failed job's reason, written before state */
+    struct pdhal_copy_job *next;
+    uint64_t count;
+    struct copy { char *dst; const char *src; uint64_t bytes; } copies[];
+};
+
+struct span { uint64_t start, end; };
+
+struct pdhal_copier {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    struct pdhal_copy_job *head, *tail; /* guarded by lock */
+    int stopping;                       /* guarded by lock */
+    pthread_t thread;
+    pid_t pid; /* the thread exists only in the process that created it */
+    uint32_t regions;
+    uint64_t *region_base, *region_bytes;
+    uint32_t nsources;
+    struct span *sources; /* sorted by start */
+};
+
+static void job_unref(struct pdhal_copy_job *job)
+{
+    if (job && atomic_fetch_sub_explicit(&job->refs, 1, memory_order_acq_rel) == 1)
+        free(job);
+}
+
+static void *copier_main(void *arg)
+{
+    pdhal_copier *c = arg;
+    for (;;) {
+        pthread_mutex_lock(&c->lock);
+        while (!c->head && !c->stopping)
+            pthread_cond_wait(&c->wake, &c->lock);
+        struct pdhal_copy_job *job = c->head;
+        if (job) {
+            c->head = job->next;
+            if (!c->head)
+                c->tail = NULL;
+        }
+        pthread_mutex_unlock(&c->lock);
+        if (!job)
+            return NULL; /* stopping, and every job ran */
+        uint32_t state = JOB_DONE;
+        for (uint64_t i = 0; i < job->count; i++) {
+            const struct copy *copy = &job->copies[i];
+            if (pdhal_copy_guarded(copy->dst, copy->src, copy->bytes) != 0) {
+                snprintf(job->why, sizeof job->why, "copy %llu of %llu: %s",
+                         (unsigned long long)i, (unsigned long long)job->count,
+                         pdhal_last_error());
+                state = JOB_FAILED;
+                break;
+            }
+        }
+        /* release: a waiter that sees the state also sees the bytes and the reason */
+        atomic_store_explicit(&job->state, state, memory_order_release);
+        pdhal_futex_wake_all(&job->state);
+        job_unref(job);
+    }
+}
+
+static int compare_spans(const void *a, const void *b)
+{
+    const struct span *x = a, *y = b;
+    return x->start < y->start ? -1 : x->start > y->start;
+}
+
+int pdhal_copier_create(const uint64_t *region_base, const uint64_t *region_bytes,
+                        uint32_t regions, const uint64_t *sources, uint32_t nsources,
+                        pdhal_copier **out)
+{
+    *out = NULL;
+    if ((regions && (!region_base || !region_bytes)) || (nsources && !sources))
+        return pdhal_fail(EINVAL, "a copier needs its regions' bases and sizes and its "
+                                  "sources' (address, bytes) pairs");
+    for (uint32_t i = 0; i < regions; i++) {
+        if (region_base[i] > UINT64_MAX - region_bytes[i])
+            return pdhal_fail(EINVAL, "region %u (%llu bytes at %#llx) wraps the address "
+                                      "space", i, (unsigned long long)region_bytes[i],
+                              (unsigned long long)region_base[i]);
+    }
+    pdhal_copier *c = calloc(1, sizeof *c);
+    uint64_t *bases = calloc(regions ? regions : 1, sizeof *bases);
+    uint64_t *sizes = calloc(regions ? regions : 1, sizeof *sizes);
+    struct span *spans = calloc(nsources ? nsources : 1, sizeof *spans);
+    if (!c || !bases || !sizes || !spans) {
+        free(c), free(bases), free(sizes), free(spans);
+        return pdhal_fail(ENOMEM, "out of memory");
+    }
+    memcpy(bases, region_base, regions * sizeof *bases);
+    memcpy(sizes, region_bytes, regions * sizeof *sizes);
+    for (uint32_t i = 0; i < nsources; i++) {
+        uint64_t start = sources[2 * i], bytes = sources[2 * i + 1];
+        spans[i].start = start;
+        spans[i].end = start > UINT64_MAX - bytes ? UINT64_MAX : start + bytes;
+    }
+    qsort(spans, nsources, sizeof *spans, compare_spans);
+    c->regions = regions, c->region_base = bases, c->region_bytes = sizes;
+    c->nsources = nsources, c->sources = spans;
+    c->pid = getpid();
+    pthread_mutex_init(&c->lock, NULL);
+    pthread_cond_init(&c->wake, NULL);
+    /* Every signal blocked on the copier thread: they go to threads that run Python's
+     * handlers. SIGBUS is synchronous, so a guarded copy's fault still comes here. */
+    sigset_t all, old;
+    sigfillset(&all);
+    sigdelset(&all, SIGBUS);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int rc = pthread_create(&c->thread, NULL, copier_main, c);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        pthread_mutex_destroy(&c->lock);
+        pthread_cond_destroy(&c->wake);
+        free(bases), free(sizes), free(spans), free(c);
+        return pdhal_fail(rc, "cannot start the copier thread: %s", strerror(rc));
+    }
+    *out = c;
+    return 0;
+}
+
+/* Whether [src, src + bytes) lies inside one source span. */
+static int from_sources(const pdhal_copier *c, uint64_t src, uint64_t bytes)
+{
+    uint32_t low = 0, high = c->nsources; /* the last span starting at or before src */
+    while (low < high) {
+        uint32_t mid = low + (high - low) / 2;
+        if (c->sources[mid].start <= src)
+            low = mid + 1;
+        else
+            high = mid;
+    }
+    if (low == 0)
+        return 0;
+    const struct span *s = &c->sources[low - 1];
+    return src <= s->end && bytes <= s->end - src;
+}
+
+/* The copy of run `index` checked into job->copies[at]: -ERANGE naming what is outside. */
+static int add_copy(const pdhal_copier *c, struct pdhal_copy_job *job, uint64_t at,
+                    uint64_t index, uint64_t src, uint64_t region, uint64_t offset,
+                    uint64_t bytes)
+{
+    if (bytes == 0)
+        return pdhal_fail(EINVAL, "run %llu copies 0 bytes (at least 1 is a run)",
+                          (unsigned long long)index);
+    if (region >= c->regions || offset > c->region_bytes[region] ||
+        bytes > c->region_bytes[region] - offset)
+        return pdhal_fail(ERANGE, "run %llu, of %llu bytes at offset %llu of region %llu, is "
+                                  "outside the destination (%u regions)",
+                          (unsigned long long)index, (unsigned long long)bytes,
+                          (unsigned long long)offset, (unsigned long long)region, c->regions);
+    if (!from_sources(c, src, bytes))
+        return pdhal_fail(ERANGE, "run %llu's source [%#llx, +%llu) is outside the memory "
+                                  "this link was given to copy from",
+                          (unsigned long long)index, (unsigned long long)src,
+                          (unsigned long long)bytes);
+    job->copies[at].dst = (char *)(uintptr_t)(c->region_base[region] + offset);
+    job->copies[at].src = (const char *)(uintptr_t)src;
+    job->copies[at].bytes = bytes;
+    return 0;
+}
+
+static int new_job(uint64_t count, struct pdhal_copy_job **out)
+{
+    if (count > (SIZE_MAX - sizeof(struct pdhal_copy_job)) / sizeof(struct copy))
+        return pdhal_fail(EINVAL, "%llu copies in one post", (unsigned long long)count);
+    struct pdhal_copy_job *job = malloc(sizeof *job + count * sizeof(struct copy));
+    if (!job)
+        return pdhal_fail(ENOMEM, "out of memory");
+    atomic_init(&job->state, JOB_PENDING);
+    atomic_init(&job->refs, 2);
+    job->why[0] = '\0';
+    job->next = NULL;
+    job->count = count;
+    *out = job;
+    return 0;
+}
+
+/* Queue `job` (its copies checked), or fail it whole: -ECHILD in a forked child, -EPIPE once
+ * the copier stops. */
+static int enqueue(pdhal_copier *c, struct pdhal_copy_job *job, pdhal_copy_job **out)
+{
+    if (c->pid != getpid()) {
+        free(job);
+        return pdhal_fail(ECHILD, "this copier belongs to pid %d; a forked child must "
+                                  "connect its own link", (int)c->pid);
+    }
+    pthread_mutex_lock(&c->lock);
+    if (c->stopping) {
+        pthread_mutex_unlock(&c->lock);
+        free(job);
+        return pdhal_fail(EPIPE, "the copier was stopped (its link closed)");
+    }
+    if (c->tail)
+        c->tail->next = job;
+    else
+        c->head = job;
+    c->tail = job;
+    pthread_cond_signal(&c->wake);
+    pthread_mutex_unlock(&c->lock);
+    *out = job;
+    return 0;
+}
+
+int pdhal_copier_post_runs(pdhal_copier *c, const uint64_t *runs, uint64_t count,
+                           pdhal_copy_job **out)
+{
+    *out = NULL;
+    if (count && !runs)
+        return pdhal_fail(EINVAL, "no runs to post");
+    struct pdhal_copy_job *job = NULL;
+    int failed = new_job(count, &job);
+    if (failed)
+        return failed;
+    for (uint64_t i = 0; i < count; i++) {
+        const uint64_t *run = runs + 4 * i;
+        int rc = add_copy(c, job, i, i, run[0], run[1], run[2], run[3]);
+        if (rc) {
+            free(job);
+            return rc;
+        }
+    }
+    return enqueue(c, job, out);
+}
+
+int pdhal_copier_post_blocks(pdhal_copier *c, const pdhal_copy_cache *caches, uint32_t ncaches,
+                             const int64_t *block_runs, uint64_t nruns, pdhal_copy_job **out)
+{
+    *out = NULL;
+    if ((ncaches && !caches) || (nruns && !block_runs))
+        return pdhal_fail(EINVAL, "no caches or block runs to post");
+    uint64_t count = 0; /* the byte copies they expand to */
+    for (uint32_t k = 0; k < ncaches; k++) {
+        const pdhal_copy_cache *cache = &caches[k];
+        int whole = cache->src_stride == cache->block_bytes &&
+                    cache->dst_stride == cache->block_bytes;
+        for (uint64_t r = 0; r < nruns; r++) {
+            int64_t blocks = block_runs[3 * r + 2];
+            if (block_runs[3 * r] < 0 || block_runs[3 * r + 1] < 0 || blocks < 1 ||
+                blocks > (int64_t)1 << 40)
+                return pdhal_fail(EINVAL, "block run %llu is (%lld, %lld, %lld): ids from 0, "
+                                          "at least one block",
+                                  (unsigned long long)r, (long long)block_runs[3 * r],
+                                  (long long)block_runs[3 * r + 1], (long long)blocks);
+            count += whole ? 1 : (uint64_t)blocks;
+        }
+    }
+    struct pdhal_copy_job *job = NULL;
+    int failed = new_job(count, &job);
+    if (failed)
+        return failed;
+    uint64_t at = 0;
+    for (uint32_t k = 0; k < ncaches; k++) {
+        const pdhal_copy_cache *cache = &caches[k];
+        int whole = cache->src_stride == cache->block_bytes &&
+                    cache->dst_stride == cache->block_bytes;
+        for (uint64_t r = 0; r < nruns; r++) {
+            uint64_t s = (uint64_t)block_runs[3 * r], d = (uint64_t)block_runs[3 * r + 1];
+            uint64_t n = (uint64_t)block_runs[3 * r + 2];
+            for (uint64_t i = 0; i < (whole ? 1 : n); i++, at++) {
+                /* ids below 2^40 and strides below 2^64 / 2^41 keep these from wrapping;
+                 * a stride past that is refused as out of range by add_copy's checks */
+                __uint128_t src = (__uint128_t)cache->src + (__uint128_t)(s + i) * cache->src_stride;
+                __uint128_t off = (__uint128_t)cache->dst_offset +
+                                  (__uint128_t)(d + i) * cache->dst_stride;
+                uint64_t bytes = whole ? n * cache->block_bytes : cache->block_bytes;
+                int rc = src > UINT64_MAX || off > UINT64_MAX
+                             ? pdhal_fail(ERANGE, "block run %llu of cache %u lies past the "
+                                                  "address space", (unsigned long long)r, k)
+                             : add_copy(c, job, at, at, (uint64_t)src, cache->region,
+                                        (uint64_t)off, bytes);
+                if (rc) {
+                    free(job);
+                    return rc;
+                }
+            }
+        }
+    }
+    return enqueue(c, job, out);
+}
+
+int pdhal_copy_job_wait(pdhal_copy_job *job, int64_t deadline_ns)
+{
+    for (;;) {
+        uint32_t state = atomic_load_explicit(&job->state, memory_order_acquire);
+        if (state == JOB_DONE)
+            return 0;
+        if (state == JOB_FAILED)
+            return pdhal_fail(EFAULT, "%s", job->why);
+        int rc = pdhal_futex_wait(&job->state, JOB_PENDING, deadline_ns);
+        if (rc == -ETIMEDOUT && atomic_load_explicit(&job->state, memory_order_acquire) ==
+                                    JOB_PENDING)
+            return -ETIMEDOUT;
+        /* 0 (woken, or the state moved) and -EINTR look again */
+    }
+}
+
+int pdhal_copy_job_done(pdhal_copy_job *job)
+{
+    return atomic_load_explicit(&job->state, memory_order_acquire) != JOB_PENDING;
+}
+
+void pdhal_copy_job_free(pdhal_copy_job *job) { job_unref(job); }
+
+void pdhal_copier_destroy(pdhal_copier *c)
+{
+    if (!c)
+        return;
+    if (c->pid == getpid()) {
+        pthread_mutex_lock(&c->lock);
+        c->stopping = 1;
+        pthread_cond_signal(&c->wake);
+        pthread_mutex_unlock(&c->lock);
+        pthread_join(c->thread, NULL); /* after every job queued ran */
+    } else {
+        /* Inherited across fork: the thread does not exist here; the queued jobs never ran
+         * in this process, and their waiters (if any) are this process's to time out. */
+        for (struct pdhal_copy_job *job = c->head, *next; job; job = next) {
+            next = job->next;
+            job_unref(job);
+        }
+    }
+    pthread_mutex_destroy(&c->lock);
+    pthread_cond_destroy(&c->wake);
+    free(c->region_base), free(c->region_bytes), free(c->sources), free(c);
+}
+
+/* A doorbell: a 32-bit word bumped by ring, waited on by a thread that saw its value. */
+int pdhal_bell_wait(pdhal_bell *bell, uint32_t seen, int64_t deadline_ns)
+{
+    int rc = pdhal_wait_change((_Atomic uint32_t *)&bell->seq, (_Atomic uint32_t *)&bell->waiters,
+                               seen, deadline_ns);
+    return rc == -EINTR ? 0 : rc; /* a slice's end or a signal: the caller looks again */
+}
+
+void pdhal_bell_ring(pdhal_bell *bell)
+{
+    pdhal_bump_and_wake((_Atomic uint32_t *)&bell->seq, (_Atomic uint32_t *)&bell->waiters);
+}

@@ -1,0 +1,200 @@
+"""The copier (copier.c): host copies into a destination's regions, checked whole when posted,
+run in order on a C thread of their own; and the doorbell its users wait on."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from pdhal import InvalidArgumentError, TransferError
+from pdhal._protocol import core
+from pdhal._transfer.layout import LayerCopies
+
+
+def _address(array: np.ndarray) -> int:
+    return array.ctypes.data
+
+
+@pytest.fixture
+def memory():
+    """Two destination regions and one source, with the copier over them."""
+    regions = [np.zeros(4096, np.uint8), np.zeros(1024, np.uint8)]
+    source = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].copy()
+    copier = core.Copier(
+        [_address(r) for r in regions], [r.nbytes for r in regions], [(_address(source), 4096)]
+    )
+    yield regions, source, copier
+    copier.destroy()
+
+
+def test_runs_land_in_the_order_they_were_posted(memory):
+    regions, source, copier = memory
+    src = _address(source)
+    jobs = [copier.post_runs([(src + 64 * i, 0, 0, 64)]) for i in range(50)]
+    jobs[-1].wait(30)
+    assert all(job.done() for job in jobs)  # a job runs only after those before it
+    assert bytes(regions[0][:64]) == bytes(source[49 * 64 : 50 * 64])
+
+
+def test_one_job_copies_into_several_regions(memory):
+    regions, source, copier = memory
+    src = _address(source)
+    copier.post_runs([(src, 0, 100, 10), (src + 10, 1, 1014, 10)]).wait(30)
+    assert bytes(regions[0][100:110]) == bytes(source[:10])
+    assert bytes(regions[1][1014:]) == bytes(source[10:20])
+
+
+@pytest.mark.parametrize(
+    "run, words",
+    [
+        ((0, 2, 0, 1), "outside the destination"),  # no region 2
+        ((0, 1, 1020, 5), "outside the destination"),  # past region 1's end
+        ((0, 1, 1 << 63, 1), "outside the destination"),  # an offset that would wrap
+        ((-64, 0, 0, 64), "outside the memory"),  # before the source
+        ((4090, 0, 0, 8), "outside the memory"),  # past the source's end
+    ],
+)
+def test_a_run_outside_what_the_copier_may_touch_is_refused_whole(memory, run, words):
+    regions, source, copier = memory
+    src, region, offset, nbytes = run
+    good = (_address(source), 0, 0, 8)
+    with pytest.raises(TransferError, match=words):
+        copier.post_runs([good, (_address(source) + src, region, offset, nbytes)])
+    assert not regions[0][:8].any()  # the good run of that post never ran
+
+
+def test_a_run_of_no_bytes_is_refused(memory):
+    _, source, copier = memory
+    with pytest.raises(InvalidArgumentError, match="0 bytes"):
+        copier.post_runs([(_address(source), 0, 0, 0)])
+
+
+@pytest.mark.parametrize("source_stride, dest_stride", [(64, 64), (128, 64), (64, 96)])
+def test_block_runs_expand_to_the_copies_python_plans(memory, source_stride, dest_stride):
+    """post_blocks expands (source block, destination block, count) runs in C into the very
+    copies LayerCopies.copies plans in Python (one per run where strides are the block
+    size, else one per block), in two caches of one layer."""
+    regions, source, copier = memory
+    src = _address(source)
+    layer = LayerCopies(
+        [(src, source_stride, 0, 0, dest_stride, 64), (src + 2048, source_stride, 1, 0, 64, 64)]
+    )
+    runs = [(0, 3, 2), (5, 0, 1), (3, 8, 3)]
+    copier.post_blocks(layer.caches, layer.count, core.block_run_words(runs), len(runs)).wait(30)
+    expected = [np.zeros(4096, np.uint8), np.zeros(1024, np.uint8)]
+    for address, region, offset, nbytes in layer.copies(runs):
+        at = address - src
+        expected[region][offset : offset + nbytes] = source[at : at + nbytes]
+    assert np.array_equal(regions[0], expected[0])
+    assert np.array_equal(regions[1], expected[1])
+
+
+def test_block_runs_past_a_region_are_refused_before_any_copy(memory):
+    regions, source, copier = memory
+    layer = LayerCopies([(_address(source), 64, 1, 0, 64, 64)])
+    runs = core.block_run_words([(0, 0, 1), (0, 15, 2)])  # blocks 15 and 16 of 16
+    with pytest.raises(TransferError, match="outside the destination"):
+        copier.post_blocks(layer.caches, layer.count, runs, 2)
+    assert not regions[1].any()
+
+
+def test_a_destination_its_owner_shrank_fails_the_job_not_the_process(tmp_path):
+    """A peer truncates the file behind the mapped region: the copier thread meets SIGBUS,
+    that job fails naming it, and the copier goes on with the next."""
+    path = tmp_path / "region"
+    path.write_bytes(bytes(2 * mmap.PAGESIZE))
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 2 * mmap.PAGESIZE)
+    window = ctypes.c_char.from_buffer(mapped)
+    source, other = np.ones(2 * mmap.PAGESIZE, np.uint8), np.zeros(16, np.uint8)
+    copier = core.Copier(
+        [ctypes.addressof(window), _address(other)],
+        [2 * mmap.PAGESIZE, 16],
+        [(_address(source), source.nbytes)],
+    )
+    try:
+        copier.post_runs([(_address(source), 0, 0, 16)]).wait(30)
+        assert mapped[:16] == bytes([1] * 16)
+        path.write_bytes(b"")  # truncated under the mapping
+        job = copier.post_runs([(_address(source), 0, mmap.PAGESIZE, 16)])
+        with pytest.raises(TransferError, match="SIGBUS"):
+            job.wait(30)
+        assert job.done()
+        copier.post_runs([(_address(source), 1, 0, 16)]).wait(30)  # the next job runs
+        assert other.all()
+    finally:
+        copier.destroy()
+        del window
+        mapped.close()
+
+
+def test_destroy_runs_what_was_posted_then_refuses_more(memory):
+    regions, source, copier = memory
+    jobs = [copier.post_runs([(_address(source), 0, 0, 4096)]) for _ in range(20)]
+    copier.destroy()
+    assert all(job.done() for job in jobs)  # drained, not dropped
+    assert bytes(regions[0]) == bytes(source)
+    with pytest.raises(TransferError, match="closed"):
+        copier.post_runs([(_address(source), 0, 0, 8)])
+    copier.destroy()  # idempotent
+
+
+FORKED = """
+import os, sys
+import numpy as np
+from pdhal import TransferError
+from pdhal._protocol import core
+region, source = np.zeros(64, np.uint8), np.ones(64, np.uint8)
+copier = core.Copier([region.ctypes.data], [64], [(source.ctypes.data, 64)])
+copier.post_runs([(source.ctypes.data, 0, 0, 8)]).wait(30)
+pid = os.fork()
+if pid == 0:
+    try:
+        copier.post_runs([(source.ctypes.data, 0, 0, 8)])
+    except TransferError as e:
+        print("refused:", e, flush=True)
+        os._exit(0)
+    print("posted", flush=True)
+    os._exit(1)
+_, status = os.waitpid(pid, 0)
+copier.post_runs([(source.ctypes.data, 0, 8, 8)]).wait(30)  # the parent's goes on
+print("parent", bytes(region[:16]) == bytes(16 * [1]), flush=True)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_is_refused_the_parents_copier():
+    """The copier's thread exists only in the process that started it: a post from a fork
+    would queue a job nothing runs; it is refused, naming why."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "forked child must connect its own link" in done.stdout
+    assert "parent True" in done.stdout
+
+
+def test_a_bell_wait_ends_at_its_timeout_or_a_ring():
+    bell = core.Bell()
+    seen = bell.seen()
+    assert bell.wait(seen, 0.01) is False
+    ringer = threading.Timer(0.05, bell.ring)
+    ringer.start()
+    assert bell.wait(seen, 30) is True
+    ringer.join()
+    assert bell.seen() != seen
+
+
+def test_a_ring_between_looking_and_waiting_is_not_missed():
+    """A waiter reads seen(), then (as if descheduled) a ring comes before it waits: its
+    wait returns at once, however long it would have waited."""
+    bell = core.Bell()
+    seen = bell.seen()
+    bell.ring()
+    assert bell.wait(seen, 5) is True  # a missed ring: False, after 5 s

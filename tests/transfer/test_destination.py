@@ -1,0 +1,132 @@
+"""A Destination's order and threads: a transport that posts (Transport.posts) is submitted
+to on the caller's thread while nothing is queued before the write, and on the submitting
+thread otherwise; either way writes are submitted and settled in the order they were put."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from pdhal import TransferError
+from pdhal._transfer.contract import Batch, Link
+from pdhal._transfer.destination import Destination, Send
+
+
+class HeldBatch(Batch):
+    def __init__(self):
+        self.landed = threading.Event()
+
+    def done(self) -> bool:
+        return self.landed.is_set()
+
+    def wait(self, timeout: float) -> None:
+        if not self.landed.wait(timeout):
+            raise TransferError(f"not landed within {timeout:g} s")
+
+
+class RecordingLink(Link):
+    """Each submit's layer and the thread it came on; its batches land when told."""
+
+    regions = [1 << 20]
+
+    def __init__(self):
+        self.submits, self.batches = [], []
+        self.gate = self.entered = None  # Events: the submitting thread's submits wait
+
+    def submit_blocks(self, layer, runs) -> Batch:
+        thread = threading.current_thread().name
+        if self.gate is not None and thread == "pdhal-transfer-submit":
+            self.entered.set()
+            self.gate.wait(60)
+        self.submits.append((layer, thread))  # once its copies would be queued
+        self.batches.append(HeldBatch())
+        return self.batches[-1]
+
+    def submit(self, runs) -> Batch:
+        raise AssertionError("a Send goes through submit_blocks")
+
+
+def _land(link: RecordingLink, index: int) -> None:
+    """Land the link's batch `index` once it was submitted (within 60 s)."""
+    deadline = time.monotonic() + 60
+    while len(link.batches) <= index:
+        assert time.monotonic() < deadline, f"write {index} was never submitted"
+        time.sleep(0.001)
+    link.batches[index].landed.set()
+
+
+def _destination(posts: bool, window: int):
+    link, settled, all_settled = RecordingLink(), [], threading.Event()
+
+    def on_settled(dest, write, reason):
+        settled.append((write.layer, reason))
+        if len(settled) == 4:
+            all_settled.set()
+
+    dest = Destination(
+        lambda status: link,
+        SimpleNamespace(layer=lambda index: index),  # what the link is handed per layer
+        status_region=1,
+        status_slots=1,
+        receiver="r",
+        window=window,
+        stall_timeout=60.0,
+        settled=on_settled,
+        broken=lambda dest, epoch, reason: None,
+        posts=posts,
+    )
+    return dest, link, settled, all_settled
+
+
+@pytest.mark.parametrize("posts", [True, False], ids=["posts", "submits"])
+def test_writes_are_submitted_and_settled_in_the_order_they_were_put(posts):
+    dest, link, settled, all_settled = _destination(posts, window=2)
+    request = SimpleNamespace(live=True)
+    caller = threading.current_thread().name
+    try:
+        for layer in range(4):  # the window holds two: layers 2 and 3 wait for room
+            dest.put(Send(layer=layer, items=[(request, 1)]))
+        submitted = link.submits[:2]
+        if posts:  # put with nothing before them and room: submitted on the caller's thread
+            assert submitted == [(0, caller), (1, caller)]
+        for index in range(4):  # each submitted once a place is free
+            _land(link, index)
+        assert all_settled.wait(60)
+        assert [layer for layer, _ in link.submits] == [0, 1, 2, 3]
+        assert [thread for _, thread in link.submits[2:]] == ["pdhal-transfer-submit"] * 2
+        if not posts:
+            assert {thread for _, thread in link.submits} == {"pdhal-transfer-submit"}
+        assert settled == [(layer, None) for layer in range(4)]
+    finally:
+        assert dest.stop(time.monotonic() + 60)
+
+
+def test_a_put_while_the_submitting_thread_submits_waits_behind_it():
+    """The submitting thread took a write and is inside the link's submit, with room in the
+    window and nothing queued: a put then must not be submitted on the caller's thread
+    ahead of it (the link would get them out of order)."""
+    dest, link, settled, all_settled = _destination(posts=True, window=2)
+    link.gate, link.entered = threading.Event(), threading.Event()
+    request = SimpleNamespace(live=True)
+    try:
+        for layer in range(3):  # 0 and 1 on the caller's thread; 2 waits for room
+            dest.put(Send(layer=layer, items=[(request, 1)]))
+        link.batches[0].landed.set()  # room: the submitting thread takes layer 2 ...
+        assert link.entered.wait(60)  # ... and is inside submit
+        link.batches[1].landed.set()  # room again, and nothing queued
+        deadline = time.monotonic() + 60
+        while len(settled) < 2:  # layer 1's place is free once it settled
+            assert time.monotonic() < deadline, "layer 1 never settled"
+            time.sleep(0.001)
+        dest.put(Send(layer=3, items=[(request, 1)]))
+        link.gate.set()
+        for index in range(2, 4):
+            _land(link, index)
+        assert all_settled.wait(60)
+        assert [layer for layer, _ in link.submits] == [0, 1, 2, 3]
+        assert settled == [(layer, None) for layer in range(4)]
+    finally:
+        assert dest.stop(time.monotonic() + 60)
