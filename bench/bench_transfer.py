@@ -11,8 +11,10 @@ the floor). The caches are the demo's default model's (32 layers, K and V, block
 tokens x 4 heads x 32 dims x fp32 = 32 KiB).
 
 - shm_vs_memcpy_under_compute: memmove time / streamer time for the same bytes, each
-  measured from the layer's wake-up to the bytes being in the decode cache, while the
-  worker computes on the other core (1.0: the streamer costs nothing over the copy).
+  averaged over layers from the messager's wake-up for the layer to the bytes being in the
+  decode cache (the floor: its memmove returned; the streamer: the streamer knew the layer
+  landed, its LayerRecord's end, however many threads that took), while the worker
+  computes on the other core (1.0: the streamer costs nothing over the copy).
 - signal_to_submit_vs_floor: p50 of (submit - the worker's signal time) over p50 of the
   kernel wake floor: this process blocked in read() on a pipe the worker writes its
   timestamp to after each layer, on the floor steps (the same worker, computing on the
@@ -201,7 +203,8 @@ def phase(transport_name: str, with_floor: bool) -> dict:
             ]
             for layer in range(LAYERS)
         ]
-    streamed_s = memmoved_s = 0.0
+    memmoved_us = []  # per floor layer: wake -> its memmove returned
+    woke_for = {}  # (step, layer) streamed -> when the messager woke for it
     woken = []  # (layer signalled last, when the reader returned)
     floor = []  # the same, woken from read() on the worker's pipe
     alone = set()  # (step, layer) that woke an idle messager, the only new layer it found
@@ -239,15 +242,14 @@ def phase(transport_name: str, with_floor: bool) -> dict:
                 if upto == done + 1:  # the same filter: one new layer, a reader idle
                     floor.append((woke - sent) / 1e3)
             for layer in range(done + 1, upto + 1):
-                started = time.perf_counter()
                 if streaming:
+                    woke_for[(step, layer)] = woke
                     ready = [(r, BLOCKS_PER_REQUEST * BLOCK_TOKENS) for r in ids]
                     streamer.layer_ready(layer, ready, signal_ns=int(times[layer]), step=step)
-                    streamed_s += time.perf_counter() - started
                 else:
                     for src, dst, n in floor_runs[layer]:
                         ctypes.memmove(dst, src, n)
-                    memmoved_s += time.perf_counter() - started
+                    memmoved_us.append((time.monotonic_ns() - woke) / 1e3)
             done = upto
         if streaming:
             ended = []
@@ -271,8 +273,8 @@ def phase(transport_name: str, with_floor: bool) -> dict:
     streamed_bytes = sum(r.nbytes for r in records)
     busy = [(r.submit_ns, r.end_ns) for r in records]
     return {
-        "streamed_s": streamed_s,
-        "memmoved_s": memmoved_s,
+        "streamed_us": [(r.end_ns - woke_for[(r.step, r.layer)]) / 1e3 for r in records],
+        "memmoved_us": memmoved_us,
         "signal_to_submit_us": [
             (r.submit_ns - r.signal_ns) / 1e3 for r in records if (r.step, r.layer) in alone
         ],
@@ -318,7 +320,8 @@ def main() -> dict:
     load.wait()
     result = {
         **_headline(shm["snapshot"]),
-        "shm_vs_memcpy_under_compute": shm["memmoved_s"] / shm["streamed_s"],
+        "shm_vs_memcpy_under_compute": statistics.mean(shm["memmoved_us"])
+        / statistics.mean(shm["streamed_us"]),
         "mooncake_vs_te_bench_under_compute": None,
         # None when no wake found the reader idle (a loaded machine, or BENCH_SMOKE's few)
         "signal_to_submit_vs_floor": _median(shm["signal_to_submit_us"]) / _median(floor)
