@@ -304,11 +304,19 @@ int pdhal_segment_reclaim(const char *path)
     int rc = check_path(path);
     if (rc)
         return rc;
+    /* From open to close under the fork registry's lock: the producer lock this takes is on
+     * a description of its own, and a fork from another thread meanwhile would leave the
+     * child holding it (the file would look alive while the child lives). */
+    pthread_once(&atfork_once, install_atfork);
+    pthread_mutex_lock(&open_lock);
     int fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) {
-        if (errno == ENOENT)
+        int error = errno;
+        pthread_mutex_unlock(&open_lock);
+        if (error == ENOENT)
             return 0;
-        return pdhal_fail(errno, "cannot open %s to check its producer: %s", path, strerror(errno));
+        return pdhal_fail(error, "cannot open %s to check its producer: %s", path,
+                          strerror(error));
     }
     struct stat st;
     if (fstat(fd, &st) != 0) {
@@ -338,6 +346,7 @@ int pdhal_segment_reclaim(const char *path)
     }
 out:
     close(fd);
+    pthread_mutex_unlock(&open_lock);
     return rc;
 }
 
