@@ -68,9 +68,13 @@ static void *copier_main(void *arg)
         if (!job)
             return NULL; /* stopping, and every job ran */
         uint32_t state = JOB_DONE;
-        for (uint64_t i = 0; i < job->count; i++) {
+        if (pdhal_guard_arm() != 0) { /* no handler: no copy may run unguarded */
+            snprintf(job->why, sizeof job->why, "%s", pdhal_last_error());
+            state = JOB_FAILED;
+        }
+        for (uint64_t i = 0; i < job->count && state == JOB_DONE; i++) {
             const struct copy *copy = &job->copies[i];
-            if (pdhal_copy_guarded(copy->dst, copy->src, copy->bytes) != 0) {
+            if (pdhal_copy_armed(copy->dst, copy->src, copy->bytes) != 0) {
                 snprintf(job->why, sizeof job->why, "copy %llu of %llu: %s",
                          (unsigned long long)i, (unsigned long long)job->count,
                          pdhal_last_error());
@@ -258,8 +262,16 @@ int pdhal_copier_post_blocks(pdhal_copier *c, const pdhal_copy_cache *caches, ui
     uint64_t count = 0; /* the byte copies they expand to */
     for (uint32_t k = 0; k < ncaches; k++) {
         const pdhal_copy_cache *cache = &caches[k];
+        if (cache->block_bytes == 0 || cache->region >= c->regions)
+            return pdhal_fail(ERANGE, "cache %u has blocks of %llu bytes in region %llu: "
+                                      "outside the destination (%u regions)",
+                              k, (unsigned long long)cache->block_bytes,
+                              (unsigned long long)cache->region, c->regions);
         int whole = cache->src_stride == cache->block_bytes &&
                     cache->dst_stride == cache->block_bytes;
+        /* more blocks in one run than its region holds cannot all be inside it: refused
+         * here, before their copies are counted (or n * block_bytes could wrap) */
+        uint64_t most = c->region_bytes[cache->region] / cache->block_bytes;
         for (uint64_t r = 0; r < nruns; r++) {
             int64_t blocks = block_runs[3 * r + 2];
             if (block_runs[3 * r] < 0 || block_runs[3 * r + 1] < 0 || blocks < 1 ||
@@ -268,6 +280,14 @@ int pdhal_copier_post_blocks(pdhal_copier *c, const pdhal_copy_cache *caches, ui
                                           "at least one block",
                                   (unsigned long long)r, (long long)block_runs[3 * r],
                                   (long long)block_runs[3 * r + 1], (long long)blocks);
+            if ((uint64_t)blocks > most)
+                return pdhal_fail(ERANGE, "block run %llu of cache %u, %lld blocks of %llu "
+                                          "bytes, is outside the destination (region %llu "
+                                          "holds %llu bytes)",
+                                  (unsigned long long)r, k, (long long)blocks,
+                                  (unsigned long long)cache->block_bytes,
+                                  (unsigned long long)cache->region,
+                                  (unsigned long long)c->region_bytes[cache->region]);
             count += whole ? 1 : (uint64_t)blocks;
         }
     }

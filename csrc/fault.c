@@ -45,11 +45,42 @@ static void install(void) {
     install_rc = sigaction(SIGBUS, &action, &previous) == 0 ? 0 : -errno;
 }
 
-int pdhal_copy_guarded(void *dst, const void *src, uint64_t bytes) {
+/* The handler is ours, installed again (chaining to whoever replaced it) if a library
+ * installed its own since: paddle's import does (glog's failure signal handler), and a
+ * guarded copy after it would otherwise end the process. One sigaction query when ours. */
+int pdhal_guard_arm(void) {
+    static pthread_mutex_t arming = PTHREAD_MUTEX_INITIALIZER;
     pthread_once(&installed, install);
     if (install_rc != 0) {
         return pdhal_fail(-install_rc, "installing the SIGBUS handler of guarded copies");
     }
+    struct sigaction now;
+    if (sigaction(SIGBUS, NULL, &now) != 0) {
+        return pdhal_fail(errno, "reading the SIGBUS handler: %s", strerror(errno));
+    }
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_bus_error) {
+        return 0;
+    }
+    pthread_mutex_lock(&arming);
+    struct sigaction action, replaced;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = on_bus_error;
+    action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    int rc = sigaction(SIGBUS, &action, &replaced) == 0 ? 0 : -errno;
+    if (rc == 0 && !((replaced.sa_flags & SA_SIGINFO) && replaced.sa_sigaction == on_bus_error)) {
+        previous = replaced; /* what a fault outside a guarded copy goes to now */
+    }
+    pthread_mutex_unlock(&arming);
+    return rc ? pdhal_fail(-rc, "installing the SIGBUS handler of guarded copies") : 0;
+}
+
+int pdhal_copy_guarded(void *dst, const void *src, uint64_t bytes) {
+    int rc = pdhal_guard_arm();
+    return rc ? rc : pdhal_copy_armed(dst, src, bytes);
+}
+
+int pdhal_copy_armed(void *dst, const void *src, uint64_t bytes) {
     sigjmp_buf jump;
     if (sigsetjmp(jump, 0) != 0) {
         return pdhal_fail(EFAULT, "a copy of %llu bytes met memory its owner took away (SIGBUS)",

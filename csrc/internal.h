@@ -155,6 +155,11 @@ void pdhal_kernel_forget_channel(pdhal_segment *seg);
 void pdhal_kernel_register_sender(pdhal_sender *sender, int64_t *id);
 void pdhal_kernel_forget_sender(pdhal_sender *sender, int64_t id);
 
+/* fault.c: pdhal_copy_guarded in two steps, for a thread that copies many times in a row:
+ * arm once (0, or -errno: no handler, so copy nothing), then each copy. */
+int pdhal_guard_arm(void);
+int pdhal_copy_armed(void *dst, const void *src, uint64_t bytes);
+
 /* segment.c */
 void pdhal_segment_ref(pdhal_segment *seg);
 void pdhal_segment_unref(pdhal_segment *seg);

@@ -7,7 +7,9 @@ an op that uses it: an op holds the extents it reads or writes (`hold`) until it
 holds at once and waits for the ops holding it. Work an op queued on a device stream counts
 as use until it ran: before it lets go, the op marks its extents with the stream
 (mark_queued) and records that stream's fence, and whoever frees waits for the fences of the
-streams its extent was marked with (RuntimeBackend.wait_queued) before the memory goes.
+streams its extent was marked with (RuntimeBackend.wait_queued) before the memory goes. A
+host thread's queue (a HostQueue: the shm transport's copier) is a stream too, drained by
+retire itself, so every free of host memory waits for the copies queued on it.
 
 An object that keeps an address for its whole life (a CacheLayout a KVStreamer copies from)
 pins the extent instead (`pin`): a free of pinned memory is refused (MemoryPinnedError,
@@ -41,6 +43,15 @@ class Extent:
 
     def __repr__(self) -> str:
         return f"Extent({self.what}, {self.start:#x}, nbytes={self.nbytes}, {self.device})"
+
+
+class HostQueue:
+    """Work queued on a host thread (not a device stream): mark the extents it reads or
+    writes with it (mark_queued), and a retire of them returns only once drain() did."""
+
+    def drain(self) -> None:
+        """Return once everything queued so far ran."""
+        raise NotImplementedError
 
 
 log = logging.getLogger("pdhal")
@@ -113,7 +124,11 @@ def retire(extent: Extent | int) -> set[object]:
             if not _let_go.wait(STILL_WAITING_S):  # an op that never lets go: say so, wait on
                 busy = ", ".join(f"{one} ({one.holders} ops)" for one in retiring if one.holders)
                 log.warning("a free has waited %.0f s for ops using %s", STILL_WAITING_S, busy)
-        return {stream for one in retiring for stream in one.streams}
+        streams = {stream for one in retiring for stream in one.streams}
+    queues = {stream for stream in streams if isinstance(stream, HostQueue)}
+    for queue in queues:  # no new work reaches them (new holds are refused): drain what did
+        queue.drain()
+    return streams - queues
 
 
 def _refuse_pinned(retiring: list[Extent]) -> None:
@@ -156,6 +171,14 @@ def mark_queued(held: list[Extent], stream: object) -> None:
     with _lock:
         for extent in held:
             extent.streams.add(stream)
+
+
+def forget_queued(extents, stream: object) -> None:
+    """`stream` queues no more work on `extents` (its queue closed, drained)."""
+    with _lock:
+        for extent in extents:
+            if extent is not None:
+                extent.streams.discard(stream)
 
 
 def streams_in_use() -> set[object]:

@@ -20,6 +20,7 @@ from pdhal._errors import (
     SystemResourceError,
     TransferError,
 )
+from pdhal._memory.extents import HostQueue
 
 #: The C ABI this Python code was written against; see PDHAL_ABI_VERSION in pdhal.h.
 ABI_VERSION = 2
@@ -501,13 +502,14 @@ class CopyJob:
             )
 
 
-class Copier:
+class Copier(HostQueue):
     """A C copier thread (copier.c): host copies into one destination's regions mapped here
     (`bases`, `sizes`), from the memory in `sources` ((address, bytes) pairs), run in order
     off the caller's thread and without the GIL. Thread-safe; destroy() runs what was
-    posted, then refuses more (TransferError)."""
+    posted, then refuses more (TransferError). A HostQueue: extents marked with it are freed
+    only once what was posted ran (drain)."""
 
-    __slots__ = ("_ptr", "_lock")
+    __slots__ = ("_ptr", "_lock", "_last")
 
     def __init__(self, bases: list[int], sizes: list[int], sources: list[tuple[int, int]]):
         out = ffi.new("pdhal_copier **")
@@ -525,6 +527,7 @@ class Copier:
         )
         self._ptr = ffi.gc(out[0], lib.pdhal_copier_destroy)
         self._lock = threading.Lock()
+        self._last: CopyJob | None = None  # the job posted last: jobs run in order
 
     def post_runs(self, runs: list[tuple[int, int, int, int]]) -> CopyJob:
         """Queue `runs` ((source address, region, offset, bytes), plain ints) as one job."""
@@ -542,7 +545,15 @@ class Copier:
             if self._ptr is None:
                 raise TransferError("the link was closed")
             check(post(self._ptr, *args, out), "posting copies", overrides=_COPIER_ERRORS)
-        return CopyJob(out[0])
+            self._last = job = CopyJob(out[0])
+        return job
+
+    def drain(self) -> None:
+        """Return once every job posted so far ran (done or failed)."""
+        with self._lock:
+            last = self._last
+        if last is not None:
+            lib.pdhal_copy_job_wait(last._ptr, FOREVER_NS)  # 0 or -EFAULT: it ran either way
 
     def destroy(self) -> None:
         """Run every job posted, then stop the thread. Idempotent."""

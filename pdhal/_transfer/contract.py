@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import bisect
 import operator
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from pdhal._errors import InvalidArgumentError, TransferError
 from pdhal._inputs.tensors import memory_ref
 from pdhal._transfer.checks import LARGEST, integer
-
-if TYPE_CHECKING:
-    from pdhal._transfer.layout import BlockRuns, LayerCopies
+from pdhal._transfer.layout import BlockRuns, LayerCopies
 
 #: One copy: (source address, destination region index, byte offset in it, bytes).
 Run = tuple[int, int, int, int]
@@ -204,9 +202,10 @@ class Link:
 
     def submit_blocks(self, layer: LayerCopies, runs: BlockRuns) -> Batch:
         """Start the copies of block `runs` in one `layer` of the destination's caches, as
-        submit(layer.copies(runs.runs)) does (what this default does): a transport that
-        takes block runs whole (Transport.posts) expands and checks them in C instead, with
-        no Python per run."""
+        submit(layer.copies(runs.runs)) does (what this default does); a transport may
+        expand and check them itself instead (shm does, in C: no Python per run).
+        InvalidArgumentError unless `layer` is a LayerCopies and `runs` a BlockRuns."""
+        require_blocks(layer, runs)
         return self.submit(layer.copies(runs.runs))
 
     def problem(self) -> str | None:
@@ -215,6 +214,16 @@ class Link:
 
     def close(self) -> None:
         """Forget the peer; batches still in flight may fail."""
+
+
+def require_blocks(layer: object, runs: object) -> None:
+    """Refuse a submit_blocks of anything but a LayerCopies and a BlockRuns (each checks its
+    fields when made), naming the one that is not (InvalidArgumentError)."""
+    for value, kind, what in ((layer, LayerCopies, "layer"), (runs, BlockRuns, "runs")):
+        if not isinstance(value, kind):
+            raise InvalidArgumentError(
+                f"submit_blocks' {what} must be a {kind.__name__}, got {value!r}"
+            )
 
 
 class Endpoint:

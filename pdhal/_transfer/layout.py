@@ -334,38 +334,102 @@ def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, 
     return [tuple(r) for r in runs]
 
 
+#: LayerCopies' fields per cache, and the least each may be.
+_CACHE_FIELDS = (
+    "source address",
+    "source stride",
+    "region",
+    "offset",
+    "destination stride",
+    "block bytes",
+)
+_CACHE_LEAST = (0, 1, 0, 0, 1, 1)
+_ADDRESS_MAX = (1 << 64) - 1
+
+#: The most a block id or a run's block count may be (block_runs' bound).
+MOST_BLOCKS = 1 << 40
+
+
 class BlockRuns:
-    """The block runs of one step's requests to one destination (block_runs' tuples),
-    planned once and sent in every layer; `words` packs them for a transport that takes
-    them whole (Link.submit_blocks), once."""
+    """The block runs of one step's requests to one destination (block_runs' tuples:
+    first source block, first destination block, count), planned once and sent in every
+    layer; `words` packs them for a transport that takes them whole (Link.submit_blocks).
+    Each field is checked when made (an int, ids in [0, 2**40), a count in [1, 2**40]:
+    InvalidArgumentError naming it); the runs cannot change after."""
 
-    __slots__ = ("runs", "_words")
+    __slots__ = ("_runs", "_words")
 
-    def __init__(self, runs: list[tuple[int, int, int]]):
-        self.runs = runs
+    def __init__(self, runs):
+        if isinstance(runs, (str, bytes)) or not hasattr(runs, "__iter__"):
+            raise InvalidArgumentError(f"block runs must be a list of runs, got {runs!r}")
+        checked = []
+        for index, run in enumerate(runs):
+            if not isinstance(run, (tuple, list)) or len(run) != 3:
+                raise InvalidArgumentError(
+                    f"block run {index} must be (first source block, first destination "
+                    f"block, count), got {run!r}"
+                )
+            src, dst, count = run
+            if not (  # plain ints in bounds, else the slow path names what is wrong
+                type(src) is int
+                and type(dst) is int
+                and type(count) is int
+                and 0 <= src < MOST_BLOCKS
+                and 0 <= dst < MOST_BLOCKS
+                and 1 <= count <= MOST_BLOCKS
+            ):
+                src = integer(src, f"block run {index}'s source block", 0, MOST_BLOCKS - 1)
+                dst = integer(dst, f"block run {index}'s destination block", 0, MOST_BLOCKS - 1)
+                count = integer(count, f"block run {index}'s count", 1, MOST_BLOCKS)
+            checked.append((src, dst, count))
+        self._runs = tuple(checked)
         self._words = None
+
+    @property
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        return self._runs
 
     @property
     def words(self):
         """The runs as C's int64_t[3 * len(runs)] (made on first use)."""
         if self._words is None:
-            self._words = _core.block_run_words(self.runs)
+            self._words = _core.block_run_words(self._runs)
         return self._words
 
     def __len__(self) -> int:
-        return len(self.runs)
+        return len(self._runs)
 
 
 class LayerCopies:
     """One layer's caches, paired across the two sides: how block runs become byte copies
-    in it (copies(), in Python; `caches`, for a transport that expands them in C)."""
+    in it (copies(), in Python; `caches`, for a transport that expands them in C). Each
+    cache is (source address, source stride, destination region, its offset, its stride,
+    block bytes), checked when made (ints; strides and block bytes at least 1, block bytes
+    at most either stride: InvalidArgumentError naming the field)."""
 
     __slots__ = ("_caches", "_packed")
 
-    def __init__(self, caches: list[tuple[int, int, int, int, int, int]]):
-        #: (source address, source stride, destination region, its offset, its stride,
-        #: block bytes) per cache
-        self._caches = caches
+    def __init__(self, caches):
+        if isinstance(caches, (str, bytes)) or not hasattr(caches, "__iter__"):
+            raise InvalidArgumentError(f"caches must be a list of caches, got {caches!r}")
+        checked = []
+        for index, cache in enumerate(caches):
+            if not isinstance(cache, (tuple, list)) or len(cache) != len(_CACHE_FIELDS):
+                raise InvalidArgumentError(
+                    f"cache {index} must be ({', '.join(_CACHE_FIELDS)}), got {cache!r}"
+                )
+            values = [
+                integer(value, f"cache {index}'s {field}", low, _ADDRESS_MAX)
+                for value, field, low in zip(cache, _CACHE_FIELDS, _CACHE_LEAST)
+            ]
+            block = values[-1]
+            if block > values[1] or block > values[4]:
+                raise InvalidArgumentError(
+                    f"cache {index}'s blocks of {block} bytes are longer than its strides "
+                    f"({values[1]} here, {values[4]} there): blocks would overlap"
+                )
+            checked.append(tuple(values))
+        self._caches = tuple(checked)
         self._packed = None
 
     @property

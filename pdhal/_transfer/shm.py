@@ -40,6 +40,7 @@ from pdhal._transfer.contract import (
     RunChecker,
     Transport,
     region_bytes,
+    require_blocks,
 )
 from pdhal._transfer.kit import LandedBatch
 from pdhal._transfer.layout import BlockRuns, LayerCopies
@@ -192,27 +193,21 @@ def _checked(described: object) -> tuple[int, str, list[str], list[int]]:
 
 
 class _ShmBatch(Batch):
-    """One submit's copies, queued on the link's copier; while they may run, the
-    destination's regions are held (a free of them here waits), until the batch is seen
-    done or the link closes."""
+    """One submit's copies, queued on the link's copier."""
 
-    __slots__ = ("_job", "_link")
+    __slots__ = ("_job",)
 
-    def __init__(self, job: _core.CopyJob, link: ShmLink):
-        self._job, self._link = job, link
+    def __init__(self, job: _core.CopyJob):
+        self._job = job
 
     def done(self) -> bool:
         if not self._job.done():
             return False
-        self.wait(0)
+        self._job.wait(0)  # raises the reason if it failed
         return True
 
     def wait(self, timeout: float) -> None:
-        try:
-            self._job.wait(timeout)
-        finally:
-            if self._job.done():
-                self._link._let_go(self)
+        self._job.wait(timeout)
 
 
 class ShmLink(Link):
@@ -232,7 +227,9 @@ class ShmLink(Link):
         self._targets: tuple[list[int], list[_extents.Extent]] = ([], [])
         self._copier: _core.Copier | None = None
         self._lock = threading.Lock()  # a post against close
-        self._holding: dict[_ShmBatch, list[_extents.Extent]] = {}  # batches that may run
+        # the pdhal memory its copies touch (the regions mapped, the sources pdhal knows),
+        # marked with the copier: a free of any of it here waits for the copies queued
+        self._touched: list[_extents.Extent] = []
         self._pidfd, self._exit, self._exit_lock = -1, None, threading.Lock()
         try:
             self._pidfd = os.pidfd_open(self._pid)
@@ -268,7 +265,11 @@ class ShmLink(Link):
                 self._targets[1].append(extent)
             if names:
                 self._records = [buffer_path(names[0]), buffer_path(names[-1])]
-            self._copier = _core.Copier(self._targets[0], sizes, self._runs.spans())
+            spans = self._runs.spans()
+            self._copier = _core.Copier(self._targets[0], sizes, spans)
+            sources = [_extents.find(address) for address, _ in spans]
+            self._touched = [e for e in [*self._targets[1], *sources] if e is not None]
+            _extents.mark_queued(self._touched, self._copier)
         except BaseException:
             self.close()
             raise
@@ -297,6 +298,7 @@ class ShmLink(Link):
 
     def submit_blocks(self, layer: LayerCopies, runs: BlockRuns) -> Batch:
         """The copier expands and checks the block runs in C: no Python per run."""
+        require_blocks(layer, runs)
         why = self.problem()
         if why is not None:
             raise TransferError(why)
@@ -307,28 +309,21 @@ class ShmLink(Link):
         )
 
     def _post(self, post) -> Batch:
-        """post(copier)'s job as a batch, the destination's regions held while it may run (a
-        peer shrinking them fails it: a SIGBUS the copier survives)."""
-        try:  # a close meanwhile unmaps the regions only once these copies ran
-            held = _extents.hold(self._targets[1])
-        except ClosedHandleError:
-            raise TransferError("the link was closed") from None
+        """post(copier)'s job as a batch (a peer shrinking the regions fails it: a SIGBUS
+        the copier survives). The memory it touches is held while it is posted: a free that
+        began before is refused here, one after it waits for the copier (HostQueue)."""
+        if self._copier is None:
+            raise TransferError("the link was closed")
+        try:
+            held = _extents.hold(self._touched)
+        except ClosedHandleError as e:
+            raise TransferError(f"cannot copy: {e}") from None
         try:
             with self._lock:
                 if self._copier is None:
                     raise TransferError("the link was closed")
-                batch = _ShmBatch(post(self._copier), self)
-                self._holding[batch] = held
-        except BaseException:
-            _extents.release(held)
-            raise
-        return batch
-
-    def _let_go(self, batch: _ShmBatch) -> None:
-        """`batch` ran: its hold on the destination's regions goes (once)."""
-        with self._lock:
-            held = self._holding.pop(batch, None)
-        if held is not None:
+                return _ShmBatch(post(self._copier))
+        finally:
             _extents.release(held)
 
     def close(self) -> None:
@@ -337,11 +332,9 @@ class ShmLink(Link):
         self._targets = ([], [])
         with self._lock:
             copier, self._copier = self._copier, None
-            holding, self._holding = self._holding, {}
         if copier is not None:
             copier.destroy()  # runs what was queued: nothing copies into what is unmapped
-        for held in holding.values():
-            _extents.release(held)
+            _extents.forget_queued(self._touched, copier)
         while self._names:
             _unmap(self._names.pop())
         with self._exit_lock:

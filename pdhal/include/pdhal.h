@@ -232,9 +232,9 @@ int64_t pdhal_sender_kernel_id(pdhal_sender *sender);
 /* ---- guarded copies (fault.c) ---- */
 /* Copy `bytes` from `src` to `dst` (host memory) where `dst` is a shared mapping its owner
  * may shrink: a SIGBUS the copy raises is -EFAULT (pdhal_last_error says so), not the end
- * of the process; bytes before the fault may have been written. The first call installs a
- * SIGBUS handler that hands every other SIGBUS to the handler it replaced. 0 or -errno;
- * thread-safe. */
+ * of the process; bytes before the fault may have been written. Each call makes sure its
+ * SIGBUS handler is installed (again, if a library replaced it since), handing every other
+ * SIGBUS to the handler it replaced. 0 or -errno; thread-safe. */
 int pdhal_copy_guarded(void *dst, const void *src, uint64_t bytes);
 
 /* ---- block copies (copy.c) ---- */

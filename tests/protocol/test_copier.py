@@ -183,7 +183,11 @@ def test_a_forked_child_is_refused_the_parents_copier():
 def test_a_bell_wait_ends_at_its_timeout_or_a_ring():
     bell = core.Bell()
     seen = bell.seen()
-    assert bell.wait(seen, 0.01) is False
+    waited = []  # in a thread of its own: a wait that ignored its timeout fails, not hangs
+    waiter = threading.Thread(target=lambda: waited.append(bell.wait(seen, 0.01)), daemon=True)
+    waiter.start()
+    waiter.join(30)
+    assert waited == [False]
     ringer = threading.Timer(0.05, bell.ring)
     ringer.start()
     assert bell.wait(seen, 30) is True
@@ -198,3 +202,73 @@ def test_a_ring_between_looking_and_waiting_is_not_missed():
     seen = bell.seen()
     bell.ring()
     assert bell.wait(seen, 5) is True  # a missed ring: False, after 5 s
+
+
+def test_a_job_is_done_only_once_its_last_copy_ran():
+    """A waiter woken by the job sees every byte of it, the last copy's (the largest) too."""
+    nbytes = 32 << 20
+    region, source = np.zeros(nbytes, np.uint8), np.full(nbytes, 5, np.uint8)
+    copier = core.Copier([_address(region)], [nbytes], [(_address(source), nbytes)])
+    try:
+        for _ in range(3):
+            region[:] = 0
+            job = copier.post_runs(
+                [(_address(source), 0, 0, 8), (_address(source), 0, 8, nbytes - 8)]
+            )
+            job.wait(30)
+            assert region[-(1 << 20) :].all() and region[:8].all()
+    finally:
+        copier.destroy()
+
+
+@pytest.mark.parametrize(
+    "blocks, stride",
+    [(1 << 40, 64), (17, 64), (1 << 40, 128), (17, 128)],
+    ids=["whole-huge", "whole-one-past", "strided-huge", "strided-one-past"],
+)
+def test_a_run_of_more_blocks_than_its_region_holds_is_refused_before_it_is_counted(
+    memory, blocks, stride
+):
+    """Region 1 holds 16 blocks of 64 bytes: a run of more is outside it, refused naming
+    the run (not 'out of memory' for 2**40 copies, nor a count that wraps)."""
+    regions, source, copier = memory
+    layer = LayerCopies([(_address(source), stride, 1, 0, stride, 64)])
+    with pytest.raises(TransferError, match="outside the destination"):
+        copier.post_blocks(layer.caches, 1, core.block_run_words([(0, 0, blocks)]), 1)
+    assert not regions[1].any()
+
+
+REPLACED_HANDLER = """
+import ctypes, mmap, os, signal, tempfile
+import numpy as np
+from pdhal import TransferError
+from pdhal._protocol import core
+path = tempfile.mktemp()
+with open(path, "wb") as f:
+    f.write(bytes(2 * mmap.PAGESIZE))
+with open(path, "r+b") as f:
+    mapped = mmap.mmap(f.fileno(), 2 * mmap.PAGESIZE)
+window = ctypes.c_char.from_buffer(mapped)
+source = np.ones(mmap.PAGESIZE, np.uint8)
+copier = core.Copier([ctypes.addressof(window)], [2 * mmap.PAGESIZE], [(source.ctypes.data, 4096)])
+copier.post_runs([(source.ctypes.data, 0, 0, 16)]).wait(30)  # the guard's handler installed
+signal.signal(signal.SIGBUS, lambda *_: None)  # a library's own, as paddle's import installs
+os.truncate(path, 0)
+try:
+    copier.post_runs([(source.ctypes.data, 0, mmap.PAGESIZE, 16)]).wait(30)
+except TransferError as e:
+    print("failed:", e)
+copier.destroy()
+os.unlink(path)
+"""
+
+
+def test_a_sigbus_handler_installed_after_the_first_copy_does_not_unguard_the_next():
+    """Paddle's import installs its own SIGBUS handler; one installed after the copier's
+    first job replaced the guard's, and a shrunk destination then ended the process (or, a
+    handler that returns, faulted forever). The copier installs the guard again."""
+    done = subprocess.run(
+        [sys.executable, "-c", REPLACED_HANDLER], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "failed:" in done.stdout and "SIGBUS" in done.stdout

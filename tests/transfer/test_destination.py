@@ -130,3 +130,50 @@ def test_a_put_while_the_submitting_thread_submits_waits_behind_it():
         assert settled == [(layer, None) for layer in range(4)]
     finally:
         assert dest.stop(time.monotonic() + 60)
+
+
+class LandedAtOnce(Batch):
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+
+def test_many_writes_put_as_fast_as_possible_keep_their_order():
+    """Thousands of writes put through a small window, each landing at once, the caller
+    yielding now and then: the window fills and frees over and over, so puts meet every
+    state of the two submitting threads (a queue not yet taken, a submit in progress, an
+    idle completer); the link still gets them in the order they were put, and every one
+    settles."""
+    writes, link, settled, done = 3000, RecordingLink(), [], threading.Event()
+    link.submit_blocks = lambda layer, runs: link.submits.append(layer) or LandedAtOnce()
+
+    def on_settled(dest, write, reason):
+        settled.append((write.layer, reason))
+        if len(settled) == writes:
+            done.set()
+
+    dest = Destination(
+        lambda status: link,
+        SimpleNamespace(layer=lambda index: index),
+        status_region=1,
+        status_slots=1,
+        receiver="r",
+        window=2,
+        stall_timeout=60.0,
+        settled=on_settled,
+        broken=lambda dest, epoch, reason: None,
+        posts=True,
+    )
+    request = SimpleNamespace(live=True)
+    try:
+        for layer in range(writes):
+            dest.put(Send(layer=layer, items=[(request, 1)]))
+            if layer % 3 == 0:
+                time.sleep(0)  # the GIL to the other threads: their states interleave with puts
+        assert done.wait(60), f"{len(settled)} of {writes} settled"
+        assert link.submits == list(range(writes))
+        assert settled == [(layer, None) for layer in range(writes)]
+    finally:
+        assert dest.stop(time.monotonic() + 60)

@@ -393,3 +393,62 @@ def test_a_transport_name_that_is_not_a_str_is_refused(bad):
         transfer.transport(bad)
     assert repr(bad) in str(refused.value)
     assert transfer.transport("shm").name == "shm"
+
+
+@pytest.mark.parametrize(
+    "runs, why",
+    [
+        (None, "block runs must be a list"),
+        ([(0, 0, 1, 5)], r"block run 0 must be \(first source block"),  # a 4th field
+        ([(0, 0)], r"block run 0 must be \(first source block"),
+        ([(0, 0, 1), (1 << 63, 0, 1)], "block run 1's source block"),
+        ([(0, -1, 1)], "block run 0's destination block"),
+        ([(0, 0, 0)], "block run 0's count"),
+        ([(0, 0, 1.0)], "block run 0's count"),
+        ([(0, "1", 1)], "block run 0's destination block"),
+        ([(True, 0, 1)], "block run 0's source block"),
+    ],
+)
+def test_block_runs_built_by_hand_are_checked_field_by_field(runs, why):
+    """BlockRuns goes to C as flat words: a run of the wrong length would shift those after
+    it, a huge or negative id overflow; each is refused when made, naming it."""
+    with pytest.raises(pdhal.InvalidArgumentError, match=why):
+        transfer.BlockRuns(runs)
+
+
+def test_block_runs_cannot_change_under_their_packed_words():
+    runs = transfer.BlockRuns([(0, 1, 2)])
+    assert list(runs.words) == [0, 1, 2]
+    with pytest.raises(AttributeError):
+        runs.runs = [(5, 5, 5), (6, 6, 6)]
+    assert runs.runs == ((0, 1, 2),)
+
+
+@pytest.mark.parametrize(
+    "cache, why",
+    [
+        ((0, 64, 0, 0, 64), r"cache 0 must be \(source address"),
+        ((0, 64, -1, 0, 64, 64), "cache 0's region"),
+        ((0, 0, 0, 0, 64, 64), "cache 0's source stride"),
+        ((0, 64, 0, 0, 64, 0), "cache 0's block bytes"),
+        ((0, 64, 0, 0, 32, 64), "longer than its strides"),
+        ((1 << 64, 64, 0, 0, 64, 64), "cache 0's source address"),
+        ((0, 64, 0, 0.5, 64, 64), "cache 0's offset"),
+    ],
+)
+def test_layer_copies_built_by_hand_are_checked_field_by_field(cache, why):
+    with pytest.raises(pdhal.InvalidArgumentError, match=why):
+        transfer.LayerCopies([cache])
+
+
+def test_submit_blocks_refuses_anything_but_its_two_types():
+    """The default Link.submit_blocks and shm's (which hands them to C), before anything
+    else: a list for the runs, None for the layer."""
+    from pdhal._transfer.shm import ShmLink
+
+    layer, runs = transfer.LayerCopies([(0, 64, 0, 0, 64, 64)]), transfer.BlockRuns([(0, 0, 1)])
+    for link in (transfer.Link(), object.__new__(ShmLink)):
+        with pytest.raises(pdhal.InvalidArgumentError, match="runs must be a BlockRuns"):
+            link.submit_blocks(layer, [(0, 0, 1)])
+        with pytest.raises(pdhal.InvalidArgumentError, match="layer must be a LayerCopies"):
+            link.submit_blocks(None, runs)
