@@ -24,6 +24,7 @@ import logging
 import threading
 
 from pdhal._errors import ClosedHandleError, MemoryPinnedError
+from pdhal._protocol.core import HostQueue
 
 
 class Extent:
@@ -43,15 +44,6 @@ class Extent:
 
     def __repr__(self) -> str:
         return f"Extent({self.what}, {self.start:#x}, nbytes={self.nbytes}, {self.device})"
-
-
-class HostQueue:
-    """Work queued on a host thread (not a device stream): mark the extents it reads or
-    writes with it (mark_queued), and a retire of them returns only once drain() did."""
-
-    def drain(self) -> None:
-        """Return once everything queued so far ran."""
-        raise NotImplementedError
 
 
 log = logging.getLogger("pdhal")

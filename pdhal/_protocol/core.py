@@ -20,7 +20,6 @@ from pdhal._errors import (
     SystemResourceError,
     TransferError,
 )
-from pdhal._memory.extents import HostQueue
 
 #: The C ABI this Python code was written against; see PDHAL_ABI_VERSION in pdhal.h.
 ABI_VERSION = 2
@@ -500,6 +499,16 @@ class CopyJob:
                 "the destination's memory was taken away under a copy",
                 {errno.EFAULT: TransferError},
             )
+
+
+class HostQueue:
+    """Work queued on a host thread (not a device stream): an op marks the extents it reads
+    or writes with it (extents.mark_queued), and a retire of them returns only once drain()
+    did."""
+
+    def drain(self) -> None:
+        """Return once everything queued so far ran."""
+        raise NotImplementedError
 
 
 class Copier(HostQueue):

@@ -276,10 +276,15 @@ def test_leases_and_dead_peers_are_kept_without_any_poll(decode, namespace):
         pdhal.cleanup(namespace)  # what the killed decode process left
 
 
-def test_close_tells_every_pending_decode_side(decode):
+@pytest.mark.parametrize("transport_name", ["shm", "faulty"])
+def test_close_tells_every_pending_decode_side(decode, request, transport_name):
     """close() with requests half sent: each decode side reads FAILED with the reason in
-    its slot (not by its own deadline, 60 s away), and the streamer reports each once."""
-    streamer = make_streamer()
+    its slot (not by its own deadline, 60 s away), and the streamer reports each once. Over
+    shm, which posts (a settle's word is submitted on the settling thread), and over shm
+    without that (`faulty` with no fault: every write through the submitting thread)."""
+    if transport_name == "faulty":
+        request.getfixturevalue("faulty")("")
+    streamer = make_streamer(transport_name=transport_name)
     dest = streamer.connect(decode.described)
     for n in range(3):
         streamer.add_request(f"r{n}", [n], 4)
