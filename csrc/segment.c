@@ -186,15 +186,21 @@ static int map_segment(pdhal_segment *seg, int fd, uint64_t bytes)
  * released and those go first. */
 #define PREFAULT_CHUNK ((size_t)32 << 20)
 
+/* The background prefault of an opened buffer: none, running, asked to stop (by close). */
+enum { PREFAULT_NONE = 0, PREFAULT_RUNNING = 1, PREFAULT_STOP = 2 };
+
 /* Map every page of a buffer now: a KV cache is touched whole anyway, and a page fault per
  * 4 KiB on first touch made the first copy through a fresh mapping 4x slower. Best effort:
- * older kernels (EINVAL) or a short memory cgroup leave the pages to fault in later. */
+ * older kernels (EINVAL) or a short memory cgroup leave the pages to fault in later. A close
+ * meanwhile stops it between chunks. */
 static void prefault_buffer(pdhal_segment *seg)
 {
     if (seg->kind != PDHAL_KIND_BUFFER)
         return;
     char *base = (char *)seg->hdr;
     for (size_t at = 0; at < seg->map_bytes; at += PREFAULT_CHUNK) {
+        if (atomic_load_explicit(&seg->prefault, memory_order_relaxed) == PREFAULT_STOP)
+            return;
         size_t n = seg->map_bytes - at < PREFAULT_CHUNK ? seg->map_bytes - at : PREFAULT_CHUNK;
         if (madvise(base + at, n, MADV_POPULATE_WRITE) != 0)
             return;
@@ -204,33 +210,39 @@ static void prefault_buffer(pdhal_segment *seg)
 static void *prefault_thread(void *arg)
 {
     prefault_buffer(arg);
-    pdhal_segment_unref(arg);
     return NULL;
 }
 
-/* An opener of another process's buffer maps its pages on a thread of its own, holding a
- * reference (the mapping outlives a close meanwhile): populating a GiB KV cache took seconds
- * on a loaded host, and the opener (a messager restarted under its worker, a decode session
- * being made) was answering no one meanwhile. Its first copies fault in what is not mapped
- * yet. The thread blocks every signal (they are the opener's threads' to handle). When no
- * thread can be had, the pages fault in on first touch. */
+/* An opener of another process's buffer maps its pages on a thread of its own: populating a
+ * GiB KV cache took seconds on a loaded host, and the opener (a messager restarted under its
+ * worker, a decode session being made) was answering no one meanwhile. Its first copies
+ * fault in what is not mapped yet. The thread blocks every signal (they are the opener's
+ * threads' to handle). A close stops it after its chunk and joins it, so the mapping is
+ * gone once close returns (it outlived the close while the thread held a reference). When
+ * no thread can be had, the pages fault in on first touch. */
 static void prefault_in_background(pdhal_segment *seg)
 {
     if (seg->kind != PDHAL_KIND_BUFFER)
         return;
     sigset_t all, was;
     sigfillset(&all);
-    pthread_attr_t attr;
-    if (pthread_attr_init(&attr) != 0)
-        return;
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pdhal_segment_ref(seg);
+    atomic_store_explicit(&seg->prefault, PREFAULT_RUNNING, memory_order_relaxed);
     pthread_sigmask(SIG_SETMASK, &all, &was); /* the new thread inherits the mask */
-    pthread_t thread;
-    if (pthread_create(&thread, &attr, prefault_thread, seg) != 0)
-        pdhal_segment_unref(seg);
+    if (pthread_create(&seg->prefaulter, NULL, prefault_thread, seg) != 0)
+        atomic_store_explicit(&seg->prefault, PREFAULT_NONE, memory_order_relaxed);
     pthread_sigmask(SIG_SETMASK, &was, NULL);
-    pthread_attr_destroy(&attr);
+}
+
+/* Stop and join the background prefault, if this process started one (a forked child's
+ * copy of the handle has no thread to join). */
+static void stop_prefault(pdhal_segment *seg)
+{
+    if (seg->pid != getpid() ||
+        atomic_load_explicit(&seg->prefault, memory_order_relaxed) == PREFAULT_NONE)
+        return;
+    atomic_store_explicit(&seg->prefault, PREFAULT_STOP, memory_order_relaxed);
+    pthread_join(seg->prefaulter, NULL);
+    atomic_store_explicit(&seg->prefault, PREFAULT_NONE, memory_order_relaxed);
 }
 
 /* The folder part of `path` ("." when it has none) into `dir`. */
@@ -658,6 +670,7 @@ void pdhal_segment_close(pdhal_segment *seg)
     if (seg->fd >= 0 && seg->pid == getpid())
         close(seg->fd);
     seg->fd = -1;
+    stop_prefault(seg);
     pdhal_segment_unref(seg);
 }
 
