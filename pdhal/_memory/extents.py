@@ -169,8 +169,7 @@ def forget_queued(extents, stream: object) -> None:
     """`stream` queues no more work on `extents` (its queue closed, drained)."""
     with _lock:
         for extent in extents:
-            if extent is not None:
-                extent.streams.discard(stream)
+            extent.streams.discard(stream)
 
 
 def streams_in_use() -> set[object]:

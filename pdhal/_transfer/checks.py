@@ -16,6 +16,8 @@ from pdhal._errors import InvalidArgumentError
 LONGEST_S = 86400.0
 #: The largest block id, offset or byte count accepted (2^48: beyond any real memory).
 LARGEST = 1 << 48
+#: The largest address (64 bits: device memory's too).
+ADDRESS_MAX = (1 << 64) - 1
 #: The largest time.monotonic_ns() value accepted (int64: its range).
 LATEST_NS = (1 << 63) - 1
 

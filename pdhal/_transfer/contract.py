@@ -19,13 +19,11 @@ from typing import ClassVar
 
 from pdhal._errors import InvalidArgumentError, TransferError
 from pdhal._inputs.tensors import memory_ref
-from pdhal._transfer.checks import LARGEST, integer
+from pdhal._transfer.checks import ADDRESS_MAX, LARGEST, integer
 from pdhal._transfer.layout import BlockRuns, LayerCopies
 
 #: One copy: (source address, destination region index, byte offset in it, bytes).
 Run = tuple[int, int, int, int]
-#: The largest address a run may read from (64 bits: device memory's too).
-ADDRESS_MAX = (1 << 64) - 1
 
 
 def region_bytes(regions: list) -> list[int]:

@@ -17,7 +17,7 @@ from pdhal._memory import extents as _extents
 from pdhal._memory.blocks import block_bytes_of, resolve
 from pdhal._protocol import core as _core
 from pdhal._protocol.names import validate_index
-from pdhal._transfer.checks import integer, name
+from pdhal._transfer.checks import ADDRESS_MAX, integer, name
 from pdhal._transfer.heads import HeadShard
 
 #: The most layers a layout may have (a status slot counts the layers landed in 16 bits).
@@ -315,6 +315,10 @@ def _head_view(layers, first: int, count: int, where: str) -> list[list[CacheSpe
     return [[spec.head_view(first, count) for spec in caches] for caches in layers]
 
 
+#: The most a block id or a run's block count may be.
+MOST_BLOCKS = 1 << 40
+
+
 def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
     """(first source block, first destination block, count) of each run of pairs that are
     consecutive on both sides."""
@@ -325,8 +329,8 @@ def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, 
         )
     runs: list[list[int]] = []
     for s, d in zip(src_blocks, dst_blocks):
-        validate_index(s, "source block", 1 << 40)
-        validate_index(d, "destination block", 1 << 40)
+        validate_index(s, "source block", MOST_BLOCKS)
+        validate_index(d, "destination block", MOST_BLOCKS)
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
             runs[-1][2] += 1
         else:
@@ -344,10 +348,20 @@ _CACHE_FIELDS = (
     "block bytes",
 )
 _CACHE_LEAST = (0, 1, 0, 0, 1, 1)
-_ADDRESS_MAX = (1 << 64) - 1
+#: BlockRuns' fields per run.
+_RUN_FIELDS = ("first source block", "first destination block", "count")
 
-#: The most a block id or a run's block count may be (block_runs' bound).
-MOST_BLOCKS = 1 << 40
+
+def _rows_of(values, what: str, each: str, item: str, fields: tuple[str, ...]) -> list:
+    """`values` as a list, each a tuple or list of len(fields) values: InvalidArgumentError
+    naming `what` (a list of `each`) or the first `item` that is not."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise InvalidArgumentError(f"{what} must be a list of {each}, got {values!r}")
+    rows = list(values)
+    for index, row in enumerate(rows):
+        if not isinstance(row, (tuple, list)) or len(row) != len(fields):
+            raise InvalidArgumentError(f"{item} {index} must be ({', '.join(fields)}), got {row!r}")
+    return rows
 
 
 class BlockRuns:
@@ -360,15 +374,8 @@ class BlockRuns:
     __slots__ = ("_runs", "_words")
 
     def __init__(self, runs):
-        if isinstance(runs, (str, bytes)) or not hasattr(runs, "__iter__"):
-            raise InvalidArgumentError(f"block runs must be a list of runs, got {runs!r}")
         checked = []
-        for index, run in enumerate(runs):
-            if not isinstance(run, (tuple, list)) or len(run) != 3:
-                raise InvalidArgumentError(
-                    f"block run {index} must be (first source block, first destination "
-                    f"block, count), got {run!r}"
-                )
+        for index, run in enumerate(_rows_of(runs, "block runs", "runs", "block run", _RUN_FIELDS)):
             src, dst, count = run
             if not (  # plain ints in bounds, else the slow path names what is wrong
                 type(src) is int
@@ -410,16 +417,10 @@ class LayerCopies:
     __slots__ = ("_caches", "_packed")
 
     def __init__(self, caches):
-        if isinstance(caches, (str, bytes)) or not hasattr(caches, "__iter__"):
-            raise InvalidArgumentError(f"caches must be a list of caches, got {caches!r}")
         checked = []
-        for index, cache in enumerate(caches):
-            if not isinstance(cache, (tuple, list)) or len(cache) != len(_CACHE_FIELDS):
-                raise InvalidArgumentError(
-                    f"cache {index} must be ({', '.join(_CACHE_FIELDS)}), got {cache!r}"
-                )
+        for index, cache in enumerate(_rows_of(caches, "caches", "caches", "cache", _CACHE_FIELDS)):
             values = [
-                integer(value, f"cache {index}'s {field}", low, _ADDRESS_MAX)
+                integer(value, f"cache {index}'s {field}", low, ADDRESS_MAX)
                 for value, field, low in zip(cache, _CACHE_FIELDS, _CACHE_LEAST)
             ]
             block = values[-1]
