@@ -2,7 +2,8 @@
  * shared mapping makes the next access to its lost pages raise SIGBUS, which would kill
  * this process. pdhal_copy_guarded turns that fault, in the copy and nowhere else, into
  * -EFAULT: a thread-local jump buffer marks "inside a guarded copy", and the SIGBUS handler
- * (installed once, chaining to the one it replaced) jumps back only from there. */
+ * (installed by the first guarded copy, and again by any after a library replaced it; it
+ * chains to the one it replaced) jumps back only from there. */
 #include <errno.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -15,8 +16,6 @@
 /* Set only while this thread is inside pdhal_copy_guarded's memcpy. */
 static _Thread_local sigjmp_buf *fault_jump;
 static struct sigaction previous;
-static pthread_once_t installed = PTHREAD_ONCE_INIT;
-static int install_rc;
 
 static void on_bus_error(int sig, siginfo_t *info, void *context) {
     sigjmp_buf *jump = fault_jump;
@@ -36,24 +35,12 @@ static void on_bus_error(int sig, siginfo_t *info, void *context) {
     }
 }
 
-static void install(void) {
-    struct sigaction action;
-    memset(&action, 0, sizeof action);
-    action.sa_sigaction = on_bus_error;
-    action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
-    sigemptyset(&action.sa_mask);
-    install_rc = sigaction(SIGBUS, &action, &previous) == 0 ? 0 : -errno;
-}
-
-/* The handler is ours, installed again (chaining to whoever replaced it) if a library
- * installed its own since: paddle's import does (glog's failure signal handler), and a
- * guarded copy after it would otherwise end the process. One sigaction query when ours. */
+/* The handler is ours: installed by the first call (chaining to the one it replaced), and
+ * again if a library installed its own since: paddle's import does (glog's failure signal
+ * handler), and a guarded copy after it would otherwise end the process. One sigaction
+ * query when ours. */
 int pdhal_guard_arm(void) {
     static pthread_mutex_t arming = PTHREAD_MUTEX_INITIALIZER;
-    pthread_once(&installed, install);
-    if (install_rc != 0) {
-        return pdhal_fail(-install_rc, "installing the SIGBUS handler of guarded copies");
-    }
     struct sigaction now;
     if (sigaction(SIGBUS, NULL, &now) != 0) {
         return pdhal_fail(errno, "reading the SIGBUS handler: %s", strerror(errno));
