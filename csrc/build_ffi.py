@@ -26,6 +26,7 @@ SOURCES = [
     "copy.c",
     "fault.c",
     "copier.c",
+    "worker.c",
 ]
 
 

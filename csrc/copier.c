@@ -22,10 +22,10 @@
 enum { JOB_PENDING = 0, JOB_DONE = 1, JOB_FAILED = 2 };
 
 struct pdhal_copy_job {
+    struct pdhal_work work; /* first: the worker's queue links it */
     _Atomic uint32_t state; /* futex word: JOB_PENDING until the thread ran it */
     _Atomic int refs;       /* the poster's handle and the queue's */
     char why[256];          /* a failed job's reason, written before state */
-    struct pdhal_copy_job *next;
     uint64_t count;
     struct copy { char *dst; const char *src; uint64_t bytes; } copies[];
 };
@@ -33,12 +33,7 @@ struct pdhal_copy_job {
 struct span { uint64_t start, end; };
 
 struct pdhal_copier {
-    pthread_mutex_t lock;
-    pthread_cond_t wake;
-    struct pdhal_copy_job *head, *tail; /* guarded by lock */
-    int stopping;                       /* guarded by lock */
-    pthread_t thread;
-    pid_t pid; /* the thread exists only in the process that created it */
+    pdhal_worker worker; /* its thread and queue of jobs */
     uint32_t regions;
     uint64_t *region_base, *region_bytes;
     uint32_t nsources;
@@ -55,16 +50,7 @@ static void *copier_main(void *arg)
 {
     pdhal_copier *c = arg;
     for (;;) {
-        pthread_mutex_lock(&c->lock);
-        while (!c->head && !c->stopping)
-            pthread_cond_wait(&c->wake, &c->lock);
-        struct pdhal_copy_job *job = c->head;
-        if (job) {
-            c->head = job->next;
-            if (!c->head)
-                c->tail = NULL;
-        }
-        pthread_mutex_unlock(&c->lock);
+        struct pdhal_copy_job *job = (struct pdhal_copy_job *)pdhal_worker_take(&c->worker);
         if (!job)
             return NULL; /* stopping, and every job ran */
         uint32_t state = JOB_DONE;
@@ -127,20 +113,9 @@ int pdhal_copier_create(const uint64_t *region_base, const uint64_t *region_byte
     qsort(spans, nsources, sizeof *spans, compare_spans);
     c->regions = regions, c->region_base = bases, c->region_bytes = sizes;
     c->nsources = nsources, c->sources = spans;
-    c->pid = getpid();
-    pthread_mutex_init(&c->lock, NULL);
-    pthread_cond_init(&c->wake, NULL);
-    /* Every signal blocked on the copier thread: they go to threads that run Python's
-     * handlers. SIGBUS is synchronous, so a guarded copy's fault still comes here. */
-    sigset_t all, old;
-    sigfillset(&all);
-    sigdelset(&all, SIGBUS);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    int rc = pthread_create(&c->thread, NULL, copier_main, c);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    /* every signal blocked on the copier thread but SIGBUS, a guarded copy's own fault */
+    int rc = pdhal_worker_start(&c->worker, copier_main, c, SIGBUS);
     if (rc != 0) {
-        pthread_mutex_destroy(&c->lock);
-        pthread_cond_destroy(&c->wake);
         free(bases), free(sizes), free(spans), free(c);
         return pdhal_fail(rc, "cannot start the copier thread: %s", strerror(rc));
     }
@@ -200,7 +175,6 @@ static int new_job(uint64_t count, struct pdhal_copy_job **out)
     atomic_init(&job->state, JOB_PENDING);
     atomic_init(&job->refs, 2);
     job->why[0] = '\0';
-    job->next = NULL;
     job->count = count;
     *out = job;
     return 0;
@@ -210,24 +184,15 @@ static int new_job(uint64_t count, struct pdhal_copy_job **out)
  * the copier stops. */
 static int enqueue(pdhal_copier *c, struct pdhal_copy_job *job, pdhal_copy_job **out)
 {
-    if (c->pid != getpid()) {
+    if (c->worker.pid != getpid()) {
         free(job);
         return pdhal_fail(ECHILD, "this copier belongs to pid %d; a forked child must "
-                                  "connect its own link", (int)c->pid);
+                                  "connect its own link", (int)c->worker.pid);
     }
-    pthread_mutex_lock(&c->lock);
-    if (c->stopping) {
-        pthread_mutex_unlock(&c->lock);
+    if (pdhal_worker_put(&c->worker, &job->work) != 0) {
         free(job);
         return pdhal_fail(EPIPE, "the copier was stopped (its link closed)");
     }
-    if (c->tail)
-        c->tail->next = job;
-    else
-        c->head = job;
-    c->tail = job;
-    pthread_cond_signal(&c->wake);
-    pthread_mutex_unlock(&c->lock);
     *out = job;
     return 0;
 }
@@ -352,22 +317,13 @@ void pdhal_copier_destroy(pdhal_copier *c)
 {
     if (!c)
         return;
-    if (c->pid == getpid()) {
-        pthread_mutex_lock(&c->lock);
-        c->stopping = 1;
-        pthread_cond_signal(&c->wake);
-        pthread_mutex_unlock(&c->lock);
-        pthread_join(c->thread, NULL); /* after every job queued ran */
-    } else {
-        /* Inherited across fork: the thread does not exist here; the queued jobs never ran
-         * in this process, and their waiters (if any) are this process's to time out. */
-        for (struct pdhal_copy_job *job = c->head, *next; job; job = next) {
-            next = job->next;
-            job_unref(job);
-        }
+    /* Every job queued runs first; inherited across fork, the thread does not exist here:
+     * the jobs queued never ran in this process, and their waiters (if any) are this
+     * process's to time out. */
+    for (struct pdhal_work *w = pdhal_worker_stop(&c->worker), *next; w; w = next) {
+        next = w->next;
+        job_unref((struct pdhal_copy_job *)w);
     }
-    pthread_mutex_destroy(&c->lock);
-    pthread_cond_destroy(&c->wake);
     free(c->region_base), free(c->region_bytes), free(c->sources), free(c);
 }
 

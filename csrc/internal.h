@@ -157,6 +157,31 @@ void pdhal_kernel_forget_channel(pdhal_segment *seg);
 void pdhal_kernel_register_sender(pdhal_sender *sender, int64_t *id);
 void pdhal_kernel_forget_sender(pdhal_sender *sender, int64_t id);
 
+/* worker.c: a thread taking queued items in posting order (the sender's, the copier's). An
+ * item's first member is a pdhal_work. */
+struct pdhal_work {
+    struct pdhal_work *next;
+};
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    struct pdhal_work *head, *tail; /* guarded by lock */
+    int stopping;                   /* guarded by lock */
+    pthread_t thread;
+    pid_t pid; /* the thread exists only in this process, not in a forked child */
+} pdhal_worker;
+/* Start main(arg) on a thread with every signal blocked but `unblocked` (0: none): 0, or
+ * pthread_create's error (nothing to stop then). */
+int pdhal_worker_start(pdhal_worker *w, void *(*main)(void *), void *arg, int unblocked);
+/* On the thread: the next item, waiting for one; NULL once stopping and none is left. */
+struct pdhal_work *pdhal_worker_take(pdhal_worker *w);
+/* Queue `item` behind those put before it: 0, or -EPIPE once stopping began. */
+int pdhal_worker_put(pdhal_worker *w, struct pdhal_work *item);
+/* Stop: the thread takes every item queued, then it is joined; NULL. In a forked child (no
+ * thread there) nothing is joined and the items never taken are returned, the caller's to
+ * free. */
+struct pdhal_work *pdhal_worker_stop(pdhal_worker *w);
+
 /* fault.c: pdhal_copy_guarded in two steps, for a thread that copies many times in a row:
  * arm once (0, or -errno: no handler, so copy nothing), then each copy. */
 int pdhal_guard_arm(void);

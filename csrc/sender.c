@@ -10,23 +10,19 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 struct sender_entry {
+    struct pdhal_work work; /* first: the worker's queue links it */
     void *event;
     pdhal_store *store;
-    struct sender_entry *next;
 };
 
 struct pdhal_sender {
-    pthread_mutex_t lock;
-    pthread_cond_t wake;
-    struct sender_entry *head, *tail; /* guarded by lock */
-    int stopping;                     /* guarded by lock */
+    pdhal_worker worker; /* its thread and queue of entries */
     /* release on the thread's decrement, acquire on reading it: a caller that sees pending
      * reach 0 also sees everything the thread did for those entries (stores, event frees) */
     _Atomic uint64_t pending;
@@ -35,8 +31,6 @@ struct pdhal_sender {
     pdhal_event_destroy_fn destroy;
     _Atomic(pdhal_event_query_fn) query; /* polling (optional): set before the first post */
     _Atomic uint64_t poll_ns;
-    pthread_t thread;
-    pid_t pid; /* the thread exists only in this process, not in a forked child */
     int64_t kernel_id; /* kernel.c: this sender's id in kernel forms */
 };
 
@@ -64,16 +58,7 @@ static void *sender_main(void *arg)
 {
     pdhal_sender *s = arg;
     for (;;) {
-        pthread_mutex_lock(&s->lock);
-        while (!s->head && !s->stopping)
-            pthread_cond_wait(&s->wake, &s->lock);
-        struct sender_entry *e = s->head;
-        if (e) {
-            s->head = e->next;
-            if (!s->head)
-                s->tail = NULL;
-        }
-        pthread_mutex_unlock(&s->lock);
+        struct sender_entry *e = (struct sender_entry *)pdhal_worker_take(&s->worker);
         if (!e)
             return NULL; /* stopping and drained */
         int rc = e->event && !fired_while_polling(s, e->event) && s->wait ? s->wait(e->event) : 0;
@@ -99,18 +84,10 @@ int pdhal_sender_create(pdhal_event_wait_fn wait, pdhal_event_destroy_fn destroy
     pdhal_sender *s = calloc(1, sizeof *s);
     if (!s)
         return pdhal_fail(ENOMEM, "out of memory");
-    pthread_mutex_init(&s->lock, NULL);
-    pthread_cond_init(&s->wake, NULL);
     s->wait = wait;
     s->destroy = destroy;
-    s->pid = getpid();
-    /* Block every signal on the sender thread, so Ctrl-C and friends go to threads that
-     * run Python handlers. */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    int rc = pthread_create(&s->thread, NULL, sender_main, s);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    /* every signal blocked on the sender thread: Ctrl-C and friends go to Python's */
+    int rc = pdhal_worker_start(&s->worker, sender_main, s, 0);
     if (rc != 0) {
         free(s);
         return pdhal_fail(rc, "cannot start the sender thread: %s", strerror(rc));
@@ -150,53 +127,44 @@ int pdhal_sender_post(pdhal_sender *s, void *event, pdhal_store *store)
                                               "prepared: %s)", why);
     }
     struct sender_entry *e = malloc(sizeof *e);
-    if (!e || s->pid != getpid()) {
-        free(e);
-        pdhal_store_free(store);
-        if (s->destroy && event)
-            s->destroy(event);
-        return e ? pdhal_fail(ECHILD, "this sender belongs to pid %d; a forked child must "
-                                      "create its own", (int)s->pid)
-                 : pdhal_fail(ENOMEM, "out of memory");
+    int rc = !e ? -ENOMEM : s->worker.pid != getpid() ? -ECHILD : 0;
+    if (rc == 0) {
+        e->event = event;
+        e->store = store;
+        atomic_fetch_add_explicit(&s->pending, 1, memory_order_relaxed);
+        rc = pdhal_worker_put(&s->worker, &e->work);
+        if (rc == 0)
+            return 0;
+        atomic_fetch_sub_explicit(&s->pending, 1, memory_order_relaxed);
     }
-    e->event = event;
-    e->store = store;
-    e->next = NULL;
-    atomic_fetch_add_explicit(&s->pending, 1, memory_order_relaxed);
-    pthread_mutex_lock(&s->lock);
-    if (s->tail)
-        s->tail->next = e;
-    else
-        s->head = e;
-    s->tail = e;
-    pthread_cond_signal(&s->wake);
-    pthread_mutex_unlock(&s->lock);
-    return 0;
+    free(e);
+    pdhal_store_free(store);
+    if (s->destroy && event)
+        s->destroy(event);
+    if (rc == -ECHILD)
+        return pdhal_fail(ECHILD, "this sender belongs to pid %d; a forked child must create "
+                                  "its own", (int)s->worker.pid);
+    return rc == -EPIPE ? pdhal_fail(EPIPE, "the sender is being destroyed")
+                        : pdhal_fail(ENOMEM, "out of memory");
 }
 
 int pdhal_sender_destroy(pdhal_sender *s)
 {
     if (!s)
         return 0;
-    if (s->pid != getpid()) {
+    if (s->worker.pid != getpid()) {
         /* Inherited across fork: the thread does not exist here. Free only what is ours. */
-        for (struct sender_entry *e = s->head, *n; e; e = n) {
-            n = e->next;
-            pdhal_store_free(e->store);
-            free(e);
+        for (struct pdhal_work *w = pdhal_worker_stop(&s->worker), *n; w; w = n) {
+            n = w->next;
+            pdhal_store_free(((struct sender_entry *)w)->store);
+            free(w);
         }
         free(s);
         return 0;
     }
     pdhal_kernel_forget_sender(s, s->kernel_id); /* no new kernel-form posts find it */
-    pthread_mutex_lock(&s->lock);
-    s->stopping = 1;
-    pthread_cond_signal(&s->wake);
-    pthread_mutex_unlock(&s->lock);
-    pthread_join(s->thread, NULL);
+    pdhal_worker_stop(&s->worker);
     int failures = (int)atomic_load_explicit(&s->failures, memory_order_relaxed); /* joined */
-    pthread_mutex_destroy(&s->lock);
-    pthread_cond_destroy(&s->wake);
     free(s);
     return failures;
 }
