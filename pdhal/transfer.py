@@ -63,6 +63,7 @@ from pdhal._transfer.receiver import KVReceiver
 from pdhal._transfer.session import (
     DecodeClient,
     PrefillService,
+    abandon,
     part_id,
     rank_address,
     request_of,
@@ -103,6 +104,7 @@ __all__ = [
     "RunPlanner",
     "Transport",
     "TransferMetrics",
+    "abandon",
     "authenticate",
     "block_runs",
     "described_numbers",

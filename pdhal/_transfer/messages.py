@@ -5,8 +5,9 @@ Each message is a frozen dataclass; on the wire it is one JSON object, {"type": 
 value, ...}, in one length-prefixed frame. Everything a peer sends is untrusted: decode()
 checks the frame's size, the JSON, the type and every field (type and bounds) and raises a
 SessionError naming what is wrong, so nothing malformed gets past the message that brought
-it. The protocol's version is in the hello only: a peer of another version is refused
-there, naming both versions, before anything else of its is read."""
+it. The protocol's version is in the messages that open a session only (a hello, its
+welcome, an abandon): a peer of another version is refused there, naming both versions,
+before anything else of its is read."""
 
 from __future__ import annotations
 
@@ -140,14 +141,33 @@ class Unserved:
 
 
 @dataclass(frozen=True)
+class Abandon:
+    """Whoever holds the deployment's key (a router) -> service, instead of a hello:
+    `request`'s decode side will never claim it (its decode request failed), so the
+    service fails it if no decode side claimed it (a claimed one is its decode side's to
+    end), or, added later, at once. The service answers with a Welcome (its facts: how
+    many ranks to tell) and closes."""
+
+    TYPE: ClassVar[str] = "abandon"
+    protocol: int
+    request: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Ping:
     """Either way, when a side has sent nothing for a third of the keepalive bound."""
 
     TYPE: ClassVar[str] = "ping"
 
 
-Message = Hello | Welcome | Refused | Claim | Cached | Cancel | Unserved | Ping
-_TYPES = {cls.TYPE: cls for cls in (Hello, Welcome, Refused, Claim, Cached, Cancel, Unserved, Ping)}
+Message = Hello | Welcome | Refused | Claim | Cached | Cancel | Unserved | Abandon | Ping
+_TYPES = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Refused, Claim, Cached, Cancel, Unserved, Abandon, Ping)
+}
+#: The messages that open a session (their protocol version is checked first).
+_OPENING = (Hello, Welcome, Abandon)
 
 
 def encode(message: Message) -> bytes:
@@ -170,7 +190,7 @@ def decode(frame: bytes) -> Message:
     cls = _TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise SessionError(f"a message of unknown type {_short(kind)} (known: {', '.join(_TYPES)})")
-    if cls in (Hello, Welcome) and data.get("protocol") != PROTOCOL:
+    if cls in _OPENING and data.get("protocol") != PROTOCOL:
         raise SessionError(
             f"a {kind} of protocol version {_short(data.get('protocol'))}; this side speaks "
             f"version {PROTOCOL}"

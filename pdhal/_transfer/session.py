@@ -615,6 +615,13 @@ class PrefillService:
             return  # no key, or silent: nothing of it reaches the service
         try:
             hello = control.read_message(conn, HANDSHAKE_S)
+            if isinstance(hello, messages.Abandon):
+                self._on_abandon(hello)
+                with contextlib.suppress(SessionError):
+                    welcome = messages.Welcome(messages.PROTOCOL, self.facts)
+                    control.write_message(conn, welcome, HANDSHAKE_S)
+                conn.close()
+                return
             if not isinstance(hello, messages.Hello) or hello.facts.role != "decode":
                 raise SessionError(
                     f"the first message must be a decode side's hello, got {hello!r}"
@@ -750,6 +757,20 @@ class PrefillService:
         if part in client.parts:
             self.streamer.fail(part, "its decode side cancelled it")
 
+    def _on_abandon(self, abandon: messages.Abandon) -> None:
+        """A router's word that `abandon.request`'s decode side will never claim it: it
+        fails now if no part of it was claimed, or as soon as it is added (unless a claim
+        came first); a claimed one is its decode side's to end (its cancel, its session)."""
+        why = f"its decode side will never claim it ({abandon.reason})"
+        with self._lock:
+            served = self._served.get(abandon.request)
+            if served is None:
+                if abandon.request not in self._ended:
+                    self._abandon(abandon.request, why)
+            elif not served.parts:
+                self._fail(served, why)
+        self._deliver()
+
     def _remember_ended(self, request_id: str, why: str) -> None:
         self._ended[request_id] = why
         self._ended.move_to_end(request_id)
@@ -783,6 +804,51 @@ class PrefillService:
                 self._on_session_end(client.facts, why)
             except Exception:
                 log.exception("pdhal.transfer: on_session_end raised for %s", client.facts)
+
+
+# ---- a router's word ------------------------------------------------------------------------
+
+
+def abandon(prefill, request_id: str, reason: str, *, key: bytes, timeout: float = 5.0) -> None:
+    """Tell every rank of the prefill instance `prefill` (rank 0's "HOST:PORT", or every
+    rank's) that `request_id`'s decode side will never claim it: what a router does when
+    the decode request it paired with that prefill failed. Each rank fails the request
+    now unless a decode side claimed it, so its blocks are free at once rather than at
+    its claim lease. SessionError (RefusedError) if a rank cannot be told within
+    `timeout` s each."""
+    instance = _Prefill.parse(prefill)
+    request_id = checks.name(request_id, "request_id")
+    if len(request_id) > messages.MOST_CHARS:
+        raise InvalidArgumentError(
+            f"request_id is {len(request_id)} characters, at most {messages.MOST_CHARS}"
+        )
+    if not isinstance(key, bytes) or not key:
+        raise InvalidArgumentError("key must be non-empty bytes (the deployment's secret)")
+    timeout = checks.seconds(timeout, "timeout")
+    message = messages.Abandon(
+        messages.PROTOCOL, request_id, _bounded(checks.name(reason, "reason"))
+    )
+    rank, size = 0, 1
+    while rank < size:
+        address = instance.address(rank)
+        conn = control.dial(address, key, timeout)
+        try:
+            control.write_message(conn, message, timeout)
+            answer = control.read_message(conn, timeout)
+        finally:
+            conn.close()
+        if isinstance(answer, messages.Refused):
+            raise RefusedError(f"the prefill service at {address} refused: {answer.reason}")
+        if not isinstance(answer, messages.Welcome) or answer.facts.role != "prefill":
+            raise SessionError(f"the service at {address} answered an abandon with {answer!r}")
+        if rank == 0:
+            size = answer.facts.tp_size
+            if instance.every is not None and len(instance.every) != size:
+                raise InvalidArgumentError(
+                    f"prefill names {len(instance.every)} ranks; the instance at "
+                    f"{instance.rank0} has {size}"
+                )
+        rank += 1
 
 
 # ---- the decode side ------------------------------------------------------------------------

@@ -91,6 +91,10 @@ def _prefill(args) -> None:
                     for layer in range(LAYERS):
                         service.layer_ready(layer, [(command[1], command[3])])
                 _say("added", command[1])
+            elif command[0] == "ready":  # request, tokens: every layer holds them now
+                for layer in range(LAYERS):
+                    service.layer_ready(layer, [(command[1], command[2])])
+                _say("ready", command[1])
             elif command[0] == "fail":
                 service.fail(command[1], command[2])
                 _say("failed", command[1])

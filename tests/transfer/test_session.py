@@ -711,3 +711,63 @@ def test_a_dead_service_s_held_blocks_are_freed_and_a_stopped_one_s_are_not(peer
     client.send("freed", 1)  # (its address was probed as its session was lost)
     assert client.read("freed") == [[]]
     stopped.resume()
+
+
+def test_a_routers_abandon_frees_what_no_decode_side_claimed_on_every_rank(peers):
+    """What a router says when the decode request it paired with a prefill failed, told at
+    rank 0's address: on both ranks a request nobody claimed fails now (not at its 600 s
+    claim lease), and one added after the word fails as it is added; a request a decode
+    side claimed first is left to it and lands, whether it was added before the word (its
+    layers ready after it) or after. Without the key nothing is said."""
+    services, address = [], None
+    for rank in range(2):
+        listen = "127.0.0.1:0" if rank == 0 else transfer.rank_address(address, rank)
+        peer, at = prefill(
+            peers, "--tp-rank", str(rank), "--tp-size", "2", "--listen", listen,
+            "--claim-timeout", "600",
+        )  # fmt: skip
+        address = address or at
+        services.append(peer)
+    client = peers("decode")
+    for request, block in (("kept", 1), ("streaming", 6), ("probe", 2)):
+        client.send("claim", request, address, [block], 4, 60)
+        assert client.read("claimed") == [request]
+    for service in services:
+        for request, computed in (("probe", True), ("waiting", True), ("streaming", False)):
+            service.send("add", request, [5], 4, computed)
+            assert service.read("added") == [request]
+    for service in services:  # (so the claims sent before probe's were heard there too)
+        assert service.read("outcome", bound=30) == ["probe", True, ""]
+    with pytest.raises(SessionError, match="does not hold this deployment's key"):
+        transfer.abandon(address, "waiting", "its decode failed", key=b"another key")
+    for request in ("waiting", "later", "kept", "streaming"):
+        transfer.abandon(address, request, "decode instance http://d1: 502", key=KEY, timeout=10)
+    for service in services:
+        request, landed, why = service.read("outcome", bound=30)
+        assert (request, landed) == ("waiting", False), why
+        assert "will never claim it (decode instance http://d1: 502)" in why, why
+        service.send("ready", "streaming", 4)
+        assert service.read("ready") == ["streaming"]
+        for request in ("later", "kept"):
+            service.send("add", request, [3], 4)
+            assert service.read("added") == [request]
+        ended = {}
+        for _ in range(3):
+            request, landed, why = service.read("outcome", bound=30)
+            ended[request] = landed
+        assert ended == {"later": False, "kept": True, "streaming": True}
+    for request, block in (("kept", 1), ("streaming", 6)):
+        client.send("wait", request, [block], 30)
+        assert client.read("outcome")[:3] == [True, "", True]
+
+
+def test_an_abandon_is_refused_at_the_call_for_what_it_cannot_say():
+    for args, kwargs, match in (
+        (("no-port", "r1", "why"), {"key": KEY}, "prefill"),
+        (("127.0.0.1:1", "", "why"), {"key": KEY}, "request_id"),
+        (("127.0.0.1:1", "r" * 5000, "why"), {"key": KEY}, "at most 4096"),
+        (("127.0.0.1:1", "r1", "why"), {"key": ""}, "key must be non-empty bytes"),
+        (("127.0.0.1:1", "r1", "why"), {"key": KEY, "timeout": -1}, "timeout"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            transfer.abandon(*args, **kwargs)

@@ -21,7 +21,11 @@ health check (`GET /health`, every `--health-interval` s, answered within
 `--health-timeout` s) gets no new request until it passes one again. A client that hangs
 up has both instances abort its request at once (closing their connections), so each
 frees its KV now. A decode instance's own error (a failed KV load under
-kv_load_failure_policy "fail") goes to the client as is.
+kv_load_failure_policy "fail") goes to the client as is. A decode request that fails (an
+error status, a dropped connection, `--timeout`) has the router tell the prefill's
+messager (`--auth-key`, default $PDHAL_VLLM_KEY: the deployment's key) that its decode
+side will never claim the transfer: a prefill that had ended frees its blocks then, not at
+the messager's `--claim-timeout`.
 `GET /health` answers 200 while every pool has a healthy instance (503 otherwise), with
 each instance's state.
 
@@ -50,6 +54,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import time
 import uuid
@@ -57,9 +62,12 @@ from dataclasses import dataclass
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
-from pdhal_vllm.wire import Tracer
+from pdhal import PdhalError, transfer
+from pdhal_vllm.wire import KEY_VAR, ConnectorError, Tracer, auth_key
 
 log = logging.getLogger("pdhal_vllm.router")
+#: Seconds to tell a prefill instance's messager that a request's decode failed.
+ABANDON_S = 5.0
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 POLICIES = ("error", "recompute")
@@ -125,6 +133,7 @@ class Router:
         sequential: bool = False,
         kv_transfer_params: str = "pdhal",
         trace: str | None = None,
+        key: bytes | None = None,
     ):
         if not prefills or not decodes:
             raise ValueError("the router needs at least one prefill and one decode instance")
@@ -152,6 +161,8 @@ class Router:
         self.health_timeout = health_timeout
         self.sequential = sequential or kv_transfer_params == "prefill"
         self.trace = Tracer(trace)
+        self.key = key
+        self._telling: set[asyncio.Task] = set()  # abandons on their way
         self._session: ClientSession | None = None
         self._health: asyncio.Task | None = None
 
@@ -294,17 +305,42 @@ class Router:
             answer, first = await decoding
         except RouterError as e:
             await _cancel(prefilled)  # aborted, the prefill instance fails its transfer
+            self._abandon(prefill, tid, f"decode instance {decode.url}: {e}")
             return _error(e.status, f"decode instance {decode.url}: {e}")
         # the answer is this handler's now: _relay releases it, with nothing awaited before
         self.trace("first", tid=tid, status=answer.status)
         if answer.status != 200:
             prefilled.cancel()
+            self._abandon(prefill, tid, f"decode instance {decode.url} answered {answer.status}")
         try:
             return await self._relay(request, answer, first, decode)
         finally:
             self.trace("done", tid=tid)
             with contextlib.suppress(RouterError, asyncio.CancelledError):
                 await prefilled  # done by now: the first token needed its KV
+
+    def _abandon(self, prefill: Instance, tid: str, why: str) -> None:
+        """Tell `prefill`'s messager that `tid`'s decode side will never claim it (its decode
+        request failed), on a thread of its own: a prefill that ended before the failure
+        frees its blocks now instead of at its claim lease (one still running was aborted
+        with its request). Needs the deployment's key; without it the lease frees them."""
+        if self.key is None or self.params != "pdhal":
+            return
+        task = asyncio.create_task(asyncio.to_thread(self._tell, prefill.messager, tid, why))
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    def _tell(self, messager: str, tid: str, why: str) -> None:
+        try:
+            transfer.abandon(messager, tid, why, key=self.key, timeout=ABANDON_S)
+        except PdhalError as e:
+            log.warning(
+                "could not tell the messager at %s that %s's decode failed (%s): its claim "
+                "timeout frees the prefill's blocks",
+                messager,
+                tid,
+                e,
+            )
 
     async def _prefill(self, prefill: Instance, path: str, body: dict, tid: str):
         """The prefill request: with --kv-transfer-params prefill, the kv_transfer_params
@@ -474,6 +510,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--trace", default=None, help="append a JSON line per request step to this file"
     )
+    parser.add_argument(
+        "--auth-key",
+        default=None,
+        help=f"hex key of the messagers' sessions (default: ${KEY_VAR}); with it, a request "
+        "whose decode failed is abandoned at its prefill's messager, which frees its blocks "
+        "at once instead of at its claim timeout",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     try:
@@ -487,8 +530,9 @@ def main(argv=None) -> int:
             sequential=args.sequential,
             kv_transfer_params=args.kv_transfer_params,
             trace=args.trace,
+            key=auth_key(args.auth_key) if args.auth_key or os.environ.get(KEY_VAR) else None,
         )
-    except ValueError as e:
+    except (ValueError, ConnectorError) as e:
         parser.error(str(e))
     asyncio.run(_serve(router, args.host, args.port))
     return 0

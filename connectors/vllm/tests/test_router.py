@@ -16,14 +16,16 @@ import urllib.request
 
 import pytest
 
+from pdhal.testing.session_peers import KEY, Peer
+
 FAKE = os.path.join(os.path.dirname(__file__), "fake_openai.py")
 
 
 class Server:
     """A process printing its port on its first line."""
 
-    def __init__(self, *command: str):
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    def __init__(self, *command: str, env: dict | None = None):
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
         assert line, f"{command} exited ({self.proc.wait()}) before it listened"
         self.port = int(line.rsplit(":", 1)[-1].strip().rstrip("/"))
@@ -52,8 +54,9 @@ class Fleet:
         self.servers.append(server)
         return server
 
-    def router(self, prefills, decodes, *extra: str) -> Server:
-        args = [f"--prefill={p.url}=127.0.0.1:{47000 + i}" for i, p in enumerate(prefills)]
+    def router(self, prefills, decodes, *extra: str, messagers=None, env=None) -> Server:
+        messagers = messagers or [f"127.0.0.1:{47000 + i}" for i in range(len(prefills))]
+        args = [f"--prefill={p.url}={m}" for p, m in zip(prefills, messagers)]
         args += [f"--decode={d.url}" for d in decodes]
         server = Server(
             sys.executable,
@@ -65,6 +68,7 @@ class Fleet:
             "0.2",
             *args,
             *extra,
+            env=env,
         )
         self.servers.append(server)
         return server
@@ -379,3 +383,36 @@ def test_a_prefill_answer_without_params_meets_the_policy(fleet, tmp_path):
     message = json.loads(answer)["error"]["message"]
     assert status == 502 and "answered without kv_transfer_params" in message, message
     assert [e["server"] for e in fleet.seen()] == ["p0"]  # the decode was never asked
+
+
+@pytest.mark.parametrize("decode_mode", ["fail", "killed"])
+def test_a_failed_decode_has_the_prefills_messager_abandon_its_transfer(fleet, decode_mode):
+    """The decode instance answers 500, or is killed while it has the request, after the
+    prefill instance answered: the router (holding the deployment's key) tells the
+    prefill's messager, a real pdhal.transfer.PrefillService in a process of its own, that
+    the transfer's decode side will never claim it. It fails at once, naming the decode
+    instance, not at its 600 s claim lease."""
+    service = Peer("prefill", "--claim-timeout", "600")
+    try:
+        [messager] = service.read("listening")
+        prefill = fleet.fake("p0")
+        decode = fleet.fake("d0", "fail" if decode_mode == "fail" else "slow")
+        env = dict(os.environ, PDHAL_VLLM_KEY=KEY.hex())
+        router = fleet.router([prefill], [decode], messagers=[messager], env=env)
+        if decode_mode == "fail":
+            status, _ = post(router, "/v1/completions", {"prompt": "w", "max_tokens": 2})
+            assert status == 500
+        else:
+            waiting = client(router)
+            until(lambda: len(fleet.seen()) == 2 and fleet.seen("prefilled"))
+            decode.proc.kill()  # its connection drops with the request on it
+            assert waiting.wait(30) != 0
+        [asked] = [e["body"] for e in fleet.seen() if e["server"] == "p0"]
+        tid = asked["kv_transfer_params"]["pdhal_transfer_id"]
+        service.send("add", tid, [5], 4)  # (the word may come before or after it: both end it)
+        assert service.read("added") == [tid]
+        request, landed, why = service.read("outcome", bound=30)
+        assert (request, landed) == (tid, False)
+        assert f"will never claim it (decode instance {decode.url}" in why, why
+    finally:
+        service.close()

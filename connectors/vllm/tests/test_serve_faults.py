@@ -29,9 +29,6 @@ BOUND = 30.0
 #: checks every 1 s) and a restarted messager serves again
 SETTLE = 8.0
 TOKENS = 24  # long enough that requests are decoding when the fault hits
-#: seconds the prefill side holds a transfer no decode side claimed (the messager's
-#: --claim-timeout): a decode server killed before it claimed a request never will
-CLAIM_TIMEOUT = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +41,6 @@ def served(tmp_path_factory, model_dir):
         plain=False,
         router_args=("--on-prefill-failure", "recompute", "--health-interval", "1"),
         dtype="float32",  # tokens under load equal tokens one at a time
-        messager_args=("--claim-timeout", str(CLAIM_TIMEOUT)),
     )
     yield s
     s.stop()
@@ -179,11 +175,12 @@ def moved(served: Served) -> float:
 
 def test_a_killed_decode_server_ends_its_requests_and_the_other_serves_on(served, expected):
     """The prefill side frees the blocks of the killed server's requests: those it claimed
-    when their session drops, those it had not claimed yet at the claim timeout (the
-    router sends a request to both sides at once, so a prefill can end before its decode
-    server, killed meanwhile, claimed it)."""
+    when their session drops, those it had not claimed yet when the router saw their
+    decode request fail (the router sends a request to both sides at once, so a prefill can
+    end before its decode server, killed meanwhile, claimed it: the router abandons it at
+    the messager), well before the messager's 120 s claim timeout."""
     under_load(served, expected, lambda: served.kill("decode1"), "decode1")
-    assert_idle(served, ["prefill", "decode"], bound=CLAIM_TIMEOUT + BOUND)
+    assert_idle(served, ["prefill", "decode"])  # (within 60 s: the claim timeout is 120 s)
 
 
 def test_a_killed_prefill_server_ends_its_requests_and_the_decode_side_serves_alone(

@@ -7,14 +7,16 @@ router's --timeout for one stuck on the far server), once the router saw the far
 fail every request is served by the near one, and the prefill server's and the near decode
 server's metrics return to idle: the messager failed the far transfers it was streaming by
 its stall timeout, and those the far server never claimed (the router sends a request to
-both sides at once, so a prefill can end after the cut kept its claim from coming) at the
-claim timeout, and the prefill freed their blocks. Root only (namespaces)."""
+both sides at once, so a prefill can end after the cut kept its claim from coming) when
+the router's request to it timed out (the router abandons them at the messager, well
+before its 120 s claim timeout), and the prefill freed their blocks. Root only
+(namespaces)."""
 
 from __future__ import annotations
 
 import pytest
 from servers import Served
-from test_serve_faults import BOUND, CLAIM_TIMEOUT, PROMPTS, TOKENS, assert_idle, under_load
+from test_serve_faults import PROMPTS, TOKENS, assert_idle, under_load
 
 from pdhal.testing import netns
 from pdhal.testing.reset import remove_leftovers
@@ -36,7 +38,6 @@ def served(tmp_path_factory, model_dir):
             router_args=("--timeout", "20", "--health-interval", "1", "--health-timeout", "3"),
             hosts=hosts,
             dtype="float32",  # tokens under load equal tokens one at a time
-            messager_args=("--claim-timeout", str(CLAIM_TIMEOUT)),
         )
         s.cut = hosts.cut
         yield s
@@ -51,4 +52,4 @@ def expected(served) -> dict[str, str]:
 
 def test_a_cut_link_ends_the_far_requests_and_the_near_server_serves_on(served, expected):
     under_load(served, expected, served.cut, "decode1")  # cut while it has a request
-    assert_idle(served, ["prefill", "decode"], bound=CLAIM_TIMEOUT + BOUND)
+    assert_idle(served, ["prefill", "decode"])
