@@ -26,6 +26,8 @@ MOST_LAYERS = 0xFFFF
 MOST_CACHES = 0xFFFF
 #: The least each CacheSpec field may be (region and offset may be 0; the rest count).
 _LEAST = {"region": 0, "offset": 0, "stride": 1, "block_bytes": 1, "blocks": 1, "heads": 1}
+#: The longest element type name a CacheSpec may declare.
+MOST_DTYPE_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,14 @@ class CacheSpec:
     """One cache of one layer: block b is at `offset + b * stride` of region `region`,
     `block_bytes` long, for b in [0, blocks). `heads` > 1: a block is that many equal
     parts, one per KV head, in head order (head-major), so it can be split by head for a
-    tensor-parallel peer (pdhal.transfer.head_shards).
+    tensor-parallel peer (pdhal.transfer.head_shards). `dtype`: the element type its
+    engine keeps there ("bfloat16", "fp8_e4m3", ...; "" undeclared): two sides that both
+    declare one must declare the same, since bytes of the same size can be of another type.
 
     Every field is checked when the spec is made (by a caller or from a peer's
     description): an int (numpy ints converted), region and offset >= 0, the others >= 1,
-    block_bytes <= stride, heads dividing block_bytes; InvalidArgumentError otherwise."""
+    block_bytes <= stride, heads dividing block_bytes, dtype a name of at most 64
+    characters; InvalidArgumentError otherwise."""
 
     region: int
     offset: int
@@ -45,13 +50,26 @@ class CacheSpec:
     block_bytes: int
     blocks: int
     heads: int = 1
+    dtype: str = ""
 
     def __post_init__(self) -> None:
         for field in fields(self):
+            if field.name == "dtype":
+                continue
             value = integer(
                 getattr(self, field.name), f"CacheSpec.{field.name}", _LEAST[field.name]
             )
             object.__setattr__(self, field.name, value)  # frozen: set once, converted
+        if (
+            not isinstance(self.dtype, str)
+            or len(self.dtype) > MOST_DTYPE_CHARS
+            or not self.dtype.isprintable()
+            or self.dtype != self.dtype.strip()
+        ):
+            raise InvalidArgumentError(
+                f"CacheSpec.dtype must be an element type's name (at most {MOST_DTYPE_CHARS} "
+                f"characters) or '' (undeclared), got {self.dtype!r}"
+            )
         if self.block_bytes > self.stride:
             raise InvalidArgumentError(
                 f"CacheSpec.block_bytes {self.block_bytes} is more than CacheSpec.stride "
@@ -63,8 +81,11 @@ class CacheSpec:
                 f"{self.block_bytes}: a block cannot hold that many equal heads"
             )
 
-    def to_json(self) -> list[int]:
-        return [self.region, self.offset, self.stride, self.block_bytes, self.blocks, self.heads]
+    def to_json(self) -> list:
+        """Its words; the element type only where one is declared (a peer of the last
+        version reads six)."""
+        words = [self.region, self.offset, self.stride, self.block_bytes, self.blocks, self.heads]
+        return [*words, self.dtype] if self.dtype else words
 
     def head_view(self, first: int, count: int) -> CacheSpec:
         """Heads [first, first + count) of every block."""
@@ -76,15 +97,17 @@ class CacheSpec:
             count * per_head,
             self.blocks,
             count,
+            self.dtype,
         )
 
     @classmethod
     def from_json(cls, words, what: str = "a cache spec") -> CacheSpec:
-        """The spec to_json wrote: [region, offset, stride, block_bytes, blocks(, heads)],
-        from a peer (untrusted): InvalidArgumentError naming `what` if it is anything else."""
-        if not isinstance(words, (list, tuple)) or not 5 <= len(words) <= 6:
+        """The spec to_json wrote: [region, offset, stride, block_bytes, blocks(, heads(,
+        dtype))], from a peer (untrusted): InvalidArgumentError naming `what` if it is
+        anything else."""
+        if not isinstance(words, (list, tuple)) or not 5 <= len(words) <= 7:
             raise InvalidArgumentError(
-                f"{what} must be [region, offset, stride, block_bytes, blocks, heads], "
+                f"{what} must be [region, offset, stride, block_bytes, blocks, heads, dtype], "
                 f"got {words!r}"
             )
         try:
@@ -184,10 +207,11 @@ class CacheLayout:
         return unpin
 
     @classmethod
-    def from_caches(cls, layers, heads: int = 1) -> CacheLayout:
+    def from_caches(cls, layers, heads: int = 1, dtype: str = "") -> CacheLayout:
         """The layout of `layers`: per layer, a list of [blocks, ...] caches (tensors,
         arrays, pdhal buffers), each its own region; `heads`: each block is that many KV
-        heads, head-major (CacheSpec.heads)."""
+        heads, head-major (CacheSpec.heads); `dtype`: the element type the engine keeps in
+        them (CacheSpec.dtype; a tensor's own may be only its storage, uint8 for fp8)."""
         regions, specs = [], []
         for layer, caches in enumerate(_rows(layers, "layers")):
             row = []
@@ -195,7 +219,7 @@ class CacheLayout:
                 what = f"layer {layer} cache {index}"
                 block = block_bytes_of(cache, what)
                 nbytes = resolve(cache, what).nbytes
-                row.append(CacheSpec(len(regions), 0, block, block, nbytes // block, heads))
+                row.append(CacheSpec(len(regions), 0, block, block, nbytes // block, heads, dtype))
                 regions.append(cache)
             specs.append(row)
         return cls(regions, specs)
@@ -272,6 +296,12 @@ class CacheLayout:
         CacheLayout._pair_shape(ours, layers)
         for layer, (mine, theirs) in enumerate(zip(ours, layers)):
             for index, (a, b) in enumerate(zip(mine, theirs)):
+                if a.dtype and b.dtype and a.dtype != b.dtype:
+                    raise InvalidArgumentError(
+                        f"layer {layer} cache {index}: elements of {a.dtype!r} here, "
+                        f"{b.dtype!r} on the peer (the same bytes would be read as another "
+                        f"type; pdhal converts no element type)"
+                    )
                 if a.block_bytes == b.block_bytes:
                     continue
                 if heads:

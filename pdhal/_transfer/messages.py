@@ -192,8 +192,8 @@ def decode(frame: bytes) -> Message:
         raise SessionError(f"a message of unknown type {_short(kind)} (known: {', '.join(_TYPES)})")
     if cls in _OPENING and data.get("protocol") != PROTOCOL:
         raise SessionError(
-            f"a {kind} of protocol version {_short(data.get('protocol'))}; this side speaks "
-            f"version {PROTOCOL}"
+            f"a {kind!r} message of protocol version {_short(data.get('protocol'))}; this "
+            f"side speaks version {PROTOCOL}"
         )
     try:
         return _build(cls, data, kind)

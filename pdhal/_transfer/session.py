@@ -312,6 +312,7 @@ class PrefillService:
             layers = self.layout.num_layers
             served = _Served(request_id, src, tokens, [0] * layers, [(None, None)] * layers)
             if not self.sends:  # no decode side claims it here
+                self._abandoned.pop(request_id, None)
                 self._remember_ended(request_id, "")
                 self._outcomes.put(Outcome(request_id, True))
                 self._deliver()
@@ -759,8 +760,9 @@ class PrefillService:
 
     def _on_abandon(self, abandon: messages.Abandon) -> None:
         """A router's word that `abandon.request`'s decode side will never claim it: it
-        fails now if no part of it was claimed, or as soon as it is added (unless a claim
-        came first); a claimed one is its decode side's to end (its cancel, its session)."""
+        fails now if no part of it was claimed, or as soon as it is added (unless a decode
+        side claimed it by then: a live one wants it after all); a claimed one is its
+        decode side's to end (its cancel, its session)."""
         why = f"its decode side will never claim it ({abandon.reason})"
         with self._lock:
             served = self._served.get(abandon.request)
@@ -814,8 +816,10 @@ def abandon(prefill, request_id: str, reason: str, *, key: bytes, timeout: float
     rank's) that `request_id`'s decode side will never claim it: what a router does when
     the decode request it paired with that prefill failed. Each rank fails the request
     now unless a decode side claimed it, so its blocks are free at once rather than at
-    its claim lease. SessionError (RefusedError) if a rank cannot be told within
-    `timeout` s each."""
+    its claim lease. Given rank 0's address alone, the ranks after it are those its
+    welcome counts; every rank named is told even if another cannot be. Each step with a
+    rank (connecting, the handshake, each message) is bounded by `timeout` s.
+    SessionError (RefusedError) naming the first rank that could not be told."""
     instance = _Prefill.parse(prefill)
     request_id = checks.name(request_id, "request_id")
     if len(request_id) > messages.MOST_CHARS:
@@ -828,27 +832,48 @@ def abandon(prefill, request_id: str, reason: str, *, key: bytes, timeout: float
     message = messages.Abandon(
         messages.PROTOCOL, request_id, _bounded(checks.name(reason, "reason"))
     )
-    rank, size = 0, 1
-    while rank < size:
-        address = instance.address(rank)
-        conn = control.dial(address, key, timeout)
+    if instance.every is not None:
+        addresses = list(instance.every)
+    else:
+        size = _tell(instance.rank0, message, key, timeout).tp_size
+        _, port = control.parse_address(instance.rank0)
+        if port + size - 1 > 0xFFFF:
+            raise SessionError(
+                f"the prefill service at {instance.rank0} says its instance has {size} ranks: "
+                f"their ports would pass 65535"
+            )
+        addresses = [rank_address(instance.rank0, rank) for rank in range(1, size)]
+    failures = []
+    for address in addresses:
         try:
-            control.write_message(conn, message, timeout)
-            answer = control.read_message(conn, timeout)
-        finally:
-            conn.close()
-        if isinstance(answer, messages.Refused):
-            raise RefusedError(f"the prefill service at {address} refused: {answer.reason}")
-        if not isinstance(answer, messages.Welcome) or answer.facts.role != "prefill":
-            raise SessionError(f"the service at {address} answered an abandon with {answer!r}")
-        if rank == 0:
-            size = answer.facts.tp_size
-            if instance.every is not None and len(instance.every) != size:
-                raise InvalidArgumentError(
-                    f"prefill names {len(instance.every)} ranks; the instance at "
-                    f"{instance.rank0} has {size}"
+            facts = _tell(address, message, key, timeout)
+        except SessionError as e:
+            failures.append(e)
+            continue
+        if instance.every is not None and facts.tp_size != len(instance.every):
+            failures.append(
+                SessionError(
+                    f"prefill names {len(instance.every)} ranks; the service at {address} "
+                    f"is a rank of {facts.tp_size}"
                 )
-        rank += 1
+            )
+    if failures:
+        raise failures[0]
+
+
+def _tell(address: str, message: messages.Abandon, key: bytes, timeout: float) -> messages.Facts:
+    """Say `message` to the prefill service at `address`: its facts, from its welcome."""
+    conn = control.dial(address, key, timeout)
+    try:
+        control.write_message(conn, message, timeout)
+        answer = control.read_message(conn, timeout)
+    finally:
+        conn.close()
+    if isinstance(answer, messages.Refused):
+        raise RefusedError(f"the prefill service at {address} refused: {answer.reason}")
+    if not isinstance(answer, messages.Welcome) or answer.facts.role != "prefill":
+        raise SessionError(f"the service at {address} answered an abandon with {answer!r}")
+    return answer.facts
 
 
 # ---- the decode side ------------------------------------------------------------------------

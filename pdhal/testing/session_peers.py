@@ -28,8 +28,9 @@ def value(layer: int, cache: int, block: int, head: int) -> int:
     return (layer * 61 + cache * 17 + block * 5 + head * 29 + 1) % 251
 
 
-def _caches(rank: int, size: int, head_bytes: int, fill: bool):
-    """This rank's caches (host memory) and their layout, each block head-major."""
+def _caches(rank: int, size: int, head_bytes: int, fill: bool, dtype: str = ""):
+    """This rank's caches (host memory) and their layout, each block head-major, of
+    element type `dtype` (CacheSpec.dtype)."""
     from pdhal import ops, transfer
 
     heads = transfer.rank_heads(KV_HEADS, size, rank)
@@ -45,7 +46,7 @@ def _caches(rank: int, size: int, head_bytes: int, fill: bool):
         buffers,
         [
             [
-                transfer.CacheSpec(layer * CACHES + c, 0, block, block, BLOCKS, len(heads))
+                transfer.CacheSpec(layer * CACHES + c, 0, block, block, BLOCKS, len(heads), dtype)
                 for c in range(CACHES)
             ]
             for layer in range(LAYERS)
@@ -67,7 +68,7 @@ def _say(*message) -> None:
 def _prefill(args) -> None:
     from pdhal import transfer
 
-    layout, _, _ = _caches(args.tp_rank, args.tp_size, args.head_bytes, fill=True)
+    layout, _, _ = _caches(args.tp_rank, args.tp_size, args.head_bytes, True, args.dtype)
     service = transfer.PrefillService(
         layout,
         args.block_tokens,
@@ -110,7 +111,7 @@ def _prefill(args) -> None:
 def _decode(args) -> None:
     from pdhal import PdhalError, transfer
 
-    layout, arrays, heads = _caches(args.tp_rank, args.tp_size, args.head_bytes, fill=False)
+    layout, arrays, heads = _caches(args.tp_rank, args.tp_size, args.head_bytes, False, args.dtype)
     receiver = transfer.KVReceiver(layout, f"session-decode-{os.getpid()}", slots=16)
     client = transfer.DecodeClient(
         receiver,
@@ -218,6 +219,7 @@ def main(argv=None) -> None:
     parser.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
     parser.add_argument("--keepalive", type=float, default=5.0)
     parser.add_argument("--claim-timeout", type=float, default=60.0)
+    parser.add_argument("--dtype", default="", help="the caches' element type (CacheSpec.dtype)")
     args = parser.parse_args(argv)
     (_prefill if args.role == "prefill" else _decode)(args)
 

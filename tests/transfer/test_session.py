@@ -127,7 +127,7 @@ def test_each_decode_rank_gets_its_heads_from_the_prefill_ranks_that_hold_them(
 
 
 def test_a_hello_of_another_layout_or_namespace_is_refused_naming_both_sides(peers):
-    service, address = prefill(peers)
+    service, address = prefill(peers, "--dtype", "bfloat16")
     other_heads = peers("decode", "--head-bytes", "8")
     other_heads.send("connect", address)
     kind, text = other_heads.read("error")
@@ -138,6 +138,11 @@ def test_a_hello_of_another_layout_or_namespace_is_refused_naming_both_sides(pee
     other_heads.send("wait", "r1", [1], 30)
     landed, reason, free, _ = other_heads.read("outcome")
     assert (landed, free) == (False, True) and "refused" in reason and "bytes" in reason
+    other_type = peers("decode", "--dtype", "float16")  # the same bytes per element
+    other_type.send("connect", address)
+    kind, text = other_type.read("error")
+    assert kind == "RefusedError" and "the decode side (rank 0" in text
+    assert "elements of 'bfloat16' here, 'float16' on the peer" in text
     env = dict(os.environ, PDHAL_NAMESPACE="elsewhere")
     elsewhere = peers("decode", env=env)
     elsewhere.send("connect", address)
@@ -771,3 +776,18 @@ def test_an_abandon_is_refused_at_the_call_for_what_it_cannot_say():
     ):
         with pytest.raises(InvalidArgumentError, match=match):
             transfer.abandon(*args, **kwargs)
+
+
+def test_an_abandon_tells_every_rank_named_though_one_cannot_be_told(peers):
+    """Every rank's address given, rank 0's service gone: rank 1 is told all the same
+    (its request fails now), and the SessionError names rank 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{probe.getsockname()[1]}"  # (nothing listens there)
+    rank1, address = prefill(peers, "--tp-rank", "1", "--tp-size", "2", "--claim-timeout", "600")
+    rank1.send("add", "r1", [5], 4)
+    assert rank1.read("added") == ["r1"]
+    with pytest.raises(SessionError, match=f"cannot reach the session service at {gone}"):
+        transfer.abandon([gone, address], "r1", "its decode failed", key=KEY, timeout=10)
+    request, landed, why = rank1.read("outcome", bound=30)
+    assert (request, landed) == ("r1", False) and "its decode failed" in why, why

@@ -51,8 +51,37 @@ def test_a_cache_spec_field_that_is_not_a_count_is_refused(field, bad):
 def test_a_cache_spec_takes_numpy_ints_as_ints():
     spec = transfer.CacheSpec(*(np.int64(v) for v in GOOD.values()))
     assert spec == transfer.CacheSpec(**GOOD)
-    assert all(type(word) is int for word in spec.to_json())
+    assert all(type(word) is int for word in spec.to_json()[:-1])
     json.dumps(spec.to_json())  # a peer can read it
+    assert transfer.CacheSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize("bad", [None, 16, b"bf16", "x" * 65, " ", "bf16\n", "bfloat16 "])
+def test_a_cache_spec_dtype_that_is_not_a_name_is_refused(bad):
+    with pytest.raises(pdhal.InvalidArgumentError, match=r"CacheSpec\.dtype must be an element"):
+        transfer.CacheSpec(**GOOD, dtype=bad)
+    with pytest.raises(pdhal.InvalidArgumentError, match="peer's cache: CacheSpec.dtype"):
+        transfer.CacheSpec.from_json([*GOOD.values(), bad], "the peer's cache")
+
+
+def test_cache_specs_that_both_declare_their_element_type_pair_only_if_it_is_the_same():
+    """bfloat16 and float16 are the same bytes per element: only the declared types tell
+    them apart. A peer that declares none (an older one: six words) pairs with either."""
+    ours = transfer.CacheLayout.from_caches(caches(), dtype="bfloat16")
+    for theirs, error in (
+        ("float16", "layer 0 cache 0: elements of 'bfloat16' here, 'float16' on the peer"),
+        ("bfloat16", None),
+        ("", None),
+    ):
+        peer = transfer.CacheLayout.from_caches(caches(), dtype=theirs).describe()
+        if error is None:
+            ours.check_peer(peer)
+        else:
+            with pytest.raises(pdhal.InvalidArgumentError, match=error):
+                ours.check_peer(peer)
+    older = transfer.CacheLayout.from_caches(caches()).describe()  # (undeclared: six words)
+    assert all(len(words) == 6 for layer in older["layers"] for words in layer)
+    assert all(spec.dtype == "" for layer in ours.check_peer(older) for spec in layer)
 
 
 def test_a_cache_spec_whose_blocks_overlap_or_split_unevenly_is_refused():

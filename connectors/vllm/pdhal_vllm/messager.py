@@ -165,7 +165,7 @@ def _entry(value) -> bool:
 
 #: A prefill worker's hello: its fields that are counts (ints >= 0); and "cache", the name
 #: its KV cache is shared as, and "layers", per layer [offset, stride, block bytes, blocks,
-#: heads] (checked by pdhal.transfer.CacheSpec).
+#: heads, element type] (checked by pdhal.transfer.CacheSpec).
 HELLO_COUNTS = ("rank", "ranks", "device", "kv_heads", "nbytes", "block_size")
 
 

@@ -58,6 +58,7 @@ import os
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
@@ -68,6 +69,9 @@ from pdhal_vllm.wire import KEY_VAR, ConnectorError, Tracer, auth_key
 log = logging.getLogger("pdhal_vllm.router")
 #: Seconds to tell a prefill instance's messager that a request's decode failed.
 ABANDON_S = 5.0
+#: Abandons told at once, and waiting, at most: a messager that does not answer holds a
+#: thread each for ABANDON_S, never the router's own (its lookups, its health checks).
+ABANDON_THREADS, MOST_ABANDONS = 4, 1024
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 POLICIES = ("error", "recompute")
@@ -162,7 +166,8 @@ class Router:
         self.sequential = sequential or kv_transfer_params == "prefill"
         self.trace = Tracer(trace)
         self.key = key
-        self._telling: set[asyncio.Task] = set()  # abandons on their way
+        self._telling: set[asyncio.Future] = set()  # abandons on their way
+        self._abandons = ThreadPoolExecutor(ABANDON_THREADS, "pdhal-router-abandon")
         self._session: ClientSession | None = None
         self._health: asyncio.Task | None = None
 
@@ -193,6 +198,7 @@ class Router:
         with contextlib.suppress(asyncio.CancelledError):
             await self._health
         await self._session.close()
+        self._abandons.shutdown(wait=False, cancel_futures=True)
 
     async def _health_page(self, _request) -> web.Response:
         pools = {"prefill": self.prefills, "decode": self.decodes}
@@ -326,9 +332,19 @@ class Router:
         with its request). Needs the deployment's key; without it the lease frees them."""
         if self.key is None or self.params != "pdhal":
             return
-        task = asyncio.create_task(asyncio.to_thread(self._tell, prefill.messager, tid, why))
-        self._telling.add(task)
-        task.add_done_callback(self._telling.discard)
+        if len(self._telling) >= MOST_ABANDONS:
+            log.warning(
+                "%d abandons are waiting to be told: %s's is not; its claim timeout frees "
+                "the prefill's blocks",
+                len(self._telling),
+                tid,
+            )
+            return
+        told = asyncio.get_running_loop().run_in_executor(
+            self._abandons, self._tell, prefill.messager, tid, why
+        )
+        self._telling.add(told)
+        told.add_done_callback(self._telling.discard)
 
     def _tell(self, messager: str, tid: str, why: str) -> None:
         try:

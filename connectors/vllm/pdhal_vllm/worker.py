@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from pdhal_vllm.metadata import PdhalConnectorMetadata
 
 logger = init_logger(__name__)
+#: vLLM's other names of a KV cache dtype, as the element type both sides declare
+FP8_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 def ask_for_amx_tiles() -> None:
@@ -62,14 +64,20 @@ class Worker:
         except Exception:  # noqa: BLE001 - not initialised: a single-rank engine
             self.rank, self.ranks = 0, 1
         self.kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        #: the KV cache's element type as vLLM keeps it ("auto": the model's dtype; "fp8"
+        #: is vLLM's name for fp8_e4m3); the other side's must be the same (CacheSpec.dtype:
+        #: fp8 is stored as uint8)
+        self.cache_dtype = FP8_ALIASES.get(
+            vllm_config.cache_config.cache_dtype, vllm_config.cache_config.cache_dtype
+        )
         #: the first of the KV heads this rank holds (of all the model's)
         self.head0 = rank_heads(self.kv_heads, self.ranks, self.rank).start
         self.trace = Tracer(self._trace_path())
         self.key = auth_key(self.extra.get("auth_key"))
         self.buffers: list = []  # (host buffer, tensor) of the KV cache allocation
         self.layer_index: dict[str, int] = {}
-        #: per layer: offset, stride, block bytes, blocks, KV heads of this rank
-        self.layout: list[list[int]] = []
+        #: per layer: offset, stride, block bytes, blocks, KV heads of this rank, element type
+        self.layout: list[list] = []
         self.num_layers = 0
         self.cache_name = ""
         #: the physical device of the KV cache: what this rank's layer-signal channel is
@@ -157,8 +165,16 @@ class Worker:
                 )
             size = t.element_size()
             self.layer_index[name] = index
+            dtype = str(t.dtype).removeprefix("torch.")
             self.layout.append(
-                [t.data_ptr() - base, t.stride(0) * size, block.numel() * size, t.shape[0], heads]
+                [
+                    t.data_ptr() - base,
+                    t.stride(0) * size,
+                    block.numel() * size,
+                    t.shape[0],
+                    heads,
+                    dtype if self.cache_dtype == "auto" else self.cache_dtype,
+                ]
             )
         self.num_layers = len(names)
         logger.info(

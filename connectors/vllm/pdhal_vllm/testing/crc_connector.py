@@ -39,7 +39,7 @@ class CrcDecodeWorker(DecodeWorker):
         whole = w.buffers[0][0]
         view = whole.as_numpy(np.uint8, (whole.nbytes,))
         for layer in range(load.layers, layers):
-            offset, stride, nbytes, _, heads = w.layout[layer]
+            offset, stride, nbytes, _, heads, _ = w.layout[layer]
             for i, block in enumerate(load.blocks[load.cached :], load.cached):
                 start = offset + block * stride
                 crcs = head_crcs(view[start : start + nbytes], heads)
