@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import select
 import socket
 import subprocess
 import sys
@@ -28,7 +29,6 @@ class DemoError(Exception):
     """A failure the demo reports in one line and exits non-zero for."""
 
 
-ACCEPT_POLL_S = 0.5  # how often a wait for a connection checks that the process lives
 #: A control connection whose peer's host stops answering (a cut link) fails after this
 #: long: keepalive probes after 2 s idle, 1 s apart, 3 of them; unacknowledged data, 5 s.
 LINK_DEAD_S = 5
@@ -83,30 +83,36 @@ class Hub:
                 pass_fds=pass_fds,
             )
         self.processes[role] = process
-        self.accept(role, 120.0, lambda: process.poll() is None)
+        self.accept(role, 120.0, process)
 
-    def accept(self, role: str, timeout: float, alive=lambda: True) -> None:
-        """Wait up to `timeout` s for `role` to connect (while `alive()` holds).
+    def accept(self, role: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+        """Wait up to `timeout` s for `role` to connect (and, given its `process`, while
+        that lives).
 
-        Listener.accept cannot time out, so a watchdog thread that sees the process die (or
-        the time run out) connects itself, with the key, and says why.
+        Listener.accept cannot time out, so a watchdog thread, woken by the process's exit
+        (its pidfd), the deadline or the connection coming, connects itself, with the key,
+        and says why when it is not the connection.
         """
-        settled = threading.Event()
+        settled, settle = os.pipe()  # closing `settle` wakes the watchdog: connected
+        exited = os.pidfd_open(process.pid) if process is not None else None
 
         def watchdog() -> None:
-            deadline = time.monotonic() + timeout
-            while not settled.wait(ACCEPT_POLL_S):
+            try:
+                woken = [settled] + ([exited] if exited is not None else [])
+                ready, _, _ = select.select(woken, [], [], timeout)
+                if settled in ready:
+                    return
                 why = (
                     f"the {role} exited before it connected"
-                    if not alive()
+                    if ready
                     else f"the {role} did not connect within {timeout:.0f} s"
-                    if time.monotonic() > deadline
-                    else None
                 )
-                if why:
-                    with Client(self._listener.address, authkey=self._key) as link:
-                        link.send(("abort", why))
-                    return
+                with Client(self._listener.address, authkey=self._key) as link:
+                    link.send(("abort", why))
+            finally:
+                os.close(settled)
+                if exited is not None:
+                    os.close(exited)
 
         threading.Thread(target=watchdog, name=f"pdhal-demo-accept-{role}", daemon=True).start()
         try:
@@ -117,7 +123,7 @@ class Hub:
                 except AuthenticationError:
                     continue  # something without the key: not ours, keep waiting
         finally:
-            settled.set()
+            os.close(settle)
         _keepalive(link)
         hello = link.recv()
         if hello[0] == "abort":

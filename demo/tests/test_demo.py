@@ -532,6 +532,18 @@ def test_a_child_that_dies_before_connecting_is_reported_not_waited_on():
     hub.stop(grace=1.0)
 
 
+def test_a_wait_for_a_process_that_never_connects_ends_at_its_deadline():
+    """No process to watch (a remote decoder): the wait ends by its deadline, saying so."""
+    from pdhal_demo.control import Hub
+
+    hub = Hub()
+    start = time.monotonic()
+    with pytest.raises(DemoError, match="the decoder did not connect within 1 s"):
+        hub.accept("decoder", 1.0)
+    assert 1.0 <= time.monotonic() - start < 30
+    hub.stop(grace=1.0)
+
+
 # -- checks before the run: one line, the right exit status, no process started ----------
 
 #: `pdhal demo ARGS` in a parent that records every demo process it starts (its role, in a
