@@ -190,14 +190,21 @@ class Registrations:
             return address
 
     def release(self, key: int) -> None:
-        """One user less of the registration `key`; unregistered with its last."""
+        """One user less of the registration `key`; unregistered with its last.
+        InvalidArgumentError for a key not held: released more often than added, which
+        would otherwise take the count of another user of it and unregister its memory
+        under it."""
         with self._lock:
             entry = self._held.get(key)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._held[key]
-                    self._unregister(key, entry[2])
+            if entry is None:
+                raise InvalidArgumentError(
+                    f"no registration is held at {key!r}: released more often than added "
+                    f"(each add() is released once, with the key it returned)"
+                )
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._held[key]
+                self._unregister(key, entry[2])
 
 
 class LatchedLink(Link):
