@@ -132,6 +132,50 @@ def test_a_put_while_the_submitting_thread_submits_waits_behind_it():
         assert dest.stop(time.monotonic() + 60)
 
 
+def test_a_put_behind_queued_writes_waits_for_them_though_the_window_has_room(monkeypatch):
+    """A write waits in the queue while the window has room again: the submitting thread
+    has not taken it yet (under load: not scheduled; here: not started until the test
+    says). A put then must queue behind it, not be submitted on the caller's thread ahead
+    of it (the link would get them out of order)."""
+    start, held = threading.Thread.start, []
+
+    def hold_the_submitting_thread(thread):
+        if thread.name == "pdhal-transfer-submit" and not held:
+            held.append(thread)
+        else:
+            start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", hold_the_submitting_thread)
+    dest, link, settled, _ = _destination(posts=True, window=1)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    request = SimpleNamespace(live=True)
+    try:
+        dest.put(Send(layer=0, items=[(request, 1)]))  # room, nothing queued: submitted here
+        dest.put(Send(layer=1, items=[(request, 1)]))  # no room: queued
+        _land(link, 0)
+        deadline = time.monotonic() + 60
+        while True:  # layer 0 settled and its place is free: room, with layer 1 queued
+            with dest._cond:
+                if dest._taken == 0:
+                    break
+            assert time.monotonic() < deadline, "layer 0's place was never freed"
+            time.sleep(0.001)
+        dest.put(Send(layer=2, items=[(request, 1)]))
+        assert [layer for layer, _ in link.submits] == [0]  # 2 waits behind 1
+        start(held[0])
+        for index in (1, 2):
+            _land(link, index)
+        while len(settled) < 3:
+            assert time.monotonic() < deadline, f"{len(settled)} of 3 settled"
+            time.sleep(0.001)
+        assert [layer for layer, _ in link.submits] == [0, 1, 2]
+        assert settled == [(layer, None) for layer in range(3)]
+    finally:
+        if held and held[0].ident is None:
+            start(held[0])  # (an assertion failed before it was started: stop() joins it)
+        assert dest.stop(time.monotonic() + 60)
+
+
 class LandedAtOnce(Batch):
     def done(self) -> bool:
         return True
