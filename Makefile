@@ -74,6 +74,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_copy.py
 	$(PY) bench/bench_kernel_post.py
 	$(PY) bench/bench_transfer.py
+	$(PY) bench/bench_block_sizes.py
 
 # Every benchmark of `make bench` once with BENCH_SMOKE=1 (the same code on tiny sizes, no
 # target checked: CI's proof that each still builds its C, links and runs; ~70 s on 2 cores).
@@ -87,6 +88,7 @@ bench-smoke: $(STAMP)
 	BENCH_SMOKE=1 $(PY) bench/bench_copy.py
 	BENCH_SMOKE=1 $(PY) bench/bench_kernel_post.py
 	BENCH_SMOKE=1 $(PY) bench/bench_transfer.py
+	BENCH_SMOKE=1 $(PY) bench/bench_block_sizes.py
 
 # The C core under AddressSanitizer + UBSan, then the suite. Tests that load paddle are left
 # out: paddle's own C++ aborts under ASan at exit (alloc/dealloc mismatch inside paddle).

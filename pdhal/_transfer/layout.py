@@ -8,6 +8,7 @@ when the stride is the block size."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -240,12 +241,16 @@ class CacheLayout:
         first, count = integer(first, "first"), integer(count, "count", 1)
         return CacheLayout(self.memory, _head_view(self.layers, first, count, "here"))
 
-    def check_peer(self, peer: dict, heads: HeadShard | None = None) -> list[list[CacheSpec]]:
+    def check_peer(
+        self, peer: dict, heads: HeadShard | None = None, tokens: tuple[int, int] | None = None
+    ) -> list[list[CacheSpec]]:
         """A peer's described layout (its describe(): untrusted), checked to pair with this
         one cache by cache: as many layers and caches, blocks of the same bytes, each cache
         inside the region size the peer gives. With `heads`, the shard's heads of each (this
-        side's and the peer's) must pair: a head the same bytes on both. Its layers, or
-        InvalidArgumentError saying what is wrong."""
+        side's and the peer's) must pair: a head the same bytes on both. With `tokens`
+        (this side's block tokens, the peer's) of two sizes, a token of each head must be
+        the same bytes on both instead (a head's part of a block is its tokens in order).
+        Its layers, or InvalidArgumentError saying what is wrong."""
         if heads is not None and not isinstance(heads, HeadShard):
             raise InvalidArgumentError(f"heads must be a HeadShard or None, got {heads!r}")
         if not isinstance(peer, dict):
@@ -277,11 +282,13 @@ class CacheLayout:
                 _fits(spec, sizes, what, "the peer's layout")
                 row.append(spec)
             layers.append(row)
+        mine = self.layers
         if heads is not None:
             mine = _head_view(self.layers, heads.src_first, heads.count, "here")
             layers = _head_view(layers, heads.dst_first, heads.count, "on the peer")
-            return CacheLayout._pair(mine, layers, heads.count)
-        return CacheLayout._pair(self.layers, layers)
+        if tokens is not None and tokens[0] != tokens[1]:
+            return CacheLayout._pair_tokens(mine, layers, tokens)
+        return CacheLayout._pair(mine, layers, heads.count if heads is not None else 0)
 
     @staticmethod
     def _pair_shape(ours, layers) -> None:
@@ -296,12 +303,7 @@ class CacheLayout:
         CacheLayout._pair_shape(ours, layers)
         for layer, (mine, theirs) in enumerate(zip(ours, layers)):
             for index, (a, b) in enumerate(zip(mine, theirs)):
-                if a.dtype and b.dtype and a.dtype != b.dtype:
-                    raise InvalidArgumentError(
-                        f"layer {layer} cache {index}: elements of {a.dtype!r} here, "
-                        f"{b.dtype!r} on the peer (the same bytes would be read as another "
-                        f"type; pdhal converts no element type)"
-                    )
+                _same_dtype(a, b, f"layer {layer} cache {index}")
                 if a.block_bytes == b.block_bytes:
                     continue
                 if heads:
@@ -315,6 +317,43 @@ class CacheLayout:
                     f"{b.block_bytes} on the peer"
                 )
         return layers
+
+    @staticmethod
+    def _pair_tokens(ours, layers, tokens: tuple[int, int]) -> list[list[CacheSpec]]:
+        """Caches of blocks of `tokens` (here, on the peer) tokens: each head's part of a
+        block holds its tokens in order, of the same bytes on both sides."""
+        CacheLayout._pair_shape(ours, layers)
+        for layer, (mine, theirs) in enumerate(zip(ours, layers)):
+            for index, (a, b) in enumerate(zip(mine, theirs)):
+                what = f"layer {layer} cache {index}"
+                if a.heads != b.heads:
+                    raise InvalidArgumentError(
+                        f"{what}: {a.heads} KV head(s) per block here, {b.heads} on the peer"
+                    )
+                for spec, count, where in ((a, tokens[0], "here"), (b, tokens[1], "on the peer")):
+                    if spec.block_bytes % (spec.heads * count):
+                        raise InvalidArgumentError(
+                            f"{what}: a block of {spec.block_bytes} bytes {where} is not "
+                            f"{spec.heads} head(s) of {count} tokens each"
+                        )
+                if a.block_bytes * tokens[1] != b.block_bytes * tokens[0]:
+                    raise InvalidArgumentError(
+                        f"{what}: a token of a head is {a.block_bytes // (a.heads * tokens[0])} "
+                        f"bytes here (blocks of {tokens[0]} tokens), "
+                        f"{b.block_bytes // (b.heads * tokens[1])} on the peer (blocks of "
+                        f"{tokens[1]}): head size or dtype differ"
+                    )
+                _same_dtype(a, b, what)
+        return layers
+
+
+def _same_dtype(a: CacheSpec, b: CacheSpec, what: str) -> None:
+    """Refuse two caches that both declare an element type, of two types."""
+    if a.dtype and b.dtype and a.dtype != b.dtype:
+        raise InvalidArgumentError(
+            f"{what}: elements of {a.dtype!r} here, {b.dtype!r} on the peer (the same bytes "
+            f"would be read as another type; pdhal converts no element type)"
+        )
 
 
 def _fits(spec: CacheSpec, sizes: list[int], what: str, where: str) -> None:
@@ -493,16 +532,75 @@ class LayerCopies:
         return out
 
 
+class UnitCopies(LayerCopies):
+    """One layer's caches paired across sides whose blocks hold different numbers of
+    tokens: the runs are of units of the tokens both block sizes are multiples of, named
+    by virtual ids (block * units per block + the unit's place in it) on each side, so
+    block_runs coalesces them as it does blocks. A unit is, per KV head, a stretch of that
+    head's tokens in its block; copies() makes one copy per head and per stretch of a run
+    that stays in one block on both sides. Made by RunPlanner from checked layouts; its
+    copies are expanded here, in Python (Link.submit_blocks' default), not in C."""
+
+    __slots__ = ("_units", "_unit_caches")
+
+    def __init__(self, caches, heads: list[int], src_units: int, dst_units: int):
+        """`caches` as LayerCopies takes them, with a unit's bytes (all its heads) as the
+        block bytes; `heads`: each cache's KV heads; a source block is `src_units` units, a
+        destination block `dst_units`."""
+        super().__init__(caches)
+        self._units = (src_units, dst_units)
+        self._unit_caches = tuple(
+            (base, s_stride, region, offset, d_stride, n, unit // n)
+            for (base, s_stride, region, offset, d_stride, unit), n in zip(self._caches, heads)
+        )
+
+    @property
+    def caches(self):
+        raise InvalidArgumentError("a UnitCopies is expanded in Python: use copies()")
+
+    def copies(self, runs) -> list[tuple[int, int, int, int]]:
+        """The byte copies of unit `runs`: per cache, per stretch of a run inside one
+        block on both sides, one per head."""
+        src_units, dst_units = self._units
+        out = []
+        for base, s_stride, region, offset, d_stride, heads, unit in self._unit_caches:
+            s_head, d_head = unit * src_units, unit * dst_units  # a head's part of a block
+            for s, d, n in runs:
+                while n:
+                    s_block, s_unit = divmod(s, src_units)
+                    d_block, d_unit = divmod(d, dst_units)
+                    k = min(n, src_units - s_unit, dst_units - d_unit)
+                    src = base + s_block * s_stride + s_unit * unit
+                    dst = offset + d_block * d_stride + d_unit * unit
+                    out += [
+                        (src + h * s_head, region, dst + h * d_head, k * unit) for h in range(heads)
+                    ]
+                    s, d, n = s + k, d + k, n - k
+        return out
+
+
 class RunPlanner:
     """The byte copies of block runs from a source layout into a destination's layers:
     (source address, destination region, destination offset, bytes), one per run and
     cache (one per block where a stride is not the block size). What each layer needs is
     worked out once; src_blocks and dst_blocks are the fewest blocks of any layer's cache
-    on each side, which block ids are checked against (KVStreamer, before they are sent)."""
+    on each side, which block ids are checked against (KVStreamer, before they are sent).
 
-    def __init__(self, src: CacheLayout, dst_layers: list[list[CacheSpec]]):
+    `tokens`: the tokens of a block here and on the destination; of two sizes, the runs
+    are of units (UnitCopies) of `unit_tokens`, `units` = (units per source block, per
+    destination block); else units are blocks, (1, 1)."""
+
+    def __init__(
+        self,
+        src: CacheLayout,
+        dst_layers: list[list[CacheSpec]],
+        tokens: tuple[int, int] | None = None,
+    ):
+        here, there = tokens or (1, 1)
+        self.unit_tokens = math.gcd(here, there)
+        self.units = (here // self.unit_tokens, there // self.unit_tokens)
         self._layers = [
-            LayerCopies(
+            self._copies(
                 [
                     (
                         src.regions[s.region][0] + s.offset,
@@ -513,14 +611,23 @@ class RunPlanner:
                         s.block_bytes,
                     )
                     for s, d in zip(mine, theirs)
-                ]
+                ],
+                [s.heads for s in mine],
             )
             for mine, theirs in zip(src.layers, dst_layers)
         ]
         self.src_blocks = min(s.blocks for caches in src.layers for s in caches)
         self.dst_blocks = min(d.blocks for caches in dst_layers for d in caches)
-        #: Bytes one block is in each layer, all its caches together.
-        self.block_bytes = [sum(s.block_bytes for s in caches) for caches in src.layers]
+        #: Bytes one unit (block) is in each layer, all its caches together.
+        self.block_bytes = [
+            sum(s.block_bytes for s in caches) // self.units[0] for caches in src.layers
+        ]
+
+    def _copies(self, caches: list[tuple], heads: list[int]) -> LayerCopies:
+        if self.units == (1, 1):
+            return LayerCopies(caches)
+        unit = [(*cache[:5], cache[5] // self.units[0]) for cache in caches]
+        return UnitCopies(unit, heads, *self.units)
 
     def layer(self, layer: int) -> LayerCopies:
         """How block runs become copies in `layer`."""

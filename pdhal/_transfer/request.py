@@ -60,11 +60,19 @@ class Request:
     nbytes: int = 0
     first_submit_ns: int | None = None
     last_signal_ns: int | None = None
+    #: tokens of a source block; once claimed, what its counts (blocks, cached, sent,
+    #: landed) are in: units of `unit_tokens`, `units` = (per source block, per
+    #: destination block), which are blocks, (1, 1), where both sides' blocks are alike
+    block_tokens: int = 1
+    unit_tokens: int = 1
+    units: tuple[int, int] = (1, 1)
+    dst_skip: int = 0  # the destination blocks before dst_blocks' first (its cached prefix)
 
     def __post_init__(self):
         self.ready, self.sent, self.landed = [0] * self.layers, [0] * self.layers, [0] * self.layers
         self.base = self.cached  # add_request's cached blocks (`given` starts after them)
         self.needed = self.blocks  # source blocks from `base` to the prompt's end
+        self.unit_tokens = self.block_tokens
 
     # ---- what it is ---------------------------------------------------------------
 
@@ -82,7 +90,7 @@ class Request:
         """Its prompt is whole in every layer, yet not all its source blocks were given."""
         # the block count first: it is cheap and, once every block was given, decides
         # (layer_ready asks this for every request of every layer)
-        short = len(self.given) - (self.cached - self.base) < self.blocks
+        short = (self.base + len(self.given)) * self.block_tokens < self.prompt_tokens
         return short and all(tokens >= self.prompt_tokens for tokens in self.ready)
 
     @property
@@ -91,30 +99,48 @@ class Request:
         from the prefill side."""
         return self.state is State.STREAMING and all(n == self.blocks for n in self.sent)
 
-    def sendable(self, layer: int, block_tokens: int) -> int:
-        """Blocks of `layer` that may go: the full ones, the last partial one once whole,
+    def sendable(self, layer: int) -> int:
+        """Units of `layer` that may go: the full ones, the last partial one once whole,
         of those whose source blocks are known."""
         tokens = self.ready[layer]
-        known = min(self.blocks, max(len(self.given) - (self.cached - self.base), 0))
+        known = min(
+            self.blocks, max((self.base + len(self.given)) * self.units[0] - self.cached, 0)
+        )
         if tokens >= self.prompt_tokens:
             return known
-        return min(max(tokens // block_tokens - self.cached, 0), known)
+        return min(max(tokens // self.unit_tokens - self.cached, 0), known)
 
     def source(self, first: int, end: int) -> list[int]:
-        """The source block ids of blocks [first, end) of those that go."""
-        skip = self.cached - self.base
-        return self.given[skip + first : skip + end]
+        """The source ids of units [first, end) of those that go: block ids where units
+        are blocks, else virtual ids (block * units per block + the unit's place in it)."""
+        per = self.units[0]
+        if per == 1:
+            skip = self.cached - self.base
+            return self.given[skip + first : skip + end]
+        units = range(self.cached + first, self.cached + end)
+        return [self.given[u // per - self.base] * per + u % per for u in units]
+
+    def destination(self, first: int, end: int) -> list[int]:
+        """The destination ids of units [first, end) of those that go, as source() names
+        the source's."""
+        per = self.units[1]
+        if per == 1:
+            return self.dst_blocks[first:end]
+        units = range(self.cached + first, self.cached + end)
+        return [self.dst_blocks[u // per - self.dst_skip] * per + u % per for u in units]
 
     # ---- transitions --------------------------------------------------------------
 
     def claim(self, dest, epoch: int, dst_blocks: list[int], ticket: tuple, need: tuple) -> None:
         """ADDED -> STREAMING: its decode side, blocks there and ticket (slot, generation,
-        layerwise); it needs the prompt's first `tokens` from block `cached` on (nothing
-        of it went yet)."""
+        layerwise); it needs the prompt's first `tokens` from destination block `cached`
+        on (nothing of it went yet), in units of `unit_tokens` (`units` per block on each
+        side) from then on."""
         assert self.state is State.ADDED
-        (tokens, cached), block_tokens = need[:2], need[2]
-        self.prompt_tokens, self.cached = tokens, cached
-        self.blocks = -(-tokens // block_tokens) - cached
+        tokens, cached, self.unit_tokens, self.units = need
+        self.prompt_tokens, self.dst_skip = tokens, cached
+        self.cached = cached * self.units[1]
+        self.blocks = -(-tokens // self.unit_tokens) - self.cached
         self.dest, self.epoch, self.dst_blocks = dest, epoch, dst_blocks
         self.slot, self.generation, self.layerwise = ticket
         self.state = State.STREAMING

@@ -16,8 +16,10 @@ prefill rank, and a decode-side client per decode rank, in a typed, versioned se
     client.poll()   # each request once: landed when every prefill rank's part landed
 
 The hello checks everything once (protocol version, transport and its version, namespace,
-block size, KV heads and both tensor-parallel splits, each layer's cache layout, the key)
-and refuses a mismatch naming both sides. A request's KV comes to decode rank d from each
+KV heads and both tensor-parallel splits, each layer's cache layout and element type, the
+key) and refuses a mismatch naming both sides. The two sides' blocks may hold different
+numbers of tokens: each token of each head goes where the decode side's block holds it. A
+request's KV comes to decode rank d from each
 prefill rank holding heads it needs (pdhal.transfer.head_shards) as a part of its own: a
 receiver request named part_id(request, prefill rank, d), claimed from that rank's service.
 Each side keeps the other alive with pings (`keepalive`: a silent or cut link is an error
@@ -155,7 +157,6 @@ def mismatch(prefill: messages.Facts, decode: messages.Facts) -> str | None:
             ("transport", "transport"),
             ("transport version", "transport_version"),
             ("namespace", "namespace"),
-            ("block size (tokens)", "block_tokens"),
             ("KV heads", "kv_heads"),
         )
         if getattr(prefill, name) != getattr(decode, name)
@@ -496,11 +497,11 @@ class PrefillService:
                     f"decode rank {decode.tp_rank} of {decode.tp_size} gets no KV head from "
                     f"prefill rank {self.facts.tp_rank} of {self.facts.tp_size}"
                 )
+            # the prefill blocks wholly inside the prefix the decode side has (its blocks
+            # may hold another number of tokens)
+            skip = claim.cached_blocks * decode.block_tokens // self.facts.block_tokens
             self.streamer.add_request(
-                claim.part,
-                served.src_blocks[claim.cached_blocks :],
-                served.prompt_tokens,
-                claim.cached_blocks,
+                claim.part, served.src_blocks[skip:], served.prompt_tokens, skip
             )
             self.streamer.set_destination(
                 claim.part,
@@ -518,7 +519,7 @@ class PrefillService:
             return
         served.expected = needed
         served.parts[claim.part] = client
-        served.cached[claim.part] = claim.cached_blocks
+        served.cached[claim.part] = skip
         self._owner[claim.part] = served
         client.parts.add(claim.part)
         for layer, tokens in enumerate(served.ready):  # what is ready goes now
@@ -674,7 +675,9 @@ class PrefillService:
         if shard is None:
             return None  # it claims nothing here (rank 0 tells it the split all the same)
         same = decode.tp_size == self.facts.tp_size
-        return self.streamer.connect(hello.described, heads=None if same else shard)
+        return self.streamer.connect(
+            hello.described, heads=None if same else shard, block_tokens=decode.block_tokens
+        )
 
     def _heard(self, client: _Client, message: messages.Message) -> None:
         with self._lock:

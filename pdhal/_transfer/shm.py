@@ -43,7 +43,7 @@ from pdhal._transfer.contract import (
     require_blocks,
 )
 from pdhal._transfer.kit import LandedBatch
-from pdhal._transfer.layout import BlockRuns, LayerCopies
+from pdhal._transfer.layout import BlockRuns, LayerCopies, UnitCopies
 from pdhal._version import __version__
 
 
@@ -297,8 +297,11 @@ class ShmLink(Link):
         return self._post(lambda copier: copier.post_runs(runs))
 
     def submit_blocks(self, layer: LayerCopies, runs: BlockRuns) -> Batch:
-        """The copier expands and checks the block runs in C: no Python per run."""
+        """The copier expands and checks the block runs in C: no Python per run (units of
+        two block sizes are expanded in Python, as submit's runs)."""
         require_blocks(layer, runs)
+        if isinstance(layer, UnitCopies):
+            return self.submit(layer.copies(runs.runs))
         why = self.problem()
         if why is not None:
             raise TransferError(why)

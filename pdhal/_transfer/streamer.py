@@ -99,14 +99,25 @@ class KVStreamer:
 
     # ---- destinations and requests --------------------------------------------------
 
-    def connect(self, described: dict, *, heads: HeadShard | None = None) -> Destination:
+    def connect(
+        self,
+        described: dict,
+        *,
+        heads: HeadShard | None = None,
+        block_tokens: int | None = None,
+    ) -> Destination:
         """The decode side `described` (a KVReceiver's describe()), connected once: its
         layout is checked to pair with this one cache by cache. `heads`: only that shard's
         KV heads go there (a decode rank of another tensor-parallel split; head_shards),
-        both sides' heads checked to pair before anything moves."""
+        both sides' heads checked to pair before anything moves. `block_tokens`: the
+        tokens of a block there, when not this side's: each head's tokens then go to
+        where that side's blocks hold them (a token of a head the same bytes on both)."""
         self._open()
         if heads is not None and not isinstance(heads, HeadShard):
             raise InvalidArgumentError(f"heads must be a HeadShard, got {heads!r}")
+        there = self.block_tokens
+        if block_tokens is not None:
+            there = checks.integer(block_tokens, "block_tokens", 1, 1 << 20)
         if not isinstance(described, dict):
             raise InvalidArgumentError(
                 f"described must be a receiver's describe(), got {described!r}"
@@ -121,7 +132,7 @@ class KVStreamer:
                 f"described lacks {', '.join(missing)}: pass a KVReceiver's describe()"
             )
         try:
-            key = json.dumps([described, heads and vars(heads)], sort_keys=True)
+            key = json.dumps([described, heads and vars(heads), there], sort_keys=True)
         except (TypeError, ValueError, RecursionError) as e:
             raise InvalidArgumentError(f"described is not JSON-able data: {e}") from None
         with self._lock:
@@ -159,7 +170,7 @@ class KVStreamer:
                 f"{described['regions'][: len(sizes)]}: a description must not claim more "
                 f"than it serves"
             )
-        layers = self.layout.check_peer(layout, heads)
+        layers = self.layout.check_peer(layout, heads, (self.block_tokens, there))
         source = (
             self.layout if heads is None else self.layout.head_view(heads.src_first, heads.count)
         )
@@ -169,7 +180,7 @@ class KVStreamer:
 
         dest = Destination(
             link,
-            RunPlanner(source, layers),
+            RunPlanner(source, layers, (self.block_tokens, there)),
             status_region,
             slots,
             receiver,
@@ -212,6 +223,7 @@ class KVStreamer:
             self.layout.num_layers,
             whole - cached,
             cached,
+            block_tokens=self.block_tokens,
         )
         with self._lock:
             if request_id in self._requests:
@@ -284,17 +296,33 @@ class KVStreamer:
             request = self._live(request_id)
             if request.state is not State.ADDED:
                 raise InvalidArgumentError(f"request {request_id!r} has a destination already")
+            planner = dest.planner
+            there = planner.unit_tokens * planner.units[1]  # the decode side's block tokens
             need = request.prompt_tokens if need is None else need
-            skip = request.cached if skip is None else skip
-            if not request.cached <= skip < -(-need // self.block_tokens) or (
-                need > request.prompt_tokens
+            if skip is None:  # the prefix add_request said, as the decode side's blocks
+                skip, part = divmod(request.cached * self.block_tokens, there)
+                if part:
+                    raise InvalidArgumentError(
+                        f"request {request_id!r}: its {request.cached} cached blocks of "
+                        f"{self.block_tokens} tokens are not whole blocks of {there} tokens "
+                        f"there: give cached_blocks"
+                    )
+            if not (
+                request.cached * self.block_tokens <= skip * there
+                and skip < -(-need // there)
+                and need <= request.prompt_tokens
             ):
+                sizes = (
+                    f" (blocks of {there} tokens there, {self.block_tokens} here)"
+                    if there != self.block_tokens
+                    else ""
+                )
                 raise InvalidArgumentError(
                     f"request {request_id!r}: its decode side needs {need} tokens from block "
                     f"{skip} on; the prompt has {request.prompt_tokens} tokens from block "
-                    f"{request.cached} on, and something must be left to send"
+                    f"{request.cached} on{sizes}, and something must be left to send"
                 )
-            wanted = -(-need // self.block_tokens) - skip
+            wanted = -(-need // there) - skip
             if len(dst) != wanted:
                 raise InvalidArgumentError(
                     f"request {request_id!r}: {need} tokens from block {skip} on are {wanted} "
@@ -305,7 +333,7 @@ class KVStreamer:
                 dest.epoch,
                 dst,
                 (slot, generation, layerwise),
-                (need, skip, self.block_tokens),
+                (need, skip, planner.unit_tokens, planner.units),
             )
             watch = dest not in self._watched
             self._watched.add(dest)
@@ -388,7 +416,7 @@ class KVStreamer:
                     lease.append(request)
                 if (
                     request.state is State.STREAMING
-                    and request.sendable(layer, self.block_tokens) > request.sent[layer]
+                    and request.sendable(layer) > request.sent[layer]
                 ):
                     by_dest.setdefault(id(request.dest), (request.dest, []))[1].append(request)
         for request in lease:
@@ -418,7 +446,7 @@ class KVStreamer:
             layers = [
                 layer
                 for layer in range(request.layers)
-                if request.sendable(layer, self.block_tokens) > request.sent[layer]
+                if request.sendable(layer) > request.sent[layer]
             ]
         now = time.monotonic_ns()
         for layer in layers:
@@ -436,7 +464,7 @@ class KVStreamer:
         with self._lock:
             spans, items = [], []
             for request in requests:
-                first, end = request.sent[layer], request.sendable(layer, self.block_tokens)
+                first, end = request.sent[layer], request.sendable(layer)
                 if end <= first or request.state is not State.STREAMING:
                     continue
                 spans.append((request, first, end))
@@ -450,7 +478,7 @@ class KVStreamer:
             src, dst = [], []
             for request, first, end in spans:
                 src += request.source(first, end)
-                dst += request.dst_blocks[first:end]
+                dst += request.destination(first, end)
             # ids checked when the request and its destination came
             runs = BlockRuns(block_runs(src, dst))
             with self._lock:

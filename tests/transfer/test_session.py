@@ -791,3 +791,33 @@ def test_an_abandon_tells_every_rank_named_though_one_cannot_be_told(peers):
         transfer.abandon([gone, address], "r1", "its decode failed", key=KEY, timeout=10)
     request, landed, why = rank1.read("outcome", bound=30)
     assert (request, landed) == ("r1", False) and "its decode failed" in why, why
+
+
+@pytest.mark.parametrize("decode_tokens", [2, 8])
+def test_a_decode_side_of_another_block_size_gets_each_token_where_its_blocks_hold_it(
+    peers, decode_tokens
+):
+    """Prefill blocks of 4 tokens, decode blocks of 2 (or 8), a head's token the same 4
+    bytes on both: the hello pairs them, and each decode block holds, head by head, the
+    tokens of the prefill blocks they came from (blocks of 8: the first half from one,
+    the second from the next)."""
+    service, address = prefill(peers)
+    client = peers(
+        "decode", "--block-tokens", str(decode_tokens), "--head-bytes", str(decode_tokens * 4)
+    )
+    blocks = [4, 0, 6, 2] if decode_tokens == 2 else [3]
+    client.send("claim", "r1", address, blocks, 8, 30)
+    assert client.read("claimed") == ["r1"]
+    service.send("add", "r1", [2, 5], 8)
+    assert service.read("added") == ["r1"]
+    assert service.read("outcome", bound=30) == ["r1", True, ""]
+    client.send("wait", "r1", blocks, 30)
+    landed, reason, free, got = client.read("outcome")
+    assert (landed, reason, free) == (True, "", True)
+    sources = [2, 2, 5, 5] if decode_tokens == 2 else [2]  # where each block's tokens began
+    for src, layers in zip(sources, got):
+        for layer in range(LAYERS):
+            for cache in range(CACHES):
+                for head, first, uniform in layers[layer][cache]:
+                    assert first == value(layer, cache, src, head), (src, layer, cache, head)
+                    assert uniform == (decode_tokens == 2)  # of 8: two source blocks

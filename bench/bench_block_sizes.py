@@ -1,0 +1,113 @@
+"""Benchmark: pdhal.transfer between caches of different block sizes against the same
+bytes between caches of one block size, side by side in one run (issue 35's target: >= 0.8x).
+
+One process holds a KVStreamer over prefill caches of 64-token blocks and a KVReceiver over
+decode caches (shm transport; the copies run on the link's copier thread), each layer K
+and V, head-major (BENCH_HEADS heads of 64 bytes a token: 16 KiB blocks at 4 heads). Each
+round sends, in turn, one step of BENCH_REQUESTS requests of 8 prefill blocks each to decode
+caches of 64-token blocks (alike: block runs expanded in C), of 16 (each prefill block four
+decode blocks) and of 48 (sizes that do not divide: units of 16 tokens), every layer ready
+at once; a mode's time is from the first layer_ready to the last request landed. Each row:
+GiB/s (median over rounds) and the median of each round's ratio against "alike".
+Where they lose, this prints it: a different block size is expanded into byte copies in
+Python, one per head and per stretch inside one block on both sides, not in C.
+`--json` prints one object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"
+LAYERS = int(os.environ.get("BENCH_LAYERS", "4" if SMOKE else "32"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2" if SMOKE else "9"))
+REQUESTS = int(os.environ.get("BENCH_REQUESTS", "2" if SMOKE else "8"))
+HEADS = int(os.environ.get("BENCH_HEADS", "4"))
+TOKEN_BYTES = 64  # of one token of one head (32 dims of fp16)
+PREFILL_TOKENS = 64
+PER_REQUEST = 8  # prefill blocks
+TOKENS = PER_REQUEST * PREFILL_TOKENS  # a prompt
+MODES = {"alike (64)": 64, "decode blocks of 16": 16, "decode blocks of 48": 48}
+
+
+def caches(block_tokens: int, blocks: int):
+    from pdhal import ops, transfer
+
+    block = HEADS * block_tokens * TOKEN_BYTES
+    buffers = [ops.host_alloc(blocks * block) for _ in range(2 * LAYERS)]
+    layout = transfer.CacheLayout(
+        buffers,
+        [
+            [transfer.CacheSpec(2 * layer + k, 0, block, block, blocks, HEADS) for k in range(2)]
+            for layer in range(LAYERS)
+        ],
+    )
+    return layout, buffers
+
+
+def main() -> dict:
+    from pdhal import ops, transfer
+
+    os.environ["PDHAL_NAMESPACE"] = f"benchsizes{os.getpid()}"
+    prefill_blocks = REQUESTS * PER_REQUEST
+    source, owned = caches(PREFILL_TOKENS, prefill_blocks)
+    streamer = transfer.KVStreamer(source, PREFILL_TOKENS, max_layers_in_flight=8)
+    sides = {}
+    for name, tokens in MODES.items():
+        blocks = -(-TOKENS // tokens) * REQUESTS
+        layout, buffers = caches(tokens, blocks)
+        owned += buffers
+        receiver = transfer.KVReceiver(layout, f"benchsizes-{tokens}-{os.getpid()}", slots=64)
+        dest = streamer.connect(receiver.describe(), block_tokens=tokens)
+        sides[name] = (receiver, dest, tokens)
+    nbytes = LAYERS * 2 * REQUESTS * TOKENS * HEADS * TOKEN_BYTES
+    seconds = {name: [] for name in MODES}
+    serial = 0
+    for _ in range(ROUNDS):
+        for name, (receiver, dest, tokens) in sides.items():
+            ids = [f"r{serial}-{i}" for i in range(REQUESTS)]
+            serial += 1
+            per = -(-TOKENS // tokens)
+            for i, request in enumerate(ids):
+                src = list(range(i * PER_REQUEST, (i + 1) * PER_REQUEST))
+                streamer.add_request(request, src, TOKENS)
+                dst = list(range(i * per, (i + 1) * per))[::-1]  # scattered on the decode side
+                streamer.set_destination(request, dest, dst, receiver.expect(request, 60))
+            start = time.perf_counter()
+            for layer in range(LAYERS):
+                streamer.layer_ready(layer, [(r, TOKENS) for r in ids])
+            ended = []
+            while len(ended) < REQUESTS:
+                ended += streamer.poll(10)
+            seconds[name].append(time.perf_counter() - start)
+            assert all(o.landed for o in ended), ended
+            for request in ids:
+                assert receiver.wait(request).landed
+    streamer.close()
+    for receiver, _, _ in sides.values():
+        receiver.close()
+    for buffer in owned:
+        ops.host_free(buffer)
+    alike = seconds["alike (64)"]
+    return {
+        name: {
+            "gib_s": nbytes / statistics.median(times) / 2**30,
+            "vs_alike": statistics.median(a / t for a, t in zip(alike, times)),
+        }
+        for name, times in seconds.items()
+    }
+
+
+if __name__ == "__main__":
+    result = main()
+    if "--json" in sys.argv:
+        print(json.dumps(result))
+    else:
+        print(f"{LAYERS} layers x K, V; {REQUESTS} requests of {TOKENS} tokens; {HEADS} heads")
+        for name, row in result.items():
+            print(f"  {name:<22} {row['gib_s']:6.2f} GiB/s   {row['vs_alike']:5.2f}x alike")
+        print("target (issue 35): >= 0.8x alike")

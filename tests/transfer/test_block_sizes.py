@@ -1,0 +1,126 @@
+"""Prefill and decode caches of different block sizes (issue 35): the streamer plans in
+units of the tokens both block sizes are multiples of, so each token of each KV head goes
+to where the decode side's block holds it, whether one size divides the other or not,
+with a prefix the decode side has and with the prompt ready chunk by chunk. A decode
+process's KVReceiver over shm, every byte of every token checked; a pair whose tokens are
+not the same bytes is refused at connect, naming both."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import pdhal
+from pdhal import transfer
+from pdhal.testing.transfer_peers import BLOCKS, CACHES, LAYERS, Decode, outcomes_until
+
+TOKEN_BYTES = 4  # of one token of one KV head
+
+
+def value(layer: int, cache: int, block: int, head: int, token: int) -> int:
+    """What each byte of one token of one head of a source block holds."""
+    return (layer * 61 + cache * 17 + block * 7 + head * 3 + token * 11) % 251 + 1
+
+
+def source(block_tokens: int, heads: int) -> list[list[np.ndarray]]:
+    """BLOCKS blocks per cache, each head-major: heads x block_tokens x TOKEN_BYTES."""
+    caches = []
+    for layer in range(LAYERS):
+        row = []
+        for cache in range(CACHES):
+            a = np.empty((BLOCKS, heads, block_tokens, TOKEN_BYTES), np.uint8)
+            for b in range(BLOCKS):
+                for h in range(heads):
+                    for t in range(block_tokens):
+                        a[b, h, t] = value(layer, cache, b, h, t)
+            row.append(a.reshape(BLOCKS, -1))
+        caches.append(row)
+    return caches
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("here, there", [(8, 4), (4, 8), (6, 4), (4, 6)])
+@pytest.mark.parametrize("cached", [0, 1])
+def test_each_token_lands_where_the_decode_sides_blocks_hold_it(here, there, heads, cached):
+    """A 15-token prompt from prefill blocks of `here` tokens into decode blocks of
+    `there`, `cached` decode blocks of it cached there already; ready in two chunks (7
+    tokens, then all 15). Every token of every head of every layer lands in its place;
+    the decode side's blocks before its prefix and past the prompt are not written."""
+    tokens = 15
+    decode = Decode(heads=heads, block_bytes=there * heads * TOKEN_BYTES)
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(source(here, heads), heads=heads), here
+    )
+    try:
+        src_blocks = [5, 2, 7, 0][: -(-tokens // here)]
+        dst_blocks = [6, 1, 3, 4][: -(-tokens // there)]
+        base = cached * there // here  # the prefill blocks the decode side has whole
+        streamer.add_request("r", src_blocks[base:], tokens, cached_blocks=base)
+        dest = streamer.connect(decode.described, block_tokens=there)
+        streamer.set_destination(
+            "r", dest, dst_blocks[cached:], decode.expect("r"), cached_blocks=cached
+        )
+        for ready in (7, tokens):
+            for layer in range(LAYERS):
+                streamer.layer_ready(layer, [("r", ready)])
+        assert outcomes_until(streamer, 1) == [transfer.Outcome("r", True)]
+        landed, reason, _, _ = decode.wait("r")
+        assert landed, reason
+        for layer in range(LAYERS):
+            for cache in range(CACHES):
+                for j, block in enumerate(dst_blocks):
+                    got = np.array(decode.block(layer, cache, block), np.uint8)
+                    got = got.reshape(heads, there, TOKEN_BYTES)
+                    for t in range(there):
+                        at = j * there + t  # the token of the prompt it holds
+                        if at >= tokens:
+                            continue  # past the prompt: the partial unit's rest, unread
+                        for h in range(heads):
+                            want = (
+                                0
+                                if j < cached
+                                else value(layer, cache, src_blocks[at // here], h, at % here)
+                            )
+                            assert (got[h, t] == want).all(), (layer, cache, block, h, t)
+    finally:
+        streamer.close()
+        decode.close()
+
+
+def test_caches_whose_tokens_are_not_the_same_bytes_are_refused_at_connect():
+    """A decode side of blocks of 4 tokens: its block bytes must be 4 tokens of each head
+    of the prefill side's token bytes; otherwise connect refuses, naming both sides."""
+    streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(source(8, 2), heads=2), 8)
+    try:
+        for block_bytes, words in (
+            (4 * 2 * TOKEN_BYTES * 2, "a token of a head is 4 bytes here (blocks of 8 tokens), 8"),
+            (4 * 2 * TOKEN_BYTES + 2, "is not 2 head(s) of 4 tokens each"),
+        ):
+            decode = Decode(heads=2, block_bytes=block_bytes)
+            try:
+                with pytest.raises(pdhal.InvalidArgumentError, match=re.escape(words)):
+                    streamer.connect(decode.described, block_tokens=4)
+            finally:
+                decode.close()
+    finally:
+        streamer.close()
+
+
+def test_unit_runs_coalesce_and_split_only_at_either_sides_block_ends():
+    """Units of 2 tokens, blocks of 3 units here and 2 there, one head: a run of 6 units
+    consecutive on both sides is 4 copies, split where a block ends on either side."""
+    planner_layers = transfer.CacheLayout.from_caches(source(6, 1))
+    dst = transfer.CacheLayout.from_caches(source(4, 1))
+    planner = transfer.RunPlanner(planner_layers, dst.layers, (6, 4))
+    assert (planner.unit_tokens, planner.units) == (2, (3, 2))
+    base = planner_layers.regions[0][0]
+    copies = planner.layer(0).copies([(0, 0, 6)])[:4]  # cache 0's
+    unit = 2 * TOKEN_BYTES
+    assert copies == [
+        (base, 0, 0, 2 * unit),  # units 0-1: source block 0, destination block 0
+        (base + 2 * unit, 0, 4 * TOKEN_BYTES, unit),  # unit 2: destination block 1 starts
+        (base + 6 * TOKEN_BYTES, 0, 4 * TOKEN_BYTES + unit, unit),  # source block 1 starts
+        (base + 6 * TOKEN_BYTES + unit, 0, 8 * TOKEN_BYTES, 2 * unit),
+    ]
