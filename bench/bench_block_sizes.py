@@ -9,8 +9,9 @@ caches of 64-token blocks (alike: block runs expanded in C), of 16 (each prefill
 decode blocks) and of 48 (sizes that do not divide: units of 16 tokens), every layer ready
 at once; a mode's time is from the first layer_ready to the last request landed. Each row:
 GiB/s (median over rounds) and the median of each round's ratio against "alike".
-Where they lose, this prints it: a different block size is expanded into byte copies in
-Python, one per head and per stretch inside one block on both sides, not in C.
+A different block size costs more, smaller copies: one per head and per stretch inside one
+block on both sides (expanded in C, on the shm link's copier), where alike blocks of
+consecutive ids are one copy per run.
 `--json` prints one object.
 """
 

@@ -290,6 +290,115 @@ int pdhal_copier_post_blocks(pdhal_copier *c, const pdhal_copy_cache *caches, ui
     return enqueue(c, job, out);
 }
 
+/* Each stretch of run `r` inside one block on both sides: calls `each` with its first
+ * source and destination units and its length, until it returns non-zero. */
+static int stretches(const int64_t *run, uint64_t src_units, uint64_t dst_units,
+                     int (*each)(void *, uint64_t, uint64_t, uint64_t), void *arg)
+{
+    uint64_t s = (uint64_t)run[0], d = (uint64_t)run[1], n = (uint64_t)run[2];
+    while (n) {
+        uint64_t k = n, left = src_units - s % src_units, right = dst_units - d % dst_units;
+        k = k < left ? k : left;
+        k = k < right ? k : right;
+        int rc = each(arg, s, d, k);
+        if (rc)
+            return rc;
+        s += k, d += k, n -= k;
+    }
+    return 0;
+}
+
+struct unit_post {
+    const pdhal_copier *c;
+    const pdhal_copy_cache *cache;
+    uint32_t cache_index, heads;
+    uint64_t src_units, dst_units, run, count, at;
+    struct pdhal_copy_job *job; /* NULL: only count the copies */
+};
+
+static int unit_copies(void *arg, uint64_t s, uint64_t d, uint64_t k)
+{
+    struct unit_post *p = arg;
+    if (!p->job) {
+        p->count += p->heads;
+        return 0;
+    }
+    const pdhal_copy_cache *cache = p->cache;
+    uint64_t unit = cache->block_bytes / p->heads; /* of one head */
+    for (uint32_t h = 0; h < p->heads; h++, p->at++) {
+        /* ids below 2^40 x 2^24 units, bytes below 2^64: no product wraps 128 bits */
+        __uint128_t src = (__uint128_t)cache->src +
+                          (__uint128_t)(s / p->src_units) * cache->src_stride +
+                          ((__uint128_t)(s % p->src_units) + (__uint128_t)h * p->src_units) * unit;
+        __uint128_t off = (__uint128_t)cache->dst_offset +
+                          (__uint128_t)(d / p->dst_units) * cache->dst_stride +
+                          ((__uint128_t)(d % p->dst_units) + (__uint128_t)h * p->dst_units) * unit;
+        if (src > UINT64_MAX || off > UINT64_MAX)
+            return pdhal_fail(ERANGE, "unit run %llu of cache %u lies past the address space",
+                              (unsigned long long)p->run, p->cache_index);
+        int rc = add_copy(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
+                          (uint64_t)off, k * unit);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+int pdhal_copier_post_units(pdhal_copier *c, const pdhal_copy_cache *caches,
+                            const uint32_t *heads, uint32_t ncaches, uint64_t src_units,
+                            uint64_t dst_units, const int64_t *unit_runs, uint64_t nruns,
+                            pdhal_copy_job **out)
+{
+    *out = NULL;
+    if ((ncaches && (!caches || !heads)) || (nruns && !unit_runs))
+        return pdhal_fail(EINVAL, "no caches, heads or unit runs to post");
+    if (src_units < 1 || dst_units < 1 || src_units > 1 << 24 || dst_units > 1 << 24)
+        return pdhal_fail(EINVAL, "blocks of %llu and %llu units: each from 1 to 2^24",
+                          (unsigned long long)src_units, (unsigned long long)dst_units);
+    struct unit_post post = {.c = c, .src_units = src_units, .dst_units = dst_units};
+    for (uint32_t k = 0; k < ncaches; k++) {
+        const pdhal_copy_cache *cache = &caches[k];
+        if (heads[k] < 1 || cache->block_bytes == 0 || cache->block_bytes % heads[k] ||
+            cache->region >= c->regions)
+            return pdhal_fail(ERANGE, "cache %u has units of %llu bytes of %u heads in region "
+                                      "%llu: not whole heads, or outside the destination (%u "
+                                      "regions)",
+                              k, (unsigned long long)cache->block_bytes, heads[k],
+                              (unsigned long long)cache->region, c->regions);
+        uint64_t most = c->region_bytes[cache->region] / cache->block_bytes;
+        for (uint64_t r = 0; r < nruns; r++) {
+            const int64_t *run = unit_runs + 3 * r;
+            if (run[0] < 0 || run[1] < 0 || run[2] < 1 || run[0] > (int64_t)1 << 62 ||
+                run[1] > (int64_t)1 << 62 || (uint64_t)run[2] > most)
+                return pdhal_fail(ERANGE, "unit run %llu is (%lld, %lld, %lld): ids from 0, "
+                                          "at least one unit, no more than region %llu "
+                                          "holds (%llu)",
+                                  (unsigned long long)r, (long long)run[0], (long long)run[1],
+                                  (long long)run[2], (unsigned long long)cache->region,
+                                  (unsigned long long)most);
+            post.heads = heads[k];
+            stretches(run, src_units, dst_units, unit_copies, &post);
+        }
+    }
+    struct pdhal_copy_job *job = NULL;
+    int failed = new_job(post.count, &job);
+    if (failed)
+        return failed;
+    post.job = job;
+    for (uint32_t k = 0; k < ncaches; k++) {
+        post.cache = &caches[k], post.cache_index = k, post.heads = heads[k];
+        for (uint64_t r = 0; r < nruns; r++) {
+            post.run = r;
+            int rc = stretches(unit_runs + 3 * r, src_units, dst_units, unit_copies, &post);
+            if (rc) {
+                free(job);
+                return rc;
+            }
+        }
+    }
+    return enqueue(c, job, out);
+}
+
 int pdhal_copy_job_wait(pdhal_copy_job *job, int64_t deadline_ns)
 {
     for (;;) {

@@ -548,6 +548,16 @@ class Copier(HostQueue):
         `caches` (cdata pdhal_copy_cache[ncaches]) as one job."""
         return self._post(lib.pdhal_copier_post_blocks, caches, ncaches, block_runs, nruns)
 
+    def post_units(
+        self, caches, heads, ncaches: int, units: tuple[int, int], unit_runs, nruns: int
+    ) -> CopyJob:
+        """Queue the byte copies of `unit_runs` (cdata int64_t[3 * nruns]) between caches of
+        two block sizes (`units`: per source block, per destination block; `caches`' block
+        bytes one unit's, of `heads` (cdata uint32_t[ncaches]) heads each) as one job."""
+        return self._post(
+            lib.pdhal_copier_post_units, caches, heads, ncaches, *units, unit_runs, nruns
+        )
+
     def _post(self, post, *args) -> CopyJob:
         out = ffi.new("pdhal_copy_job **")
         with self._lock:  # destroy() frees the copier: not while a post is inside it
@@ -577,6 +587,11 @@ def copy_caches(caches: list[tuple[int, int, int, int, int, int]]):
     """A cdata pdhal_copy_cache[] of (source address, source stride, region, destination
     offset, destination stride, block bytes) per cache, for Copier.post_blocks."""
     return ffi.new("pdhal_copy_cache[]", caches)
+
+
+def head_counts(heads: list[int]):
+    """A cdata uint32_t[] of each cache's KV heads, for Copier.post_units."""
+    return ffi.new("uint32_t[]", heads)
 
 
 def block_run_words(runs: list[tuple[int, int, int]]):

@@ -539,29 +539,34 @@ class UnitCopies(LayerCopies):
     block_runs coalesces them as it does blocks. A unit is, per KV head, a stretch of that
     head's tokens in its block; copies() makes one copy per head and per stretch of a run
     that stays in one block on both sides. Made by RunPlanner from checked layouts; its
-    copies are expanded here, in Python (Link.submit_blocks' default), not in C."""
+    copies are expanded by copies() (Link.submit_blocks' default), or in C from `caches`,
+    `heads` and `units` (shm)."""
 
-    __slots__ = ("_units", "_unit_caches")
+    __slots__ = ("units", "_unit_caches", "_heads", "_heads_packed")
 
     def __init__(self, caches, heads: list[int], src_units: int, dst_units: int):
         """`caches` as LayerCopies takes them, with a unit's bytes (all its heads) as the
         block bytes; `heads`: each cache's KV heads; a source block is `src_units` units, a
         destination block `dst_units`."""
         super().__init__(caches)
-        self._units = (src_units, dst_units)
+        self.units = (src_units, dst_units)
+        self._heads, self._heads_packed = tuple(heads), None
         self._unit_caches = tuple(
             (base, s_stride, region, offset, d_stride, n, unit // n)
             for (base, s_stride, region, offset, d_stride, unit), n in zip(self._caches, heads)
         )
 
     @property
-    def caches(self):
-        raise InvalidArgumentError("a UnitCopies is expanded in Python: use copies()")
+    def heads(self):
+        """Each cache's KV heads as C's uint32_t[] (made on first use)."""
+        if self._heads_packed is None:
+            self._heads_packed = _core.head_counts(self._heads)
+        return self._heads_packed
 
     def copies(self, runs) -> list[tuple[int, int, int, int]]:
         """The byte copies of unit `runs`: per cache, per stretch of a run inside one
         block on both sides, one per head."""
-        src_units, dst_units = self._units
+        src_units, dst_units = self.units
         out = []
         for base, s_stride, region, offset, d_stride, heads, unit in self._unit_caches:
             s_head, d_head = unit * src_units, unit * dst_units  # a head's part of a block

@@ -297,16 +297,20 @@ class ShmLink(Link):
         return self._post(lambda copier: copier.post_runs(runs))
 
     def submit_blocks(self, layer: LayerCopies, runs: BlockRuns) -> Batch:
-        """The copier expands and checks the block runs in C: no Python per run (units of
-        two block sizes are expanded in Python, as submit's runs)."""
+        """The copier expands and checks the block runs in C (the unit runs of two block
+        sizes too): no Python per run."""
         require_blocks(layer, runs)
-        if isinstance(layer, UnitCopies):
-            return self.submit(layer.copies(runs.runs))
         why = self.problem()
         if why is not None:
             raise TransferError(why)
         if not len(runs):
             return LandedBatch()
+        if isinstance(layer, UnitCopies):
+            return self._post(
+                lambda copier: copier.post_units(
+                    layer.caches, layer.heads, layer.count, layer.units, runs.words, len(runs)
+                )
+            )
         return self._post(
             lambda copier: copier.post_blocks(layer.caches, layer.count, runs.words, len(runs))
         )

@@ -297,6 +297,17 @@ int pdhal_copier_post_runs(pdhal_copier *copier, const uint64_t *runs, uint64_t 
 int pdhal_copier_post_blocks(pdhal_copier *copier, const pdhal_copy_cache *caches,
                              uint32_t ncaches, const int64_t *block_runs, uint64_t nruns,
                              pdhal_copy_job **job);
+/* Post the byte copies of `nruns` unit runs (first source unit, first destination unit,
+ * units) between caches whose blocks hold different numbers of tokens, as one job: a unit
+ * is the tokens both block sizes are multiples of, a source block `src_units` of them, a
+ * destination block `dst_units`, a unit's id its block * units per block + its place there.
+ * Each cache's block_bytes is one unit's bytes, of heads[k] KV heads, each head's part of
+ * a block its tokens in order: a run becomes one copy per head per stretch inside one
+ * block on both sides. Checked as pdhal_copier_post_runs checks. */
+int pdhal_copier_post_units(pdhal_copier *copier, const pdhal_copy_cache *caches,
+                            const uint32_t *heads, uint32_t ncaches, uint64_t src_units,
+                            uint64_t dst_units, const int64_t *unit_runs, uint64_t nruns,
+                            pdhal_copy_job **job);
 /* Wait until `job` ran, at most until deadline_ns (CLOCK_MONOTONIC, pdhal_now_ns): 0 (every
  * copy done), -EFAULT (a copy met memory its owner took away; the detail names it),
  * -ETIMEDOUT. */

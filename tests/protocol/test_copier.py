@@ -14,7 +14,7 @@ import pytest
 
 from pdhal import InvalidArgumentError, TransferError
 from pdhal._protocol import core
-from pdhal._transfer.layout import LayerCopies
+from pdhal._transfer.layout import LayerCopies, UnitCopies
 
 
 def _address(array: np.ndarray) -> int:
@@ -93,6 +93,54 @@ def test_block_runs_expand_to_the_copies_python_plans(memory, source_stride, des
         expected[region][offset : offset + nbytes] = source[at : at + nbytes]
     assert np.array_equal(regions[0], expected[0])
     assert np.array_equal(regions[1], expected[1])
+
+
+@pytest.mark.parametrize("units, heads", [((3, 2), 1), ((2, 3), 2), ((4, 1), 2), ((1, 4), 1)])
+def test_unit_runs_expand_to_the_copies_python_plans(memory, units, heads):
+    """post_units expands unit runs between caches of two block sizes in C into the very
+    copies UnitCopies.copies plans in Python (per head, per stretch inside one block on
+    both sides), in two caches of one layer."""
+    regions, source, copier = memory
+    src = _address(source)
+    unit = 16 * heads  # a unit's bytes, every head
+    s_block, d_block = unit * units[0], unit * units[1]
+    layer = UnitCopies(
+        [(src, s_block, 0, 0, d_block, unit), (src + 2048, s_block, 1, 0, d_block, unit)],
+        [heads, heads],
+        *units,
+    )
+    runs = [(0, 3, 5), (7, 0, 2), (4, 9, 3)]
+    copier.post_units(
+        layer.caches, layer.heads, layer.count, layer.units, core.block_run_words(runs), 3
+    ).wait(30)
+    expected = [np.zeros(4096, np.uint8), np.zeros(1024, np.uint8)]
+    for address, region, offset, nbytes in layer.copies(runs):
+        at = address - src
+        expected[region][offset : offset + nbytes] = source[at : at + nbytes]
+    assert np.array_equal(regions[0], expected[0])
+    assert np.array_equal(regions[1], expected[1])
+
+
+@pytest.mark.parametrize(
+    "heads, units, runs, error, words",
+    [
+        ([3], (2, 1), [(0, 0, 1)], TransferError, "not whole heads"),
+        ([1], (0, 1), [(0, 0, 1)], InvalidArgumentError, "each from 1 to 2\\^24"),
+        ([1], (2, 1), [(0, 0, 65)], TransferError, "no more than region 1 holds \\(64\\)"),
+        ([1], (2, 1), [(0, -1, 1)], TransferError, "ids from 0"),
+        ([1], (2, 1), [(0, 63, 2)], TransferError, "outside the destination"),
+    ],
+)
+def test_unit_runs_that_do_not_fit_are_refused_before_any_copy(
+    memory, heads, units, runs, error, words
+):
+    regions, source, copier = memory
+    caches = core.copy_caches([(_address(source), 32, 1, 0, 16, 16)])
+    with pytest.raises(error, match=words):
+        copier.post_units(
+            caches, core.head_counts(heads), 1, units, core.block_run_words(runs), len(runs)
+        )
+    assert not regions[1].any()
 
 
 def test_block_runs_past_a_region_are_refused_before_any_copy(memory):
