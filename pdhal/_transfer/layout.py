@@ -386,6 +386,9 @@ def _head_view(layers, first: int, count: int, where: str) -> list[list[CacheSpe
 
 #: The most a block id or a run's block count may be.
 MOST_BLOCKS = 1 << 40
+#: The most units (the tokens two block sizes are multiples of) a block may be: what the
+#: copier expands (pdhal_copier_post_units).
+MOST_UNITS = 1 << 24
 
 
 def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -532,6 +535,19 @@ class LayerCopies:
         return out
 
 
+def units_of(here: int, there: int) -> tuple[int, tuple[int, int]]:
+    """The unit of blocks of `here` and `there` tokens (the tokens both are multiples of)
+    and how many of them each block is; InvalidArgumentError past MOST_UNITS."""
+    unit = math.gcd(here, there)
+    units = (here // unit, there // unit)
+    if max(units) > MOST_UNITS:
+        raise InvalidArgumentError(
+            f"blocks of {here} tokens here and {there} there are {units[0]} and {units[1]} "
+            f"units of {unit} tokens: at most {MOST_UNITS} units a block"
+        )
+    return unit, units
+
+
 class UnitCopies(LayerCopies):
     """One layer's caches paired across sides whose blocks hold different numbers of
     tokens: the runs are of units of the tokens both block sizes are multiples of, named
@@ -601,9 +617,7 @@ class RunPlanner:
         dst_layers: list[list[CacheSpec]],
         tokens: tuple[int, int] | None = None,
     ):
-        here, there = tokens or (1, 1)
-        self.unit_tokens = math.gcd(here, there)
-        self.units = (here // self.unit_tokens, there // self.unit_tokens)
+        self.unit_tokens, self.units = units_of(*(tokens or (1, 1)))
         self._layers = [
             self._copies(
                 [

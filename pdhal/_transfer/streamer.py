@@ -31,7 +31,7 @@ from pdhal._transfer.contract import require_memory, require_target_completion
 from pdhal._transfer.destination import Destination, Send, StatusWrite, Write
 from pdhal._transfer.heads import HeadShard
 from pdhal._transfer.keeper import Clock, Deadlines
-from pdhal._transfer.layout import BlockRuns, CacheLayout, RunPlanner, block_runs
+from pdhal._transfer.layout import BlockRuns, CacheLayout, RunPlanner, block_runs, units_of
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome, Outcomes
 from pdhal._transfer.plugins import transport
@@ -170,6 +170,7 @@ class KVStreamer:
                 f"{described['regions'][: len(sizes)]}: a description must not claim more "
                 f"than it serves"
             )
+        units_of(self.block_tokens, there)  # (refused before the layouts are compared)
         layers = self.layout.check_peer(layout, heads, (self.block_tokens, there))
         source = (
             self.layout if heads is None else self.layout.head_view(heads.src_first, heads.count)
@@ -307,6 +308,12 @@ class KVStreamer:
                         f"{self.block_tokens} tokens are not whole blocks of {there} tokens "
                         f"there: give cached_blocks"
                     )
+            if there != self.block_tokens and request.cached * self.block_tokens > skip * there:
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: its decode side's prefix ({skip} blocks of "
+                    f"{there} tokens) is shorter than add_request's ({request.cached} blocks "
+                    f"of {self.block_tokens}): the tokens between have no source block"
+                )
             if not (
                 request.cached * self.block_tokens <= skip * there
                 and skip < -(-need // there)

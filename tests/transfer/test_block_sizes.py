@@ -124,3 +124,29 @@ def test_unit_runs_coalesce_and_split_only_at_either_sides_block_ends():
         (base + 6 * TOKEN_BYTES, 0, 4 * TOKEN_BYTES + unit, unit),  # source block 1 starts
         (base + 6 * TOKEN_BYTES + unit, 0, 8 * TOKEN_BYTES, 2 * unit),
     ]
+
+
+def test_a_prefix_shorter_on_the_decode_side_and_too_many_units_are_refused_naming_why():
+    """The decode side's cached prefix (2 blocks of 4 tokens) shorter than add_request's
+    (2 blocks of 6): the tokens between have no source block, said at set_destination.
+    Blocks of 2^25 units against 1: refused at connect, not by every later post."""
+    streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(source(6, 1)), 6)
+    decode = Decode(heads=1, block_bytes=4 * TOKEN_BYTES)
+    try:
+        dest = streamer.connect(decode.described, block_tokens=4)
+        streamer.add_request("r", [3, 4], 23, cached_blocks=2)
+        with pytest.raises(
+            pdhal.InvalidArgumentError,
+            match="prefix \\(2 blocks of 4 tokens\\) "
+            "is shorter than add_request's \\(2 blocks of 6\\)",
+        ):
+            streamer.set_destination("r", dest, [0, 1, 2, 3], decode.expect("r"), cached_blocks=2)
+    finally:
+        streamer.close()
+    huge = transfer.KVStreamer(transfer.CacheLayout.from_caches(source(1, 1)), 1 << 25)
+    try:
+        with pytest.raises(pdhal.InvalidArgumentError, match="at most 16777216 units a block"):
+            huge.connect(decode.described, block_tokens=1)
+    finally:
+        huge.close()
+        decode.close()
