@@ -26,7 +26,15 @@ MOST_LAYERS = 0xFFFF
 #: The most caches one layer may have (K and V per rank; a peer's description is bounded).
 MOST_CACHES = 0xFFFF
 #: The least each CacheSpec field may be (region and offset may be 0; the rest count).
-_LEAST = {"region": 0, "offset": 0, "stride": 1, "block_bytes": 1, "blocks": 1, "heads": 1}
+_LEAST = {
+    "region": 0,
+    "offset": 0,
+    "stride": 1,
+    "block_bytes": 1,
+    "blocks": 1,
+    "heads": 1,
+    "planes": 1,
+}
 #: The longest element type name a CacheSpec may declare.
 MOST_DTYPE_CHARS = 64
 
@@ -39,10 +47,13 @@ class CacheSpec:
     tensor-parallel peer (pdhal.transfer.head_shards). `dtype`: the element type its
     engine keeps there ("bfloat16", "fp8_e4m3", ...; "" undeclared): two sides that both
     declare one must declare the same, since bytes of the same size can be of another type.
+    `planes`: a head's part of a block is that many equal parts, each its tokens in order
+    (vLLM's CPU cache keeps a head's K tokens, then its V tokens: 2); what a transfer
+    between blocks of two sizes needs to find each token.
 
     Every field is checked when the spec is made (by a caller or from a peer's
     description): an int (numpy ints converted), region and offset >= 0, the others >= 1,
-    block_bytes <= stride, heads dividing block_bytes, dtype a name of at most 64
+    block_bytes <= stride, heads x planes dividing block_bytes, dtype a name of at most 64
     characters; InvalidArgumentError otherwise."""
 
     region: int
@@ -52,6 +63,7 @@ class CacheSpec:
     blocks: int
     heads: int = 1
     dtype: str = ""
+    planes: int = 1
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -81,11 +93,19 @@ class CacheSpec:
                 f"CacheSpec.heads {self.heads} does not divide CacheSpec.block_bytes "
                 f"{self.block_bytes}: a block cannot hold that many equal heads"
             )
+        if self.block_bytes % (self.heads * self.planes):
+            raise InvalidArgumentError(
+                f"CacheSpec.planes {self.planes} does not divide a head's "
+                f"{self.block_bytes // self.heads} bytes: a head cannot hold that many equal "
+                f"planes"
+            )
 
     def to_json(self) -> list:
-        """Its words; the element type only where one is declared (a peer of the last
-        version reads six)."""
+        """Its words; the element type and the planes only where they are not the
+        defaults (a peer of the last version reads six)."""
         words = [self.region, self.offset, self.stride, self.block_bytes, self.blocks, self.heads]
+        if self.planes != 1:
+            return [*words, self.dtype, self.planes]
         return [*words, self.dtype] if self.dtype else words
 
     def head_view(self, first: int, count: int) -> CacheSpec:
@@ -99,17 +119,18 @@ class CacheSpec:
             self.blocks,
             count,
             self.dtype,
+            self.planes,
         )
 
     @classmethod
     def from_json(cls, words, what: str = "a cache spec") -> CacheSpec:
         """The spec to_json wrote: [region, offset, stride, block_bytes, blocks(, heads(,
-        dtype))], from a peer (untrusted): InvalidArgumentError naming `what` if it is
-        anything else."""
-        if not isinstance(words, (list, tuple)) or not 5 <= len(words) <= 7:
+        dtype(, planes)))], from a peer (untrusted): InvalidArgumentError naming `what` if it
+        is anything else."""
+        if not isinstance(words, (list, tuple)) or not 5 <= len(words) <= 8:
             raise InvalidArgumentError(
-                f"{what} must be [region, offset, stride, block_bytes, blocks, heads, dtype], "
-                f"got {words!r}"
+                f"{what} must be [region, offset, stride, block_bytes, blocks, heads, dtype, "
+                f"planes], got {words!r}"
             )
         try:
             return cls(*words)
@@ -320,27 +341,31 @@ class CacheLayout:
 
     @staticmethod
     def _pair_tokens(ours, layers, tokens: tuple[int, int]) -> list[list[CacheSpec]]:
-        """Caches of blocks of `tokens` (here, on the peer) tokens: each head's part of a
-        block holds its tokens in order, of the same bytes on both sides."""
+        """Caches of blocks of `tokens` (here, on the peer) tokens: each plane of each
+        head's part of a block holds its tokens in order, of the same bytes on both
+        sides."""
         CacheLayout._pair_shape(ours, layers)
         for layer, (mine, theirs) in enumerate(zip(ours, layers)):
             for index, (a, b) in enumerate(zip(mine, theirs)):
                 what = f"layer {layer} cache {index}"
-                if a.heads != b.heads:
+                if (a.heads, a.planes) != (b.heads, b.planes):
                     raise InvalidArgumentError(
-                        f"{what}: {a.heads} KV head(s) per block here, {b.heads} on the peer"
+                        f"{what}: {a.heads} KV head(s) of {a.planes} plane(s) per block here, "
+                        f"{b.heads} of {b.planes} on the peer"
                     )
+                parts = a.heads * a.planes
                 for spec, count, where in ((a, tokens[0], "here"), (b, tokens[1], "on the peer")):
-                    if spec.block_bytes % (spec.heads * count):
+                    if spec.block_bytes % (parts * count):
                         raise InvalidArgumentError(
                             f"{what}: a block of {spec.block_bytes} bytes {where} is not "
-                            f"{spec.heads} head(s) of {count} tokens each"
+                            f"{spec.heads} head(s) of {spec.planes} plane(s) of {count} tokens "
+                            f"each"
                         )
                 if a.block_bytes * tokens[1] != b.block_bytes * tokens[0]:
                     raise InvalidArgumentError(
-                        f"{what}: a token of a head is {a.block_bytes // (a.heads * tokens[0])} "
+                        f"{what}: a token of a head is {a.block_bytes // (parts * tokens[0])} "
                         f"bytes here (blocks of {tokens[0]} tokens), "
-                        f"{b.block_bytes // (b.heads * tokens[1])} on the peer (blocks of "
+                        f"{b.block_bytes // (parts * tokens[1])} on the peer (blocks of "
                         f"{tokens[1]}): head size or dtype differ"
                     )
                 _same_dtype(a, b, what)
@@ -562,7 +587,8 @@ class UnitCopies(LayerCopies):
 
     def __init__(self, caches, heads: list[int], src_units: int, dst_units: int):
         """`caches` as LayerCopies takes them, with a unit's bytes (all its heads) as the
-        block bytes; `heads`: each cache's KV heads; a source block is `src_units` units, a
+        block bytes; `heads`: each cache's parts (KV heads x planes), each its tokens in
+        order; a source block is `src_units` units, a
         destination block `dst_units`."""
         super().__init__(caches)
         self.units = (src_units, dst_units)
@@ -631,7 +657,7 @@ class RunPlanner:
                     )
                     for s, d in zip(mine, theirs)
                 ],
-                [s.heads for s in mine],
+                [s.heads * s.planes for s in mine],
             )
             for mine, theirs in zip(src.layers, dst_layers)
         ]

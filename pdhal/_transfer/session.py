@@ -149,16 +149,22 @@ def _split(layout: CacheLayout, kv_heads: object, tp_rank: object, tp_size: obje
     return heads, rank, size
 
 
-def mismatch(prefill: messages.Facts, decode: messages.Facts) -> str | None:
-    """Why these two sides cannot pair (naming both), or None."""
+def mismatch(
+    prefill: messages.Facts, decode: messages.Facts, same_block_size: bool = False
+) -> str | None:
+    """Why these two sides cannot pair (naming both), or None. `same_block_size`: blocks
+    of two sizes do not pair either."""
+    checked = [
+        ("transport", "transport"),
+        ("transport version", "transport_version"),
+        ("namespace", "namespace"),
+        ("KV heads", "kv_heads"),
+    ]
+    if same_block_size:
+        checked.append(("block size (tokens)", "block_tokens"))
     differ = [
         (what, getattr(prefill, name), getattr(decode, name))
-        for what, name in (
-            ("transport", "transport"),
-            ("transport version", "transport_version"),
-            ("namespace", "namespace"),
-            ("KV heads", "kv_heads"),
-        )
+        for what, name in checked
         if getattr(prefill, name) != getattr(decode, name)
     ]
     if not differ:
@@ -210,8 +216,11 @@ class PrefillService:
     `on_session_end(facts, reason)`: a decode rank's session ended (its parts failed); on
     that session's thread, quick (a decode process killed outright cannot remove its
     segments: the engine may look for them, pdhal.cleanup). `clock`: what its leases are
-    read on (a test's ManualClock). `streamer_options` go to the KVStreamer
-    (max_layers_in_flight, stall_timeout)."""
+    read on (a test's ManualClock). `same_block_size`: refuse a decode rank whose blocks
+    hold another number of tokens, at its hello (for caches whose token order inside a
+    block the layout does not say; else each token goes where the decode side's block
+    holds it). `streamer_options` go to the KVStreamer (max_layers_in_flight,
+    stall_timeout)."""
 
     def __init__(
         self,
@@ -229,6 +238,7 @@ class PrefillService:
         on_outcome: Callable[[Outcome], None] | None = None,
         on_session_end: Callable[[messages.Facts, str], None] | None = None,
         clock: Clock | None = None,
+        same_block_size: bool = False,
         **streamer_options,
     ):
         if not isinstance(layout, CacheLayout):
@@ -243,6 +253,7 @@ class PrefillService:
                 raise InvalidArgumentError(f"{name} must be callable, got {hook!r}")
         bind = control.parse_address(listen, "listen")
         self._key = key
+        self._same_block_size = checks.flag(same_block_size, "same_block_size")
         self._on_outcome = on_outcome
         self._on_session_end = on_session_end
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # parts' outcomes, in order
@@ -628,7 +639,7 @@ class PrefillService:
                 raise SessionError(
                     f"the first message must be a decode side's hello, got {hello!r}"
                 )
-            why = mismatch(self.facts, hello.facts)
+            why = mismatch(self.facts, hello.facts, self._same_block_size)
             if why is None:
                 client = _Client(hello.facts)
                 try:

@@ -7,6 +7,7 @@ not the same bytes is refused at connect, naming both."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -24,35 +25,42 @@ def value(layer: int, cache: int, block: int, head: int, token: int) -> int:
     return (layer * 61 + cache * 17 + block * 7 + head * 3 + token * 11) % 251 + 1
 
 
-def source(block_tokens: int, heads: int) -> list[list[np.ndarray]]:
-    """BLOCKS blocks per cache, each head-major: heads x block_tokens x TOKEN_BYTES."""
+def source(block_tokens: int, heads: int, planes: int = 1) -> list[list[np.ndarray]]:
+    """BLOCKS blocks per cache, each head-major: heads x planes x block_tokens x
+    TOKEN_BYTES (a plane's tokens are value()'s of head `heads * plane + head`)."""
     caches = []
     for layer in range(LAYERS):
         row = []
         for cache in range(CACHES):
-            a = np.empty((BLOCKS, heads, block_tokens, TOKEN_BYTES), np.uint8)
+            a = np.empty((BLOCKS, heads, planes, block_tokens, TOKEN_BYTES), np.uint8)
             for b in range(BLOCKS):
                 for h in range(heads):
-                    for t in range(block_tokens):
-                        a[b, h, t] = value(layer, cache, b, h, t)
+                    for p in range(planes):
+                        for t in range(block_tokens):
+                            a[b, h, p, t] = value(layer, cache, b, heads * p + h, t)
             row.append(a.reshape(BLOCKS, -1))
         caches.append(row)
     return caches
 
 
-@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("heads, planes", [(1, 1), (2, 1), (2, 2)])
 @pytest.mark.parametrize("here, there", [(8, 4), (4, 8), (6, 4), (4, 6)])
 @pytest.mark.parametrize("cached", [0, 1])
-def test_each_token_lands_where_the_decode_sides_blocks_hold_it(here, there, heads, cached):
+def test_each_token_lands_where_the_decode_sides_blocks_hold_it(here, there, heads, planes, cached):
     """A 15-token prompt from prefill blocks of `here` tokens into decode blocks of
     `there`, `cached` decode blocks of it cached there already; ready in two chunks (7
-    tokens, then all 15). Every token of every head of every layer lands in its place;
-    the decode side's blocks before its prefix and past the prompt are not written."""
+    tokens, then all 15); one or two heads, each one plane or two (vLLM's CPU cache: a
+    head's K tokens, then its V tokens). Every token of every plane of every head of
+    every layer lands in its place; the decode side's blocks before its prefix are not
+    written."""
     tokens = 15
-    decode = Decode(heads=heads, block_bytes=there * heads * TOKEN_BYTES)
-    streamer = transfer.KVStreamer(
-        transfer.CacheLayout.from_caches(source(here, heads), heads=heads), here
+    decode = Decode(heads=heads, block_bytes=there * heads * planes * TOKEN_BYTES, planes=planes)
+    layout = transfer.CacheLayout.from_caches(source(here, heads, planes), heads=heads)
+    layout = transfer.CacheLayout(
+        layout.memory,
+        [[dataclasses.replace(s, planes=planes) for s in caches] for caches in layout.layers],
     )
+    streamer = transfer.KVStreamer(layout, here)
     try:
         src_blocks = [5, 2, 7, 0][: -(-tokens // here)]
         dst_blocks = [6, 1, 3, 4][: -(-tokens // there)]
@@ -72,18 +80,26 @@ def test_each_token_lands_where_the_decode_sides_blocks_hold_it(here, there, hea
             for cache in range(CACHES):
                 for j, block in enumerate(dst_blocks):
                     got = np.array(decode.block(layer, cache, block), np.uint8)
-                    got = got.reshape(heads, there, TOKEN_BYTES)
+                    got = got.reshape(heads * planes, there, TOKEN_BYTES)  # head-major
                     for t in range(there):
                         at = j * there + t  # the token of the prompt it holds
                         if at >= tokens:
                             continue  # past the prompt: the partial unit's rest, unread
                         for h in range(heads):
-                            want = (
-                                0
-                                if j < cached
-                                else value(layer, cache, src_blocks[at // here], h, at % here)
-                            )
-                            assert (got[h, t] == want).all(), (layer, cache, block, h, t)
+                            for p in range(planes):
+                                want = (
+                                    0
+                                    if j < cached
+                                    else value(
+                                        layer,
+                                        cache,
+                                        src_blocks[at // here],
+                                        heads * p + h,
+                                        at % here,
+                                    )
+                                )
+                                part = h * planes + p
+                                assert (got[part, t] == want).all(), (layer, cache, block, h, p, t)
     finally:
         streamer.close()
         decode.close()
@@ -96,7 +112,7 @@ def test_caches_whose_tokens_are_not_the_same_bytes_are_refused_at_connect():
     try:
         for block_bytes, words in (
             (4 * 2 * TOKEN_BYTES * 2, "a token of a head is 4 bytes here (blocks of 8 tokens), 8"),
-            (4 * 2 * TOKEN_BYTES + 2, "is not 2 head(s) of 4 tokens each"),
+            (4 * 2 * TOKEN_BYTES + 2, "is not 2 head(s) of 1 plane(s) of 4 tokens each"),
         ):
             decode = Decode(heads=2, block_bytes=block_bytes)
             try:

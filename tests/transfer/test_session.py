@@ -793,6 +793,19 @@ def test_an_abandon_tells_every_rank_named_though_one_cannot_be_told(peers):
     assert (request, landed) == ("r1", False) and "its decode failed" in why, why
 
 
+def test_a_service_that_needs_one_block_size_refuses_another_naming_both(caches, receiver):
+    """same_block_size: a decode side of blocks of 2 tokens is refused at its hello by a
+    service of blocks of 4 (an engine whose caches do not keep a head's tokens in order)."""
+    service = transfer.PrefillService(caches, 4, key=KEY, kv_heads=KV_HEADS, same_block_size=True)
+    client = transfer.DecodeClient(receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=2)
+    try:
+        with pytest.raises(pdhal.RefusedError, match="block size \\(tokens\\): 4 here, 2 there"):
+            client.connect(service.address)
+    finally:
+        client.close()
+        service.close()
+
+
 @pytest.mark.parametrize("decode_tokens", [2, 8])
 def test_a_decode_side_of_another_block_size_gets_each_token_where_its_blocks_hold_it(
     peers, decode_tokens

@@ -461,6 +461,10 @@ class Messager:
                 transport_name=self.transport,
                 on_outcome=lambda outcome: self.events.put(("outcome", outcome)),
                 on_session_end=lambda facts, why: self.events.put(("decode_gone", facts, why)),
+                # vLLM's CPU cache does not keep a head's tokens in order inside a block
+                # (blocks of 96 against 32 landed every byte, yet decoded other tokens):
+                # a decode instance of another --block-size is refused at its hello
+                same_block_size=True,
             )
         except (PdhalError, TypeError, ValueError) as exc:
             why = f"the messager cannot stream from this prefill cache: {exc}"
