@@ -71,7 +71,10 @@ static int reopen_registered(pdhal_segment *seg, int fd, int flags)
     return seg->fd;
 }
 
-static void registry_remove(pdhal_segment *seg)
+/* Out of the fork registry, its description closed (when this process opened it) in the
+ * same step: a fork from another thread between the two would leave the child the
+ * description, and with it the lock taken on it, which no atfork handler would close. */
+static void registry_close(pdhal_segment *seg)
 {
     pthread_mutex_lock(&open_lock);
     for (pdhal_segment **p = &open_segments; *p; p = &(*p)->next_open) {
@@ -80,6 +83,9 @@ static void registry_remove(pdhal_segment *seg)
             break;
         }
     }
+    if (seg->fd >= 0 && seg->pid == getpid())
+        close(seg->fd);
+    seg->fd = -1;
     pthread_mutex_unlock(&open_lock);
 }
 
@@ -142,11 +148,9 @@ static pdhal_segment *segment_new(const char *path)
 /* Free a handle nobody else can reach yet (create and open failing half-way). */
 static void segment_destroy(pdhal_segment *seg)
 {
-    registry_remove(seg);
+    registry_close(seg);
     if (seg->hdr)
         munmap(seg->hdr, seg->map_bytes);
-    if (seg->fd >= 0)
-        close(seg->fd);
     pthread_mutex_destroy(&seg->publish_lock);
     free(seg);
 }
@@ -650,7 +654,6 @@ void pdhal_segment_close(pdhal_segment *seg)
 {
     if (!seg)
         return;
-    registry_remove(seg);
     if (seg->kernel_id || seg->ring) /* named by kernel forms, or the current chunk step */
         pdhal_kernel_forget_channel(seg);
     /* Only the creating process unlinks: a forked child dropping an inherited handle must not
@@ -667,9 +670,7 @@ void pdhal_segment_close(pdhal_segment *seg)
          * pairs with the acquire of reader_pid in wait_for_reader; stored while our lock is
          * still held, so no new reader's pid is overwritten. */
         atomic_store_explicit(&seg->hdr->reader_pid, 0, memory_order_release);
-    if (seg->fd >= 0 && seg->pid == getpid())
-        close(seg->fd);
-    seg->fd = -1;
+    registry_close(seg);
     stop_prefault(seg);
     pdhal_segment_unref(seg);
 }
