@@ -21,6 +21,18 @@ def _address(array: np.ndarray) -> int:
     return array.ctypes.data
 
 
+def _assert_landed_as_planned(regions, source, copies) -> None:
+    """`regions` hold exactly what `copies` (address, region, offset, bytes) from
+    `source` put into zeroed regions of their sizes."""
+    expected = [np.zeros_like(region) for region in regions]
+    src = _address(source)
+    for address, region, offset, nbytes in copies:
+        at = address - src
+        expected[region][offset : offset + nbytes] = source[at : at + nbytes]
+    for got, want in zip(regions, expected):
+        assert np.array_equal(got, want)
+
+
 @pytest.fixture
 def memory():
     """Two destination regions and one source, with the copier over them."""
@@ -87,12 +99,7 @@ def test_block_runs_expand_to_the_copies_python_plans(memory, source_stride, des
     )
     runs = [(0, 3, 2), (5, 0, 1), (3, 8, 3)]
     copier.post_blocks(layer.caches, layer.count, core.block_run_words(runs), len(runs)).wait(30)
-    expected = [np.zeros(4096, np.uint8), np.zeros(1024, np.uint8)]
-    for address, region, offset, nbytes in layer.copies(runs):
-        at = address - src
-        expected[region][offset : offset + nbytes] = source[at : at + nbytes]
-    assert np.array_equal(regions[0], expected[0])
-    assert np.array_equal(regions[1], expected[1])
+    _assert_landed_as_planned(regions, source, layer.copies(runs))
 
 
 @pytest.mark.parametrize("units, heads", [((3, 2), 1), ((2, 3), 2), ((4, 1), 2), ((1, 4), 1)])
@@ -113,12 +120,7 @@ def test_unit_runs_expand_to_the_copies_python_plans(memory, units, heads):
     copier.post_units(
         layer.caches, layer.heads, layer.count, layer.units, core.block_run_words(runs), 3
     ).wait(30)
-    expected = [np.zeros(4096, np.uint8), np.zeros(1024, np.uint8)]
-    for address, region, offset, nbytes in layer.copies(runs):
-        at = address - src
-        expected[region][offset : offset + nbytes] = source[at : at + nbytes]
-    assert np.array_equal(regions[0], expected[0])
-    assert np.array_equal(regions[1], expected[1])
+    _assert_landed_as_planned(regions, source, layer.copies(runs))
 
 
 @pytest.mark.parametrize(
