@@ -113,21 +113,21 @@ class Request:
     def source(self, first: int, end: int) -> list[int]:
         """The source ids of units [first, end) of those that go: block ids where units
         are blocks, else virtual ids (block * units per block + the unit's place in it)."""
-        per = self.units[0]
-        if per == 1:
-            skip = self.cached - self.base
-            return self.given[skip + first : skip + end]
-        units = range(self.cached + first, self.cached + end)
-        return [self.given[u // per - self.base] * per + u % per for u in units]
+        return self._unit_ids(self.given, self.base, self.units[0], first, end)
 
     def destination(self, first: int, end: int) -> list[int]:
         """The destination ids of units [first, end) of those that go, as source() names
         the source's."""
-        per = self.units[1]
+        return self._unit_ids(self.dst_blocks, self.dst_skip, self.units[1], first, end)
+
+    def _unit_ids(self, blocks: list[int], base: int, per: int, first: int, end: int):
+        """The ids of units [first, end) of those that go, in `blocks` (the prompt's
+        blocks of `per` units from block `base` on)."""
         if per == 1:
-            return self.dst_blocks[first:end]
+            skip = self.cached - base
+            return blocks[skip + first : skip + end]
         units = range(self.cached + first, self.cached + end)
-        return [self.dst_blocks[u // per - self.dst_skip] * per + u % per for u in units]
+        return [blocks[u // per - base] * per + u % per for u in units]
 
     # ---- transitions --------------------------------------------------------------
 
