@@ -93,12 +93,13 @@ def namespace() -> str:
     return _names.namespace()
 
 
-def check_environment() -> None:
-    """Check every PDHAL_* variable set here before anything starts: an
-    InvalidArgumentError naming each bad one and what is wrong, or nothing."""
+def check_environment(env: dict[str, str] | None = None) -> None:
+    """Check every PDHAL_* variable set here (or in `env`, a child process's environment)
+    before anything starts: an InvalidArgumentError naming each bad one and what is wrong,
+    or nothing."""
     from pdhal._backends import environment as _environment
 
-    found = _environment.problems()
+    found = _environment.problems(env)
     if found:
         raise InvalidArgumentError("; ".join(f"{name}: {why}" for name, why in found.items()))
 

@@ -19,12 +19,14 @@ from typing import ClassVar
 from pdhal._backends.contract import Availability, Backend
 from pdhal._backends.optable import BACKEND_OPS
 from pdhal._backends.runtime_library import RuntimeLibrary
-from pdhal._errors import DeviceError, InvalidArgumentError, InvalidTypeError
+from pdhal._errors import DeviceError, InvalidArgumentError, InvalidTypeError, UnsupportedError
 from pdhal._inputs.tensors import MemoryRef, memory_ref
 from pdhal._memory import blocks as _blocks
 from pdhal._memory import extents as _extents
 from pdhal._memory import published as _published
+from pdhal._memory import sharedhost as _sharedhost
 from pdhal._memory.hostmem import HostBuffer
+from pdhal._memory.sharedhost import SharedHostBuffer
 from pdhal._protocol.names import validate_index
 from pdhal._protocol.sender import KVSignalSender, require_signal
 from pdhal._protocol.signals import KernelSignal, LayerSignal
@@ -40,9 +42,34 @@ class _Fence:
         self.waiters = 0  # threads in wait_queued on it: it is not destroyed under them
 
 
+class RuntimeSharedHostBuffer(SharedHostBuffer):
+    """Host memory in a pdhal shared segment (so set_data_ipc shares it with any process,
+    whatever runtime that one binds), pinned by registering it with this runtime, and
+    unregistered once the copies queued on it have run."""
+
+    def __init__(self, backend: RuntimeBackend, nbytes: int):
+        self._runtime = backend.runtime
+        self._backend = backend
+        super().__init__(nbytes)
+
+    def _pin(self, address: int, nbytes: int) -> bool:
+        rt, register = self._runtime, self._backend.host_register_symbol
+        rt.check(
+            getattr(rt.lib, register)(rt.pointer(address), nbytes, 0),
+            f"{register}({nbytes} bytes of host_alloc)",
+        )
+        return True
+
+    def _unpin(self, queued_on: set) -> None:
+        self._backend.wait_queued(queued_on)
+        rt, unregister = self._runtime, self._backend.host_unregister_symbol
+        rt.check(getattr(rt.lib, unregister)(rt.pointer(self._address)), unregister)
+
+
 class RuntimeHostBuffer(HostBuffer):
-    """Pinned host memory from a runtime's allocator, returned to that same runtime once
-    the copies queued on it have run."""
+    """Pinned host memory from a runtime's allocator (where the runtime cannot register
+    host memory: private to this process), returned to that same runtime once the copies
+    queued on it have run."""
 
     def __init__(self, backend: RuntimeBackend, address: int, nbytes: int):
         super().__init__(address, nbytes, pinned=True)
@@ -172,12 +199,16 @@ class RuntimeBackend(Backend):
 
     # ---- host memory ---------------------------------------------------------------
 
-    def host_alloc(self, nbytes: int) -> RuntimeHostBuffer:
-        """Pinned host memory from the runtime's host allocator."""
+    def host_alloc(self, nbytes: int) -> RuntimeSharedHostBuffer | RuntimeHostBuffer:
+        """Pinned host memory: a shared segment registered with the runtime (shareable by
+        set_data_ipc), or, where the runtime cannot register host memory, from its host
+        allocator."""
         nbytes = validate_index(nbytes, "nbytes", 1 << 46)
         if nbytes == 0:
             raise InvalidArgumentError("nbytes must be at least 1")
         rt = self.runtime
+        if rt.has(self.host_register_symbol):
+            return RuntimeSharedHostBuffer(self, nbytes)
         ptr = rt.ffi.new("void **")
         rt.check(
             getattr(rt.lib, self.host_alloc_symbol)(ptr, nbytes, 0),
@@ -187,7 +218,10 @@ class RuntimeBackend(Backend):
 
     def host_free(self, buf: HostBuffer) -> None:
         """Free memory from host_alloc, through the runtime that allocated it."""
-        if not isinstance(buf, RuntimeHostBuffer) or buf._runtime is not self.runtime:
+        if (
+            not isinstance(buf, (RuntimeSharedHostBuffer, RuntimeHostBuffer))
+            or buf._runtime is not self.runtime
+        ):
             raise InvalidTypeError(
                 f"host_free needs a buffer from the {self.name} backend's "
                 f"host_alloc, got {type(buf).__name__}"
@@ -317,11 +351,21 @@ class RuntimeBackend(Backend):
         return ref.address
 
     def set_data_ipc(self, tensor, name: str) -> None:
-        """Share device memory under `name`: this runtime's IPC handle, plus the tensor's
-        offset inside what the handle names."""
+        """Share memory under `name`: host memory from host_alloc as its shared segment
+        (any process maps it, whatever its runtime); device memory as this runtime's IPC
+        handle, plus the tensor's offset inside what the handle names."""
         ref = memory_ref(tensor, "tensor")
         if ref.nbytes is None:
             raise InvalidTypeError("set_data_ipc needs a tensor or array, not a raw address")
+        if ref.device == "cpu" or _sharedhost.owning(ref.address, ref.nbytes) is not None:
+            if not self.runtime.has(self.host_register_symbol):
+                raise UnsupportedError(
+                    f"the {self.name} runtime here has no {self.host_register_symbol}, so its "
+                    f"host_alloc memory is its own process's: set_data_ipc shares device "
+                    f"memory only ({ref.address:#x} is host memory)"
+                )
+            _sharedhost.publish(ref, name, self.name)
+            return
         base = self.ipc_base(ref)
         rt = self.runtime
         handle = rt.ffi.new(f"{self.ipc_handle_type} *")
@@ -329,13 +373,29 @@ class RuntimeBackend(Backend):
         rt.check(get_handle(handle, rt.pointer(ref.address)), self.ipc_get_symbol)
         handle_hex = bytes(rt.ffi.buffer(handle)).hex()
         _published.publish(
-            name, {"handle": handle_hex, "nbytes": ref.nbytes, "offset": ref.address - base}
+            name,
+            {
+                "handle": handle_hex,
+                "backend": self.name,  # whose runtime alone can open the handle
+                "nbytes": ref.nbytes,
+                "offset": ref.address - base,
+            },
         )
 
     def share_external_data(self, like, name: str, shape, timeout: float | None = 60.0):
-        """Map the device memory shared as `name` (each handle opened once per process);
-        a SharedDeviceBuffer of `like`'s dtype and `shape`, on this thread's device."""
+        """Map the memory shared as `name`: host memory as an array (or a Paddle tensor
+        when `like` is one) over its segment; device memory as a SharedDeviceBuffer of
+        `like`'s dtype and `shape`, on this thread's device (each handle opened once per
+        process)."""
         record, shape, dtype, need = _published.request(like, name, shape, timeout)
+        if _sharedhost.is_host_record(record):
+            return _sharedhost.import_shared(like, name, record, shape, dtype, need, timeout)
+        if record.get("backend") != self.name:
+            raise UnsupportedError(
+                f"{name!r} is device memory shared by the {record.get('backend')} backend's "
+                f"runtime (its IPC handle), which this process's {self.name} runtime cannot "
+                f"open: share host memory from host_alloc between backends"
+            )
         rt = self.runtime
         with self._ipc_lock:  # an unset of the handle's last import must not close it meanwhile
             base = self._opened.get(record["handle"])
@@ -358,8 +418,11 @@ class RuntimeBackend(Backend):
         can); with unlink_shm, remove the record (this process's own; another live
         publisher's is refused)."""
         _published.unset(name, unlink_shm)  # first: a refusal leaves the mapping as it was
+        if not close_ipc:
+            return
+        _sharedhost.forget(name, self.unmapping)  # its host memory, if that is what it was
         with self._ipc_lock:
-            if not close_ipc or name not in self._imports:
+            if name not in self._imports:
                 return
             handle, extent = self._imports.pop(name)
             self.unmapping(extent)

@@ -36,8 +36,9 @@ RUNTIMES = {
         event_wait="cudaEventSynchronize",
         event_create="cudaEventCreateWithFlags",
         event_record="cudaEventRecord",
-        host_alloc="cudaHostAlloc",
-        host_free="cudaFreeHost",
+        # host_alloc: a shared segment the runtime pins (set_data_ipc shares it)
+        host_alloc="cudaHostRegister",
+        host_free="cudaHostUnregister",
         ipc_open="cudaIpcOpenMemHandle",
         device_count="cudaGetDeviceCount",
         # set_data_ipc asks what the memory is and where its allocation starts first
@@ -57,8 +58,8 @@ RUNTIMES = {
         event_wait="xpu_event_wait",
         event_create="xpu_event_create",
         event_record="xpu_event_record",
-        host_alloc="xpu_host_alloc",
-        host_free="xpu_host_free",
+        host_alloc="cudaHostRegister",  # its CUDA-compatible layer's
+        host_free="cudaHostUnregister",
         ipc_open="xpu_ipc_open_memhandle",
         device_count="xpu_device_count",
         ipc_publish_calls=["xpu_ipc_get_memhandle"],
@@ -254,7 +255,8 @@ def test_host_alloc_and_host_free_failures_raise_and_leak_nothing(dev):
     live = sim.lib.sim_live_host_buffers()
     sim.fail(names.host_alloc, 1)
     with pytest.raises(
-        pdhal.DeviceError, match=rf"^{names.host_alloc}\(65536\) failed: {names.title} error \d+"
+        pdhal.DeviceError,
+        match=rf"^{names.host_alloc}\(65536 bytes of host_alloc\) failed: {names.title} error \d+",
     ):
         ops.host_alloc(65536)
     assert sim.lib.sim_live_host_buffers() == live

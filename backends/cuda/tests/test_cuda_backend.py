@@ -115,8 +115,8 @@ def test_peer_address_is_the_device_address_of_known_memory_only(sim):
     host = np.zeros(64, np.uint8)
     with pytest.raises(pdhal.InvalidArgumentError, match="is unregistered for CUDA"):
         ops.get_peer_mem_addr(host)
-    with pytest.raises(pdhal.InvalidArgumentError, match="needs CUDA device memory"):
-        ops.set_data_ipc(host, "kv")
+    with pytest.raises(pdhal.UnsupportedError, match="shares host memory allocated by pdhal"):
+        ops.set_data_ipc(host, "kv")  # host memory it shares is host_alloc's (a segment)
 
 
 def test_host_memory_comes_from_and_returns_to_the_runtime(sim):

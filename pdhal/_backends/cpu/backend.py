@@ -8,11 +8,8 @@ also what makes it shareable with set_data_ipc. CpuBackend.ops() names the funct
 
 from __future__ import annotations
 
-import atexit
-import bisect
 import ctypes
 import ctypes.util
-import itertools
 import os
 import threading
 
@@ -20,12 +17,13 @@ from pdhal._backends.contract import Availability, Backend
 from pdhal._backends.hookspecs import hookimpl
 from pdhal._backends.platform import Platform
 from pdhal._errors import DeviceError, InvalidArgumentError, InvalidTypeError, UnsupportedError
-from pdhal._inputs.tensors import is_paddle_tensor, memory_ref
+from pdhal._inputs.tensors import memory_ref
 from pdhal._memory import blocks as _blocks
 from pdhal._memory import extents as _extents
 from pdhal._memory import published as _published
+from pdhal._memory import sharedhost as _sharedhost
 from pdhal._memory.hostmem import HostBuffer
-from pdhal._protocol import core as _core
+from pdhal._memory.sharedhost import SharedHostBuffer
 from pdhal._protocol import names as _names
 from pdhal._protocol.sender import KVSignalSender, require_signal
 
@@ -68,9 +66,7 @@ def _load_libc() -> ctypes.CDLL:
 
 
 _libc = _load_libc()
-_counter = itertools.count()
-_live_buffers: dict[int, CpuHostBuffer] = {}  # address -> buffer, for set_data_ipc
-_live_lock = threading.Lock()
+_registered_lock = threading.Lock()
 
 
 def _memlock_allowed() -> bool:
@@ -80,46 +76,16 @@ def _memlock_allowed() -> bool:
     return soft == resource.RLIM_INFINITY or soft >= (1 << 20)
 
 
-class CpuHostBuffer(HostBuffer):
+class CpuHostBuffer(SharedHostBuffer):
     """Host memory in a pdhal shared-memory segment, mlock'ed when the limit allows."""
 
-    def __init__(self, nbytes: int):
-        name = f"host.{os.getpid()}.{next(_counter)}"
-        self._segment = _core.Segment.create(
-            _names.buffer_path(name), _core.KIND_BUFFER, body_bytes=nbytes
-        )
-        address = self._segment.body_address()
-        pinned = _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0
-        super().__init__(address, nbytes, pinned)
-        self.path = self._segment.path
-        self._creator_pid = os.getpid()
-        with _live_lock:
-            _live_buffers[address] = self
+    def _pin(self, address: int, nbytes: int) -> bool:
+        return _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0
 
-    def _release(self, queued_on: set) -> None:
-        address = self._address  # the cpu backend's copies are done on return: none queued
-        with _live_lock:
-            _live_buffers.pop(address, None)
-        _published.unpublish_where(lambda record: record.get("path") == self.path)
+    def _unpin(self, queued_on: set) -> None:
+        # the cpu backend's copies are done on return: none queued
         if self.pinned:
-            _libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(self.nbytes))
-        self._segment.close()
-
-
-@atexit.register
-def _unlink_unfreed_buffers() -> None:
-    """At a normal exit, remove the files of buffers never freed (an engine's KV cache lives
-    as long as the process), so none is left in the shm folder. Only the file: the memory
-    stays mapped, for a thread still using it, until the process ends; a process that
-    already mapped the buffer keeps its mapping."""
-    with _live_lock:
-        buffers = list(_live_buffers.values())
-    for buf in buffers:
-        if buf._creator_pid == os.getpid():  # a forked child's exit leaves its parent's
-            try:
-                os.unlink(buf.path)
-            except FileNotFoundError:
-                pass
+            _libc.munlock(ctypes.c_void_p(self._address), ctypes.c_size_t(self.nbytes))
 
 
 def host_alloc(nbytes: int) -> CpuHostBuffer:
@@ -143,15 +109,6 @@ def host_free(buf: HostBuffer) -> None:
             f"host_free needs a buffer from the cpu backend's host_alloc, got {type(buf).__name__}"
         )
     buf.close()
-
-
-def _owning_buffer(address: int, nbytes: int) -> CpuHostBuffer | None:
-    with _live_lock:
-        starts = sorted(_live_buffers)
-        i = bisect.bisect_right(starts, address) - 1
-        if i >= 0 and _live_buffers[starts[i]].contains(address, nbytes):
-            return _live_buffers[starts[i]]
-    return None
 
 
 # ---- addresses -----------------------------------------------------------------------
@@ -182,82 +139,26 @@ def get_peer_mem_addr(ptr_or_tensor) -> int:
 
 # ---- sharing KV-cache buffers between processes --------------------------------------
 
-# What this process mapped of other processes' buffers. One mapping per buffer (a segment
-# path), shared by every name inside it; each name's extent bounds raw addresses into it.
-# unset_data_ipc(close_ipc=True) of a name retires its extents and drops the mapping once no
-# name in it is left; an array share_external_data returned holds the mapping itself (a
-# numpy view over unmapped memory would crash), so the mapping goes with the last of them.
-_imported: dict[str, _core.Segment] = {}  # path -> its mapping
-_imported_names: dict[str, list[tuple[str, _extents.Extent]]] = {}  # name -> (path, extent)
-_imported_lock = threading.Lock()
-
 
 def set_data_ipc(tensor, name: str) -> None:
     """Share `tensor` (which must live in memory from host_alloc) under `name`."""
     ref = memory_ref(tensor, "tensor")
     if ref.nbytes is None:
         raise InvalidTypeError("set_data_ipc needs a tensor or array, not a raw address")
-    owner = _owning_buffer(ref.address, ref.nbytes)
-    if owner is None:
-        raise UnsupportedError(
-            f"the cpu backend can only share memory allocated by pdhal: allocate the KV cache "
-            f"with pdhal.ops.host_alloc and view it as a tensor (address {ref.address:#x} is not "
-            f"inside any live host_alloc buffer)"
-        )
-    _published.publish(
-        name, {"path": owner.path, "offset": ref.address - owner.address, "nbytes": ref.nbytes}
-    )
+    _sharedhost.publish(ref, name, "cpu")
 
 
 def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
     """A tensor of `like`'s type and dtype, with `shape`, over the buffer shared as `name`
     (a numpy array, or a Paddle tensor when `like` is one; bfloat16 included)."""
-    import numpy as np
-
     record, shape, dtype, need = _published.request(like, name, shape, timeout)
-    # numpy has no bfloat16: map it as int16 and let Paddle view it as what it is
-    numpy_dtype = "int16" if dtype == "bfloat16" else dtype
-    try:
-        numpy_dtype = np.dtype(numpy_dtype)
-    except TypeError:
+    if not _sharedhost.is_host_record(record):
         raise UnsupportedError(
-            f"the cpu backend maps shared buffers through numpy, which has no dtype {dtype}"
-        ) from None
-    path = record["path"]
-    seg = _imported.get(path)
-    if seg is None:
-        opened = _core.Segment.open(path, _core.KIND_BUFFER, timeout)
-        with _imported_lock:
-            seg = _imported.setdefault(path, opened)
-    # the record is its publisher's word: what it names must lie inside what was mapped
-    offset, nbytes, size = record["offset"], record["nbytes"], len(seg.body())
-    if not all(type(n) is int for n in (offset, nbytes)) or not 0 <= offset <= size - nbytes:
-        raise InvalidArgumentError(
-            f"the record of {name!r} names bytes [{offset!r}, +{nbytes!r}) of a buffer of "
-            f"{size}: not what set_data_ipc shares"
+            f"{name!r} is device memory shared by the {record.get('backend')} backend's "
+            f"runtime (its IPC handle): the cpu backend maps host memory only; share host "
+            f"memory from host_alloc between backends"
         )
-    # What was shared is the tensor, not the whole buffer behind it: an address inside the
-    # mapping is bounded by the tensor's bytes.
-    address = seg.body_address() + offset
-    extent = _extents.register(address, nbytes, "cpu", f"shared buffer {name!r}")
-    with _imported_lock:
-        known = _imported_names.setdefault(name, [])
-        if not any(p == path and e is extent for p, e in known):
-            known.append((path, extent))
-    view = (ctypes.c_char * need).from_address(address)
-    view.segment = seg  # the array keeps the mapping: see _imported
-    array = np.frombuffer(view, dtype=numpy_dtype).reshape(shape)
-    if is_paddle_tensor(like):
-        import paddle
-
-        tensor = paddle.from_dlpack(array)
-        return tensor.view(paddle.bfloat16) if dtype == "bfloat16" else tensor
-    if dtype == "bfloat16":
-        raise UnsupportedError(
-            "a bfloat16 buffer maps as a Paddle tensor only (numpy has no "
-            "bfloat16): pass a Paddle tensor as `like`"
-        )
-    return array
+    return _sharedhost.import_shared(like, name, record, shape, dtype, need, timeout)
 
 
 def unset_data_ipc(tensor, name: str, close_ipc: bool = True, unlink_shm: bool = True) -> None:
@@ -267,17 +168,9 @@ def unset_data_ipc(tensor, name: str, close_ipc: bool = True, unlink_shm: bool =
     raw addresses into it are refused, and the mapping goes once no name in its buffer is
     imported and no array share_external_data returned over it is left."""
     _published.unset(name, unlink_shm)  # first: a refusal leaves the mapping as it was
-    if not close_ipc:
-        return
-    with _imported_lock:
-        forgotten = _imported_names.pop(name, [])
-    for _, extent in forgotten:
-        _extents.retire(extent)  # copies are done on return here: none can be queued
-    with _imported_lock:
-        still = {path for known in _imported_names.values() for path, _ in known}
-        for path, _ in forgotten:
-            if path not in still:
-                _imported.pop(path, None)  # unmapped with the last reference to it
+    if close_ipc:
+        # copies are done on return here: none can be queued
+        _sharedhost.forget(name, _extents.retire)
 
 
 # ---- host registration and block copies ------------------------------------------------
@@ -299,7 +192,7 @@ def host_register(ptr_or_tensor, nbytes: int | None = None) -> None:
             f"mlock of {size} bytes at {ref.address:#x} failed: "
             f"{os.strerror(err)} (raise RLIMIT_MEMLOCK: ulimit -l)"
         )
-    with _live_lock:
+    with _registered_lock:
         _registered[ref.address] = size
     _extents.register(ref.address, size, "cpu", "host_register")
 
@@ -307,7 +200,7 @@ def host_register(ptr_or_tensor, nbytes: int | None = None) -> None:
 def host_unregister(ptr_or_tensor) -> None:
     """Undo host_register of the same address."""
     address = memory_ref(ptr_or_tensor, "ptr_or_tensor").address
-    with _live_lock:
+    with _registered_lock:
         size = _registered.pop(address, None)
     if size is None:
         raise InvalidArgumentError(f"{address:#x} was not registered with host_register")

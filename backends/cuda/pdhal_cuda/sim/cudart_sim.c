@@ -162,9 +162,11 @@ int cudaMemcpy(void *dst, const void *src, size_t count, int kind)
 }
 
 /* Host registration: remembered, so cudaPointerGetAttributes reports the range as host
- * memory and unregistering an unknown pointer fails as CUDA's does. */
-#define MAX_REGISTERED 64
+ * memory and unregistering an unknown pointer fails as CUDA's does (host_alloc registers
+ * each buffer: counted with the live host buffers). */
+#define MAX_REGISTERED 4096
 static struct { const char *base; size_t size; } registered[MAX_REGISTERED];
+static int live_registrations;
 static pthread_mutex_t registered_lock = PTHREAD_MUTEX_INITIALIZER;
 
 int cudaHostRegister(void *ptr, size_t size, unsigned int flags)
@@ -180,6 +182,7 @@ int cudaHostRegister(void *ptr, size_t size, unsigned int flags)
         if (!registered[i].base && rc == cudaErrorMemoryAllocation) {
             registered[i].base = ptr;
             registered[i].size = size;
+            live_registrations++;
             rc = cudaSuccess;
             break;
         }
@@ -195,6 +198,7 @@ int cudaHostUnregister(void *ptr)
     for (int i = 0; i < MAX_REGISTERED; i++) {
         if (registered[i].base && registered[i].base == ptr) {
             registered[i].base = NULL;
+            live_registrations--;
             rc = cudaSuccess;
         }
     }
@@ -339,6 +343,9 @@ int sim_live_host_buffers(void)
     pthread_mutex_lock(&host_buffers_lock);
     int live = live_host_buffers;
     pthread_mutex_unlock(&host_buffers_lock);
+    pthread_mutex_lock(&registered_lock);
+    live += live_registrations;
+    pthread_mutex_unlock(&registered_lock);
     return live;
 }
 

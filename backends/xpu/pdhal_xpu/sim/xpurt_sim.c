@@ -231,8 +231,9 @@ int cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr
 }
 
 /* Host registration of the CUDA-compatible layer: remembered, so unregistering memory that
- * was never registered fails. */
-#define MAX_REGISTERED 64
+ * was never registered fails (host_alloc registers each buffer: counted with the live host
+ * buffers). */
+#define MAX_REGISTERED 4096
 static void *registered[MAX_REGISTERED];
 static pthread_mutex_t registered_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -246,6 +247,7 @@ int cudaHostRegister(void *ptr, size_t size, unsigned int flags)
     for (int i = 0; i < MAX_REGISTERED && rc; i++)
         if (!registered[i]) {
             registered[i] = ptr;
+            atomic_fetch_add(&live_host_buffers, 1);
             rc = 0;
         }
     pthread_mutex_unlock(&registered_lock);
@@ -259,6 +261,7 @@ int cudaHostUnregister(void *ptr)
     for (int i = 0; i < MAX_REGISTERED && rc; i++)
         if (ptr && registered[i] == ptr) {
             registered[i] = NULL;
+            atomic_fetch_sub(&live_host_buffers, 1);
             rc = 0;
         }
     pthread_mutex_unlock(&registered_lock);

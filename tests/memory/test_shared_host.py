@@ -1,0 +1,116 @@
+"""Host memory from host_alloc is shared by name on every backend, between processes bound
+to different backends (simulated cuda and xpu runtimes: no GPU or XPU here): a KV cache in
+one runtime's pinned host memory is what a cache messager or a decode side on another maps.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from pdhal_cuda.testing import CudaTestSupport
+from pdhal_xpu.testing import XpuTestSupport
+from simulators import DeviceTensor, SimRuntime
+
+import pdhal
+from pdhal import ops
+from pdhal._backends import registry as _registry
+from pdhal.testing.fixtures import run_child
+
+pytestmark = pytest.mark.simulated
+
+NBYTES = 1 << 16
+
+
+@pytest.fixture
+def runtimes(monkeypatch):
+    """Both simulated runtimes, found by any process this test starts."""
+    monkeypatch.setenv("PDHAL_CUDART", CudaTestSupport.simulator())
+    monkeypatch.setenv("PDHAL_XPURT", XpuTestSupport.simulator())
+
+
+def _select(monkeypatch, backend: str) -> None:
+    monkeypatch.setenv("PDHAL_PLATFORM", backend)
+    _registry.reset()
+    assert pdhal.current_backend() == backend
+
+
+@pytest.mark.parametrize(
+    "publisher, mapper", [("xpu", "cuda"), ("cuda", "xpu"), ("cuda", "cpu"), ("cpu", "xpu")]
+)
+def test_host_memory_one_backend_allocates_is_mapped_by_a_process_on_another(
+    runtimes, monkeypatch, publisher, mapper
+):
+    """The mapper sees the publisher's bytes and writes into the same memory; freeing the
+    buffer withdraws its name, and the runtime's pinning is undone."""
+    _select(monkeypatch, publisher)
+    live = SimRuntime(publisher).lib.sim_live_host_buffers() if publisher != "cpu" else None
+    buf = ops.host_alloc(NBYTES)
+    view = buf.as_numpy(np.uint8, (NBYTES,))
+    view[:] = np.arange(NBYTES) % 251
+    ops.set_data_ipc(view[1024:], "kv")  # a tensor inside the buffer: its bytes only
+    run_child(
+        f"""
+        import numpy as np
+        import pdhal
+        from pdhal import ops
+        assert pdhal.current_backend() == {mapper!r}
+        shared = ops.share_external_data("uint8", "kv", [{NBYTES - 1024}])
+        got = np.asarray(shared)
+        assert (got == np.arange(1024, {NBYTES}) % 251).all(), "other bytes"
+        got[:4] = [9, 8, 7, 6]  # into the publisher's memory
+        ops.unset_data_ipc(None, "kv", True, False)
+        """,
+        env={**os.environ, "PDHAL_PLATFORM": mapper},
+    )
+    assert list(view[1024:1028]) == [9, 8, 7, 6]
+    ops.host_free(buf)
+    with pytest.raises(pdhal.SegmentError, match=r"\.kv does not exist"):
+        ops.get_data_ptr_ipc(None, "kv", 0)
+    if live is not None:
+        assert SimRuntime(publisher).lib.sim_live_host_buffers() == live
+
+
+def test_a_runtime_that_cannot_register_host_memory_says_its_host_memory_stays_private(
+    monkeypatch,
+):
+    """An XPU runtime without the CUDA-compatible host registration: host_alloc comes from
+    its own allocator, which no other process can map, and set_data_ipc says so."""
+    monkeypatch.setenv("PDHAL_XPURT", XpuTestSupport.simulator("libxpurt_old.so"))
+    _select(monkeypatch, "xpu")
+    buf = ops.host_alloc(NBYTES)
+    try:
+        with pytest.raises(pdhal.UnsupportedError, match="has no cudaHostRegister"):
+            ops.set_data_ipc(buf.as_numpy(np.uint8, (NBYTES,)), "kv")
+    finally:
+        ops.host_free(buf)
+
+
+@pytest.mark.parametrize("publisher, mapper", [("xpu", "cuda"), ("cuda", "xpu"), ("cuda", "cpu")])
+def test_a_device_handle_is_never_opened_by_another_backend_s_runtime(
+    runtimes, monkeypatch, publisher, mapper
+):
+    """Device memory shared by one runtime's IPC handle: a process on another backend is
+    refused, naming both backends, before its runtime is handed the handle."""
+    _select(monkeypatch, publisher)
+    sim = SimRuntime(publisher)
+    device = {"cuda": "gpu:0", "xpu": "xpu:0"}[publisher]
+    ops.set_data_ipc(DeviceTensor(sim.malloc(4096), 4096, device), "kv")
+    try:
+        run_child(
+            f"""
+            import pdhal
+            from pdhal import ops
+            try:
+                ops.share_external_data("uint8", "kv", [4096])
+            except pdhal.UnsupportedError as e:
+                assert "shared by the {publisher} backend's runtime" in str(e), e
+                assert {mapper!r} in str(e), e
+            else:
+                raise AssertionError("a {publisher} handle was opened on {mapper}")
+            """,
+            env={**os.environ, "PDHAL_PLATFORM": mapper},
+        )
+    finally:
+        ops.unset_data_ipc(None, "kv", False, True)
