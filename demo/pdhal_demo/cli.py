@@ -5,12 +5,13 @@
 
 Before any process starts, `main` checks what the run needs: the options, the --plot path
 (its folder exists and takes a file, matplotlib is there and writes its format), the PDHAL_*
-variables the processes inherit (pdhal.check_environment()), Paddle, and Mooncake for
---transport mooncake. A failed check is one line, `pdhal: error: ...`, saying what to do;
-exit status 2 for a usage error, 1 for the environment.
+variables the processes inherit (pdhal.check_environment(), the decoder's with
+--decode-platform's backend), Paddle, and Mooncake for --transport mooncake. A failed
+check is one line, `pdhal: error: ...`, saying what to do; exit status 2 for a usage error,
+1 for the environment.
 
 `--json` prints one JSON object on stdout (report.to_json): {"pdhal_version", "backend",
-"schema_version": 1, "runs": [one summary per mode run, report.summarize]}; the processes'
+"schema_version", "runs": [one summary per mode run, report.summarize]}; the processes'
 own output goes to their logs, never to stdout.
 """
 
@@ -92,6 +93,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="per_chunk: tokens per step (long prompts are split)",
     )
     parser.add_argument("--decode-steps", type=_positive, default=4)
+    parser.add_argument(
+        "--decode-block-size",
+        type=_positive,
+        metavar="TOKENS",
+        help="tokens of a decode cache block (default: the prefill's 64): each token "
+        "goes where the decode side's blocks hold it",
+    )
+    parser.add_argument(
+        "--decode-platform",
+        metavar="BACKEND",
+        help="run the decoder on this pdhal backend (PDHAL_PLATFORM there; default: the "
+        "prefill's), its cache in that backend's pinned host memory",
+    )
     parser.add_argument(
         "--signal-at-end",
         action="store_true",
@@ -242,6 +256,7 @@ def _check_plot(path: str) -> None:
 def _check_environment(args) -> None:
     """What the processes will need, checked here, before any of them starts."""
     import importlib.util
+    import os
 
     import pdhal
 
@@ -259,6 +274,12 @@ def _check_environment(args) -> None:
             "and Paddle is not installed: pip install paddlepaddle (or pip "
             "install -e demo, which pulls it in)",
         )
+    if args.decode_platform is not None:
+        decoder = dict(os.environ, PDHAL_PLATFORM=args.decode_platform)
+        try:
+            pdhal.check_environment(decoder)
+        except pdhal.PdhalError as exc:
+            raise _Refused(1, f"--decode-platform {args.decode_platform}: {exc}") from None
     if args.transport == "mooncake":
         from pdhal_demo.control import DemoError, require_mooncake
 
@@ -301,6 +322,7 @@ def main(args) -> int:
         inflight=args.inflight,
         transfer_timeout_s=args.transfer_timeout,
         slow_ms=args.slow_rank,
+        decode_platform=args.decode_platform,
     )
     summaries, runs = [], []
     try:
@@ -317,6 +339,7 @@ def main(args) -> int:
                 args.signal_at_end,
                 args.tp,
                 args.max_batch,
+                args.decode_block_size,
             )
             for length, why in plan.rejected:
                 print(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import pdhal
 from pdhal import ops, transfer
 from pdhal_demo.control import DemoError, configure_transport
 from pdhal_demo.model import Chunk, TinyDecoder, cache_layout
@@ -103,7 +104,7 @@ class Checker:
 
     def __init__(self, plan: Plan, cache: np.ndarray):
         self.plan, self.cache = plan, cache
-        self.model = TinyDecoder(plan.model, plan.tp)
+        self.model = TinyDecoder(plan.decode_model, plan.tp)
         self.reference = np.zeros_like(cache)  # scratch: each request's own blocks only
         self.prompts = plan.prompts()
         self.checked_bytes, self.bad_blocks, self.bad_tokens, self.tokens = 0, [], [], {}
@@ -115,7 +116,7 @@ class Checker:
             reference_first = self.model.forward(
                 plan.chunks([c], self.prompts, "decode"), shards(self.reference)
             ).get(request_id)
-        blocks = request.decode_blocks[: len(request.prefill_blocks)]  # what prefill filled
+        blocks = plan.decode_prompt_blocks(request_id)  # what prefill filled
         got = _checksums(self.cache, blocks, request.prompt_len)
         want = _checksums(self.reference, blocks, request.prompt_len)
         # K and V of every prompt token, every layer, every rank's heads
@@ -188,7 +189,7 @@ class Claims:
             transfer.DecodeClient(
                 receiver,
                 key=key,
-                block_tokens=plan.model.block_size,
+                block_tokens=plan.decode_block_size,
                 tp_rank=rank,
                 tp_size=plan.tp,
                 keepalive=KEEPALIVE_S,
@@ -206,7 +207,7 @@ class Claims:
             if request.id in self.claimed or not self.released.issuperset(request.decode_waits):
                 continue
             self.claimed.add(request.id)
-            blocks = request.decode_blocks[: len(request.prefill_blocks)]
+            blocks = self.plan.decode_prompt_blocks(request.id)
             for client in self.clients:
                 client.claim(
                     str(request.id),
@@ -248,7 +249,7 @@ def run(link, setup: dict) -> None:
     every insertion, so the recomputation takes no core from a measurement still in
     flight."""
     plan = Plan.from_json(setup["plan"])
-    shape = (plan.tp, *plan.model.cache_shape(plan.decode_cache_blocks, plan.tp))
+    shape = (plan.tp, *plan.decode_model.cache_shape(plan.decode_cache_blocks, plan.tp))
     buffer = ops.host_alloc(int(np.prod(shape)) * 4)
     cache = buffer.as_numpy(np.float32, shape)
     # this host's address: PDHAL_DEMO_HOST is set when the decoder is on another host
@@ -256,7 +257,7 @@ def run(link, setup: dict) -> None:
     configure_transport(plan.transport, host, setup["protocol"])
     receivers = _receivers(plan, cache, setup["cache_name"])
     claims = Claims(plan, receivers, bytes.fromhex(setup["session_key"]))
-    link.send(("ready", {}))
+    link.send(("ready", {"backend": pdhal.current_backend()}))  # the platform it runs on
     kind, message = link.recv()  # ("serve", ...): the messagers' addresses
     if kind == "exit":  # the run failed elsewhere
         return

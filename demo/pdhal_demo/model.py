@@ -230,15 +230,23 @@ class TinyDecoder:
 def cache_layout(cache: np.ndarray) -> transfer.CacheLayout:
     """Where each block of a cache of ModelConfig.cache_shape is, for pdhal.transfer: one
     region (the cache), and per layer its K and V, each `blocks` blocks of one block's
-    bytes, of the cache's element type (a peer of another is refused at the hello)."""
-    layers, kv, blocks = cache.shape[:3]
+    bytes, of the cache's element type (a peer of another is refused at the hello), a block
+    its heads' parts in head order, each its tokens in order (so a decode side of another
+    block size finds each token)."""
+    layers, kv, blocks, heads = cache.shape[:4]
     block = int(np.prod(cache.shape[3:])) * cache.itemsize
     return transfer.CacheLayout(
         [cache],
         [
             [
                 transfer.CacheSpec(
-                    0, (layer * kv + k) * blocks * block, block, block, blocks, 1, cache.dtype.name
+                    0,
+                    (layer * kv + k) * blocks * block,
+                    block,
+                    block,
+                    blocks,
+                    heads,
+                    cache.dtype.name,
                 )
                 for k in range(kv)
             ]

@@ -40,6 +40,8 @@ class Options:
     inflight: int = 4  # layers in flight at once (the streamer's max_layers_in_flight)
     transfer_timeout_s: float = 5.0  # a transfer not landed by then fails (stall_timeout)
     slow_ms: dict[int, float] = field(default_factory=dict)  # rank -> a slow link's delay
+    #: The backend the decoder runs on (PDHAL_PLATFORM there); None: the prefill's.
+    decode_platform: str | None = None
 
 
 class Progress:
@@ -137,6 +139,7 @@ class Pipeline:
         self.first_token: dict[int, int] = {}
         self.sent: dict[int, set[int]] = {}  # request -> ranks that sent its last block
         self.devices: dict[int, int] = {}  # rank -> the device id its channels are named by
+        self.backends: dict[str, str] = {}  # side -> the pdhal backend its processes ran on
         self.freed: set[int] = set()  # requests every rank sent: their prefill blocks are free
         self.handed_over: set[int] = set()  # requests the decoder was given
         self.recycles = plan.recycles
@@ -193,9 +196,15 @@ class Pipeline:
         if self.options.remote_decoder:
             self._await_remote_decoder()
         else:
-            self.hub.start("decoder", _child_env(self.namespace, physical[0], devices=tp))
+            self.hub.start("decoder", self._decoder_env(physical[0]))
         self.hub.links["decoder"].send(common | {"rank": 0, "cache_name": "decode_cache"})
-        self._expect("decoder", "ready")
+        self.backends["decode"] = self._expect("decoder", "ready")["backend"]
+        wanted = self.options.decode_platform
+        if wanted is not None and self.backends["decode"] != wanted:
+            raise DemoError(
+                f"the decoder runs on the {self.backends['decode']} backend, not on "
+                f"{wanted} (--decode-platform)"
+            )
         # The workers' all-reduce: a socketpair between every two ranks.
         pairs = {(a, b): socket.socketpair() for a in range(tp) for b in range(a + 1, tp)}
         ends = {rank: {} for rank in range(tp)}
@@ -218,7 +227,8 @@ class Pipeline:
                         "tp_fds": ends[rank],
                     }
                 )
-                self.devices[rank] = self._expect(role, "ready")["device"]
+                ready = self._expect(role, "ready")
+                self.devices[rank], self.backends["prefill"] = ready["device"], ready["backend"]
         finally:
             for sa, sb in pairs.values():  # the workers hold their ends now
                 sa.close()
@@ -251,11 +261,23 @@ class Pipeline:
                 ("go", {"messager_pid": pids[rank], "decoder_pid": decoder and decoder.pid})
             )
 
+    def _decoder_env(self, device) -> dict[str, str]:
+        """The decoder's environment: on the prefill's platform, seeing only `device`; on
+        another (--decode-platform), that backend selected and its devices as they are (a
+        platform's visibility variables are its own backend's to set)."""
+        if self.options.decode_platform is None:
+            return _child_env(self.namespace, device, devices=self.plan.tp)
+        return _child_env(self.namespace, device, isolate=False, devices=self.plan.tp) | {
+            "PDHAL_PLATFORM": self.options.decode_platform
+        }
+
     def _await_remote_decoder(self) -> None:
         env = self.hub.child_env() | {
             "PDHAL_NAMESPACE": self.namespace,
             "PDHAL_DEMO_HOST": "<decode-host-ip>",
         }
+        if self.options.decode_platform is not None:
+            env["PDHAL_PLATFORM"] = self.options.decode_platform
         command = " ".join(f"{k}={v}" for k, v in env.items())
         print(
             f"pdhal demo: waiting {REMOTE_WAIT_S:.0f} s for the decode receiver; on the decode "
@@ -428,7 +450,7 @@ class Pipeline:
             self.hub.stop(grace=10.0)
             # A process killed outright (the fault demos) leaves its segments: reclaim them.
             pdhal.cleanup(self.namespace)
-        return summarize(self.timeline, self.plan, self.verification, self.devices)
+        return summarize(self.timeline, self.plan, self.verification, self.devices, self.backends)
 
 
 def run(plan: Plan, options: Options) -> tuple[dict, Timeline]:

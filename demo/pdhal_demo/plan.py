@@ -18,12 +18,13 @@ to its last.
 from __future__ import annotations
 
 import bisect
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from pdhal_demo import MODES
 from pdhal_demo.model import Chunk, ModelConfig, prompt_tokens
 
 MAX_BATCH = 64  # batch slots of a per-chunk step table (pdhal allows up to MAX_REQUESTS)
+_RESERVED = " (block 0 is reserved)"
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Plan:
     transport: str
     prefill_cache_blocks: int
     decode_cache_blocks: int
+    decode_block_size: int  # tokens of a decode cache block (model.block_size: the prefill's)
     decode_steps: int
     requests: list[Request]
     steps: list[list[ChunkPlan]]  # the chunks each prefill step computes
@@ -77,8 +79,18 @@ class Plan:
         data["rejected"] = [tuple(r) for r in data["rejected"]]
         return cls(**data)
 
+    @property
+    def decode_model(self) -> ModelConfig:
+        """The model as the decode side keeps its cache: blocks of decode_block_size."""
+        return replace(self.model, block_size=self.decode_block_size)
+
     def request(self, request_id: int) -> Request:
         return self.requests[request_id]
+
+    def decode_prompt_blocks(self, request_id: int) -> list[int]:
+        """The decode blocks a request's prompt fills (what its transfer writes)."""
+        request = self.request(request_id)
+        return request.decode_blocks[: _blocks(request.prompt_len, self.decode_block_size)]
 
     def prompts(self) -> dict[int, list[int]]:
         """Every request's prompt tokens (deterministic from the model's seed)."""
@@ -161,38 +173,49 @@ def make_plan(
     signal_at_end: bool = False,
     tp: int = 1,
     max_batch: int = MAX_BATCH,
+    decode_block_size: int | None = None,
 ) -> Plan:
     """Allocate blocks and schedule steps; prompts that can never fit are rejected, not run.
 
     per_query: up to `batch` whole prompts per step. per_chunk: each step takes at most
     `chunk_tokens` tokens, splitting long prompts into chunks over several steps, and at
     most `max_batch` requests hold a batch slot at once. Blocks are recycled (see above).
+    `cache_blocks` blocks of the model's block size on each side; `decode_block_size`
+    (default: the model's) the tokens of a decode block, the decode cache holding as many
+    tokens as the prefill's.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     model.check_tp(tp)
     bs = model.block_size
-    accepted: list[tuple[int, int, int]] = []  # (prompt_len, prompt blocks, growth blocks)
+    dbs = bs if decode_block_size is None else decode_block_size
+    if dbs < 1:
+        raise ValueError(f"decode_block_size must be at least 1 token, got {dbs}")
+    decode_cache_blocks = cache_blocks * bs // dbs
+    # (prompt_len, prompt blocks, decode prompt blocks, decode growth blocks)
+    accepted: list[tuple[int, int, int, int]] = []
     rejected: list[tuple[int, str]] = []
     for length in prompt_lens:
-        need = _blocks(length, bs)
-        grow = _blocks(length + decode_steps, bs) - need
+        need, decode_need = _blocks(length, bs), _blocks(length, dbs)
+        grow = _blocks(length + decode_steps, dbs) - decode_need
         if length < 1:
             rejected.append((length, "a prompt needs at least one token"))
-        elif need + grow > cache_blocks - 1:
+        elif need > cache_blocks or decode_need + grow > decode_cache_blocks - 1:
             # The decode side keeps block 0 unused (the null block engines reserve), so its
             # tables differ from the prefill side's and a transfer that ignored them would
             # fail verification.
-            rejected.append(
-                (
-                    length,
-                    f"needs {need + grow} blocks of {bs} tokens, the whole "
-                    f"cache has {cache_blocks - 1} (block 0 is reserved)",
+            short = [
+                f"{n} blocks of {size} tokens to {what}, the cache has {have}{note}"
+                for n, size, what, have, note in (
+                    (need, bs, "prefill", cache_blocks, ""),
+                    (decode_need + grow, dbs, "decode", decode_cache_blocks - 1, _RESERVED),
                 )
-            )
+                if n > have
+            ]
+            rejected.append((length, "needs " + "; ".join(short)))
         else:
-            accepted.append((length, need, grow))
-    prefill, decode = _Pool(range(cache_blocks)), _Pool(range(1, cache_blocks))
+            accepted.append((length, need, decode_need, grow))
+    prefill, decode = _Pool(range(cache_blocks)), _Pool(range(1, decode_cache_blocks))
     slots = _Pool(range(max_batch))
     tables: dict[int, tuple[list[int], list[int], int, list[int]]] = {}
     steps: list[list[ChunkPlan]] = []
@@ -202,18 +225,18 @@ def make_plan(
 
     def admit(request: int, step: int, waits: set[int]) -> bool:
         """Give `request` its slot and blocks for `step`, freeing earlier ones' if need be."""
-        length, need, grow = accepted[request]
+        length, need, decode_need, grow = accepted[request]
         if (
             slots.available(step) < 1
             or prefill.available(step) < need
-            or decode.available(step) < need + grow
+            or decode.available(step) < decode_need + grow
         ):
             return False
         slot, _ = slots.take(request, 1, step)
         p_blocks, reused = prefill.take(request, need, step)
         waits.update(reused)  # their prefill blocks are reused: they must be sent first
         # prompt blocks from the bottom, the blocks it grows into while decoding from the top
-        d_blocks, released = decode.take(request, need, step, top=grow)
+        d_blocks, released = decode.take(request, decode_need, step, top=grow)
         tables[request] = (p_blocks, d_blocks, slot[0], released)
         return True
 
@@ -258,7 +281,8 @@ def make_plan(
         mode,
         transport,
         cache_blocks,
-        cache_blocks,
+        decode_cache_blocks,
+        dbs,
         decode_steps,
         requests,
         steps,

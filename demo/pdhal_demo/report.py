@@ -188,12 +188,18 @@ def _rank(timeline: Timeline, plan, rank: int, device) -> dict:
 
 
 def summarize(
-    timeline: Timeline, plan, verification: dict, devices: dict[int, int] | None = None
+    timeline: Timeline,
+    plan,
+    verification: dict,
+    devices: dict[int, int] | None = None,
+    backends: dict[str, str] | None = None,
 ) -> dict:
     """One run's figures: an element of the "runs" `pdhal demo --json` prints (to_json).
 
     What ran: mode, transport, layer_signals ("per layer" or "after the forward pass"),
-    requests, rejected (prompts that fit no cache), layers, steps, tp, prompt_tokens. What
+    requests, rejected (prompts that fit no cache), layers, steps, tp, prompt_tokens, sides
+    (per side, "prefill" and "decode": the pdhal backend its processes ran on and the tokens
+    of its cache blocks). What
     moved: bytes_moved (whole blocks), verified_bytes (rows of prompt tokens, every layer,
     K and V), transfer_throughput_gib_s. Times, in the unit their key ends in: compute_s,
     transfer_busy_s, wall_s (to the last byte), ttft_ms and ttft_after_prefill_ms (decode has
@@ -221,6 +227,13 @@ def summarize(
         "layers": plan.model.layers,
         "steps": len(plan.steps),
         "tp": plan.tp,
+        "sides": {
+            side: {"backend": (backends or {}).get(side), "block_tokens": tokens}
+            for side, tokens in (
+                ("prefill", plan.model.block_size),
+                ("decode", plan.decode_block_size),
+            )
+        },
         # per rank: its transfers alone (a slow rank shows here, and only in its own row)
         "ranks": [
             _rank(timeline, plan, rank, (devices or {}).get(rank)) for rank in range(plan.tp)
@@ -276,6 +289,11 @@ def format_summary(s: dict) -> str:
         f"{s['mode']} over {s['transport']} (signals {s['layer_signals']}): {verdict}",
         f"  requests {s['requests']} ({s['prompt_tokens']} prompt tokens), layers {s['layers']},"
         f" steps {s['steps']}",
+        "  "
+        + "; ".join(
+            f"{side} on {v['backend']}, blocks of {v['block_tokens']} tokens"
+            for side, v in s["sides"].items()
+        ),
         f"  moved {s['bytes_moved'] / 2**20:.1f} MiB at {s['transfer_throughput_gib_s']:.2f} GiB/s"
         f" (transfers in flight {1e3 * s['transfer_busy_s']:.1f} ms); verified "
         f"{s['verified_bytes'] / 2**20:.1f} MiB",

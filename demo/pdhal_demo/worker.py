@@ -154,7 +154,7 @@ def run(link, setup: dict) -> None:
     ops.set_data_ipc(paddle.from_dlpack(cache), setup["cache_name"])
     # The warm-up step an engine's profile run would be: it creates the per-query channel.
     ops.open_shm_and_get_meta_signal(rank, device)
-    link.send(("ready", {"device": device}))
+    link.send(("ready", {"device": device, "backend": pdhal.current_backend()}))
 
     _, go = link.recv()
     watch = PeerWatch(go["messager_pid"], "cache messager")

@@ -124,6 +124,62 @@ def test_figures_keep_their_bounds_with_every_core_busy(transport):
         assert 0 <= s["exposed_ms_p50"] <= s["exposed_ms_p99"]
 
 
+@pytest.mark.simulated
+@pytest.mark.parametrize(
+    "prefill, decode, block",
+    [("xpu", "cuda", 16), ("cuda", "xpu", 48), ("cuda", "cpu", 64)],
+    ids=["xpu-to-cuda-blocks-of-16", "cuda-to-xpu-blocks-of-48", "cuda-to-cpu"],
+)
+def test_a_prefill_and_a_decode_on_two_backends_and_block_sizes_verify_every_byte(
+    monkeypatch, prefill, decode, block
+):
+    """Simulated runtimes (no GPU or XPU here): the workers and messagers on one backend,
+    the decoder on another (--decode-platform), each cache in pinned host memory of its
+    own backend's runtime, shared by name over shm; decode blocks of `block` tokens
+    (48 divides no 64-token block, nor does 64 divide it). Each side says what it ran on,
+    and every prompt token's K and V, every layer, is checked against a recomputation in
+    the decoder's own blocks; its decode tokens against a plain run's."""
+    from pdhal_cuda.testing import CudaTestSupport
+    from pdhal_xpu.testing import XpuTestSupport
+
+    monkeypatch.setenv("PDHAL_CUDART", CudaTestSupport.simulator())
+    monkeypatch.setenv("PDHAL_XPURT", XpuTestSupport.simulator())
+    monkeypatch.setenv("PDHAL_PLATFORM", prefill)
+    args = ["--decode-platform", decode, "--decode-block-size", str(block)]
+    run = demo("--mode", "per_chunk", "--json", *args, *SMALL)
+    assert run.returncode == 0, run.stderr
+    (summary,) = json.loads(run.stdout)["runs"]
+    assert summary["sides"] == {
+        "prefill": {"backend": prefill, "block_tokens": 64},
+        "decode": {"backend": decode, "block_tokens": block},
+    }
+    assert summary["ok"], (summary["bad_blocks"][:3], summary["bad_tokens"][:3])
+    assert summary["verified_bytes"] == token_bytes([64, 100, 200, 333], 4)
+
+
+def test_a_decode_block_size_plans_the_decode_tables_in_its_own_blocks():
+    """Decode blocks of 16 tokens: each request's decode table holds its prompt and the
+    tokens it decodes in 16-token blocks (block 0 kept unused), as many tokens of cache as
+    the prefill's 64-token blocks; a prompt the decode cache cannot hold is refused, naming
+    both sides' blocks."""
+    plan = make_plan(
+        ModelConfig(layers=2), [100, 16, 17], "per_query", "shm", 4, 3, 4, 512, decode_block_size=16
+    )
+    assert plan.decode_cache_blocks == 16 and plan.decode_block_size == 16
+    assert [len(r.prefill_blocks) for r in plan.requests] == [2, 1, 1]
+    assert [len(r.decode_blocks) for r in plan.requests] == [7, 2, 2]  # 103, 19, 20 tokens
+    assert [len(plan.decode_prompt_blocks(r.id)) for r in plan.requests] == [7, 1, 2]
+    used = [b for r in plan.requests for b in r.decode_blocks]
+    assert 0 not in used and len(set(used)) == len(used) and max(used) < 16
+    (refused,) = make_plan(
+        ModelConfig(layers=2), [250], "per_query", "shm", 4, 3, 4, 512, decode_block_size=16
+    ).rejected
+    assert refused == (
+        250,
+        "needs 16 blocks of 16 tokens to decode, the cache has 15 (block 0 is reserved)",
+    )
+
+
 def test_timeline_busy_time_is_the_union_of_transfers_in_flight_together():
     """Overlapping transfers (Mooncake's layers in flight) used to sum to more than the time
     they took: the busy time is their union (pdhal.transfer's busy_ns)."""
@@ -349,8 +405,9 @@ def test_prompt_bigger_than_the_cache_is_rejected_up_front():
     run = demo(*SMALL, "--mode", "per_query", "--prompt-lens", "64,5000", "--cache-blocks", "16")
     assert run.returncode == 0, run.stderr
     assert (
-        "rejected a 5000-token prompt up front: needs 79 blocks of 64 tokens, the whole "
-        "cache has 15 (block 0 is reserved)"
+        "rejected a 5000-token prompt up front: needs 79 blocks of 64 tokens to prefill, the "
+        "cache has 16; 79 blocks of 64 tokens to decode, the cache has 15 (block 0 is "
+        "reserved)"
     ) in run.stderr
     assert "requests 1 " in run.stdout and "every byte verified" in run.stdout
     run = demo("--prompt-lens", "5000", "--cache-blocks", "16")
@@ -640,6 +697,13 @@ def test_json_is_one_object_and_the_plot_any_format_matplotlib_writes(tmp_path, 
             ),
         ),
         (["--decoder", "remote"], (), None, 2, "--decoder remote needs --transport mooncake"),
+        (
+            ["--decode-platform", "tpu"],
+            (),
+            None,
+            1,
+            "--decode-platform tpu: PDHAL_PLATFORM: no backend 'tpu' is installed",
+        ),
     ],
     ids=[
         "plot-folder-missing",
@@ -652,6 +716,7 @@ def test_json_is_one_object_and_the_plot_any_format_matplotlib_writes(tmp_path, 
         "no-mooncake",
         "bad-PDHAL-variable",
         "usage",
+        "decode-platform-not-installed",
     ],
 )
 def test_what_the_run_needs_is_checked_before_any_process_starts(
