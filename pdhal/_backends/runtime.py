@@ -401,12 +401,19 @@ class RuntimeBackend(Backend):
             base = self._opened.get(record["handle"])
             if base is None:
                 handle = rt.ffi.new(f"{self.ipc_handle_type} *")
-                rt.ffi.buffer(handle)[:] = bytes.fromhex(record["handle"])
+                try:
+                    words = bytes.fromhex(record["handle"])
+                    rt.ffi.buffer(handle)[:] = words
+                except ValueError:
+                    raise InvalidArgumentError(
+                        f"the record of {name!r} holds no {self.ipc_handle_type} (its handle is "
+                        f"{record['handle'][:80]!r})"
+                    ) from None
                 ptr = rt.ffi.new("void **")
                 open_handle = rt.optional(self.ipc_open_symbol)
                 rt.check(open_handle(ptr, handle[0], self.ipc_open_flags), self.ipc_open_symbol)
                 base = self._opened[record["handle"]] = rt.address(ptr[0])
-            buffer = self.mapped(base + record.get("offset", 0), shape, dtype, need, name)
+            buffer = self.mapped(base + record["offset"], shape, dtype, need, name)
             self._imports[name] = (record["handle"], buffer.extent)
         return buffer
 

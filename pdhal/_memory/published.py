@@ -79,14 +79,48 @@ def unset(name: str, unlink: bool = True) -> None:
 
 
 def lookup(name: str, timeout: float | None) -> dict:
-    """The record published under `name`, waiting up to `timeout` s for it to appear."""
+    """The record published under `name`, waiting up to `timeout` s for it to appear,
+    checked to be what set_data_ipc writes (a record is another process's word):
+    InvalidArgumentError naming what is wrong with it otherwise."""
     seg = _core.Segment.open(
         _names.buffer_path(name), _core.KIND_BUFFER, timeout, _core.OPEN_LIVE_PRODUCER
     )  # a dead publisher's memory is gone
     try:
-        return json.loads(bytes(seg.body()))
+        body = bytes(seg.body())
     finally:
         seg.close()
+    try:
+        record = json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        record = None
+    why = _malformed(record)
+    if why is not None:
+        raise InvalidArgumentError(
+            f"the record shared as {name!r} is not what set_data_ipc writes: {why}"
+        )
+    return record
+
+
+#: The fields of a record, by what it shares: host memory (a segment) or device memory.
+_HOST_FIELDS = {"path", "offset", "nbytes"}
+_DEVICE_FIELDS = {"handle", "backend", "offset", "nbytes"}
+
+
+def _malformed(record: object) -> str | None:
+    """What is wrong with a record read back, or None."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if set(record) not in (_HOST_FIELDS, _DEVICE_FIELDS):
+        expected = f"{sorted(_HOST_FIELDS)} or {sorted(_DEVICE_FIELDS)}"
+        return f"fields {sorted(record)}, expected {expected}"
+    for key, least in (("offset", 0), ("nbytes", 1)):
+        value = record[key]
+        if type(value) is not int or not least <= value < 1 << 62:
+            return f"{key} {value!r} is not an int >= {least}"
+    for key in _DEVICE_FIELDS - {"offset", "nbytes"} | {"path"}:
+        if key in record and not (isinstance(record[key], str) and record[key].isprintable()):
+            return f"{key} {record[key]!r} is not a string"
+    return None
 
 
 def publisher(name: str) -> int:

@@ -15,6 +15,7 @@ import bisect
 import ctypes
 import itertools
 import os
+import re
 import threading
 from collections.abc import Callable
 
@@ -137,6 +138,14 @@ def import_shared(like, name: str, record: dict, shape: tuple, dtype: str, need:
             f"shared host buffers map through numpy, which has no dtype {dtype}"
         ) from None
     path = record["path"]
+    # the record is its publisher's word: it may name a host_alloc buffer of this namespace
+    # only (not a record, nor another deployment's memory)
+    prefix = _names.buffer_path("host.")
+    if not path.startswith(prefix) or not re.fullmatch(r"\d+\.\d+", path[len(prefix) :]):
+        raise InvalidArgumentError(
+            f"the record of {name!r} names {path!r}, which is not a host_alloc buffer of "
+            f"namespace {_names.namespace()!r}"
+        )
     seg = _imported.get(path)
     if seg is None:
         opened = _core.Segment.open(path, _core.KIND_BUFFER, timeout)

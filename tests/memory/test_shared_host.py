@@ -114,3 +114,41 @@ def test_a_device_handle_is_never_opened_by_another_backend_s_runtime(
         )
     finally:
         ops.unset_data_ipc(None, "kv", False, True)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_a_record_that_is_not_what_set_data_ipc_writes_is_refused_naming_what_is_wrong(
+    runtimes, monkeypatch, backend
+):
+    """A record is another process's word: one that names anything but a host_alloc buffer
+    of this namespace (another name's record, another deployment's buffer), or whose fields
+    are not set_data_ipc's, is refused with a pdhal error naming it, nothing mapped."""
+    from pdhal._memory import published
+    from pdhal._protocol import names
+
+    _select(monkeypatch, backend)
+    buf = ops.host_alloc(NBYTES)
+    ops.set_data_ipc(buf.as_numpy(np.uint8, (NBYTES,)), "honest")
+    ours = published.lookup("honest", 0)
+    other_namespace = ours["path"].replace(f".{names.namespace()}.", ".elsewhere.")
+    hostile = {
+        "a record": ({**ours, "path": names.buffer_path("honest")}, "not a host_alloc buffer"),
+        "another namespace": ({**ours, "path": other_namespace}, "not a host_alloc buffer"),
+        "a NUL": ({**ours, "path": ours["path"] + "\x00x"}, "is not a string"),
+        "no size": ({"path": ours["path"], "offset": 0}, "fields"),
+        "a text size": ({**ours, "nbytes": "16"}, "nbytes '16' is not an int"),
+        "a bool offset": ({**ours, "offset": True}, "offset True is not an int"),
+        "both kinds": ({**ours, "handle": "00"}, "fields"),
+    }
+    if backend == "cuda":
+        device = {"handle": "zz", "backend": "cuda", "offset": 0, "nbytes": 64}
+        hostile["a handle of no hex"] = (device, "holds no cudaIpcMemHandle_t")
+    try:
+        for what, (record, says) in hostile.items():
+            published.publish("evil", record)
+            with pytest.raises(pdhal.InvalidArgumentError, match=says):
+                ops.share_external_data("uint8", "evil", [16])
+            ops.unset_data_ipc(None, "evil", True, True)
+            assert list(buf.as_numpy(np.uint8, (4,))) == [0, 0, 0, 0], what
+    finally:
+        ops.host_free(buf)
