@@ -350,6 +350,12 @@ class RuntimeBackend(Backend):
         runtimes like CUDA's); refuses memory the runtime cannot share. Default: `ref`."""
         return ref.address
 
+    def ipc_size(self, base: int) -> int | None:
+        """The bytes of the allocation an IPC handle opened at `base` (where a record's
+        offset and size must lie: it is another process's word); None where the runtime
+        cannot say."""
+        return None
+
     def set_data_ipc(self, tensor, name: str) -> None:
         """Share memory under `name`: host memory from host_alloc as its shared segment
         (any process maps it, whatever its runtime); device memory as this runtime's IPC
@@ -413,7 +419,17 @@ class RuntimeBackend(Backend):
                 open_handle = rt.optional(self.ipc_open_symbol)
                 rt.check(open_handle(ptr, handle[0], self.ipc_open_flags), self.ipc_open_symbol)
                 base = self._opened[record["handle"]] = rt.address(ptr[0])
-            buffer = self.mapped(base + record["offset"], shape, dtype, need, name)
+            try:
+                size = self.ipc_size(base)
+                if size is not None and record["offset"] + need > size:
+                    raise InvalidArgumentError(
+                        f"the record of {name!r} names bytes [{record['offset']}, +{need}) of "
+                        f"an allocation of {size} bytes: not what set_data_ipc shares"
+                    )
+                buffer = self.mapped(base + record["offset"], shape, dtype, need, name)
+            except BaseException:
+                self._close_unused(record["handle"])  # opened for this import alone
+                raise
             self._imports[name] = (record["handle"], buffer.extent)
         return buffer
 
@@ -433,12 +449,18 @@ class RuntimeBackend(Backend):
                 return
             handle, extent = self._imports.pop(name)
             self.unmapping(extent)
-            if all(h != handle for h, _ in self._imports.values()):  # its last import
-                base = self._opened.pop(handle)
-                rt = self.runtime
-                if rt.has(self.ipc_close_symbol):
-                    close = getattr(rt.lib, self.ipc_close_symbol)
-                    rt.check(close(rt.pointer(base)), self.ipc_close_symbol)
+            self._close_unused(handle)
+
+    def _close_unused(self, handle: str) -> None:
+        """Close an opened IPC handle once no import uses it (under _ipc_lock), where the
+        runtime can."""
+        if any(h == handle for h, _ in self._imports.values()):
+            return
+        base = self._opened.pop(handle)
+        rt = self.runtime
+        if rt.has(self.ipc_close_symbol):
+            close = getattr(rt.lib, self.ipc_close_symbol)
+            rt.check(close(rt.pointer(base)), self.ipc_close_symbol)
 
     def unmapping(self, mapping) -> None:
         """Before an IPC mapping goes (its extent, or the address it was mapped at): wait for

@@ -8,6 +8,7 @@ adapter or a transfer loop needs to name blocks and memory the way copy_blocks d
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from pdhal._errors import InvalidArgumentError, InvalidTypeError, PdhalError
@@ -18,11 +19,21 @@ from pdhal._protocol.names import validate_index
 
 
 def resolve(obj: object, what: str, writable: bool = False) -> MemoryRef:
-    """The memory `obj` names, with its extent: a tensor or buffer says its own; a raw int
-    address must lie in memory pdhal handed out (host_alloc, cuda_host_alloc, a shared
-    buffer, a registered range), which bounds it."""
+    """The memory `obj` names, with its extent: a tensor or buffer says its own, or is a view
+    of pdhal memory (an array over a host_alloc buffer or a shared mapping), whose extent it
+    lies in, so an op on it holds that memory as on the buffer itself; a raw int address
+    must lie in memory pdhal handed out (host_alloc, cuda_host_alloc, a shared buffer, a
+    registered range), which bounds it."""
     ref = memory_ref(obj, what, writable=writable)
     if ref.nbytes is not None:
+        if ref.extent is None:
+            extent = _extents.find(ref.address)
+            if (
+                extent is not None
+                and extent.device == ref.device
+                and ref.address + ref.nbytes <= extent.start + extent.nbytes
+            ):
+                return dataclasses.replace(ref, extent=extent)
         return ref
     extent = _extents.find(ref.address)
     if extent is None:

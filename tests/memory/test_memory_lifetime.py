@@ -113,8 +113,29 @@ def _slow_stream(sim: SimRuntime, scratch: DeviceTensor) -> int:
 def test_a_free_waits_for_the_copies_queued_on_it(backend, monkeypatch):
     """host_free of a pinned source returns only once the queued copy out of it has run:
     the destination holds the bytes when the free returns, although the stream was still
-    busy when the copy was queued."""
+    busy when the copy was queued; so does a free after a copy into the buffer through an
+    array over it (the copy holds the buffer as through the buffer)."""
     sim = _select(backend, monkeypatch)
+    into = ops.host_alloc(4096)
+    source = sim.device.alloc(4096)
+    ctypes.memset(source.address, 3, 4096)
+    view, scratch = into.as_numpy(np.uint8, [4096]), sim.device.alloc(64)
+    ops.copy_blocks(view, [0], source, [0], 4096, stream=_slow_stream(sim, scratch))
+    ops.host_free(into)  # waits for the copy: unregistered and unmapped only after it ran
+    assert ctypes.string_at(scratch.address, 1) == b"x", "the free did not wait for the copy"
+    del view
+    # the same through the array share_external_data returns over shared host memory: its
+    # unmapping waits for the copy queued into it
+    owner = ops.host_alloc(4096)
+    ops.set_data_ipc(owner.as_numpy(np.uint8, [4096]), "kv_host_lifetime")
+    mapped = ops.share_external_data("uint8", "kv_host_lifetime", [4096])
+    scratch = sim.device.alloc(64)
+    ops.copy_blocks(mapped, [0], source, [0], 4096, stream=_slow_stream(sim, scratch))
+    ops.unset_data_ipc(None, "kv_host_lifetime", True, True)
+    assert ctypes.string_at(scratch.address, 1) == b"x", "the unmap did not wait for the copy"
+    assert owner.as_numpy(np.uint8, [4096])[0] == 3
+    del mapped
+    ops.host_free(owner)
     for form in ("buffer", "int"):
         src = ops.host_alloc(4096)
         src.as_numpy(np.uint8, [4096])[:] = 7

@@ -143,12 +143,21 @@ def test_a_record_that_is_not_what_set_data_ipc_writes_is_refused_naming_what_is
     if backend == "cuda":
         device = {"handle": "zz", "backend": "cuda", "offset": 0, "nbytes": 64}
         hostile["a handle of no hex"] = (device, "holds no cudaIpcMemHandle_t")
+    wants = dict.fromkeys(hostile, 16)
+    if backend == "cuda":  # a real handle, of 4096 bytes, with a lying offset or size
+        ops.set_data_ipc(DeviceTensor(SimRuntime("cuda").malloc(4096), 4096, "gpu:0"), "dev")
+        real, beyond = published.lookup("dev", 0), "of an allocation of 4096 bytes"
+        hostile["an offset beyond"] = ({**real, "offset": 1 << 40}, beyond)
+        hostile["a size beyond"] = ({**real, "nbytes": 1 << 30}, beyond)
+        wants["a size beyond"] = 1 << 24
     try:
         for what, (record, says) in hostile.items():
             published.publish("evil", record)
             with pytest.raises(pdhal.InvalidArgumentError, match=says):
-                ops.share_external_data("uint8", "evil", [16])
+                ops.share_external_data("uint8", "evil", [wants.get(what, 16)])
             ops.unset_data_ipc(None, "evil", True, True)
             assert list(buf.as_numpy(np.uint8, (4,))) == [0, 0, 0, 0], what
     finally:
         ops.host_free(buf)
+        if backend == "cuda":
+            ops.unset_data_ipc(None, "dev", True, True)

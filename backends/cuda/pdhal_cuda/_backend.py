@@ -150,6 +150,9 @@ class CudaBackend(RuntimeBackend):
             )
         return self.runtime.address_range(ref.address)[0]
 
+    def ipc_size(self, base: int) -> int:
+        return self.runtime.address_range(base)[1]
+
     def current_device(self) -> int:
         device = self.runtime.ffi.new("int *")
         self.runtime.check(self.runtime.lib.cudaGetDevice(device), "cudaGetDevice")

@@ -451,10 +451,17 @@ int sim_free(void *ptr)
     return -1;
 }
 
+/* Another process's allocations mapped here by sim_ipc_open: their range is known, as a real
+ * runtime knows an IPC mapping's (never freed: a real close keeps nothing to check). */
+static struct allocation *imports;
+
 int sim_alloc_range(const void *ptr, void **base, uint64_t *size)
 {
     pthread_mutex_lock(&mem_lock);
     struct allocation *a = find(ptr);
+    for (struct allocation *i = imports; !a && i; i = i->next)
+        if ((const char *)ptr >= i->base && (const char *)ptr < i->base + i->size)
+            a = i;
     if (a) {
         *base = a->base;
         *size = a->size;
@@ -491,7 +498,18 @@ void *sim_ipc_open(const char handle[64])
         return NULL;
     char *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
-    return base == MAP_FAILED ? NULL : base + offset;
+    if (base == MAP_FAILED)
+        return NULL;
+    struct allocation *i = calloc(1, sizeof *i);
+    if (i) {
+        i->base = base;
+        i->size = size;
+        pthread_mutex_lock(&mem_lock);
+        i->next = imports;
+        imports = i;
+        pthread_mutex_unlock(&mem_lock);
+    }
+    return base + offset;
 }
 
 void *sim_peer_alias(const void *ptr)
