@@ -615,7 +615,7 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, uin
             return pdhal_fail(ENOENT, "%s does not exist (its producer has not started, or has "
                                       "closed it)", path);
         }
-        if (!(flags & PDHAL_OPEN_UNINTERRUPTED) && now - entered > PDHAL_WAIT_SLICE_NS)
+        if (!(flags & PDHAL_OPEN_UNINTERRUPTED) && now - entered > pdhal_wait_slice_ns())
             /* let the caller run signal handlers */
             return pdhal_fail(EINTR, "interrupted (a wait slice ended)");
         sleep_briefly();

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <stdlib.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -21,12 +22,28 @@ int64_t pdhal_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+int64_t pdhal_wait_slice_ns(void)
+{
+    static _Atomic int64_t slice_ns; /* 0: not read yet (a race reads it twice, alike) */
+    int64_t slice = atomic_load_explicit(&slice_ns, memory_order_relaxed);
+    if (!slice) {
+        const char *said = getenv("PDHAL_WAIT_SLICE_MS");
+        char *end = NULL;
+        long long ms = said ? strtoll(said, &end, 10) : 0;
+        if (!said || end == said || *end || ms < 1 || ms > 3600 * 1000)
+            ms = 200; /* pdhal.check_environment names a bad value */
+        slice = ms * 1000 * 1000;
+        atomic_store_explicit(&slice_ns, slice, memory_order_relaxed);
+    }
+    return slice;
+}
+
 /* End of the next slice: liveness is probed between slices even when no wake comes. */
 int64_t pdhal_deadline_slice(int64_t deadline_ns)
 {
-    int64_t now = pdhal_now_ns();
-    if (deadline_ns - now > PDHAL_WAIT_SLICE_NS)
-        return now + PDHAL_WAIT_SLICE_NS;
+    int64_t now = pdhal_now_ns(), slice = pdhal_wait_slice_ns();
+    if (deadline_ns - now > slice)
+        return now + slice;
     return deadline_ns;
 }
 

@@ -24,6 +24,8 @@ VARIABLES = {
     "PDHAL_XPURT": "path of the XPU runtime to bind (else paddle/libs/libxpurt.so of a Paddle "
     "XPU wheel, else libxpurt.so)",
     "PDHAL_DEBUG": "`pdhal` commands print tracebacks (1)",
+    "PDHAL_WAIT_SLICE_MS": "how long one wait sleeps at most between liveness probes (default "
+    "200; tests lengthen it so that a lost wake runs to the wait's timeout)",
 }
 
 
@@ -48,6 +50,11 @@ def _timeout(value: str) -> None:
         seconds = -1.0
     if not seconds > 0:
         raise ValueError(f"must be a positive number of seconds, got {value!r}")
+
+
+def _slice(value: str) -> None:
+    if not value.isdigit() or not 1 <= int(value) <= 3_600_000:
+        raise ValueError(f"must be milliseconds from 1 to 3600000, got {value!r}")
 
 
 def _device_count(value: str) -> None:
@@ -100,6 +107,7 @@ _CHECKS: dict[str, Callable[[str], None]] = {
     "PDHAL_CPU_VISIBLE_DEVICES": _visible,
     "PDHAL_CUDART": _library,
     "PDHAL_XPURT": _library,
+    "PDHAL_WAIT_SLICE_MS": _slice,
 }
 
 
