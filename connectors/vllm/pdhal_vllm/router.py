@@ -44,7 +44,8 @@ pdhal's decode side takes each layer as it lands.
 `--trace FILE` appends a JSON line per request step (CLOCK_MONOTONIC ns `t`, the transfer
 id `tid`): "received" (the request's body read), "forwarded" (prefill request sent; the
 decode request too unless sequential), "prefilled" (the prefill instance answered),
-"first" (the decode instance's first bytes), "done" (relayed to the end).
+"first" (the decode instance's first bytes), "done" (relayed to the end), "abandoned" (the
+prefill's messager was told, `told` true, or could not be, of a failed decode).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -167,6 +169,10 @@ class Router:
         self.trace = Tracer(trace)
         self.key = key
         self._telling: set[asyncio.Future] = set()  # abandons on their way
+        # messagers that could not be told last time, with how many since: warned about once
+        # per outage, not once per request
+        self._untold: dict[str, int] = {}
+        self._untold_lock = threading.Lock()
         self._abandons = ThreadPoolExecutor(ABANDON_THREADS, "pdhal-router-abandon")
         self._session: ClientSession | None = None
         self._health: asyncio.Task | None = None
@@ -347,15 +353,34 @@ class Router:
         told.add_done_callback(self._telling.discard)
 
     def _tell(self, messager: str, tid: str, why: str) -> None:
+        """One abandon, on an abandon thread. A messager that cannot be told is warned
+        about once, until it is told again (then the count of those it missed is logged)."""
         try:
             transfer.abandon(messager, tid, why, key=self.key, timeout=ABANDON_S)
         except PdhalError as e:
+            with self._untold_lock:
+                first = messager not in self._untold
+                self._untold[messager] = self._untold.get(messager, 0) + 1
+            self.trace("abandoned", tid=tid, told=False)
+            if first:
+                log.warning(
+                    "could not tell the messager at %s that %s's decode failed (%s): its "
+                    "claim timeout frees the prefill's blocks (said once until it is told "
+                    "again)",
+                    messager,
+                    tid,
+                    e,
+                )
+            return
+        with self._untold_lock:
+            missed = self._untold.pop(messager, 0)
+        self.trace("abandoned", tid=tid, told=True)
+        if missed:
             log.warning(
-                "could not tell the messager at %s that %s's decode failed (%s): its claim "
-                "timeout frees the prefill's blocks",
+                "told the messager at %s again; %d abandons could not be told meanwhile "
+                "(their claim timeouts free those blocks)",
                 messager,
-                tid,
-                e,
+                missed,
             )
 
     async def _prefill(self, prefill: Instance, path: str, body: dict, tid: str):

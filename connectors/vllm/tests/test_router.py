@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from pdhal_vllm.wire import read_trace
 
 from pdhal.testing.session_peers import KEY, Peer
 
@@ -24,8 +26,10 @@ FAKE = os.path.join(os.path.dirname(__file__), "fake_openai.py")
 class Server:
     """A process printing its port on its first line."""
 
-    def __init__(self, *command: str, env: dict | None = None):
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    def __init__(self, *command: str, env: dict | None = None, stderr=None):
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+        )
         line = self.proc.stdout.readline()
         assert line, f"{command} exited ({self.proc.wait()}) before it listened"
         self.port = int(line.rsplit(":", 1)[-1].strip().rstrip("/"))
@@ -54,7 +58,9 @@ class Fleet:
         self.servers.append(server)
         return server
 
-    def router(self, prefills, decodes, *extra: str, messagers=None, env=None) -> Server:
+    def router(
+        self, prefills, decodes, *extra: str, messagers=None, env=None, stderr=None
+    ) -> Server:
         messagers = messagers or [f"127.0.0.1:{47000 + i}" for i in range(len(prefills))]
         args = [f"--prefill={p.url}={m}" for p, m in zip(prefills, messagers)]
         args += [f"--decode={d.url}" for d in decodes]
@@ -69,6 +75,7 @@ class Fleet:
             *args,
             *extra,
             env=env,
+            stderr=stderr,
         )
         self.servers.append(server)
         return server
@@ -383,6 +390,50 @@ def test_a_prefill_answer_without_params_meets_the_policy(fleet, tmp_path):
     message = json.loads(answer)["error"]["message"]
     assert status == 502 and "answered without kv_transfer_params" in message, message
     assert [e["server"] for e in fleet.seen()] == ["p0"]  # the decode was never asked
+
+
+def test_a_messager_that_cannot_be_told_is_warned_about_once_per_outage(fleet, tmp_path):
+    """Every decode request fails while the prefill's messager is down: the router warns
+    once that it could not tell it, not once per request; once a messager listens there
+    again and is told, it says how many it missed, and the next outage is warned about
+    again."""
+    with socket.socket() as probe:  # an address nobody listens on, for now
+        probe.bind(("127.0.0.1", 0))
+        messager = f"127.0.0.1:{probe.getsockname()[1]}"
+    trace, errors = tmp_path / "trace.jsonl", open(tmp_path / "router.err", "w")
+    env = dict(os.environ, PDHAL_VLLM_KEY=KEY.hex())
+    router = fleet.router(
+        [fleet.fake("p0")], [fleet.fake("d0", "fail")], "--trace", str(trace),
+        messagers=[messager], env=env, stderr=errors,
+    )  # fmt: skip
+
+    def fail_requests(count: int, told: bool) -> None:
+        before = len(_abandoned(trace))
+        for _ in range(count):
+            assert post(router, "/v1/completions", {"prompt": "w", "max_tokens": 2})[0] == 500
+        until(lambda: len(_abandoned(trace)) == before + count)
+        assert [e["told"] for e in _abandoned(trace)[before:]] == [told] * count
+
+    def said(text: str) -> int:
+        return (tmp_path / "router.err").read_text().count(text)
+
+    fail_requests(4, told=False)
+    assert said(f"could not tell the messager at {messager}") == 1
+    service = Peer("prefill", "--listen", messager)
+    try:
+        service.read("listening")
+        fail_requests(1, told=True)
+        assert said(f"told the messager at {messager} again; 4 abandons could not be told") == 1
+    finally:
+        service.close()
+    fail_requests(2, told=False)
+    assert said(f"could not tell the messager at {messager}") == 2
+    errors.close()
+
+
+def _abandoned(trace) -> list[dict]:
+    """The router's "abandoned" events, in order."""
+    return [e for e in read_trace(str(trace)) if e["kind"] == "abandoned"]
 
 
 @pytest.mark.parametrize("decode_mode", ["fail", "killed"])
