@@ -251,6 +251,11 @@ class Transport:
     #: The kinds of memory ("cpu", "gpu", "xpu": a device's name before its ":") its
     #: endpoints serve and its links copy from; None: it does not say (nothing is checked).
     memory: ClassVar[tuple[str, ...] | None] = None
+    #: The (source kind, destination kind) pairs it moves between, where that is not every
+    #: pair of its `memory` kinds (one vendor's device memory into another's only through
+    #: registered host memory, say); None: every pair. Checked when a destination is
+    #: connected, which a session does at the decode side's hello (refused naming both).
+    pairs: ClassVar[tuple[tuple[str, str], ...] | None] = None
     #: Its version ("" if it does not say): a session's hello refuses two sides whose
     #: transports differ in it (their wire formats may).
     version: ClassVar[str] = ""
@@ -292,6 +297,41 @@ def require_memory(transport: Transport, regions: list, what: str) -> None:
                 f"{what} region {index} is {device} memory; transport {transport.name!r} moves "
                 f"{', '.join(kinds)} memory only"
             )
+
+
+def moves(transport: Transport, source: str, destination: str) -> bool:
+    """Whether `transport` moves `source` memory into `destination` memory (kinds)."""
+    pairs = getattr(transport, "pairs", None)
+    if pairs is not None:
+        return (source, destination) in pairs
+    kinds = getattr(transport, "memory", None)
+    return kinds is None or (source in kinds and destination in kinds)
+
+
+def require_pairs(transport: Transport, here: list[str], there: object) -> None:
+    """Refuse a destination whose memory kinds (`there`, from its description: untrusted)
+    `transport` does not move this side's (`here`) into, naming both kinds
+    (InvalidArgumentError); a description that does not say (None) is not checked."""
+    if there is None:
+        return
+    if not isinstance(there, list) or not all(
+        isinstance(kind, str) and 0 < len(kind) <= 64 and kind.isprintable() for kind in there
+    ):
+        raise InvalidArgumentError(
+            f"the destination's memory must be a list of memory kinds, got {there!r}"
+        )
+    for source in dict.fromkeys(here):
+        for destination in dict.fromkeys(there):
+            if not moves(transport, source, destination):
+                said = (
+                    ", ".join(f"{s} to {d}" for s, d in transport.pairs)
+                    if getattr(transport, "pairs", None) is not None
+                    else f"{', '.join(transport.memory)} memory only"
+                )
+                raise InvalidArgumentError(
+                    f"this side's caches are {source} memory and the destination's "
+                    f"{destination} memory: transport {transport.name!r} moves {said or 'none'}"
+                )
 
 
 #: The values of Transport.completion, the promise first.

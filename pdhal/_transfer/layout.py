@@ -184,18 +184,17 @@ class CacheLayout:
         self.memory = list(regions)
         #: (address, bytes) of each region.
         self.regions = []
+        #: The kind of memory each region is ("cpu", "gpu", "xpu": its device before ":").
+        self.kinds = []
         # The pdhal memory each region lies in (what pin() pins): a region's own extent, or
         # the one an array over pdhal memory (HostBuffer.as_numpy) lies in.
         self._extents = []
         for index, region in enumerate(self.memory):
             ref = resolve(region, f"region {index}")
             self.regions.append((ref.address, ref.nbytes))
-            extent = ref.extent or _extents.find(ref.address)
-            if extent is not None and (
-                extent.device == ref.device
-                and ref.address + ref.nbytes <= extent.start + extent.nbytes
-            ):
-                self._extents.append(extent)
+            self.kinds.append(ref.device.split(":")[0])
+            if ref.extent is not None:
+                self._extents.append(ref.extent)
         self.layers = _rows(layers, "layers")
         sizes = [n for _, n in self.regions]
         for layer, caches in enumerate(self.layers):
@@ -251,9 +250,11 @@ class CacheLayout:
         return len(self.layers)
 
     def describe(self) -> dict:
-        """The layout as JSON-able data, without addresses (a peer has its own)."""
+        """The layout as JSON-able data, without addresses (a peer has its own), with the
+        kind of memory each region is (a transport may move some pairs of kinds only)."""
         return {
             "regions": [n for _, n in self.regions],
+            "memory": list(self.kinds),
             "layers": [[spec.to_json() for spec in caches] for caches in self.layers],
         }
 

@@ -27,7 +27,11 @@ from collections.abc import Callable
 
 from pdhal._errors import ClosedHandleError, InvalidArgumentError
 from pdhal._transfer import checks, keeper, mailbox
-from pdhal._transfer.contract import require_memory, require_target_completion
+from pdhal._transfer.contract import (
+    require_memory,
+    require_pairs,
+    require_target_completion,
+)
 from pdhal._transfer.destination import Destination, Send, StatusWrite, Write
 from pdhal._transfer.heads import HeadShard
 from pdhal._transfer.keeper import Clock, Deadlines
@@ -170,6 +174,7 @@ class KVStreamer:
                 f"{described['regions'][: len(sizes)]}: a description must not claim more "
                 f"than it serves"
             )
+        require_pairs(self._transport, self.layout.kinds, layout.get("memory"))
         units_of(self.block_tokens, there)  # (refused before the layouts are compared)
         layers = self.layout.check_peer(layout, heads, (self.block_tokens, there))
         source = (

@@ -806,6 +806,42 @@ def test_a_service_that_needs_one_block_size_refuses_another_naming_both(caches,
         service.close()
 
 
+def test_a_pair_of_memory_kinds_the_transport_does_not_move_is_refused_at_the_hello(
+    caches, monkeypatch
+):
+    """A transport declares the pairs of memory kinds it moves (Transport.pairs): here
+    host memory into a GPU's only. Each side's caches are a kind it serves (host memory),
+    so each side alone is accepted; the decode side's hello is refused, naming both sides
+    and both kinds, before any claim."""
+    from pdhal._transfer import plugins
+    from pdhal._transfer.shm import ShmTransport
+
+    class HostToGpu(ShmTransport):
+        name = "host-to-gpu"
+        memory = ("cpu", "gpu")
+        pairs = (("cpu", "gpu"),)
+
+    monkeypatch.setitem(plugins._instances, "host-to-gpu", HostToGpu())
+    receiver = transfer.KVReceiver(caches, f"pairs-{os.getpid()}", transport_name="host-to-gpu")
+    service = transfer.PrefillService(
+        caches, 4, key=KEY, kv_heads=KV_HEADS, transport_name="host-to-gpu"
+    )
+    client = transfer.DecodeClient(receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=4)
+    try:
+        with pytest.raises(pdhal.RefusedError) as refused:
+            client.connect(service.address)
+        text = str(refused.value)
+        assert "the prefill side (rank 0 of 1" in text and "the decode side (rank 0 of 1" in text
+        assert (
+            "this side's caches are cpu memory and the destination's cpu memory: transport "
+            "'host-to-gpu' moves cpu to gpu"
+        ) in text
+    finally:
+        client.close()
+        service.close()
+        receiver.close()
+
+
 @pytest.mark.parametrize("decode_tokens", [2, 8])
 def test_a_decode_side_of_another_block_size_gets_each_token_where_its_blocks_hold_it(
     peers, decode_tokens
