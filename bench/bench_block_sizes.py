@@ -1,13 +1,16 @@
-"""Benchmark: pdhal.transfer between caches of different block sizes against the same
-bytes between caches of one block size, side by side in one run (issue 35's target: >= 0.8x).
+"""Benchmark: pdhal.transfer between caches of different block sizes, or of another order
+inside a block, against the same bytes between caches alike, side by side in one run
+(issue 35's target: >= 0.8x).
 
 One process holds a KVStreamer over prefill caches of 64-token blocks and a KVReceiver over
 decode caches (shm transport; the copies run on the link's copier thread), each layer K
 and V, head-major (BENCH_HEADS heads of 64 bytes a token: 16 KiB blocks at 4 heads). Each
 round sends, in turn, one step of BENCH_REQUESTS requests of 8 prefill blocks each to decode
 caches of 64-token blocks (alike: block runs expanded in C), of 16 (each prefill block four
-decode blocks) and of 48 (sizes that do not divide: units of 16 tokens), every layer ready
-at once; a mode's time is from the first layer_ready to the last request landed. Each row:
+decode blocks), of 48 (sizes that do not divide: units of 16 tokens), and of 64 tokens
+token-major (NHD against the prefill's HND: a copy per token and head, planned in Python),
+every layer ready at once; a mode's time is from the first layer_ready to the last request
+landed. Each row:
 GiB/s (median over rounds) and the median of each round's ratio against "alike".
 A different block size costs more, smaller copies: one per head and per stretch inside one
 block on both sides (expanded in C, on the shm link's copier), where alike blocks of
@@ -32,10 +35,16 @@ TOKEN_BYTES = 64  # of one token of one head (32 dims of fp16)
 PREFILL_TOKENS = 64
 PER_REQUEST = 8  # prefill blocks
 TOKENS = PER_REQUEST * PREFILL_TOKENS  # a prompt
-MODES = {"alike (64)": 64, "decode blocks of 16": 16, "decode blocks of 48": 48}
+#: Each mode's decode blocks: (tokens, order inside a block).
+MODES = {
+    "alike (64)": (64, "heads"),
+    "decode blocks of 16": (16, "heads"),
+    "decode blocks of 48": (48, "heads"),
+    "decode token-major (64)": (64, "tokens"),
+}
 
 
-def caches(block_tokens: int, blocks: int):
+def caches(block_tokens: int, blocks: int, order: str = "heads"):
     from pdhal import ops, transfer
 
     block = HEADS * block_tokens * TOKEN_BYTES
@@ -43,7 +52,10 @@ def caches(block_tokens: int, blocks: int):
     layout = transfer.CacheLayout(
         buffers,
         [
-            [transfer.CacheSpec(2 * layer + k, 0, block, block, blocks, HEADS) for k in range(2)]
+            [
+                transfer.CacheSpec(2 * layer + k, 0, block, block, blocks, HEADS, "", 1, order)
+                for k in range(2)
+            ]
             for layer in range(LAYERS)
         ],
     )
@@ -58,11 +70,13 @@ def main() -> dict:
     source, owned = caches(PREFILL_TOKENS, prefill_blocks)
     streamer = transfer.KVStreamer(source, PREFILL_TOKENS, max_layers_in_flight=8)
     sides = {}
-    for name, tokens in MODES.items():
+    for name, (tokens, order) in MODES.items():
         blocks = -(-TOKENS // tokens) * REQUESTS
-        layout, buffers = caches(tokens, blocks)
+        layout, buffers = caches(tokens, blocks, order)
         owned += buffers
-        receiver = transfer.KVReceiver(layout, f"benchsizes-{tokens}-{os.getpid()}", slots=64)
+        receiver = transfer.KVReceiver(
+            layout, f"benchsizes-{tokens}-{order}-{os.getpid()}", slots=64
+        )
         dest = streamer.connect(receiver.describe(), block_tokens=tokens)
         sides[name] = (receiver, dest, tokens)
     nbytes = LAYERS * 2 * REQUESTS * TOKENS * HEADS * TOKEN_BYTES

@@ -312,42 +312,95 @@ struct unit_post {
     const pdhal_copier *c;
     const pdhal_copy_cache *cache;
     uint32_t cache_index, heads;
+    uint8_t order; /* PDHAL_SRC_TOKEN_MAJOR | PDHAL_DST_TOKEN_MAJOR */
     uint64_t src_units, dst_units, run, count, at;
     struct pdhal_copy_job *job; /* NULL: only count the copies */
 };
 
+/* Where unit u of part h is in a block of `units` units of `parts` parts, in units: a
+ * head-major block keeps a part's units together, a token-major one a unit's parts. */
+static __uint128_t unit_place(int token_major, uint64_t u, uint32_t h, uint64_t units,
+                              uint32_t parts)
+{
+    return token_major ? (__uint128_t)u * parts + h : (__uint128_t)h * units + u;
+}
+
 static int unit_copies(void *arg, uint64_t s, uint64_t d, uint64_t k)
 {
     struct unit_post *p = arg;
+    /* head-major on both sides: a part's k units are one copy; token-major on both: the k
+     * units of every part are; else one copy per unit and part */
+    const uint8_t both = PDHAL_SRC_TOKEN_MAJOR | PDHAL_DST_TOKEN_MAJOR;
+    uint32_t parts = p->order == both ? 1 : p->heads;
+    uint64_t steps = p->order && p->order != both ? k : 1, each = k / steps;
     if (!p->job) {
-        p->count += p->heads;
+        p->count += (uint64_t)parts * steps;
         return 0;
     }
     const pdhal_copy_cache *cache = p->cache;
-    uint64_t unit = cache->block_bytes / p->heads; /* of one head */
-    for (uint32_t h = 0; h < p->heads; h++, p->at++) {
-        /* ids below 2^40 x 2^24 units, bytes below 2^64: no product wraps 128 bits */
-        __uint128_t src = (__uint128_t)cache->src +
-                          (__uint128_t)(s / p->src_units) * cache->src_stride +
-                          ((__uint128_t)(s % p->src_units) + (__uint128_t)h * p->src_units) * unit;
-        __uint128_t off = (__uint128_t)cache->dst_offset +
-                          (__uint128_t)(d / p->dst_units) * cache->dst_stride +
-                          ((__uint128_t)(d % p->dst_units) + (__uint128_t)h * p->dst_units) * unit;
-        if (src > UINT64_MAX || off > UINT64_MAX)
-            return pdhal_fail(ERANGE, "unit run %llu of cache %u lies past the address space",
-                              (unsigned long long)p->run, p->cache_index);
-        int rc = add_copy(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
-                          (uint64_t)off, k * unit);
-        if (rc)
-            return rc;
+    uint64_t unit = cache->block_bytes / parts; /* of one part (of every part: both) */
+    for (uint64_t i = 0; i < steps; i++) {
+        uint64_t su = s + i, du = d + i;
+        for (uint32_t h = 0; h < parts; h++, p->at++) {
+            /* ids below 2^40 x 2^24 units, bytes below 2^64: no product wraps 128 bits */
+            __uint128_t src =
+                (__uint128_t)cache->src + (__uint128_t)(su / p->src_units) * cache->src_stride +
+                unit_place(p->order & PDHAL_SRC_TOKEN_MAJOR, su % p->src_units, h, p->src_units,
+                           parts) *
+                    unit;
+            __uint128_t off =
+                (__uint128_t)cache->dst_offset +
+                (__uint128_t)(du / p->dst_units) * cache->dst_stride +
+                unit_place(p->order & PDHAL_DST_TOKEN_MAJOR, du % p->dst_units, h, p->dst_units,
+                           parts) *
+                    unit;
+            if (src > UINT64_MAX || off > UINT64_MAX)
+                return pdhal_fail(ERANGE, "unit run %llu of cache %u lies past the address space",
+                                  (unsigned long long)p->run, p->cache_index);
+            int rc = add_copy(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
+                              (uint64_t)off, each * unit);
+            if (rc)
+                return rc;
+        }
     }
     return 0;
 }
+
+static int post_units(pdhal_copier *c, const pdhal_copy_cache *caches, const uint32_t *heads,
+                      const uint8_t *orders, uint32_t ncaches, uint64_t src_units,
+                      uint64_t dst_units, const int64_t *unit_runs, uint64_t nruns,
+                      pdhal_copy_job **out);
 
 int pdhal_copier_post_units(pdhal_copier *c, const pdhal_copy_cache *caches,
                             const uint32_t *heads, uint32_t ncaches, uint64_t src_units,
                             uint64_t dst_units, const int64_t *unit_runs, uint64_t nruns,
                             pdhal_copy_job **out)
+{
+    return post_units(c, caches, heads, NULL, ncaches, src_units, dst_units, unit_runs, nruns,
+                      out);
+}
+
+int pdhal_copier_post_pieces(pdhal_copier *c, const pdhal_copy_cache *caches,
+                             const uint32_t *parts, const uint8_t *orders, uint32_t ncaches,
+                             uint64_t src_tokens, uint64_t dst_tokens, const int64_t *token_runs,
+                             uint64_t nruns, pdhal_copy_job **out)
+{
+    *out = NULL;
+    if (ncaches && !orders)
+        return pdhal_fail(EINVAL, "no orders to post pieces by");
+    for (uint32_t k = 0; k < ncaches; k++)
+        if (orders[k] & ~(PDHAL_SRC_TOKEN_MAJOR | PDHAL_DST_TOKEN_MAJOR))
+            return pdhal_fail(EINVAL, "cache %u's order is %u: a mask of "
+                                      "PDHAL_SRC_TOKEN_MAJOR and PDHAL_DST_TOKEN_MAJOR",
+                              k, orders[k]);
+    return post_units(c, caches, parts, orders, ncaches, src_tokens, dst_tokens, token_runs,
+                      nruns, out);
+}
+
+static int post_units(pdhal_copier *c, const pdhal_copy_cache *caches, const uint32_t *heads,
+                      const uint8_t *orders, uint32_t ncaches, uint64_t src_units,
+                      uint64_t dst_units, const int64_t *unit_runs, uint64_t nruns,
+                      pdhal_copy_job **out)
 {
     *out = NULL;
     if ((ncaches && (!caches || !heads)) || (nruns && !unit_runs))
@@ -376,7 +429,7 @@ int pdhal_copier_post_units(pdhal_copier *c, const pdhal_copy_cache *caches,
                                   (unsigned long long)r, (long long)run[0], (long long)run[1],
                                   (long long)run[2], (unsigned long long)cache->region,
                                   (unsigned long long)most);
-            post.heads = heads[k];
+            post.heads = heads[k], post.order = orders ? orders[k] : 0;
             stretches(run, src_units, dst_units, unit_copies, &post);
         }
     }
@@ -387,6 +440,7 @@ int pdhal_copier_post_units(pdhal_copier *c, const pdhal_copy_cache *caches,
     post.job = job;
     for (uint32_t k = 0; k < ncaches; k++) {
         post.cache = &caches[k], post.cache_index = k, post.heads = heads[k];
+        post.order = orders ? orders[k] : 0;
         for (uint64_t r = 0; r < nruns; r++) {
             post.run = r;
             int rc = stretches(unit_runs + 3 * r, src_units, dst_units, unit_copies, &post);

@@ -558,6 +558,25 @@ class Copier(HostQueue):
             lib.pdhal_copier_post_units, caches, heads, ncaches, *units, unit_runs, nruns
         )
 
+    def post_pieces(
+        self,
+        caches,
+        parts,
+        orders,
+        ncaches: int,
+        tokens: tuple[int, int],
+        token_runs,
+        nruns: int,
+    ) -> CopyJob:
+        """Queue the byte copies of `token_runs` (cdata int64_t[3 * nruns]) between caches
+        ordered differently inside a block (`orders`, cdata uint8_t[ncaches] of
+        SRC_TOKEN_MAJOR | DST_TOKEN_MAJOR; `caches`' block bytes one token's, of `parts`
+        parts each; `tokens`: per source block, per destination block) as one job."""
+        return self._post(
+            lib.pdhal_copier_post_pieces, caches, parts, orders, ncaches, *tokens, token_runs,
+            nruns,
+        )  # fmt: skip
+
     def _post(self, post, *args) -> CopyJob:
         out = ffi.new("pdhal_copy_job **")
         with self._lock:  # destroy() frees the copier: not while a post is inside it
@@ -592,6 +611,16 @@ def copy_caches(caches: list[tuple[int, int, int, int, int, int]]):
 def head_counts(heads: list[int]):
     """A cdata uint32_t[] of each cache's KV heads, for Copier.post_units."""
     return ffi.new("uint32_t[]", heads)
+
+
+#: A PieceCopies order mask: the source's (destination's) blocks are token-major.
+SRC_TOKEN_MAJOR = lib.PDHAL_SRC_TOKEN_MAJOR
+DST_TOKEN_MAJOR = lib.PDHAL_DST_TOKEN_MAJOR
+
+
+def order_masks(orders: list[int]):
+    """A cdata uint8_t[] of each cache's order mask, for Copier.post_pieces."""
+    return ffi.new("uint8_t[]", orders)
 
 
 def block_run_words(runs: list[tuple[int, int, int]]):

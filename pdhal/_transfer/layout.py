@@ -37,6 +37,9 @@ _LEAST = {
 }
 #: The longest element type name a CacheSpec may declare.
 MOST_DTYPE_CHARS = 64
+#: How a block is ordered (CacheSpec.order): its heads' parts, each its tokens in order
+#: (head-major, HND), or its tokens' parts, each its heads in order (token-major, NHD).
+ORDERS = ("heads", "tokens")
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,16 @@ class CacheSpec:
     engine keeps there ("bfloat16", "fp8_e4m3", ...; "" undeclared): two sides that both
     declare one must declare the same, since bytes of the same size can be of another type.
     `planes`: a head's part of a block is that many equal parts, each its tokens in order
-    (vLLM's CPU cache keeps a head's K tokens, then its V tokens: 2); what a transfer
-    between blocks of two sizes needs to find each token.
+    (a head's K tokens, then its V tokens: 2); what a transfer between blocks of two sizes
+    needs to find each token. `order`: "heads" (the above: a block is its heads' parts,
+    head-major, HND) or "tokens" (a block is its tokens' parts, each its heads' in head
+    order: token-major, NHD; one plane); two sides of two orders are converted token by
+    token on the way (each token of each head the same bytes on both).
 
     Every field is checked when the spec is made (by a caller or from a peer's
     description): an int (numpy ints converted), region and offset >= 0, the others >= 1,
     block_bytes <= stride, heads x planes dividing block_bytes, dtype a name of at most 64
-    characters; InvalidArgumentError otherwise."""
+    characters, order one of ORDERS; InvalidArgumentError otherwise."""
 
     region: int
     offset: int
@@ -64,10 +70,11 @@ class CacheSpec:
     heads: int = 1
     dtype: str = ""
     planes: int = 1
+    order: str = "heads"
 
     def __post_init__(self) -> None:
         for field in fields(self):
-            if field.name == "dtype":
+            if field.name in ("dtype", "order"):
                 continue
             value = integer(
                 getattr(self, field.name), f"CacheSpec.{field.name}", _LEAST[field.name]
@@ -99,17 +106,35 @@ class CacheSpec:
                 f"{self.block_bytes // self.heads} bytes: a head cannot hold that many equal "
                 f"planes"
             )
+        if self.order not in ORDERS:
+            raise InvalidArgumentError(
+                f"CacheSpec.order must be one of {', '.join(map(repr, ORDERS))}, got {self.order!r}"
+            )
+        if self.order == "tokens" and self.planes != 1:
+            raise InvalidArgumentError(
+                f"CacheSpec.planes {self.planes} with order 'tokens': a token-major block is "
+                f"its tokens' parts, each its heads' (one plane)"
+            )
 
     def to_json(self) -> list:
-        """Its words; the element type and the planes only where they are not the
-        defaults (a peer of the last version reads six)."""
+        """Its words; the element type, the planes and the order only where they are not
+        the defaults (a peer of the last version reads six)."""
         words = [self.region, self.offset, self.stride, self.block_bytes, self.blocks, self.heads]
+        if self.order != "heads":
+            return [*words, self.dtype, self.planes, self.order]
         if self.planes != 1:
             return [*words, self.dtype, self.planes]
         return [*words, self.dtype] if self.dtype else words
 
     def head_view(self, first: int, count: int) -> CacheSpec:
-        """Heads [first, first + count) of every block."""
+        """Heads [first, first + count) of every block (of a head-major block: a
+        token-major one's heads are not one stretch of it)."""
+        if self.order != "heads":
+            raise InvalidArgumentError(
+                f"heads [{first}, {first + count}) of {self.heads} of a token-major cache "
+                f"(CacheSpec.order 'tokens') are not one stretch of its blocks: a transfer "
+                f"between two tensor-parallel splits needs head-major caches"
+            )
         per_head = self.block_bytes // self.heads
         return CacheSpec(
             self.region,
@@ -125,12 +150,12 @@ class CacheSpec:
     @classmethod
     def from_json(cls, words, what: str = "a cache spec") -> CacheSpec:
         """The spec to_json wrote: [region, offset, stride, block_bytes, blocks(, heads(,
-        dtype(, planes)))], from a peer (untrusted): InvalidArgumentError naming `what` if it
-        is anything else."""
-        if not isinstance(words, (list, tuple)) or not 5 <= len(words) <= 8:
+        dtype(, planes(, order))))], from a peer (untrusted): InvalidArgumentError naming
+        `what` if it is anything else."""
+        if not isinstance(words, (list, tuple)) or not 5 <= len(words) <= 9:
             raise InvalidArgumentError(
                 f"{what} must be [region, offset, stride, block_bytes, blocks, heads, dtype, "
-                f"planes], got {words!r}"
+                f"planes, order], got {words!r}"
             )
         try:
             return cls(*words)
@@ -308,6 +333,13 @@ class CacheLayout:
         if heads is not None:
             mine = _head_view(self.layers, heads.src_first, heads.count, "here")
             layers = _head_view(layers, heads.dst_first, heads.count, "on the peer")
+        if _piecewise(mine, layers, tokens):
+            if tokens is None:
+                raise InvalidArgumentError(
+                    "caches of two orders (CacheSpec.order) pair token by token: give both "
+                    "sides' block tokens"
+                )
+            return CacheLayout._pair_tokens(mine, layers, tokens)
         if tokens is not None and tokens[0] != tokens[1]:
             return CacheLayout._pair_tokens(mine, layers, tokens)
         return CacheLayout._pair(mine, layers, heads.count if heads is not None else 0)
@@ -371,6 +403,18 @@ class CacheLayout:
                     )
                 _same_dtype(a, b, what)
         return layers
+
+
+def _piecewise(ours, theirs, tokens: tuple[int, int] | None) -> bool:
+    """Whether two paired layouts' blocks must be copied token by token and head by head:
+    a cache of another order on each side, or a token-major one in blocks of two sizes
+    (a stretch of one head's tokens is not one piece of it)."""
+    sizes_differ = tokens is not None and tokens[0] != tokens[1]
+    return any(
+        a.order != b.order or (sizes_differ and "tokens" in (a.order, b.order))
+        for mine, peer in zip(ours, theirs)
+        for a, b in zip(mine, peer)
+    )
 
 
 def _same_dtype(a: CacheSpec, b: CacheSpec, what: str) -> None:
@@ -627,6 +671,96 @@ class UnitCopies(LayerCopies):
         return out
 
 
+class PieceCopies(LayerCopies):
+    """One layer's caches paired across sides of two orders inside a block (CacheSpec.order:
+    head-major on one, token-major on the other), or token-major ones of two block sizes:
+    the runs are of single tokens, named by virtual ids (block * tokens per block + the
+    token's place in it) on each side, and each token of each part (a head's plane) is
+    copied from where this side's order keeps it to where the other's does; pieces next to
+    each other on both sides go as one copy. Made by RunPlanner from checked layouts; its
+    copies are expanded by copies() (Link.submit_blocks' default), or in C from `caches`,
+    `parts` and `orders` (shm)."""
+
+    __slots__ = ("units", "_orders", "_parts", "_piece_caches", "_packed_parts", "_packed_orders")
+
+    def __init__(
+        self,
+        caches,
+        parts: list[int],
+        orders: list[tuple[str, str]],
+        src_tokens: int,
+        dst_tokens: int,
+    ):
+        """`caches` as LayerCopies takes them, with a token's bytes (all its parts) as the
+        block bytes; `parts`: each cache's heads x planes; `orders`: each cache's (source
+        order, destination order); blocks of `src_tokens` and `dst_tokens`."""
+        super().__init__(caches)
+        self.units = (src_tokens, dst_tokens)
+        self._parts, self._packed_parts, self._packed_orders = tuple(parts), None, None
+        self._orders = tuple(
+            (src == "tokens") * _core.SRC_TOKEN_MAJOR + (dst == "tokens") * _core.DST_TOKEN_MAJOR
+            for src, dst in orders
+        )
+        self._piece_caches = tuple(
+            (*cache[:5], cache[5] // n, _strides(src, n, src_tokens, cache[5] // n),
+             _strides(dst, n, dst_tokens, cache[5] // n), n)
+            for cache, n, (src, dst) in zip(self._caches, parts, orders)
+        )  # fmt: skip
+
+    @property
+    def parts(self):
+        """Each cache's parts as C's uint32_t[] (made on first use)."""
+        if self._packed_parts is None:
+            self._packed_parts = _core.head_counts(self._parts)
+        return self._packed_parts
+
+    @property
+    def orders(self):
+        """Each cache's orders as C's uint8_t[] of PDHAL_*_TOKEN_MAJOR (made on first use)."""
+        if self._packed_orders is None:
+            self._packed_orders = _core.order_masks(self._orders)
+        return self._packed_orders
+
+    def copies(self, runs) -> list[tuple[int, int, int, int]]:
+        """The byte copies of token `runs`: per cache, per token, per part, merged where
+        the next piece follows the last on both sides."""
+        src_tokens, dst_tokens = self.units
+        out: list[tuple[int, int, int, int]] = []
+        for (
+            base,
+            s_stride,
+            region,
+            offset,
+            d_stride,
+            piece,
+            s_at,
+            d_at,
+            parts,
+        ) in self._piece_caches:
+            start = len(out)
+            for s, d, n in runs:
+                for i in range(n):
+                    s_block, s_token = divmod(s + i, src_tokens)
+                    d_block, d_token = divmod(d + i, dst_tokens)
+                    src = base + s_block * s_stride + s_token * s_at[1]
+                    dst = offset + d_block * d_stride + d_token * d_at[1]
+                    for part in range(parts):
+                        a, b = src + part * s_at[0], dst + part * d_at[0]
+                        if len(out) > start:
+                            last = out[-1]
+                            if last[0] + last[3] == a and last[2] + last[3] == b:
+                                out[-1] = (last[0], region, last[2], last[3] + piece)
+                                continue
+                        out.append((a, region, b, piece))
+        return out
+
+
+def _strides(order: str, parts: int, tokens: int, piece: int) -> tuple[int, int]:
+    """(bytes from one part, a head's plane, to the next; from one token to the next) in
+    a block of `order` of `parts` parts and `tokens` tokens, `piece` bytes each."""
+    return (tokens * piece, piece) if order == "heads" else (piece, parts * piece)
+
+
 class RunPlanner:
     """The byte copies of block runs from a source layout into a destination's layers:
     (source address, destination region, destination offset, bytes), one per run and
@@ -636,7 +770,9 @@ class RunPlanner:
 
     `tokens`: the tokens of a block here and on the destination; of two sizes, the runs
     are of units (UnitCopies) of `unit_tokens`, `units` = (units per source block, per
-    destination block); else units are blocks, (1, 1)."""
+    destination block); else units are blocks, (1, 1). Caches of two orders (or
+    token-major ones of two block sizes) are copied token by token (PieceCopies: units of
+    one token)."""
 
     def __init__(
         self,
@@ -644,7 +780,13 @@ class RunPlanner:
         dst_layers: list[list[CacheSpec]],
         tokens: tuple[int, int] | None = None,
     ):
-        self.unit_tokens, self.units = units_of(*(tokens or (1, 1)))
+        tokens = tokens or (1, 1)
+        self.piecewise = _piecewise(src.layers, dst_layers, tokens)
+        if self.piecewise:
+            units_of(*tokens)  # (bounded as units are)
+            self.unit_tokens, self.units = 1, tokens
+        else:
+            self.unit_tokens, self.units = units_of(*tokens)
         self._layers = [
             self._copies(
                 [
@@ -659,6 +801,7 @@ class RunPlanner:
                     for s, d in zip(mine, theirs)
                 ],
                 [s.heads * s.planes for s in mine],
+                [(s.order, d.order) for s, d in zip(mine, theirs)],
             )
             for mine, theirs in zip(src.layers, dst_layers)
         ]
@@ -669,10 +812,14 @@ class RunPlanner:
             sum(s.block_bytes for s in caches) // self.units[0] for caches in src.layers
         ]
 
-    def _copies(self, caches: list[tuple], heads: list[int]) -> LayerCopies:
-        if self.units == (1, 1):
+    def _copies(
+        self, caches: list[tuple], heads: list[int], orders: list[tuple[str, str]]
+    ) -> LayerCopies:
+        if self.units == (1, 1) and not self.piecewise:
             return LayerCopies(caches)
-        unit = [(*cache[:5], cache[5] // self.units[0]) for cache in caches]
+        unit = [(*cache[:5], cache[5] // self.units[0]) for cache in caches]  # a unit's bytes
+        if self.piecewise:
+            return PieceCopies(unit, heads, orders, *self.units)
         return UnitCopies(unit, heads, *self.units)
 
     def layer(self, layer: int) -> LayerCopies:

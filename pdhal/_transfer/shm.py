@@ -43,7 +43,7 @@ from pdhal._transfer.contract import (
     require_blocks,
 )
 from pdhal._transfer.kit import LandedBatch
-from pdhal._transfer.layout import BlockRuns, LayerCopies, UnitCopies
+from pdhal._transfer.layout import BlockRuns, LayerCopies, PieceCopies, UnitCopies
 from pdhal._version import __version__
 
 
@@ -305,6 +305,13 @@ class ShmLink(Link):
             raise TransferError(why)
         if not len(runs):
             return LandedBatch()
+        if isinstance(layer, PieceCopies):
+            return self._post(
+                lambda copier: copier.post_pieces(
+                    layer.caches, layer.parts, layer.orders, layer.count, layer.units,
+                    runs.words, len(runs),
+                )
+            )  # fmt: skip
         if isinstance(layer, UnitCopies):
             return self._post(
                 lambda copier: copier.post_units(

@@ -308,6 +308,20 @@ int pdhal_copier_post_units(pdhal_copier *copier, const pdhal_copy_cache *caches
                             const uint32_t *heads, uint32_t ncaches, uint64_t src_units,
                             uint64_t dst_units, const int64_t *unit_runs, uint64_t nruns,
                             pdhal_copy_job **job);
+/* orders[k] of pdhal_copier_post_pieces: the source's (destination's) blocks of cache k
+ * are token-major, each token's parts in order (else head-major, each part's tokens). */
+#define PDHAL_SRC_TOKEN_MAJOR 1
+#define PDHAL_DST_TOKEN_MAJOR 2
+/* Post the byte copies of `nruns` token runs (first source token, first destination token,
+ * tokens; a token's id its block * tokens per block + its place there) between caches
+ * whose blocks are ordered differently on the two sides (orders[k]), as one job: each
+ * cache's block_bytes is one token's bytes, of parts[k] parts (KV heads x planes); a run
+ * becomes one copy per token per part (head-major on both sides: per part per stretch,
+ * as pdhal_copier_post_units). Checked as pdhal_copier_post_runs checks. */
+int pdhal_copier_post_pieces(pdhal_copier *copier, const pdhal_copy_cache *caches,
+                             const uint32_t *parts, const uint8_t *orders, uint32_t ncaches,
+                             uint64_t src_tokens, uint64_t dst_tokens, const int64_t *token_runs,
+                             uint64_t nruns, pdhal_copy_job **job);
 /* Wait until `job` ran, at most until deadline_ns (CLOCK_MONOTONIC, pdhal_now_ns): 0 (every
  * copy done), -EFAULT (a copy met memory its owner took away; the detail names it),
  * -ETIMEDOUT. */

@@ -40,7 +40,7 @@ import numpy as np
 import pdhal
 from pdhal import ops, transfer
 L, C, B = {LAYERS}, {CACHES}, {BLOCKS}
-HEADS, BB, PLANES = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+HEADS, BB, PLANES, ORDER = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 buffers = [[ops.host_alloc(B * BB) for _ in range(C)] for _ in range(L)]
 caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
 for row in caches:
@@ -48,7 +48,7 @@ for row in caches:
         c[:] = 0
 layout = transfer.CacheLayout(
     [b for row in buffers for b in row],
-    [[transfer.CacheSpec(l * C + c, 0, BB, BB, B, HEADS, "", PLANES) for c in range(C)]
+    [[transfer.CacheSpec(l * C + c, 0, BB, BB, B, HEADS, "", PLANES, ORDER) for c in range(C)]
      for l in range(L)],
 )
 receiver = transfer.KVReceiver(layout, sys.argv[1], transport_name=sys.argv[2], slots=8)
@@ -102,11 +102,12 @@ class Decode:
         heads: int = 1,
         block_bytes: int = BLOCK_BYTES,
         planes: int = 1,
+        order: str = "heads",
     ):
         """`prefix`: a command to run it under (another network namespace); `env`: its
         environment (default: this one's); `heads`: KV heads per block (CacheSpec.heads),
-        `planes` per head (CacheSpec.planes)."""
-        command = [DECODE, name, transport, str(heads), str(block_bytes), str(planes)]
+        `planes` per head (CacheSpec.planes), its blocks' `order` (CacheSpec.order)."""
+        command = [DECODE, name, transport, str(heads), str(block_bytes), str(planes), order]
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-c", *command],
             env=env,

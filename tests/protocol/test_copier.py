@@ -14,7 +14,7 @@ import pytest
 
 from pdhal import InvalidArgumentError, TransferError
 from pdhal._protocol import core
-from pdhal._transfer.layout import LayerCopies, UnitCopies
+from pdhal._transfer.layout import LayerCopies, PieceCopies, UnitCopies
 
 
 def _address(array: np.ndarray) -> int:
@@ -121,6 +121,44 @@ def test_unit_runs_expand_to_the_copies_python_plans(memory, units, heads):
         layer.caches, layer.heads, layer.count, layer.units, core.block_run_words(runs), 3
     ).wait(30)
     _assert_landed_as_planned(regions, source, layer.copies(runs))
+
+
+@pytest.mark.parametrize("orders", [("tokens", "heads"), ("heads", "tokens"), ("tokens", "tokens")])
+@pytest.mark.parametrize("tokens, parts", [((4, 4), 3), ((3, 2), 2), ((2, 5), 1)])
+def test_token_runs_between_two_orders_expand_to_the_copies_python_plans(
+    memory, orders, tokens, parts
+):
+    """post_pieces expands token runs between caches ordered differently inside a block
+    (token-major against head-major), or token-major ones of two block sizes, in C into
+    the very copies PieceCopies.copies plans in Python (per token per part, or per
+    stretch where both sides are token-major), in two caches of one layer."""
+    regions, source, copier = memory
+    src = _address(source)
+    token = 8 * parts  # a token's bytes, every part
+    s_block, d_block = token * tokens[0], token * tokens[1]
+    layer = PieceCopies(
+        [(src, s_block, 0, 0, d_block, token), (src + 2048, s_block, 1, 0, d_block, token)],
+        [parts, parts],
+        [orders, orders],
+        *tokens,
+    )
+    runs = [(0, 3, 5), (7, 0, 2), (5, 9, 3)]
+    copier.post_pieces(
+        layer.caches, layer.parts, layer.orders, layer.count, layer.units,
+        core.block_run_words(runs), 3,
+    ).wait(30)  # fmt: skip
+    _assert_landed_as_planned(regions, source, layer.copies(runs))
+
+
+def test_an_order_mask_that_is_not_one_is_refused(memory):
+    regions, source, copier = memory
+    caches = core.copy_caches([(_address(source), 32, 1, 0, 32, 16)])
+    with pytest.raises(InvalidArgumentError, match="cache 0's order is 4"):
+        copier.post_pieces(
+            caches, core.head_counts([2]), core.order_masks([4]), 1, (2, 2),
+            core.block_run_words([(0, 0, 1)]), 1,
+        )  # fmt: skip
+    assert not regions[1].any()
 
 
 @pytest.mark.parametrize(

@@ -105,6 +105,68 @@ def test_each_token_lands_where_the_decode_sides_blocks_hold_it(here, there, hea
         decode.close()
 
 
+def token_major(caches: list[list[np.ndarray]], block_tokens: int, heads: int) -> list:
+    """The same tokens as source()'s head-major caches, each block token-major (NHD)."""
+    return [
+        [
+            np.ascontiguousarray(
+                c.reshape(BLOCKS, heads, block_tokens, TOKEN_BYTES).transpose(0, 2, 1, 3)
+            ).reshape(BLOCKS, -1)
+            for c in row
+        ]
+        for row in caches
+    ]
+
+
+@pytest.mark.parametrize("here_order, there_order", [("tokens", "heads"), ("heads", "tokens")])
+@pytest.mark.parametrize("here, there", [(4, 4), (8, 4), (4, 6)])
+def test_each_token_of_each_head_lands_where_the_other_order_keeps_it(
+    here_order, there_order, here, there
+):
+    """Prefill blocks token-major (NHD) and decode blocks head-major (HND), or the other
+    way, of one block size or two: a 15-token prompt of 3 heads, ready in two chunks, lands
+    token by token, each head's bytes where the decode side's order keeps them."""
+    heads, tokens = 3, 15
+    decode = Decode(heads=heads, block_bytes=there * heads * TOKEN_BYTES, order=there_order)
+    caches = source(here, heads)
+    if here_order == "tokens":
+        caches = token_major(caches, here, heads)
+    layout = transfer.CacheLayout.from_caches(caches, heads=heads)
+    layout = transfer.CacheLayout(
+        layout.memory,
+        [[dataclasses.replace(s, order=here_order) for s in row] for row in layout.layers],
+    )
+    streamer = transfer.KVStreamer(layout, here)
+    try:
+        src_blocks = [5, 2, 7, 0][: -(-tokens // here)]
+        dst_blocks = [6, 1, 3, 4][: -(-tokens // there)]
+        streamer.add_request("r", src_blocks, tokens)
+        dest = streamer.connect(decode.described, block_tokens=there)
+        streamer.set_destination("r", dest, dst_blocks, decode.expect("r"))
+        for ready in (7, tokens):
+            for layer in range(LAYERS):
+                streamer.layer_ready(layer, [("r", ready)])
+        assert outcomes_until(streamer, 1) == [transfer.Outcome("r", True)]
+        landed, reason, _, _ = decode.wait("r")
+        assert landed, reason
+        for layer in range(LAYERS):
+            for cache in range(CACHES):
+                for j, block in enumerate(dst_blocks):
+                    got = np.array(decode.block(layer, cache, block), np.uint8)
+                    if there_order == "heads":
+                        got = got.reshape(heads, there, TOKEN_BYTES)
+                    else:
+                        got = got.reshape(there, heads, TOKEN_BYTES).transpose(1, 0, 2)
+                    for t in range(min(there, tokens - j * there)):
+                        at = j * there + t
+                        for h in range(heads):
+                            want = value(layer, cache, src_blocks[at // here], h, at % here)
+                            assert (got[h, t] == want).all(), (layer, cache, block, h, t)
+    finally:
+        streamer.close()
+        decode.close()
+
+
 def test_caches_whose_tokens_are_not_the_same_bytes_are_refused_at_connect():
     """A decode side of blocks of 4 tokens: its block bytes must be 4 tokens of each head
     of the prefill side's token bytes; otherwise connect refuses, naming both sides."""
@@ -165,4 +227,28 @@ def test_a_prefix_shorter_on_the_decode_side_and_too_many_units_are_refused_nami
             huge.connect(decode.described, block_tokens=1)
     finally:
         huge.close()
+        decode.close()
+
+
+def test_an_order_that_is_not_one_or_a_token_major_split_by_head_is_refused_naming_why():
+    """CacheSpec.order is "heads" or "tokens", and a token-major block is one plane a
+    head; a token-major cache split by head (a decode rank of another tensor-parallel
+    split) is refused at connect: its heads are not one stretch of a block."""
+    with pytest.raises(pdhal.InvalidArgumentError, match="CacheSpec.order must be one of"):
+        transfer.CacheSpec(0, 0, 64, 64, 1, 2, "", 1, "nhd")
+    with pytest.raises(pdhal.InvalidArgumentError, match="with order 'tokens'"):
+        transfer.CacheSpec(0, 0, 64, 64, 1, 2, "", 2, "tokens")
+    caches = token_major(source(4, 2), 4, 2)
+    layout = transfer.CacheLayout.from_caches(caches, heads=2)
+    layout = transfer.CacheLayout(
+        layout.memory,
+        [[dataclasses.replace(s, order="tokens") for s in row] for row in layout.layers],
+    )
+    streamer = transfer.KVStreamer(layout, 4)
+    decode = Decode(heads=1, block_bytes=4 * TOKEN_BYTES)
+    try:
+        with pytest.raises(pdhal.InvalidArgumentError, match="are not one stretch of its blocks"):
+            streamer.connect(decode.described, heads=transfer.HeadShard(1, 0, 1))
+    finally:
+        streamer.close()
         decode.close()
