@@ -32,8 +32,8 @@ static_assert(PDHAL_RECORD_WORDS == 2 + 3 * PDHAL_MAX_REQUESTS,
 static_assert(PDHAL_QUERY_SLOT == UINT32_MAX, "the per-query slot is no ring slot");
 static_assert(PDHAL_DEFAULT_RING_SLOTS >= 2, "back-pressure needs two slots at least");
 /* How long one wait sleeps at most (a liveness probe and a return for signal handlers at
- * least this often): 200 ms, or PDHAL_WAIT_SLICE_MS, read once (a test lengthens it, so
- * that a lost wake shows as a wait that runs to its timeout, not as a slice's delay). */
+ * least this often): 200 ms, or PDHAL_WAIT_SLICE_MS (digits), read once (a test lengthens
+ * it, so that a lost wake shows as a wait that runs to its timeout, not a slice's delay). */
 int64_t pdhal_wait_slice_ns(void);
 #define PDHAL_BUFFER_HEADER_BYTES 4096            /* buffer payload starts page aligned */
 /* The largest buffer payload: far beyond any KV cache, and small enough that the header

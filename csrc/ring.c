@@ -65,7 +65,7 @@ static int wait_for_reader(pdhal_segment *seg, uint64_t need, int64_t deadline_n
 
 /* Take the producer's publish lock by one wait slice before `deadline_ns`: 0, -ETIMEDOUT
  * once the deadline passed, -EINTR when only the slice ended (the caller calls again).
- * pthread_mutex_timedlock takes CLOCK_REALTIME: the slice (<= 200 ms) is converted at the
+ * pthread_mutex_timedlock takes CLOCK_REALTIME: the slice (pdhal_wait_slice_ns) is converted at the
  * call, so a clock step can only lengthen or shorten one slice. */
 static int lock_publish(pdhal_segment *seg, int64_t deadline_ns)
 {

@@ -29,9 +29,9 @@ int64_t pdhal_wait_slice_ns(void)
     if (!slice) {
         const char *said = getenv("PDHAL_WAIT_SLICE_MS");
         char *end = NULL;
-        long long ms = said ? strtoll(said, &end, 10) : 0;
-        if (!said || end == said || *end || ms < 1 || ms > 3600 * 1000)
-            ms = 200; /* pdhal.check_environment names a bad value */
+        long long ms = said && *said >= '0' && *said <= '9' ? strtoll(said, &end, 10) : 0;
+        if (!end || *end || ms < 1 || ms > 3600 * 1000)
+            ms = 200; /* digits only, as pdhal.check_environment, which names a bad value */
         slice = ms * 1000 * 1000;
         atomic_store_explicit(&slice_ns, slice, memory_order_relaxed);
     }

@@ -240,13 +240,13 @@ def cache_layout(cache: np.ndarray) -> transfer.CacheLayout:
         [
             [
                 transfer.CacheSpec(
-                    0,
-                    (layer * kv + k) * blocks * block,
-                    block,
-                    block,
-                    blocks,
-                    heads,
-                    cache.dtype.name,
+                    region=0,
+                    offset=(layer * kv + k) * blocks * block,
+                    stride=block,
+                    block_bytes=block,
+                    blocks=blocks,
+                    heads=heads,
+                    dtype=cache.dtype.name,
                 )
                 for k in range(kv)
             ]

@@ -263,9 +263,10 @@ class Pipeline:
 
     def _decoder_env(self, device) -> dict[str, str]:
         """The decoder's environment: on the prefill's platform, seeing only `device`; on
-        another (--decode-platform), that backend selected and its devices as they are (a
-        platform's visibility variables are its own backend's to set)."""
-        if self.options.decode_platform is None:
+        another (--decode-platform), that backend selected and every device of it visible
+        (this process cannot ask another backend's platform which variable hides its
+        devices; the decoder computes on the host)."""
+        if self.options.decode_platform in (None, pdhal.current_backend()):
             return _child_env(self.namespace, device, devices=self.plan.tp)
         return _child_env(self.namespace, device, isolate=False, devices=self.plan.tp) | {
             "PDHAL_PLATFORM": self.options.decode_platform

@@ -181,8 +181,8 @@ def make_plan(
     `chunk_tokens` tokens, splitting long prompts into chunks over several steps, and at
     most `max_batch` requests hold a batch slot at once. Blocks are recycled (see above).
     `cache_blocks` blocks of the model's block size on each side; `decode_block_size`
-    (default: the model's) the tokens of a decode block, the decode cache holding as many
-    tokens as the prefill's.
+    (default: the model's) the tokens of a decode block, the decode cache as many whole
+    blocks of it as the prefill cache's tokens fill.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -127,8 +127,8 @@ def test_figures_keep_their_bounds_with_every_core_busy(transport):
 @pytest.mark.simulated
 @pytest.mark.parametrize(
     "prefill, decode, block",
-    [("xpu", "cuda", 16), ("cuda", "xpu", 48), ("cuda", "cpu", 64)],
-    ids=["xpu-to-cuda-blocks-of-16", "cuda-to-xpu-blocks-of-48", "cuda-to-cpu"],
+    [("xpu", "cuda", 16), ("cuda", "xpu", 48), ("cuda", "cpu", 128)],
+    ids=["xpu-to-cuda-blocks-of-16", "cuda-to-xpu-blocks-of-48", "cuda-to-cpu-blocks-of-128"],
 )
 def test_a_prefill_and_a_decode_on_two_backends_and_block_sizes_verify_every_byte(
     monkeypatch, prefill, decode, block
@@ -136,9 +136,9 @@ def test_a_prefill_and_a_decode_on_two_backends_and_block_sizes_verify_every_byt
     """Simulated runtimes (no GPU or XPU here): the workers and messagers on one backend,
     the decoder on another (--decode-platform), each cache in pinned host memory of its
     own backend's runtime, shared by name over shm; decode blocks of `block` tokens
-    (48 divides no 64-token block, nor does 64 divide it). Each side says what it ran on,
-    and every prompt token's K and V, every layer, is checked against a recomputation in
-    the decoder's own blocks; its decode tokens against a plain run's."""
+    (48 and 64 divide neither the other; 128 holds two prefill blocks). Each side says
+    what it ran on, and every prompt token's K and V, every layer, is checked against a
+    recomputation in the decoder's own blocks; its decode tokens against a plain run's."""
     from pdhal_cuda.testing import CudaTestSupport
     from pdhal_xpu.testing import XpuTestSupport
 

@@ -24,8 +24,9 @@ VARIABLES = {
     "PDHAL_XPURT": "path of the XPU runtime to bind (else paddle/libs/libxpurt.so of a Paddle "
     "XPU wheel, else libxpurt.so)",
     "PDHAL_DEBUG": "`pdhal` commands print tracebacks (1)",
-    "PDHAL_WAIT_SLICE_MS": "how long one wait sleeps at most between liveness probes (default "
-    "200; tests lengthen it so that a lost wake runs to the wait's timeout)",
+    "PDHAL_WAIT_SLICE_MS": "how long one wait sleeps at most between liveness probes, and so "
+    "how soon a dead producer is noticed and Ctrl-C runs (default 200; tests lengthen it so "
+    "that a lost wake runs to the wait's timeout)",
 }
 
 
@@ -53,7 +54,7 @@ def _timeout(value: str) -> None:
 
 
 def _slice(value: str) -> None:
-    if not value.isdigit() or not 1 <= int(value) <= 3_600_000:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 3_600_000:
         raise ValueError(f"must be milliseconds from 1 to 3600000, got {value!r}")
 
 

@@ -395,7 +395,7 @@ class RuntimeBackend(Backend):
         process)."""
         record, shape, dtype, need = _published.request(like, name, shape, timeout)
         if _sharedhost.is_host_record(record):
-            return _sharedhost.import_shared(like, name, record, shape, dtype, need, timeout)
+            return _sharedhost.import_shared(like, name, record, shape, dtype, need)
         if record.get("backend") != self.name:
             raise UnsupportedError(
                 f"{name!r} is device memory shared by the {record.get('backend')} backend's "

@@ -32,8 +32,18 @@ _published: dict[tuple[int, str], _core.Segment] = {}
 _lock = threading.Lock()
 
 
+#: Names of pdhal's own host_alloc buffers (sharedhost): no record may take one.
+RESERVED_PREFIX = "host."
+
+
 def publish(name: str, record: dict) -> None:
-    """Publish `record` (JSON-able) under `name`, replacing our own earlier one."""
+    """Publish `record` (JSON-able) under `name`, replacing our own earlier one; a name
+    of RESERVED_PREFIX is refused (InvalidArgumentError)."""
+    if name.startswith(RESERVED_PREFIX):
+        raise InvalidArgumentError(
+            f"{name!r}: names beginning {RESERVED_PREFIX!r} are pdhal's own (host_alloc's "
+            f"buffers); share under another name"
+        )
     path = _names.buffer_path(name)
     body = json.dumps(record).encode()
     key = (os.getpid(), name)
@@ -104,6 +114,7 @@ def lookup(name: str, timeout: float | None) -> dict:
 #: The fields of a record, by what it shares: host memory (a segment) or device memory.
 _HOST_FIELDS = {"path", "offset", "nbytes"}
 _DEVICE_FIELDS = {"handle", "backend", "offset", "nbytes"}
+_TEXT_FIELDS = ("path", "handle", "backend")
 
 
 def _malformed(record: object) -> str | None:
@@ -117,9 +128,9 @@ def _malformed(record: object) -> str | None:
         value = record[key]
         if type(value) is not int or not least <= value < 1 << 62:
             return f"{key} {value!r} is not an int >= {least}"
-    for key in _DEVICE_FIELDS - {"offset", "nbytes"} | {"path"}:
+    for key in _TEXT_FIELDS:
         if key in record and not (isinstance(record[key], str) and record[key].isprintable()):
-            return f"{key} {record[key]!r} is not a string"
+            return f"{key} {record[key]!r} is not a string of printable characters"
     return None
 
 

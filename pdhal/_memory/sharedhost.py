@@ -1,8 +1,9 @@
 """Host memory in pdhal's shared segments: what host_alloc hands out on every backend, so
-that set_data_ipc shares it by name and another process maps it (share_external_data),
-whichever runtime pinned it on either side. (A vendor runtime's own host allocator hands
-out memory private to its process: a KV cache in it could not be shared with a cache
-messager, nor served by the shm transport.)
+that set_data_ipc shares it by name and another process maps it (share_external_data)
+whatever runtime it binds. (A vendor runtime's own host allocator hands out memory private
+to its process: a KV cache in it could not be shared with a cache messager, nor served by
+the shm transport. The pages are pinned by the runtime that allocated them; an importer's
+own runtime copies into its mapping as into pageable memory.)
 
 A backend pins a buffer its own way, in a subclass: the cpu backend locks its pages
 (mlock), a runtime backend registers them with its runtime (what that runtime's DMA
@@ -123,10 +124,11 @@ _imported_names: dict[str, list[tuple[str, _extents.Extent]]] = {}  # name -> (p
 _imported_lock = threading.Lock()
 
 
-def import_shared(like, name: str, record: dict, shape: tuple, dtype: str, need: int, timeout):
-    """The host memory `record` (published as `name`) names, mapped here: a numpy array of
-    `dtype` and `shape` (`need` bytes), or a Paddle tensor when `like` is one (bfloat16
-    included)."""
+def import_shared(like, name: str, record: dict, shape: tuple, dtype: str, need: int):
+    """The host memory `record` (published as `name`: published.lookup checked its fields)
+    names, mapped here: a numpy array of `dtype` and `shape` (`need` bytes), or a Paddle
+    tensor when `like` is one (bfloat16 included). A record naming bytes outside its
+    buffer is refused before the mapping is kept."""
     import numpy as np
 
     # numpy has no bfloat16: map it as int16 and let Paddle view it as what it is
@@ -146,18 +148,22 @@ def import_shared(like, name: str, record: dict, shape: tuple, dtype: str, need:
             f"the record of {name!r} names {path!r}, which is not a host_alloc buffer of "
             f"namespace {_names.namespace()!r}"
         )
-    seg = _imported.get(path)
-    if seg is None:
-        opened = _core.Segment.open(path, _core.KIND_BUFFER, timeout)
-        with _imported_lock:
-            seg = _imported.setdefault(path, opened)
+    with _imported_lock:
+        seg = kept = _imported.get(path)
+    if seg is None:  # its buffer exists while its record does: no waiting for it
+        seg = _core.Segment.open(path, _core.KIND_BUFFER, 0)
     # the record is its publisher's word: what it names must lie inside what was mapped
     offset, nbytes, size = record["offset"], record["nbytes"], len(seg.body())
-    if not all(type(n) is int for n in (offset, nbytes)) or not 0 <= offset <= size - nbytes:
+    if not 0 <= offset <= size - nbytes:
+        if kept is None:
+            seg.close()  # opened for this record alone
         raise InvalidArgumentError(
-            f"the record of {name!r} names bytes [{offset!r}, +{nbytes!r}) of a buffer of "
+            f"the record of {name!r} names bytes [{offset}, +{nbytes}) of a buffer of "
             f"{size}: not what set_data_ipc shares"
         )
+    with _imported_lock:
+        seg = _imported.setdefault(path, seg)  # one mapping per buffer: a racing opener's
+        # own goes with its last reference
     # What was shared is the tensor, not the whole buffer behind it: an address inside the
     # mapping is bounded by the tensor's bytes.
     address = seg.body_address() + offset

@@ -304,8 +304,9 @@ class ProgressReader:
 
         Spins `spin_us` microseconds (at most a second) before it sleeps: worth it only
         when layers come faster than the spin. Raises SignalTimeoutError after `timeout`
-        seconds and ProducerDiedError (within a second) if the producer dies. Ctrl-C
-        interrupts the wait.
+        seconds and ProducerDiedError (within a wait slice, 200 ms unless
+        PDHAL_WAIT_SLICE_MS says) if the producer dies. Ctrl-C interrupts the wait (within a
+        slice).
         """
         word = self._segment.wait(since_word(since), timeout, spin_ns(spin_us))
         return word >> _core.LAYER_BITS, (word & _core.LAYER_MASK) - 1

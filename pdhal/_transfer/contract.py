@@ -301,31 +301,37 @@ def require_memory(transport: Transport, regions: list, what: str) -> None:
 
 def moves(transport: Transport, source: str, destination: str) -> bool:
     """Whether `transport` moves `source` memory into `destination` memory (kinds)."""
-    pairs = getattr(transport, "pairs", None)
-    if pairs is not None:
-        return (source, destination) in pairs
-    kinds = getattr(transport, "memory", None)
-    return kinds is None or (source in kinds and destination in kinds)
+    if transport.pairs is not None:
+        return (source, destination) in transport.pairs
+    return transport.memory is None or (
+        source in transport.memory and destination in transport.memory
+    )
 
 
-def require_pairs(transport: Transport, here: list[str], there: object) -> None:
-    """Refuse a destination whose memory kinds (`there`, from its description: untrusted)
-    `transport` does not move this side's (`here`) into, naming both kinds
-    (InvalidArgumentError); a description that does not say (None) is not checked."""
+def require_pairs(transport: Transport, here: list[str], there: object, regions: int) -> None:
+    """Refuse a destination whose memory kinds (`there`, from its description: untrusted,
+    one per region of its `regions`) `transport` does not move this side's (`here`) into,
+    naming both kinds (InvalidArgumentError); a description that does not say (None) is
+    not checked."""
     if there is None:
         return
-    if not isinstance(there, list) or not all(
-        isinstance(kind, str) and 0 < len(kind) <= 64 and kind.isprintable() for kind in there
+    if (
+        not isinstance(there, list)
+        or len(there) != regions
+        or not all(
+            isinstance(kind, str) and 0 < len(kind) <= 64 and kind.isprintable() for kind in there
+        )
     ):
         raise InvalidArgumentError(
-            f"the destination's memory must be a list of memory kinds, got {there!r}"
+            f"the destination's memory must be a list of {regions} memory kinds, one per "
+            f"region, got {there!r}"
         )
     for source in dict.fromkeys(here):
         for destination in dict.fromkeys(there):
             if not moves(transport, source, destination):
                 said = (
                     ", ".join(f"{s} to {d}" for s, d in transport.pairs)
-                    if getattr(transport, "pairs", None) is not None
+                    if transport.pairs is not None
                     else f"{', '.join(transport.memory)} memory only"
                 )
                 raise InvalidArgumentError(

@@ -174,7 +174,7 @@ class KVStreamer:
                 f"{described['regions'][: len(sizes)]}: a description must not claim more "
                 f"than it serves"
             )
-        require_pairs(self._transport, self.layout.kinds, layout.get("memory"))
+        require_pairs(self._transport, self.layout.kinds, layout.get("memory"), len(sizes))
         units_of(self.block_tokens, there)  # (refused before the layouts are compared)
         layers = self.layout.check_peer(layout, heads, (self.block_tokens, there))
         source = (

@@ -123,7 +123,7 @@ def test_a_record_that_is_not_what_set_data_ipc_writes_is_refused_naming_what_is
     """A record is another process's word: one that names anything but a host_alloc buffer
     of this namespace (another name's record, another deployment's buffer), or whose fields
     are not set_data_ipc's, is refused with a pdhal error naming it, nothing mapped."""
-    from pdhal._memory import published
+    from pdhal._memory import published, sharedhost
     from pdhal._protocol import names
 
     _select(monkeypatch, backend)
@@ -134,7 +134,8 @@ def test_a_record_that_is_not_what_set_data_ipc_writes_is_refused_naming_what_is
     hostile = {
         "a record": ({**ours, "path": names.buffer_path("honest")}, "not a host_alloc buffer"),
         "another namespace": ({**ours, "path": other_namespace}, "not a host_alloc buffer"),
-        "a NUL": ({**ours, "path": ours["path"] + "\x00x"}, "is not a string"),
+        "a NUL": ({**ours, "path": ours["path"] + "\x00x"}, "is not a string of printable"),
+        "bytes past its buffer": ({**ours, "offset": NBYTES - 8}, "of a buffer of"),
         "no size": ({"path": ours["path"], "offset": 0}, "fields"),
         "a text size": ({**ours, "nbytes": "16"}, "nbytes '16' is not an int"),
         "a bool offset": ({**ours, "offset": True}, "offset True is not an int"),
@@ -150,13 +151,16 @@ def test_a_record_that_is_not_what_set_data_ipc_writes_is_refused_naming_what_is
         hostile["an offset beyond"] = ({**real, "offset": 1 << 40}, beyond)
         hostile["a size beyond"] = ({**real, "nbytes": 1 << 30}, beyond)
         wants["a size beyond"] = 1 << 24
+    mapped = set(sharedhost._imported)  # (earlier tests' imports may stay)
     try:
         for what, (record, says) in hostile.items():
             published.publish("evil", record)
             with pytest.raises(pdhal.InvalidArgumentError, match=says):
                 ops.share_external_data("uint8", "evil", [wants.get(what, 16)])
             ops.unset_data_ipc(None, "evil", True, True)
-            assert list(buf.as_numpy(np.uint8, (4,))) == [0, 0, 0, 0], what
+            assert set(sharedhost._imported) == mapped, f"{what}: a refused record stays mapped"
+        with pytest.raises(pdhal.InvalidArgumentError, match="are pdhal's own"):
+            ops.set_data_ipc(buf.as_numpy(np.uint8, (NBYTES,)), "host.1.2")  # a buffer's name
     finally:
         ops.host_free(buf)
         if backend == "cuda":

@@ -86,8 +86,9 @@ def test_one_writer_and_four_readers_lose_no_wake(cpus):
     the readers block, publishes one probe value and publishes nothing more until every
     reader said it saw the probe. The readers' wait slice is an hour
     (PDHAL_WAIT_SLICE_MS), so nothing but the probe's wake can end their wait: a lost wake
-    runs to the reader's 10 s timeout and fails it, however loaded the machine (no timed
-    bound). `make stress` runs 1,000,000 publishes."""
+    sleeps to the wait's 30 s deadline, and a reader fails on any wait of 5 s or more (a
+    hang, not a delay: a loaded machine's are milliseconds). `make stress` runs 1,000,000
+    publishes."""
     layers, bursts = 25, 10
     steps = MANY_READERS_PUBLISHES // layers // bursts * bursts
     probes = [(b + 1) * steps // bursts for b in range(bursts)]  # steps whose last layer
@@ -131,7 +132,9 @@ def test_one_writer_and_four_readers_lose_no_wake(cpus):
         print("ready", flush=True)
         since, seen, probes = reader.current(), 0, {probes}
         while since != ({steps}, {layers - 1}):
-            now = reader.wait(since, timeout=10)  # a lost wake ends here, with a timeout
+            began = time.monotonic()
+            now = reader.wait(since, timeout=30)  # a lost wake sleeps to the deadline
+            assert time.monotonic() - began < 5, f"a wait past {{since}} slept to its deadline"
             assert since < now and now[1] < {layers}, (since, now)
             if seen < len(probes) and now >= (probes[seen], {layers - 1}):
                 print("saw", seen, flush=True)

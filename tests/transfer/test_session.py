@@ -812,7 +812,8 @@ def test_a_pair_of_memory_kinds_the_transport_does_not_move_is_refused_at_the_he
     """A transport declares the pairs of memory kinds it moves (Transport.pairs): here
     host memory into a GPU's only. Each side's caches are a kind it serves (host memory),
     so each side alone is accepted; the decode side's hello is refused, naming both sides
-    and both kinds, before any claim."""
+    and both kinds, before any claim. The same transport declaring host into host too
+    pairs them."""
     from pdhal._transfer import plugins
     from pdhal._transfer.shm import ShmTransport
 
@@ -836,6 +837,16 @@ def test_a_pair_of_memory_kinds_the_transport_does_not_move_is_refused_at_the_he
             "this side's caches are cpu memory and the destination's cpu memory: transport "
             "'host-to-gpu' moves cpu to gpu"
         ) in text
+    finally:
+        client.close()
+        service.close()
+    monkeypatch.setattr(HostToGpu, "pairs", (("cpu", "gpu"), ("cpu", "cpu")))
+    service = transfer.PrefillService(
+        caches, 4, key=KEY, kv_heads=KV_HEADS, transport_name="host-to-gpu"
+    )
+    client = transfer.DecodeClient(receiver, key=KEY, kv_heads=KV_HEADS, block_tokens=4)
+    try:
+        client.connect(service.address)  # welcomed
     finally:
         client.close()
         service.close()

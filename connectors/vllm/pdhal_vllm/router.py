@@ -361,7 +361,6 @@ class Router:
             with self._untold_lock:
                 first = messager not in self._untold
                 self._untold[messager] = self._untold.get(messager, 0) + 1
-            self.trace("abandoned", tid=tid, told=False)
             if first:
                 log.warning(
                     "could not tell the messager at %s that %s's decode failed (%s): its "
@@ -371,10 +370,10 @@ class Router:
                     tid,
                     e,
                 )
+            self.trace("abandoned", tid=tid, told=False)  # after the log: a test reads both
             return
         with self._untold_lock:
             missed = self._untold.pop(messager, 0)
-        self.trace("abandoned", tid=tid, told=True)
         if missed:
             log.warning(
                 "told the messager at %s again; %d abandons could not be told meanwhile "
@@ -382,6 +381,7 @@ class Router:
                 messager,
                 missed,
             )
+        self.trace("abandoned", tid=tid, told=True)
 
     async def _prefill(self, prefill: Instance, path: str, body: dict, tid: str):
         """The prefill request: with --kv-transfer-params prefill, the kv_transfer_params

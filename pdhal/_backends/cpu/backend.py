@@ -158,7 +158,7 @@ def share_external_data(like, name: str, shape, timeout: float | None = 60.0):
             f"runtime (its IPC handle): the cpu backend maps host memory only; share host "
             f"memory from host_alloc between backends"
         )
-    return _sharedhost.import_shared(like, name, record, shape, dtype, need, timeout)
+    return _sharedhost.import_shared(like, name, record, shape, dtype, need)
 
 
 def unset_data_ipc(tensor, name: str, close_ipc: bool = True, unlink_shm: bool = True) -> None:
