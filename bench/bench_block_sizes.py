@@ -8,10 +8,11 @@ and V, head-major (BENCH_HEADS heads of 64 bytes a token: 16 KiB blocks at 4 hea
 round sends, in turn, one step of BENCH_REQUESTS requests of 8 prefill blocks each to decode
 caches of 64-token blocks (alike: block runs expanded in C), of 16 (each prefill block four
 decode blocks), of 48 (sizes that do not divide: units of 16 tokens), and of 64 tokens
-token-major (NHD against the prefill's HND: a copy per token and head, planned in Python),
-every layer ready at once; a mode's time is from the first layer_ready to the last request
-landed. Each row:
-GiB/s (median over rounds) and the median of each round's ratio against "alike".
+token-major (NHD against the prefill's HND: a copy per token and head, expanded in C), and
+the alike transfer followed by making its blocks token-major on the decode side (the
+other way to convert: after landing), every layer ready at once; a mode's time is from the
+first layer_ready to the last request landed (and converted). Each row: GiB/s (median over
+rounds) and the median of each round's ratio against "alike".
 A different block size costs more, smaller copies: one per head and per stretch inside one
 block on both sides (expanded in C, on the shm link's copier), where alike blocks of
 consecutive ids are one copy per run.
@@ -62,6 +63,24 @@ def caches(block_tokens: int, blocks: int, order: str = "heads"):
     return layout, buffers
 
 
+#: Alike blocks landed, then made token-major on the decode side (numpy, a core of its
+#: own): what a conversion after landing would cost, against converting on the way.
+CONVERTED = "alike, then converted on decode"
+
+
+def _convert(layout) -> float:
+    """Seconds to make every block of `layout` (head-major, 64 tokens) token-major, into
+    a buffer of its own per cache, as a decode-side conversion after landing would."""
+    import numpy as np
+
+    start = time.perf_counter()
+    for region in layout.memory:
+        blocks = region.nbytes // (HEADS * 64 * TOKEN_BYTES)
+        heads_major = region.as_numpy(np.uint8, (blocks, HEADS, 64, TOKEN_BYTES))
+        np.ascontiguousarray(heads_major.transpose(0, 2, 1, 3))
+    return time.perf_counter() - start
+
+
 def main() -> dict:
     from pdhal import ops, transfer
 
@@ -80,7 +99,7 @@ def main() -> dict:
         dest = streamer.connect(receiver.describe(), block_tokens=tokens)
         sides[name] = (receiver, dest, tokens)
     nbytes = LAYERS * 2 * REQUESTS * TOKENS * HEADS * TOKEN_BYTES
-    seconds = {name: [] for name in MODES}
+    seconds = {name: [] for name in [*MODES, CONVERTED]}
     serial = 0
     for _ in range(ROUNDS):
         for name, (receiver, dest, tokens) in sides.items():
@@ -102,6 +121,8 @@ def main() -> dict:
             assert all(o.landed for o in ended), ended
             for request in ids:
                 assert receiver.wait(request).landed
+            if name == "alike (64)":  # the other way to token-major: land, then convert
+                seconds[CONVERTED].append(seconds[name][-1] + _convert(receiver.layout))
     streamer.close()
     for receiver, _, _ in sides.values():
         receiver.close()
