@@ -27,7 +27,12 @@ struct pdhal_copy_job {
     _Atomic int refs;       /* the poster's handle and the queue's */
     char why[256];          /* a failed job's reason, written before state */
     uint64_t count;
-    struct copy { char *dst; const char *src; uint64_t bytes; } copies[];
+    /* `count` copies of `bytes`, each `dst_step` and `src_step` past the last (1: one) */
+    struct copy {
+        char *dst;
+        const char *src;
+        uint64_t bytes, count, dst_step, src_step;
+    } copies[];
 };
 
 struct span { uint64_t start, end; };
@@ -60,7 +65,8 @@ static void *copier_main(void *arg)
         }
         for (uint64_t i = 0; i < job->count && state == JOB_DONE; i++) {
             const struct copy *copy = &job->copies[i];
-            if (pdhal_copy_armed(copy->dst, copy->src, copy->bytes) != 0) {
+            if (pdhal_copy_armed_strided(copy->dst, copy->src, copy->bytes, copy->count,
+                                         copy->dst_step, copy->src_step) != 0) {
                 snprintf(job->why, sizeof job->why, "copy %llu of %llu: %s",
                          (unsigned long long)i, (unsigned long long)job->count,
                          pdhal_last_error());
@@ -141,28 +147,46 @@ static int from_sources(const pdhal_copier *c, uint64_t src, uint64_t bytes)
 }
 
 /* The copy of run `index` checked into job->copies[at]: -ERANGE naming what is outside. */
-static int add_copy(const pdhal_copier *c, struct pdhal_copy_job *job, uint64_t at,
-                    uint64_t index, uint64_t src, uint64_t region, uint64_t offset,
-                    uint64_t bytes)
+/* Entry `at` of `job`: `count` copies of `bytes` from `src` into region `region` at
+ * `offset`, each `src_step` and `dst_step` past the last, checked whole: from the first
+ * copy's start to the last one's end inside the region and inside the sources. */
+static int add_strided(const pdhal_copier *c, struct pdhal_copy_job *job, uint64_t at,
+                       uint64_t index, uint64_t src, uint64_t region, uint64_t offset,
+                       uint64_t bytes, uint64_t count, uint64_t dst_step, uint64_t src_step)
 {
     if (bytes == 0)
         return pdhal_fail(EINVAL, "run %llu copies 0 bytes (at least 1 is a run)",
                           (unsigned long long)index);
+    /* the span from the first copy's start to the last one's end: below 2^128 */
+    __uint128_t dst_span = (__uint128_t)(count - 1) * dst_step + bytes;
+    __uint128_t src_span = (__uint128_t)(count - 1) * src_step + bytes;
     if (region >= c->regions || offset > c->region_bytes[region] ||
-        bytes > c->region_bytes[region] - offset)
+        dst_span > c->region_bytes[region] - offset)
         return pdhal_fail(ERANGE, "run %llu, of %llu bytes at offset %llu of region %llu, is "
                                   "outside the destination (%u regions)",
                           (unsigned long long)index, (unsigned long long)bytes,
                           (unsigned long long)offset, (unsigned long long)region, c->regions);
-    if (!from_sources(c, src, bytes))
+    if (src_span > UINT64_MAX || !from_sources(c, src, (uint64_t)src_span))
         return pdhal_fail(ERANGE, "run %llu's source [%#llx, +%llu) is outside the memory "
                                   "this link was given to copy from",
                           (unsigned long long)index, (unsigned long long)src,
                           (unsigned long long)bytes);
-    job->copies[at].dst = (char *)(uintptr_t)(c->region_base[region] + offset);
-    job->copies[at].src = (const char *)(uintptr_t)src;
-    job->copies[at].bytes = bytes;
+    job->copies[at] = (struct copy){
+        .dst = (char *)(uintptr_t)(c->region_base[region] + offset),
+        .src = (const char *)(uintptr_t)src,
+        .bytes = bytes,
+        .count = count,
+        .dst_step = dst_step,
+        .src_step = src_step,
+    };
     return 0;
+}
+
+static int add_copy(const pdhal_copier *c, struct pdhal_copy_job *job, uint64_t at,
+                    uint64_t index, uint64_t src, uint64_t region, uint64_t offset,
+                    uint64_t bytes)
+{
+    return add_strided(c, job, at, index, src, region, offset, bytes, 1, 0, 0);
 }
 
 static int new_job(uint64_t count, struct pdhal_copy_job **out)
@@ -329,39 +353,42 @@ static int unit_copies(void *arg, uint64_t s, uint64_t d, uint64_t k)
 {
     struct unit_post *p = arg;
     /* head-major on both sides: a part's k units are one copy; token-major on both: the k
-     * units of every part are; else one copy per unit and part */
+     * units of every part are; else, per part, k copies of a unit, strided on the
+     * token-major side (one entry) */
     const uint8_t both = PDHAL_SRC_TOKEN_MAJOR | PDHAL_DST_TOKEN_MAJOR;
     uint32_t parts = p->order == both ? 1 : p->heads;
-    uint64_t steps = p->order && p->order != both ? k : 1, each = k / steps;
+    int strided = p->order && p->order != both;
     if (!p->job) {
-        p->count += (uint64_t)parts * steps;
+        p->count += parts;
         return 0;
     }
     const pdhal_copy_cache *cache = p->cache;
     uint64_t unit = cache->block_bytes / parts; /* of one part (of every part: both) */
-    for (uint64_t i = 0; i < steps; i++) {
-        uint64_t su = s + i, du = d + i;
-        for (uint32_t h = 0; h < parts; h++, p->at++) {
-            /* ids below 2^40 x 2^24 units, bytes below 2^64: no product wraps 128 bits */
-            __uint128_t src =
-                (__uint128_t)cache->src + (__uint128_t)(su / p->src_units) * cache->src_stride +
-                unit_place(p->order & PDHAL_SRC_TOKEN_MAJOR, su % p->src_units, h, p->src_units,
-                           parts) *
-                    unit;
-            __uint128_t off =
-                (__uint128_t)cache->dst_offset +
-                (__uint128_t)(du / p->dst_units) * cache->dst_stride +
-                unit_place(p->order & PDHAL_DST_TOKEN_MAJOR, du % p->dst_units, h, p->dst_units,
-                           parts) *
-                    unit;
-            if (src > UINT64_MAX || off > UINT64_MAX)
-                return pdhal_fail(ERANGE, "unit run %llu of cache %u lies past the address space",
-                                  (unsigned long long)p->run, p->cache_index);
-            int rc = add_copy(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
-                              (uint64_t)off, each * unit);
-            if (rc)
-                return rc;
-        }
+    /* from one unit of a part to the next: the unit itself where a part's units are
+     * together (head-major), every part's where they are not (token-major) */
+    uint64_t src_step = p->order & PDHAL_SRC_TOKEN_MAJOR ? cache->block_bytes : unit;
+    uint64_t dst_step = p->order & PDHAL_DST_TOKEN_MAJOR ? cache->block_bytes : unit;
+    for (uint32_t h = 0; h < parts; h++, p->at++) {
+        /* ids below 2^40 x 2^24 units, bytes below 2^64: no product wraps 128 bits */
+        __uint128_t src =
+            (__uint128_t)cache->src + (__uint128_t)(s / p->src_units) * cache->src_stride +
+            unit_place(p->order & PDHAL_SRC_TOKEN_MAJOR, s % p->src_units, h, p->src_units,
+                       parts) *
+                unit;
+        __uint128_t off =
+            (__uint128_t)cache->dst_offset + (__uint128_t)(d / p->dst_units) * cache->dst_stride +
+            unit_place(p->order & PDHAL_DST_TOKEN_MAJOR, d % p->dst_units, h, p->dst_units,
+                       parts) *
+                unit;
+        if (src > UINT64_MAX || off > UINT64_MAX)
+            return pdhal_fail(ERANGE, "unit run %llu of cache %u lies past the address space",
+                              (unsigned long long)p->run, p->cache_index);
+        int rc = strided ? add_strided(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
+                                       (uint64_t)off, unit, k, dst_step, src_step)
+                         : add_copy(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
+                                    (uint64_t)off, k * unit);
+        if (rc)
+            return rc;
     }
     return 0;
 }

@@ -68,6 +68,20 @@ int pdhal_copy_guarded(void *dst, const void *src, uint64_t bytes) {
 }
 
 int pdhal_copy_armed(void *dst, const void *src, uint64_t bytes) {
+    return pdhal_copy_armed_strided(dst, src, bytes, 1, 0, 0);
+}
+
+/* The copies themselves, in a frame of their own: nothing they change lives across the
+ * guard's sigsetjmp. */
+static __attribute__((noinline)) void copy_each(char *to, const char *from, uint64_t bytes,
+                                                uint64_t count, uint64_t dst_step,
+                                                uint64_t src_step) {
+    for (uint64_t i = 0; i < count; i++, to += dst_step, from += src_step)
+        memcpy(to, from, (size_t)bytes);
+}
+
+int pdhal_copy_armed_strided(void *dst, const void *src, uint64_t bytes, uint64_t count,
+                             uint64_t dst_step, uint64_t src_step) {
     sigjmp_buf jump;
     if (sigsetjmp(jump, 0) != 0) {
         return pdhal_fail(EFAULT, "a copy of %llu bytes met memory its owner took away (SIGBUS)",
@@ -75,7 +89,7 @@ int pdhal_copy_armed(void *dst, const void *src, uint64_t bytes) {
     }
     fault_jump = &jump;
     atomic_signal_fence(memory_order_seq_cst); /* pairs with the handler's read */
-    memcpy(dst, src, (size_t)bytes);
+    copy_each(dst, src, bytes, count, dst_step, src_step);
     atomic_signal_fence(memory_order_seq_cst);
     fault_jump = NULL;
     return 0;

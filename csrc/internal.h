@@ -189,6 +189,9 @@ struct pdhal_work *pdhal_worker_stop(pdhal_worker *w);
  * arm once (0, or -errno: no handler, so copy nothing), then each copy. */
 int pdhal_guard_arm(void);
 int pdhal_copy_armed(void *dst, const void *src, uint64_t bytes);
+/* `count` copies of `bytes`, each `dst_step` and `src_step` past the last, under one guard. */
+int pdhal_copy_armed_strided(void *dst, const void *src, uint64_t bytes, uint64_t count,
+                             uint64_t dst_step, uint64_t src_step);
 
 /* segment.c */
 void pdhal_segment_ref(pdhal_segment *seg);

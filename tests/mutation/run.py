@@ -239,6 +239,11 @@ def run_one(base: str, m: dict) -> tuple[str, str]:
             failed = build_c_core(copy)
             if failed:
                 return "stillborn", failed.strip().splitlines()[-1]
+        elif m["file"].endswith(".py"):
+            try:  # a mutant that is not Python kills every test by not importing
+                compile(open(os.path.join(copy, m["file"])).read(), m["file"], "exec")
+            except SyntaxError as e:  # IndentationError too
+                return "stillborn", f"{type(e).__name__}: {e}"
         failed = run_tests(copy, m["tests"])
         return ("killed", failed) if failed else ("survived", "every named test passed")
     finally:
