@@ -101,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "goes where the decode side's blocks hold it",
     )
     parser.add_argument(
+        "--decode-order",
+        choices=["heads", "tokens"],
+        help="how a decode cache block is ordered: heads (each head's tokens, HND: the "
+        "prefill's) or tokens (each token's heads, NHD), converted on the way",
+    )
+    parser.add_argument(
         "--decode-platform",
         metavar="BACKEND",
         help="run the decoder on this pdhal backend (PDHAL_PLATFORM there; default: the "
@@ -340,6 +346,7 @@ def main(args) -> int:
                 args.tp,
                 args.max_batch,
                 args.decode_block_size,
+                args.decode_order,
             )
             for length, why in plan.rejected:
                 print(

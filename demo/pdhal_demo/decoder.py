@@ -79,18 +79,20 @@ def reference_prefill(model: TinyDecoder, plan: Plan, cache: np.ndarray) -> dict
     return first_tokens
 
 
-def _checksums(cache: np.ndarray, blocks: list[int], tokens: int) -> list[int]:
-    """crc32 of the rows of a request's `tokens` prompt tokens in its blocks, per rank,
-    layer and K/V. (The rest of its last block is whatever the block held before: blocks are
-    recycled, and an engine writes only the rows of tokens.)"""
-    full, tail = divmod(tokens, cache.shape[5])
+def _checksums(model, cache: np.ndarray, blocks: list[int], tokens: int) -> list[int]:
+    """crc32 of the rows of a request's `tokens` prompt tokens in its blocks (of `model`'s
+    block size and order), per rank, layer and K/V. (The rest of its last block is whatever
+    the block held before: blocks are recycled, and an engine writes only the rows of
+    tokens.)"""
+    full, tail = divmod(tokens, model.block_size)
+    rows = np.arange(tail)
     out = []
     for rank in range(cache.shape[0]):
         for layer in range(cache.shape[1]):
             for kv in (0, 1):
                 crc = zlib.crc32(np.ascontiguousarray(cache[rank, layer, kv, blocks[:full]]).data)
                 if tail:
-                    part = cache[rank, layer, kv, blocks[full], :, :tail]
+                    part = cache[rank][model.slots(layer, kv, np.full(tail, blocks[full]), rows)]
                     crc = zlib.crc32(np.ascontiguousarray(part).data, crc)
                 out.append(crc)
     return out
@@ -117,8 +119,8 @@ class Checker:
                 plan.chunks([c], self.prompts, "decode"), shards(self.reference)
             ).get(request_id)
         blocks = plan.decode_prompt_blocks(request_id)  # what prefill filled
-        got = _checksums(self.cache, blocks, request.prompt_len)
-        want = _checksums(self.reference, blocks, request.prompt_len)
+        got = _checksums(plan.decode_model, self.cache, blocks, request.prompt_len)
+        want = _checksums(plan.decode_model, self.reference, blocks, request.prompt_len)
         # K and V of every prompt token, every layer, every rank's heads
         self.checked_bytes += (
             2 * layers * request.prompt_len * (plan.model.block_bytes() // plan.model.block_size)
@@ -169,7 +171,7 @@ def _receivers(plan: Plan, cache: np.ndarray, name: str) -> list[transfer.KVRece
     for rank in range(plan.tp):
         receivers.append(
             transfer.KVReceiver(
-                cache_layout(cache[rank]),
+                cache_layout(cache[rank], plan.decode_order),
                 f"{name}.{rank}",
                 transport_name=plan.transport,
                 slots=max(len(plan.requests), 1),

@@ -37,14 +37,28 @@ class ModelConfig:
     vocab: int = 512
     block_size: int = 64
     seed: int = 0
+    #: How a cache block is ordered: "heads" (each head's tokens in order, [heads,
+    #: block_size, head_dim]: HND) or "tokens" (each token's heads, [block_size, heads,
+    #: head_dim]: NHD); pdhal.transfer converts between two sides' orders on the way.
+    order: str = "heads"
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     def cache_shape(self, blocks: int, tp: int = 1) -> tuple[int, ...]:
-        """One rank's cache: its heads only."""
-        return (self.layers, 2, blocks, self.heads // tp, self.block_size, self.head_dim)
+        """One rank's cache: its heads only, each block in `order`."""
+        inside = (self.heads // tp, self.block_size)
+        if self.order == "tokens":
+            inside = inside[::-1]
+        return (self.layers, 2, blocks, *inside, self.head_dim)
+
+    def slots(self, layer: int, kv: int, blocks, rows) -> tuple:
+        """The index of the rows `rows` of blocks `blocks` (arrays) of one layer's K (kv 0)
+        or V (1) in a cache of cache_shape: [tokens, heads, head_dim] whatever the order."""
+        if self.order == "tokens":
+            return (layer, kv, blocks, rows)
+        return (layer, kv, blocks, slice(None), rows)
 
     def block_bytes(self, tp: int = 1) -> int:
         """Bytes of one block of one layer's K (or V), in one rank's cache."""
@@ -157,10 +171,10 @@ class TinyDecoder:
         blocks, rows = self._slots(end, chunk.block_table)
         k = paddle.matmul(x, weights["wk"]).reshape([n, h, hd])
         v = paddle.matmul(x, weights["wv"]).reshape([n, h, hd])
-        cache[layer, 0, blocks[start:], :, rows[start:], :] = k.numpy()
-        cache[layer, 1, blocks[start:], :, rows[start:], :] = v.numpy()
-        keys = paddle.to_tensor(cache[layer, 0, blocks, :, rows, :]).transpose([1, 0, 2])
-        values = paddle.to_tensor(cache[layer, 1, blocks, :, rows, :]).transpose([1, 0, 2])
+        cache[cfg.slots(layer, 0, blocks[start:], rows[start:])] = k.numpy()
+        cache[cfg.slots(layer, 1, blocks[start:], rows[start:])] = v.numpy()
+        keys = paddle.to_tensor(cache[cfg.slots(layer, 0, blocks, rows)]).transpose([1, 0, 2])
+        values = paddle.to_tensor(cache[cfg.slots(layer, 1, blocks, rows)]).transpose([1, 0, 2])
         q = paddle.matmul(x, weights["wq"]).reshape([n, h, hd]).transpose([1, 0, 2])
         scores = paddle.matmul(q, keys, transpose_y=True) * (1.0 / math.sqrt(hd))
         future = np.arange(end)[None, :] > np.arange(start, end)[:, None]
@@ -227,13 +241,15 @@ class TinyDecoder:
         return tokens
 
 
-def cache_layout(cache: np.ndarray) -> transfer.CacheLayout:
+def cache_layout(cache: np.ndarray, order: str = "heads") -> transfer.CacheLayout:
     """Where each block of a cache of ModelConfig.cache_shape is, for pdhal.transfer: one
     region (the cache), and per layer its K and V, each `blocks` blocks of one block's
     bytes, of the cache's element type (a peer of another is refused at the hello), a block
-    its heads' parts in head order, each its tokens in order (so a decode side of another
-    block size finds each token)."""
-    layers, kv, blocks, heads = cache.shape[:4]
+    its heads' parts, each its tokens in order (`order` "heads"), or its tokens' parts, each
+    its heads' ("tokens"), so a decode side of another block size or order finds each token
+    of each head."""
+    layers, kv, blocks = cache.shape[:3]
+    heads = cache.shape[3 if order == "heads" else 4]
     block = int(np.prod(cache.shape[3:])) * cache.itemsize
     return transfer.CacheLayout(
         [cache],
@@ -247,6 +263,7 @@ def cache_layout(cache: np.ndarray) -> transfer.CacheLayout:
                     blocks=blocks,
                     heads=heads,
                     dtype=cache.dtype.name,
+                    order=order,
                 )
                 for k in range(kv)
             ]

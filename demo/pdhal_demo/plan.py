@@ -52,6 +52,7 @@ class Plan:
     prefill_cache_blocks: int
     decode_cache_blocks: int
     decode_block_size: int  # tokens of a decode cache block (model.block_size: the prefill's)
+    decode_order: str  # how a decode block is ordered (ModelConfig.order; the prefill's)
     decode_steps: int
     requests: list[Request]
     steps: list[list[ChunkPlan]]  # the chunks each prefill step computes
@@ -81,8 +82,9 @@ class Plan:
 
     @property
     def decode_model(self) -> ModelConfig:
-        """The model as the decode side keeps its cache: blocks of decode_block_size."""
-        return replace(self.model, block_size=self.decode_block_size)
+        """The model as the decode side keeps its cache: blocks of decode_block_size, in
+        decode_order."""
+        return replace(self.model, block_size=self.decode_block_size, order=self.decode_order)
 
     def request(self, request_id: int) -> Request:
         return self.requests[request_id]
@@ -174,6 +176,7 @@ def make_plan(
     tp: int = 1,
     max_batch: int = MAX_BATCH,
     decode_block_size: int | None = None,
+    decode_order: str | None = None,
 ) -> Plan:
     """Allocate blocks and schedule steps; prompts that can never fit are rejected, not run.
 
@@ -182,7 +185,8 @@ def make_plan(
     most `max_batch` requests hold a batch slot at once. Blocks are recycled (see above).
     `cache_blocks` blocks of the model's block size on each side; `decode_block_size`
     (default: the model's) the tokens of a decode block, the decode cache as many whole
-    blocks of it as the prefill cache's tokens fill.
+    blocks of it as the prefill cache's tokens fill; `decode_order` (default: the model's)
+    how a decode block is ordered.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -283,6 +287,7 @@ def make_plan(
         cache_blocks,
         decode_cache_blocks,
         dbs,
+        decode_order or model.order,
         decode_steps,
         requests,
         steps,

@@ -198,8 +198,8 @@ def summarize(
 
     What ran: mode, transport, layer_signals ("per layer" or "after the forward pass"),
     requests, rejected (prompts that fit no cache), layers, steps, tp, prompt_tokens, sides
-    (per side, "prefill" and "decode": the pdhal backend its processes ran on and the tokens
-    of its cache blocks). What
+    (per side, "prefill" and "decode": the pdhal backend its processes ran on, the tokens
+    of its cache blocks and their order, "heads" or "tokens"). What
     moved: bytes_moved (whole blocks), verified_bytes (rows of prompt tokens, every layer,
     K and V), transfer_throughput_gib_s. Times, in the unit their key ends in: compute_s,
     transfer_busy_s, wall_s (to the last byte), ttft_ms and ttft_after_prefill_ms (decode has
@@ -228,11 +228,12 @@ def summarize(
         "steps": len(plan.steps),
         "tp": plan.tp,
         "sides": {
-            side: {"backend": (backends or {}).get(side), "block_tokens": tokens}
-            for side, tokens in (
-                ("prefill", plan.model.block_size),
-                ("decode", plan.decode_block_size),
-            )
+            side: {
+                "backend": (backends or {}).get(side),
+                "block_tokens": model.block_size,
+                "order": model.order,
+            }
+            for side, model in (("prefill", plan.model), ("decode", plan.decode_model))
         },
         # per rank: its transfers alone (a slow rank shows here, and only in its own row)
         "ranks": [
@@ -291,7 +292,7 @@ def format_summary(s: dict) -> str:
         f" steps {s['steps']}",
         "  "
         + "; ".join(
-            f"{side} on {v['backend']}, blocks of {v['block_tokens']} tokens"
+            f"{side} on {v['backend']}, blocks of {v['block_tokens']} tokens ({v['order']}-major)"
             for side, v in s["sides"].items()
         ),
         f"  moved {s['bytes_moved'] / 2**20:.1f} MiB at {s['transfer_throughput_gib_s']:.2f} GiB/s"

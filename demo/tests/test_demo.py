@@ -126,19 +126,30 @@ def test_figures_keep_their_bounds_with_every_core_busy(transport):
 
 @pytest.mark.simulated
 @pytest.mark.parametrize(
-    "prefill, decode, block",
-    [("xpu", "cuda", 16), ("cuda", "xpu", 48), ("cuda", "cpu", 128)],
-    ids=["xpu-to-cuda-blocks-of-16", "cuda-to-xpu-blocks-of-48", "cuda-to-cpu-blocks-of-128"],
+    "prefill, decode, block, order",
+    [
+        ("xpu", "cuda", 16, "heads"),
+        ("cuda", "xpu", 48, "heads"),
+        ("cuda", "cpu", 128, "heads"),
+        ("cpu", "xpu", 32, "tokens"),
+    ],
+    ids=[
+        "xpu-to-cuda-blocks-of-16",
+        "cuda-to-xpu-blocks-of-48",
+        "cuda-to-cpu-blocks-of-128",
+        "cpu-to-xpu-token-major-blocks-of-32",
+    ],
 )
 def test_a_prefill_and_a_decode_on_two_backends_and_block_sizes_verify_every_byte(
-    monkeypatch, prefill, decode, block
+    monkeypatch, prefill, decode, block, order
 ):
     """Simulated runtimes (no GPU or XPU here): the workers and messagers on one backend,
     the decoder on another (--decode-platform), each cache in pinned host memory of its
     own backend's runtime, shared by name over shm; decode blocks of `block` tokens
-    (48 and 64 divide neither the other; 128 holds two prefill blocks). Each side says
-    what it ran on, and every prompt token's K and V, every layer, is checked against a
-    recomputation in the decoder's own blocks; its decode tokens against a plain run's."""
+    (48 and 64 divide neither the other; 128 holds two prefill blocks), head-major as the
+    prefill's or token-major (converted on the way). Each side says what it ran on, and
+    every prompt token's K and V, every layer, is checked against a recomputation in the
+    decoder's own blocks; its decode tokens against a plain run's."""
     from pdhal_cuda.testing import CudaTestSupport
     from pdhal_xpu.testing import XpuTestSupport
 
@@ -146,12 +157,13 @@ def test_a_prefill_and_a_decode_on_two_backends_and_block_sizes_verify_every_byt
     monkeypatch.setenv("PDHAL_XPURT", XpuTestSupport.simulator())
     monkeypatch.setenv("PDHAL_PLATFORM", prefill)
     args = ["--decode-platform", decode, "--decode-block-size", str(block)]
+    args += ["--decode-order", order]
     run = demo("--mode", "per_chunk", "--json", *args, *SMALL)
     assert run.returncode == 0, run.stderr
     (summary,) = json.loads(run.stdout)["runs"]
     assert summary["sides"] == {
-        "prefill": {"backend": prefill, "block_tokens": 64},
-        "decode": {"backend": decode, "block_tokens": block},
+        "prefill": {"backend": prefill, "block_tokens": 64, "order": "heads"},
+        "decode": {"backend": decode, "block_tokens": block, "order": order},
     }
     assert summary["ok"], (summary["bad_blocks"][:3], summary["bad_tokens"][:3])
     assert summary["verified_bytes"] == token_bytes([64, 100, 200, 333], 4)
