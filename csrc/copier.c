@@ -353,40 +353,47 @@ static int unit_copies(void *arg, uint64_t s, uint64_t d, uint64_t k)
 {
     struct unit_post *p = arg;
     /* head-major on both sides: a part's k units are one copy; token-major on both: the k
-     * units of every part are; else, per part, k copies of a unit, strided on the
-     * token-major side (one entry) */
+     * units of every part are. Else one strided entry per part (k units) or, where the
+     * destination is the token-major side, per unit (its parts): either way the
+     * destination is written in order, its side the contiguous one. */
     const uint8_t both = PDHAL_SRC_TOKEN_MAJOR | PDHAL_DST_TOKEN_MAJOR;
     uint32_t parts = p->order == both ? 1 : p->heads;
-    int strided = p->order && p->order != both;
+    int by_unit = p->order == PDHAL_DST_TOKEN_MAJOR;
+    uint64_t entries = by_unit ? k : parts;
     if (!p->job) {
-        p->count += parts;
+        p->count += entries;
         return 0;
     }
     const pdhal_copy_cache *cache = p->cache;
     uint64_t unit = cache->block_bytes / parts; /* of one part (of every part: both) */
-    /* from one unit of a part to the next: the unit itself where a part's units are
-     * together (head-major), every part's where they are not (token-major) */
+    /* from one unit of a part to the next (src_step, dst_step), or from one part of a unit
+     * to the next (by_unit) */
     uint64_t src_step = p->order & PDHAL_SRC_TOKEN_MAJOR ? cache->block_bytes : unit;
     uint64_t dst_step = p->order & PDHAL_DST_TOKEN_MAJOR ? cache->block_bytes : unit;
-    for (uint32_t h = 0; h < parts; h++, p->at++) {
+    if (by_unit)
+        src_step = p->src_units * unit, dst_step = unit;
+    for (uint64_t e = 0; e < entries; e++, p->at++) {
+        uint64_t su = by_unit ? s + e : s, du = by_unit ? d + e : d;
+        uint32_t h = by_unit ? 0 : (uint32_t)e;
         /* ids below 2^40 x 2^24 units, bytes below 2^64: no product wraps 128 bits */
         __uint128_t src =
-            (__uint128_t)cache->src + (__uint128_t)(s / p->src_units) * cache->src_stride +
-            unit_place(p->order & PDHAL_SRC_TOKEN_MAJOR, s % p->src_units, h, p->src_units,
+            (__uint128_t)cache->src + (__uint128_t)(su / p->src_units) * cache->src_stride +
+            unit_place(p->order & PDHAL_SRC_TOKEN_MAJOR, su % p->src_units, h, p->src_units,
                        parts) *
                 unit;
         __uint128_t off =
-            (__uint128_t)cache->dst_offset + (__uint128_t)(d / p->dst_units) * cache->dst_stride +
-            unit_place(p->order & PDHAL_DST_TOKEN_MAJOR, d % p->dst_units, h, p->dst_units,
+            (__uint128_t)cache->dst_offset + (__uint128_t)(du / p->dst_units) * cache->dst_stride +
+            unit_place(p->order & PDHAL_DST_TOKEN_MAJOR, du % p->dst_units, h, p->dst_units,
                        parts) *
                 unit;
         if (src > UINT64_MAX || off > UINT64_MAX)
             return pdhal_fail(ERANGE, "unit run %llu of cache %u lies past the address space",
                               (unsigned long long)p->run, p->cache_index);
-        int rc = strided ? add_strided(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
-                                       (uint64_t)off, unit, k, dst_step, src_step)
-                         : add_copy(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
-                                    (uint64_t)off, k * unit);
+        int rc = !p->order || p->order == both
+                     ? add_copy(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
+                                (uint64_t)off, k * unit)
+                     : add_strided(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
+                                   (uint64_t)off, unit, by_unit ? parts : k, dst_step, src_step);
         if (rc)
             return rc;
     }

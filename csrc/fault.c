@@ -73,11 +73,21 @@ int pdhal_copy_armed(void *dst, const void *src, uint64_t bytes) {
 
 /* The copies themselves, in a frame of their own: nothing they change lives across the
  * guard's sigsetjmp. */
+#define COPY_EACH(size)                                                                  \
+    for (uint64_t i = 0; i < count; i++, to += dst_step, from += src_step)                \
+        memcpy(to, from, size)
+
 static __attribute__((noinline)) void copy_each(char *to, const char *from, uint64_t bytes,
                                                 uint64_t count, uint64_t dst_step,
                                                 uint64_t src_step) {
-    for (uint64_t i = 0; i < count; i++, to += dst_step, from += src_step)
-        memcpy(to, from, (size_t)bytes);
+    /* a head's token is tens to hundreds of bytes: a size known here is moved inline,
+     * without a call per piece */
+    switch (bytes) {
+    case 64: COPY_EACH(64); break;
+    case 128: COPY_EACH(128); break;
+    case 256: COPY_EACH(256); break;
+    default: COPY_EACH((size_t)bytes); break;
+    }
 }
 
 int pdhal_copy_armed_strided(void *dst, const void *src, uint64_t bytes, uint64_t count,
