@@ -645,7 +645,7 @@ class UnitCopies(LayerCopies):
 
     @property
     def heads(self):
-        """Each cache's KV heads as C's uint32_t[] (made on first use)."""
+        """Each cache's parts (KV heads x planes) as C's uint32_t[] (made on first use)."""
         if self._heads_packed is None:
             self._heads_packed = _core.head_counts(self._heads)
         return self._heads_packed
@@ -671,17 +671,16 @@ class UnitCopies(LayerCopies):
         return out
 
 
-class PieceCopies(LayerCopies):
+class PieceCopies(UnitCopies):
     """One layer's caches paired across sides of two orders inside a block (CacheSpec.order:
     head-major on one, token-major on the other), or token-major ones of two block sizes:
-    the runs are of single tokens, named by virtual ids (block * tokens per block + the
-    token's place in it) on each side, and each token of each part (a head's plane) is
+    UnitCopies whose units are single tokens, each token of each part (a head's plane)
     copied from where this side's order keeps it to where the other's does; pieces next to
     each other on both sides go as one copy. Made by RunPlanner from checked layouts; its
     copies are expanded by copies() (Link.submit_blocks' default), or in C from `caches`,
-    `parts` and `orders` (shm)."""
+    `heads` (each cache's parts), `units` and `orders` (shm)."""
 
-    __slots__ = ("units", "_orders", "_parts", "_piece_caches", "_packed_parts", "_packed_orders")
+    __slots__ = ("_orders", "_strides", "_packed_orders")
 
     def __init__(
         self,
@@ -694,25 +693,18 @@ class PieceCopies(LayerCopies):
         """`caches` as LayerCopies takes them, with a token's bytes (all its parts) as the
         block bytes; `parts`: each cache's heads x planes; `orders`: each cache's (source
         order, destination order); blocks of `src_tokens` and `dst_tokens`."""
-        super().__init__(caches)
-        self.units = (src_tokens, dst_tokens)
-        self._parts, self._packed_parts, self._packed_orders = tuple(parts), None, None
+        super().__init__(caches, parts, src_tokens, dst_tokens)
+        self._packed_orders = None
         self._orders = tuple(
             (src == "tokens") * _core.SRC_TOKEN_MAJOR + (dst == "tokens") * _core.DST_TOKEN_MAJOR
             for src, dst in orders
         )
-        self._piece_caches = tuple(
-            (*cache[:5], cache[5] // n, _strides(src, n, src_tokens, cache[5] // n),
-             _strides(dst, n, dst_tokens, cache[5] // n), n)
-            for cache, n, (src, dst) in zip(self._caches, parts, orders)
-        )  # fmt: skip
-
-    @property
-    def parts(self):
-        """Each cache's parts as C's uint32_t[] (made on first use)."""
-        if self._packed_parts is None:
-            self._packed_parts = _core.head_counts(self._parts)
-        return self._packed_parts
+        # each cache's (source, destination) steps: from one part to the next, and from one
+        # token to the next
+        self._strides = tuple(
+            (_strides(src, n, src_tokens, piece), _strides(dst, n, dst_tokens, piece))
+            for (*_, n, piece), (src, dst) in zip(self._unit_caches, orders)
+        )
 
     @property
     def orders(self):
@@ -726,17 +718,9 @@ class PieceCopies(LayerCopies):
         the next piece follows the last on both sides."""
         src_tokens, dst_tokens = self.units
         out: list[tuple[int, int, int, int]] = []
-        for (
-            base,
-            s_stride,
-            region,
-            offset,
-            d_stride,
-            piece,
-            s_at,
-            d_at,
-            parts,
-        ) in self._piece_caches:
+        for (base, s_stride, region, offset, d_stride, parts, piece), (s_at, d_at) in zip(
+            self._unit_caches, self._strides
+        ):
             start = len(out)
             for s, d, n in runs:
                 for i in range(n):

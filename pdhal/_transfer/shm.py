@@ -305,10 +305,10 @@ class ShmLink(Link):
             raise TransferError(why)
         if not len(runs):
             return LandedBatch()
-        if isinstance(layer, PieceCopies):
+        if isinstance(layer, PieceCopies):  # (a UnitCopies of one-token units, and orders)
             return self._post(
                 lambda copier: copier.post_pieces(
-                    layer.caches, layer.parts, layer.orders, layer.count, layer.units,
+                    layer.caches, layer.heads, layer.orders, layer.count, layer.units,
                     runs.words, len(runs),
                 )
             )  # fmt: skip

@@ -144,7 +144,7 @@ def test_token_runs_between_two_orders_expand_to_the_copies_python_plans(
     )
     runs = [(0, 3, 5), (7, 0, 2), (5, 9, 3)]
     copier.post_pieces(
-        layer.caches, layer.parts, layer.orders, layer.count, layer.units,
+        layer.caches, layer.heads, layer.orders, layer.count, layer.units,
         core.block_run_words(runs), 3,
     ).wait(30)  # fmt: skip
     _assert_landed_as_planned(regions, source, layer.copies(runs))

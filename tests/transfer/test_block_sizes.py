@@ -43,6 +43,36 @@ def source(block_tokens: int, heads: int, planes: int = 1) -> list[list[np.ndarr
     return caches
 
 
+def layout_of(caches: list[list[np.ndarray]], heads: int, **spec) -> transfer.CacheLayout:
+    """from_caches' layout of `caches`, every CacheSpec with the fields `spec` gives."""
+    layout = transfer.CacheLayout.from_caches(caches, heads=heads)
+    return transfer.CacheLayout(
+        layout.memory,
+        [[dataclasses.replace(s, **spec) for s in row] for row in layout.layers],
+    )
+
+
+def stream(streamer, decode, here: int, there: int, tokens: int, cached: int = 0):
+    """A `tokens`-token prompt from prefill blocks of `here` tokens into decode blocks of
+    `there` (`cached` of them the decode side has), ready in two chunks (7 tokens, then
+    all), every layer; it must land on both sides. Its (source, destination) blocks."""
+    src_blocks = [5, 2, 7, 0][: -(-tokens // here)]
+    dst_blocks = [6, 1, 3, 4][: -(-tokens // there)]
+    base = cached * there // here  # the prefill blocks the decode side has whole
+    streamer.add_request("r", src_blocks[base:], tokens, cached_blocks=base)
+    dest = streamer.connect(decode.described, block_tokens=there)
+    streamer.set_destination(
+        "r", dest, dst_blocks[cached:], decode.expect("r"), cached_blocks=cached
+    )
+    for ready in (7, tokens):
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("r", ready)])
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("r", True)]
+    landed, reason, _, _ = decode.wait("r")
+    assert landed, reason
+    return src_blocks, dst_blocks
+
+
 @pytest.mark.parametrize("heads, planes", [(1, 1), (2, 1), (2, 2)])
 @pytest.mark.parametrize("here, there", [(8, 4), (4, 8), (6, 4), (4, 6)])
 @pytest.mark.parametrize("cached", [0, 1])
@@ -55,27 +85,11 @@ def test_each_token_lands_where_the_decode_sides_blocks_hold_it(here, there, hea
     written."""
     tokens = 15
     decode = Decode(heads=heads, block_bytes=there * heads * planes * TOKEN_BYTES, planes=planes)
-    layout = transfer.CacheLayout.from_caches(source(here, heads, planes), heads=heads)
-    layout = transfer.CacheLayout(
-        layout.memory,
-        [[dataclasses.replace(s, planes=planes) for s in caches] for caches in layout.layers],
+    streamer = transfer.KVStreamer(
+        layout_of(source(here, heads, planes), heads, planes=planes), here
     )
-    streamer = transfer.KVStreamer(layout, here)
     try:
-        src_blocks = [5, 2, 7, 0][: -(-tokens // here)]
-        dst_blocks = [6, 1, 3, 4][: -(-tokens // there)]
-        base = cached * there // here  # the prefill blocks the decode side has whole
-        streamer.add_request("r", src_blocks[base:], tokens, cached_blocks=base)
-        dest = streamer.connect(decode.described, block_tokens=there)
-        streamer.set_destination(
-            "r", dest, dst_blocks[cached:], decode.expect("r"), cached_blocks=cached
-        )
-        for ready in (7, tokens):
-            for layer in range(LAYERS):
-                streamer.layer_ready(layer, [("r", ready)])
-        assert outcomes_until(streamer, 1) == [transfer.Outcome("r", True)]
-        landed, reason, _, _ = decode.wait("r")
-        assert landed, reason
+        src_blocks, dst_blocks = stream(streamer, decode, here, there, tokens, cached)
         for layer in range(LAYERS):
             for cache in range(CACHES):
                 for j, block in enumerate(dst_blocks):
@@ -131,24 +145,9 @@ def test_each_token_of_each_head_lands_where_the_other_order_keeps_it(
     caches = source(here, heads)
     if here_order == "tokens":
         caches = token_major(caches, here, heads)
-    layout = transfer.CacheLayout.from_caches(caches, heads=heads)
-    layout = transfer.CacheLayout(
-        layout.memory,
-        [[dataclasses.replace(s, order=here_order) for s in row] for row in layout.layers],
-    )
-    streamer = transfer.KVStreamer(layout, here)
+    streamer = transfer.KVStreamer(layout_of(caches, heads, order=here_order), here)
     try:
-        src_blocks = [5, 2, 7, 0][: -(-tokens // here)]
-        dst_blocks = [6, 1, 3, 4][: -(-tokens // there)]
-        streamer.add_request("r", src_blocks, tokens)
-        dest = streamer.connect(decode.described, block_tokens=there)
-        streamer.set_destination("r", dest, dst_blocks, decode.expect("r"))
-        for ready in (7, tokens):
-            for layer in range(LAYERS):
-                streamer.layer_ready(layer, [("r", ready)])
-        assert outcomes_until(streamer, 1) == [transfer.Outcome("r", True)]
-        landed, reason, _, _ = decode.wait("r")
-        assert landed, reason
+        src_blocks, dst_blocks = stream(streamer, decode, here, there, tokens)
         for layer in range(LAYERS):
             for cache in range(CACHES):
                 for j, block in enumerate(dst_blocks):
@@ -238,13 +237,7 @@ def test_an_order_that_is_not_one_or_a_token_major_split_by_head_is_refused_nami
         transfer.CacheSpec(0, 0, 64, 64, 1, 2, "", 1, "nhd")
     with pytest.raises(pdhal.InvalidArgumentError, match="with order 'tokens'"):
         transfer.CacheSpec(0, 0, 64, 64, 1, 2, "", 2, "tokens")
-    caches = token_major(source(4, 2), 4, 2)
-    layout = transfer.CacheLayout.from_caches(caches, heads=2)
-    layout = transfer.CacheLayout(
-        layout.memory,
-        [[dataclasses.replace(s, order="tokens") for s in row] for row in layout.layers],
-    )
-    streamer = transfer.KVStreamer(layout, 4)
+    streamer = transfer.KVStreamer(layout_of(token_major(source(4, 2), 4, 2), 2, order="tokens"), 4)
     decode = Decode(heads=1, block_bytes=4 * TOKEN_BYTES)
     try:
         with pytest.raises(pdhal.InvalidArgumentError, match="are not one stretch of its blocks"):
