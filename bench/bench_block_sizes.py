@@ -4,7 +4,7 @@ inside a block, against the same bytes between caches alike, side by side in one
 
 One process holds a KVStreamer over prefill caches of 64-token blocks and a KVReceiver over
 decode caches (shm transport; the copies run on the link's copier thread), each layer K
-and V, head-major (BENCH_HEADS heads of 64 bytes a token: 16 KiB blocks at 4 heads). Each
+and V, head-major (BENCH_HEADS heads, 4 by default; a head's token 64 bytes, then 256). Each
 round sends, in turn, one step of BENCH_REQUESTS requests of 8 prefill blocks each to decode
 caches of 64-token blocks (alike: block runs expanded in C), of 16 (each prefill block four
 decode blocks), of 48 (sizes that do not divide: units of 16 tokens), and of 64 tokens
@@ -14,8 +14,9 @@ other way to convert: after landing), every layer ready at once; a mode's time i
 first layer_ready to the last request landed (and converted). Each row: GiB/s (median over
 rounds) and the median of each round's ratio against "alike".
 A different block size costs more, smaller copies: one per head and per stretch inside one
-block on both sides (expanded in C, on the shm link's copier), where alike blocks of
-consecutive ids are one copy per run.
+block on both sides, where alike blocks of consecutive ids are one copy per run; another
+order one per token and head (each stretch one grid of them, expanded in C on the shm
+link's copier, pieces of 64, 128 or 256 bytes moved inline).
 `--json` prints one object.
 """
 
@@ -32,7 +33,9 @@ LAYERS = int(os.environ.get("BENCH_LAYERS", "4" if SMOKE else "32"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2" if SMOKE else "9"))
 REQUESTS = int(os.environ.get("BENCH_REQUESTS", "2" if SMOKE else "8"))
 HEADS = int(os.environ.get("BENCH_HEADS", "4"))
-TOKEN_BYTES = 64  # of one token of one head (32 dims of fp16)
+#: The bytes of one token of one head it runs with, in turn: what a copy per token and head
+#: moves, against a block's whole bytes alike.
+TOKEN_BYTES = {"32 dims of fp16": 64, "128 dims of bf16 (Llama's, Qwen's)": 256}
 PREFILL_TOKENS = 64
 PER_REQUEST = 8  # prefill blocks
 TOKENS = PER_REQUEST * PREFILL_TOKENS  # a prompt
@@ -45,10 +48,10 @@ MODES = {
 }
 
 
-def caches(block_tokens: int, blocks: int, order: str = "heads"):
+def caches(block_tokens: int, blocks: int, token_bytes: int, order: str = "heads"):
     from pdhal import ops, transfer
 
-    block = HEADS * block_tokens * TOKEN_BYTES
+    block = HEADS * block_tokens * token_bytes
     buffers = [ops.host_alloc(blocks * block) for _ in range(2 * LAYERS)]
     layout = transfer.CacheLayout(
         buffers,
@@ -68,42 +71,47 @@ def caches(block_tokens: int, blocks: int, order: str = "heads"):
 CONVERTED = "alike, then converted on decode"
 
 
-def _convert(layout) -> float:
+def _convert(layout, token_bytes: int) -> float:
     """Seconds to make every block of `layout` (head-major, 64 tokens) token-major, into
     a buffer of its own per cache, as a decode-side conversion after landing would."""
     import numpy as np
 
     start = time.perf_counter()
     for region in layout.memory:
-        blocks = region.nbytes // (HEADS * 64 * TOKEN_BYTES)
-        heads_major = region.as_numpy(np.uint8, (blocks, HEADS, 64, TOKEN_BYTES))
+        blocks = region.nbytes // (HEADS * 64 * token_bytes)
+        heads_major = region.as_numpy(np.uint8, (blocks, HEADS, 64, token_bytes))
         np.ascontiguousarray(heads_major.transpose(0, 2, 1, 3))
     return time.perf_counter() - start
 
 
 def main() -> dict:
+    """Each head size's modes: GiB/s and the ratio against alike."""
+    os.environ["PDHAL_NAMESPACE"] = f"benchsizes{os.getpid()}"
+    return {head: measure(token_bytes) for head, token_bytes in TOKEN_BYTES.items()}
+
+
+def measure(token_bytes: int) -> dict:
     from pdhal import ops, transfer
 
-    os.environ["PDHAL_NAMESPACE"] = f"benchsizes{os.getpid()}"
     prefill_blocks = REQUESTS * PER_REQUEST
-    source, owned = caches(PREFILL_TOKENS, prefill_blocks)
+    source, owned = caches(PREFILL_TOKENS, prefill_blocks, token_bytes)
     streamer = transfer.KVStreamer(source, PREFILL_TOKENS, max_layers_in_flight=8)
     sides = {}
     for name, (tokens, order) in MODES.items():
         blocks = -(-TOKENS // tokens) * REQUESTS
-        layout, buffers = caches(tokens, blocks, order)
+        layout, buffers = caches(tokens, blocks, token_bytes, order)
         owned += buffers
         receiver = transfer.KVReceiver(
-            layout, f"benchsizes-{tokens}-{order}-{os.getpid()}", slots=64
+            layout, f"benchsizes-{tokens}-{order}-{token_bytes}-{os.getpid()}", slots=64
         )
         dest = streamer.connect(receiver.describe(), block_tokens=tokens)
         sides[name] = (receiver, dest, tokens)
-    nbytes = LAYERS * 2 * REQUESTS * TOKENS * HEADS * TOKEN_BYTES
+    nbytes = LAYERS * 2 * REQUESTS * TOKENS * HEADS * token_bytes
     seconds = {name: [] for name in [*MODES, CONVERTED]}
     serial = 0
     for _ in range(ROUNDS):
         for name, (receiver, dest, tokens) in sides.items():
-            ids = [f"r{serial}-{i}" for i in range(REQUESTS)]
+            ids = [f"r{token_bytes}-{serial}-{i}" for i in range(REQUESTS)]
             serial += 1
             per = -(-TOKENS // tokens)
             for i, request in enumerate(ids):
@@ -122,7 +130,9 @@ def main() -> dict:
             for request in ids:
                 assert receiver.wait(request).landed
             if name == "alike (64)":  # the other way to token-major: land, then convert
-                seconds[CONVERTED].append(seconds[name][-1] + _convert(receiver.layout))
+                seconds[CONVERTED].append(
+                    seconds[name][-1] + _convert(receiver.layout, token_bytes)
+                )
     streamer.close()
     for receiver, _, _ in sides.values():
         receiver.close()
@@ -144,6 +154,8 @@ if __name__ == "__main__":
         print(json.dumps(result))
     else:
         print(f"{LAYERS} layers x K, V; {REQUESTS} requests of {TOKENS} tokens; {HEADS} heads")
-        for name, row in result.items():
-            print(f"  {name:<22} {row['gib_s']:6.2f} GiB/s   {row['vs_alike']:5.2f}x alike")
+        for head, rows in result.items():
+            print(f"heads of {head}:")
+            for name, row in rows.items():
+                print(f"  {name:<32} {row['gib_s']:6.2f} GiB/s   {row['vs_alike']:5.2f}x alike")
         print("target (issue 35): >= 0.8x alike")

@@ -27,11 +27,10 @@ struct pdhal_copy_job {
     _Atomic int refs;       /* the poster's handle and the queue's */
     char why[256];          /* a failed job's reason, written before state */
     uint64_t count;
-    /* `count` copies of `bytes`, each `dst_step` and `src_step` past the last (1: one) */
     struct copy {
         char *dst;
         const char *src;
-        uint64_t bytes, count, dst_step, src_step;
+        struct pdhal_grid grid; /* the copies from src to dst (one, or rows of them) */
     } copies[];
 };
 
@@ -65,8 +64,7 @@ static void *copier_main(void *arg)
         }
         for (uint64_t i = 0; i < job->count && state == JOB_DONE; i++) {
             const struct copy *copy = &job->copies[i];
-            if (pdhal_copy_armed_strided(copy->dst, copy->src, copy->bytes, copy->count,
-                                         copy->dst_step, copy->src_step) != 0) {
+            if (pdhal_copy_armed_grid(copy->dst, copy->src, &copy->grid) != 0) {
                 snprintf(job->why, sizeof job->why, "copy %llu of %llu: %s",
                          (unsigned long long)i, (unsigned long long)job->count,
                          pdhal_last_error());
@@ -146,20 +144,23 @@ static int from_sources(const pdhal_copier *c, uint64_t src, uint64_t bytes)
     return src <= s->end && bytes <= s->end - src;
 }
 
-/* The copy of run `index` checked into job->copies[at]: -ERANGE naming what is outside. */
-/* Entry `at` of `job`: `count` copies of `bytes` from `src` into region `region` at
- * `offset`, each `src_step` and `dst_step` past the last, checked whole: from the first
- * copy's start to the last one's end inside the region and inside the sources. */
-static int add_strided(const pdhal_copier *c, struct pdhal_copy_job *job, uint64_t at,
-                       uint64_t index, uint64_t src, uint64_t region, uint64_t offset,
-                       uint64_t bytes, uint64_t count, uint64_t dst_step, uint64_t src_step)
+/* Entry `at` of `job` (the copy of run `index`): `grid`'s copies from `src` into region
+ * `region` at `offset`, checked whole (every step is forward: from the first copy's start
+ * to the last one's end inside the region and inside the sources); -ERANGE naming what is
+ * outside. */
+static int add_grid(const pdhal_copier *c, struct pdhal_copy_job *job, uint64_t at,
+                    uint64_t index, uint64_t src, uint64_t region, uint64_t offset,
+                    const struct pdhal_grid *grid)
 {
-    if (bytes == 0)
+    uint64_t bytes = grid->bytes;
+    if (bytes == 0 || grid->count == 0 || grid->rows == 0)
         return pdhal_fail(EINVAL, "run %llu copies 0 bytes (at least 1 is a run)",
                           (unsigned long long)index);
     /* the span from the first copy's start to the last one's end: below 2^128 */
-    __uint128_t dst_span = (__uint128_t)(count - 1) * dst_step + bytes;
-    __uint128_t src_span = (__uint128_t)(count - 1) * src_step + bytes;
+    __uint128_t dst_span = (__uint128_t)(grid->rows - 1) * grid->dst_row +
+                           (__uint128_t)(grid->count - 1) * grid->dst_step + bytes;
+    __uint128_t src_span = (__uint128_t)(grid->rows - 1) * grid->src_row +
+                           (__uint128_t)(grid->count - 1) * grid->src_step + bytes;
     if (region >= c->regions || offset > c->region_bytes[region] ||
         dst_span > c->region_bytes[region] - offset)
         return pdhal_fail(ERANGE, "run %llu, of %llu bytes at offset %llu of region %llu, is "
@@ -174,10 +175,7 @@ static int add_strided(const pdhal_copier *c, struct pdhal_copy_job *job, uint64
     job->copies[at] = (struct copy){
         .dst = (char *)(uintptr_t)(c->region_base[region] + offset),
         .src = (const char *)(uintptr_t)src,
-        .bytes = bytes,
-        .count = count,
-        .dst_step = dst_step,
-        .src_step = src_step,
+        .grid = *grid,
     };
     return 0;
 }
@@ -186,7 +184,8 @@ static int add_copy(const pdhal_copier *c, struct pdhal_copy_job *job, uint64_t 
                     uint64_t index, uint64_t src, uint64_t region, uint64_t offset,
                     uint64_t bytes)
 {
-    return add_strided(c, job, at, index, src, region, offset, bytes, 1, 0, 0);
+    struct pdhal_grid grid = {.bytes = bytes, .count = 1, .rows = 1};
+    return add_grid(c, job, at, index, src, region, offset, &grid);
 }
 
 static int new_job(uint64_t count, struct pdhal_copy_job **out)
@@ -352,52 +351,47 @@ static __uint128_t unit_place(int token_major, uint64_t u, uint32_t h, uint64_t 
 static int unit_copies(void *arg, uint64_t s, uint64_t d, uint64_t k)
 {
     struct unit_post *p = arg;
-    /* head-major on both sides: a part's k units are one copy; token-major on both: the k
-     * units of every part are. Else one strided entry per part (k units) or, where the
-     * destination is the token-major side, per unit (its parts): either way the
-     * destination is written in order, its side the contiguous one. */
-    const uint8_t both = PDHAL_SRC_TOKEN_MAJOR | PDHAL_DST_TOKEN_MAJOR;
-    uint32_t parts = p->order == both ? 1 : p->heads;
-    int by_unit = p->order == PDHAL_DST_TOKEN_MAJOR;
-    uint64_t entries = by_unit ? k : parts;
     if (!p->job) {
-        p->count += entries;
+        p->count++; /* a stretch is one entry */
         return 0;
     }
+    const uint8_t both = PDHAL_SRC_TOKEN_MAJOR | PDHAL_DST_TOKEN_MAJOR;
+    uint32_t parts = p->order == both ? 1 : p->heads;
     const pdhal_copy_cache *cache = p->cache;
     uint64_t unit = cache->block_bytes / parts; /* of one part (of every part: both) */
-    /* from one unit of a part to the next (src_step, dst_step), or from one part of a unit
-     * to the next (by_unit) */
-    uint64_t src_step = p->order & PDHAL_SRC_TOKEN_MAJOR ? cache->block_bytes : unit;
-    uint64_t dst_step = p->order & PDHAL_DST_TOKEN_MAJOR ? cache->block_bytes : unit;
-    if (by_unit)
-        src_step = p->src_units * unit, dst_step = unit;
-    for (uint64_t e = 0; e < entries; e++, p->at++) {
-        uint64_t su = by_unit ? s + e : s, du = by_unit ? d + e : d;
-        uint32_t h = by_unit ? 0 : (uint32_t)e;
-        /* ids below 2^40 x 2^24 units, bytes below 2^64: no product wraps 128 bits */
-        __uint128_t src =
-            (__uint128_t)cache->src + (__uint128_t)(su / p->src_units) * cache->src_stride +
-            unit_place(p->order & PDHAL_SRC_TOKEN_MAJOR, su % p->src_units, h, p->src_units,
-                       parts) *
-                unit;
-        __uint128_t off =
-            (__uint128_t)cache->dst_offset + (__uint128_t)(du / p->dst_units) * cache->dst_stride +
-            unit_place(p->order & PDHAL_DST_TOKEN_MAJOR, du % p->dst_units, h, p->dst_units,
-                       parts) *
-                unit;
-        if (src > UINT64_MAX || off > UINT64_MAX)
-            return pdhal_fail(ERANGE, "unit run %llu of cache %u lies past the address space",
-                              (unsigned long long)p->run, p->cache_index);
-        int rc = !p->order || p->order == both
-                     ? add_copy(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
-                                (uint64_t)off, k * unit)
-                     : add_strided(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region,
-                                   (uint64_t)off, unit, by_unit ? parts : k, dst_step, src_step);
-        if (rc)
-            return rc;
+    /* Each part's k units in a row: one copy of them per part (head-major on both sides),
+     * one of every part's (token-major on both); between two orders, a copy per unit and
+     * part, rows of them in the destination's order (its side the contiguous one). */
+    struct pdhal_grid grid = {.bytes = k * unit, .count = parts, .rows = 1};
+    if (p->order == both) {
+        grid.count = 1;
+    } else if (!p->order) {
+        grid.dst_step = p->dst_units * unit, grid.src_step = p->src_units * unit;
+    } else if (p->order == PDHAL_SRC_TOKEN_MAJOR) { /* a row per part: its k units */
+        grid = (struct pdhal_grid){.bytes = unit, .count = k, .dst_step = unit,
+                                   .src_step = parts * unit, .rows = parts,
+                                   .dst_row = p->dst_units * unit, .src_row = unit};
+    } else { /* a row per unit: its parts */
+        grid = (struct pdhal_grid){.bytes = unit, .count = parts, .dst_step = unit,
+                                   .src_step = p->src_units * unit, .rows = k,
+                                   .dst_row = parts * unit, .src_row = unit};
     }
-    return 0;
+    /* ids below 2^40 x 2^24 units, bytes below 2^64: no product wraps 128 bits */
+    __uint128_t src =
+        (__uint128_t)cache->src + (__uint128_t)(s / p->src_units) * cache->src_stride +
+        unit_place(p->order & PDHAL_SRC_TOKEN_MAJOR, s % p->src_units, 0, p->src_units, parts) *
+            unit;
+    __uint128_t off =
+        (__uint128_t)cache->dst_offset + (__uint128_t)(d / p->dst_units) * cache->dst_stride +
+        unit_place(p->order & PDHAL_DST_TOKEN_MAJOR, d % p->dst_units, 0, p->dst_units, parts) *
+            unit;
+    if (src > UINT64_MAX || off > UINT64_MAX)
+        return pdhal_fail(ERANGE, "unit run %llu of cache %u lies past the address space",
+                          (unsigned long long)p->run, p->cache_index);
+    int rc = add_grid(p->c, p->job, p->at, p->at, (uint64_t)src, cache->region, (uint64_t)off,
+                      &grid);
+    p->at++;
+    return rc;
 }
 
 static int post_units(pdhal_copier *c, const pdhal_copy_cache *caches, const uint32_t *heads,

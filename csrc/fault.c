@@ -68,38 +68,41 @@ int pdhal_copy_guarded(void *dst, const void *src, uint64_t bytes) {
 }
 
 int pdhal_copy_armed(void *dst, const void *src, uint64_t bytes) {
-    return pdhal_copy_armed_strided(dst, src, bytes, 1, 0, 0);
+    struct pdhal_grid one = {.bytes = bytes, .count = 1, .rows = 1};
+    return pdhal_copy_armed_grid(dst, src, &one);
 }
 
 /* The copies themselves, in a frame of their own: nothing they change lives across the
  * guard's sigsetjmp. */
-#define COPY_EACH(size)                                                                  \
-    for (uint64_t i = 0; i < count; i++, to += dst_step, from += src_step)                \
+#define COPY_ROW(size)                                                                   \
+    for (uint64_t j = 0; j < g->count; j++, to += g->dst_step, from += g->src_step)      \
         memcpy(to, from, size)
 
-static __attribute__((noinline)) void copy_each(char *to, const char *from, uint64_t bytes,
-                                                uint64_t count, uint64_t dst_step,
-                                                uint64_t src_step) {
-    /* a head's token is tens to hundreds of bytes: a size known here is moved inline,
-     * without a call per piece */
-    switch (bytes) {
-    case 64: COPY_EACH(64); break;
-    case 128: COPY_EACH(128); break;
-    case 256: COPY_EACH(256); break;
-    default: COPY_EACH((size_t)bytes); break;
+static __attribute__((noinline)) void copy_grid(char *dst, const char *src,
+                                                const struct pdhal_grid *g) {
+    for (uint64_t i = 0; i < g->rows; i++) {
+        char *to = dst + i * g->dst_row;
+        const char *from = src + i * g->src_row;
+        /* a head's token is tens to hundreds of bytes: a size known here is moved inline,
+         * without a call per piece */
+        switch (g->bytes) {
+        case 64: COPY_ROW(64); break;
+        case 128: COPY_ROW(128); break;
+        case 256: COPY_ROW(256); break;
+        default: COPY_ROW((size_t)g->bytes); break;
+        }
     }
 }
 
-int pdhal_copy_armed_strided(void *dst, const void *src, uint64_t bytes, uint64_t count,
-                             uint64_t dst_step, uint64_t src_step) {
+int pdhal_copy_armed_grid(void *dst, const void *src, const struct pdhal_grid *grid) {
     sigjmp_buf jump;
     if (sigsetjmp(jump, 0) != 0) {
         return pdhal_fail(EFAULT, "a copy of %llu bytes met memory its owner took away (SIGBUS)",
-                          (unsigned long long)bytes);
+                          (unsigned long long)grid->bytes);
     }
     fault_jump = &jump;
     atomic_signal_fence(memory_order_seq_cst); /* pairs with the handler's read */
-    copy_each(dst, src, bytes, count, dst_step, src_step);
+    copy_grid(dst, src, grid);
     atomic_signal_fence(memory_order_seq_cst);
     fault_jump = NULL;
     return 0;

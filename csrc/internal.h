@@ -189,9 +189,13 @@ struct pdhal_work *pdhal_worker_stop(pdhal_worker *w);
  * arm once (0, or -errno: no handler, so copy nothing), then each copy. */
 int pdhal_guard_arm(void);
 int pdhal_copy_armed(void *dst, const void *src, uint64_t bytes);
-/* `count` copies of `bytes`, each `dst_step` and `src_step` past the last, under one guard. */
-int pdhal_copy_armed_strided(void *dst, const void *src, uint64_t bytes, uint64_t count,
-                             uint64_t dst_step, uint64_t src_step);
+/* Copies laid out in rows: copy j of row i moves `bytes` from src + i * src_row + j *
+ * src_step to dst + i * dst_row + j * dst_step (j < count, i < rows). */
+struct pdhal_grid {
+    uint64_t bytes, count, dst_step, src_step, rows, dst_row, src_row;
+};
+/* Every copy of `grid`, rows in order, under one guard. */
+int pdhal_copy_armed_grid(void *dst, const void *src, const struct pdhal_grid *grid);
 
 /* segment.c */
 void pdhal_segment_ref(pdhal_segment *seg);
