@@ -8,11 +8,12 @@ and V, head-major (BENCH_HEADS heads, 4 by default; a head's token 64 bytes, the
 round sends, in turn, one step of BENCH_REQUESTS requests of 8 prefill blocks each to decode
 caches of 64-token blocks (alike: block runs expanded in C), of 16 (each prefill block four
 decode blocks), of 48 (sizes that do not divide: units of 16 tokens), and of 64 tokens
-token-major (NHD against the prefill's HND: a copy per token and head, expanded in C), and
-the alike transfer followed by making its blocks token-major on the decode side (the
-other way to convert: after landing), every layer ready at once; a mode's time is from the
-first layer_ready to the last request landed (and converted). Each row: GiB/s (median over
-rounds) and the median of each round's ratio against "alike".
+token-major (NHD against the prefill's HND: a copy per token and head, expanded in C), of
+64 tokens keeping each head's K and V together ([blocks, heads, 2, tokens, dim]: a copy per
+head and block), and the alike transfer followed by making its blocks token-major on the
+decode side (the other way to convert: after landing), every layer ready at once; a mode's
+time is from the first layer_ready to the last request landed (and converted). Each row:
+GiB/s (median over rounds) and the median of each round's ratio against "alike".
 A different block size costs more, smaller copies: one per head and per stretch inside one
 block on both sides, where alike blocks of consecutive ids are one copy per run; another
 order one per token and head (each stretch one grid of them, expanded in C on the shm
@@ -39,31 +40,47 @@ TOKEN_BYTES = {"32 dims of fp16": 64, "128 dims of bf16 (Llama's, Qwen's)": 256}
 PREFILL_TOKENS = 64
 PER_REQUEST = 8  # prefill blocks
 TOKENS = PER_REQUEST * PREFILL_TOKENS  # a prompt
-#: Each mode's decode blocks: (tokens, order inside a block).
+#: Each mode's decode blocks: (tokens, order inside a block, K and V "apart" or "together").
 MODES = {
-    "alike (64)": (64, "heads"),
-    "decode blocks of 16": (16, "heads"),
-    "decode blocks of 48": (48, "heads"),
-    "decode token-major (64)": (64, "tokens"),
+    "alike (64)": (64, "heads", "apart"),
+    "decode blocks of 16": (16, "heads", "apart"),
+    "decode blocks of 48": (48, "heads", "apart"),
+    "decode token-major (64)": (64, "tokens", "apart"),
+    "decode K, V together (64)": (64, "heads", "together"),
 }
 
 
-def caches(block_tokens: int, blocks: int, token_bytes: int, order: str = "heads"):
+def caches(
+    block_tokens: int, blocks: int, token_bytes: int, order: str = "heads", kv: str = "apart"
+):
+    """Each layer's K and V: a buffer each ("apart"), or one buffer whose blocks keep each
+    head's K and V together ("together": [blocks, heads, 2, tokens, dim], CacheSpec
+    head_stride)."""
     from pdhal import ops, transfer
 
-    block = HEADS * block_tokens * token_bytes
-    buffers = [ops.host_alloc(blocks * block) for _ in range(2 * LAYERS)]
-    layout = transfer.CacheLayout(
-        buffers,
-        [
+    part = block_tokens * token_bytes  # a head's
+    block = HEADS * part
+    if kv == "apart":
+        buffers = [ops.host_alloc(blocks * block) for _ in range(2 * LAYERS)]
+        specs = [
             [
                 transfer.CacheSpec(2 * layer + k, 0, block, block, blocks, HEADS, "", 1, order)
                 for k in range(2)
             ]
             for layer in range(LAYERS)
-        ],
-    )
-    return layout, buffers
+        ]
+    else:
+        buffers = [ops.host_alloc(2 * blocks * block) for _ in range(LAYERS)]
+        specs = [
+            [
+                transfer.CacheSpec(
+                    layer, k * part, 2 * block, block, blocks, HEADS, "", 1, order, 2 * part
+                )
+                for k in range(2)
+            ]
+            for layer in range(LAYERS)
+        ]
+    return transfer.CacheLayout(buffers, specs), buffers
 
 
 #: Alike blocks landed, then made token-major on the decode side (numpy, a core of its
@@ -97,12 +114,12 @@ def measure(token_bytes: int) -> dict:
     source, owned = caches(PREFILL_TOKENS, prefill_blocks, token_bytes)
     streamer = transfer.KVStreamer(source, PREFILL_TOKENS, max_layers_in_flight=8)
     sides = {}
-    for name, (tokens, order) in MODES.items():
+    for name, (tokens, order, kv) in MODES.items():
         blocks = -(-TOKENS // tokens) * REQUESTS
-        layout, buffers = caches(tokens, blocks, token_bytes, order)
+        layout, buffers = caches(tokens, blocks, token_bytes, order, kv)
         owned += buffers
         receiver = transfer.KVReceiver(
-            layout, f"benchsizes-{tokens}-{order}-{token_bytes}-{os.getpid()}", slots=64
+            layout, f"benchsizes-{tokens}-{order}-{kv}-{token_bytes}-{os.getpid()}", slots=64
         )
         dest = streamer.connect(receiver.describe(), block_tokens=tokens)
         sides[name] = (receiver, dest, tokens)

@@ -34,6 +34,7 @@ _LEAST = {
     "blocks": 1,
     "heads": 1,
     "planes": 1,
+    "head_stride": 0,
 }
 #: The longest element type name a CacheSpec may declare.
 MOST_DTYPE_CHARS = 64
@@ -55,12 +56,18 @@ class CacheSpec:
     needs to find each token. `order`: "heads" (the above: a block is its heads' parts,
     head-major, HND) or "tokens" (a block is its tokens' parts, each its heads' in head
     order: token-major, NHD; one plane); two sides of two orders are converted token by
-    token on the way (each token of each head the same bytes on both).
+    token on the way (each token of each head the same bytes on both). `head_stride`: the
+    bytes from one head's part of a block to the next where they are not next to each
+    other (0: they are): a K (or V) cache inside blocks that keep each head's K and V
+    together ([blocks, heads, 2, tokens, dim]: K and V each a spec, heads 2 parts apart, V
+    one part in), paired with caches that keep K and V apart, head by head.
 
     Every field is checked when the spec is made (by a caller or from a peer's
-    description): an int (numpy ints converted), region and offset >= 0, the others >= 1,
-    block_bytes <= stride, heads x planes dividing block_bytes, dtype a name of at most 64
-    characters, order one of ORDERS; InvalidArgumentError otherwise."""
+    description): an int (numpy ints converted), region, offset and head_stride >= 0, the
+    others >= 1, the block's bytes (its heads, head_stride apart) within stride, heads x
+    planes dividing block_bytes, head_stride 0 or at least a head's part (head-major
+    only), dtype a name of at most 64 characters, order one of ORDERS;
+    InvalidArgumentError otherwise."""
 
     region: int
     offset: int
@@ -71,6 +78,7 @@ class CacheSpec:
     dtype: str = ""
     planes: int = 1
     order: str = "heads"
+    head_stride: int = 0
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -89,11 +97,6 @@ class CacheSpec:
             raise InvalidArgumentError(
                 f"CacheSpec.dtype must be an element type's name (at most {MOST_DTYPE_CHARS} "
                 f"characters) or '' (undeclared), got {self.dtype!r}"
-            )
-        if self.block_bytes > self.stride:
-            raise InvalidArgumentError(
-                f"CacheSpec.block_bytes {self.block_bytes} is more than CacheSpec.stride "
-                f"{self.stride}: blocks would overlap (need block_bytes <= stride)"
             )
         if self.block_bytes % self.heads:
             raise InvalidArgumentError(
@@ -115,11 +118,44 @@ class CacheSpec:
                 f"CacheSpec.planes {self.planes} with order 'tokens': a token-major block is "
                 f"its tokens' parts, each its heads' (one plane)"
             )
+        if self.head_stride and (self.order != "heads" or self.head_stride < self.part_bytes):
+            raise InvalidArgumentError(
+                f"CacheSpec.head_stride {self.head_stride}: heads apart are the parts of a "
+                f"head-major block (order 'heads', got {self.order!r}), each at least its "
+                f"{self.part_bytes} bytes past the last (0: next to each other)"
+            )
+        if self.span > self.stride:
+            spans = (
+                f"spans {self.span} bytes (heads {self.head_stride} apart)"
+                if self.head_stride
+                else "is"
+            )
+            raise InvalidArgumentError(
+                f"CacheSpec.block_bytes {self.block_bytes} {spans} more than CacheSpec.stride "
+                f"{self.stride}: blocks would overlap (need a block's bytes within a stride)"
+            )
+
+    @property
+    def part_bytes(self) -> int:
+        """The bytes of one head's part of a block."""
+        return self.block_bytes // self.heads
+
+    @property
+    def head_step(self) -> int:
+        """The bytes from one head's part of a block to the next."""
+        return self.head_stride or self.part_bytes
+
+    @property
+    def span(self) -> int:
+        """The bytes from a block's first byte to its last one's end."""
+        return (self.heads - 1) * self.head_step + self.part_bytes
 
     def to_json(self) -> list:
-        """Its words; the element type, the planes and the order only where they are not
-        the defaults (a peer of the last version reads six)."""
+        """Its words; the element type, the planes, the order and the head stride only
+        where they are not the defaults (a peer of the last version reads six)."""
         words = [self.region, self.offset, self.stride, self.block_bytes, self.blocks, self.heads]
+        if self.head_stride:
+            return [*words, self.dtype, self.planes, self.order, self.head_stride]
         if self.order != "heads":
             return [*words, self.dtype, self.planes, self.order]
         if self.planes != 1:
@@ -135,27 +171,27 @@ class CacheSpec:
                 f"(CacheSpec.order 'tokens') are not one stretch of its blocks: a transfer "
                 f"between two tensor-parallel splits needs head-major caches"
             )
-        per_head = self.block_bytes // self.heads
         return CacheSpec(
             self.region,
-            self.offset + first * per_head,
+            self.offset + first * self.head_step,
             self.stride,
-            count * per_head,
+            count * self.part_bytes,
             self.blocks,
             count,
             self.dtype,
             self.planes,
+            head_stride=self.head_stride if count > 1 else 0,
         )
 
     @classmethod
     def from_json(cls, words, what: str = "a cache spec") -> CacheSpec:
         """The spec to_json wrote: [region, offset, stride, block_bytes, blocks(, heads(,
-        dtype(, planes(, order))))], from a peer (untrusted): InvalidArgumentError naming
-        `what` if it is anything else."""
-        if not isinstance(words, (list, tuple)) or not 5 <= len(words) <= 9:
+        dtype(, planes(, order(, head_stride)))))], from a peer (untrusted):
+        InvalidArgumentError naming `what` if it is anything else."""
+        if not isinstance(words, (list, tuple)) or not 5 <= len(words) <= 10:
             raise InvalidArgumentError(
                 f"{what} must be [region, offset, stride, block_bytes, blocks, heads, dtype, "
-                f"planes, order], got {words!r}"
+                f"planes, order, head_stride], got {words!r}"
             )
         try:
             return cls(*words)
@@ -333,6 +369,8 @@ class CacheLayout:
         if heads is not None:
             mine = _head_view(self.layers, heads.src_first, heads.count, "here")
             layers = _head_view(layers, heads.dst_first, heads.count, "on the peer")
+        CacheLayout._pair_shape(mine, layers)
+        _pair_heads_apart(mine, layers)
         if _piecewise(mine, layers, tokens):
             if tokens is None:
                 raise InvalidArgumentError(
@@ -417,6 +455,34 @@ def _piecewise(ours, theirs, tokens: tuple[int, int] | None) -> bool:
     )
 
 
+def _pair_heads_apart(ours, theirs) -> None:
+    """Refuse a cache whose heads are apart (CacheSpec.head_stride) on either side unless
+    both are head-major with as many heads: such a pair is copied head by head."""
+    for layer, (mine, peer) in enumerate(zip(ours, theirs)):
+        for index, (a, b) in enumerate(zip(mine, peer)):
+            if (a.head_stride or b.head_stride) and (
+                a.order != "heads" or b.order != "heads" or a.heads != b.heads
+            ):
+                raise InvalidArgumentError(
+                    f"layer {layer} cache {index}: heads apart (CacheSpec.head_stride "
+                    f"{a.head_stride} here, {b.head_stride} on the peer) pair head by head "
+                    f"with a head-major cache of as many heads; here {a.heads} head(s), "
+                    f"{a.order!r} order, on the peer {b.heads}, {b.order!r}"
+                )
+
+
+def _head_by_head(mine: list[CacheSpec], theirs: list[CacheSpec]) -> list[tuple]:
+    """The pairs of caches of one layer, a pair whose heads are apart on either side as
+    one pair per head (_pair_heads_apart checked they pair so)."""
+    pairs = []
+    for a, b in zip(mine, theirs):
+        if a.head_stride or b.head_stride:
+            pairs += [(a.head_view(h, 1), b.head_view(h, 1)) for h in range(a.heads)]
+        else:
+            pairs.append((a, b))
+    return pairs
+
+
 def _same_dtype(a: CacheSpec, b: CacheSpec, what: str) -> None:
     """Refuse two caches that both declare an element type, of two types."""
     if a.dtype and b.dtype and a.dtype != b.dtype:
@@ -431,7 +497,7 @@ def _fits(spec: CacheSpec, sizes: list[int], what: str, where: str) -> None:
     blocks end within it."""
     if spec.region >= len(sizes):
         raise InvalidArgumentError(f"{what} names region {spec.region}; {where} has {len(sizes)}")
-    end = spec.offset + (spec.blocks - 1) * spec.stride + spec.block_bytes
+    end = spec.offset + (spec.blocks - 1) * spec.stride + spec.span
     if end > sizes[spec.region]:
         raise InvalidArgumentError(
             f"{what} ends at byte {end} of region {spec.region}, which holds {sizes[spec.region]}"
@@ -756,7 +822,8 @@ class RunPlanner:
     are of units (UnitCopies) of `unit_tokens`, `units` = (units per source block, per
     destination block); else units are blocks, (1, 1). Caches of two orders (or
     token-major ones of two block sizes) are copied token by token (PieceCopies: units of
-    one token)."""
+    one token). A cache whose heads are apart on either side (CacheSpec.head_stride) is
+    copied head by head, each head's part a cache of its own."""
 
     def __init__(
         self,
@@ -771,24 +838,27 @@ class RunPlanner:
             self.unit_tokens, self.units = 1, tokens
         else:
             self.unit_tokens, self.units = units_of(*tokens)
-        self._layers = [
-            self._copies(
-                [
-                    (
-                        src.regions[s.region][0] + s.offset,
-                        s.stride,
-                        d.region,
-                        d.offset,
-                        d.stride,
-                        s.block_bytes,
-                    )
-                    for s, d in zip(mine, theirs)
-                ],
-                [s.heads * s.planes for s in mine],
-                [(s.order, d.order) for s, d in zip(mine, theirs)],
+        self._layers = []
+        for mine, theirs in zip(src.layers, dst_layers):
+            pairs = _head_by_head(mine, theirs)
+            caches = [
+                (
+                    src.regions[s.region][0] + s.offset,
+                    s.stride,
+                    d.region,
+                    d.offset,
+                    d.stride,
+                    s.block_bytes,
+                )
+                for s, d in pairs
+            ]
+            self._layers.append(
+                self._copies(
+                    caches,
+                    [s.heads * s.planes for s, _ in pairs],
+                    [(s.order, d.order) for s, d in pairs],
+                )
             )
-            for mine, theirs in zip(src.layers, dst_layers)
-        ]
         self.src_blocks = min(s.blocks for caches in src.layers for s in caches)
         self.dst_blocks = min(d.blocks for caches in dst_layers for d in caches)
         #: Bytes one unit (block) is in each layer, all its caches together.

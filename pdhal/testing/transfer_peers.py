@@ -41,20 +41,26 @@ import pdhal
 from pdhal import ops, transfer
 L, C, B = {LAYERS}, {CACHES}, {BLOCKS}
 HEADS, BB, PLANES, ORDER = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-buffers = [[ops.host_alloc(B * BB) for _ in range(C)] for _ in range(L)]
-caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
+if sys.argv[7] == "apart":  # each cache a region
+    buffers = [[ops.host_alloc(B * BB) for _ in range(C)] for _ in range(L)]
+    caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
+    specs = [[transfer.CacheSpec(l * C + c, 0, BB, BB, B, HEADS, "", PLANES, ORDER)
+              for c in range(C)] for l in range(L)]
+else:  # a layer's region, each head's part of every cache together: [B, HEADS, C, part]
+    PART = BB // HEADS
+    buffers = [[ops.host_alloc(B * BB * C)] for _ in range(L)]
+    caches = [[row[0].as_numpy("uint8", (B, HEADS, C, PART))[:, :, c] for c in range(C)]
+              for row in buffers]
+    specs = [[transfer.CacheSpec(l, c * PART, C * BB, BB, B, HEADS, "", PLANES, ORDER, C * PART)
+              for c in range(C)] for l in range(L)]
 for row in caches:
     for c in row:
         c[:] = 0
-layout = transfer.CacheLayout(
-    [b for row in buffers for b in row],
-    [[transfer.CacheSpec(l * C + c, 0, BB, BB, B, HEADS, "", PLANES, ORDER) for c in range(C)]
-     for l in range(L)],
-)
+layout = transfer.CacheLayout([b for row in buffers for b in row], specs)
 receiver = transfer.KVReceiver(layout, sys.argv[1], transport_name=sys.argv[2], slots=8)
 say = lambda *m: print(json.dumps(m), flush=True)
 say("described", receiver.describe())
-dump = lambda: {{str(b): [[int(caches[l][c][b][0]) for c in range(C)] for l in range(L)]
+dump = lambda: {{str(b): [[int(caches[l][c][b].flat[0]) for c in range(C)] for l in range(L)]
                  for b in range(B)}}
 for line in sys.stdin:
     command = json.loads(line)
@@ -66,10 +72,10 @@ for line in sys.stdin:
         except pdhal.PdhalError as e:
             say("layers", None, f"{{type(e).__name__}}: {{e}}")
     elif command[0] == "read":
-        say("bytes", caches[command[1]][command[2]][command[3]].tolist())
+        say("bytes", caches[command[1]][command[2]][command[3]].reshape(-1).tolist())
     elif command[0] == "wait":
         outcome = receiver.wait(command[1])
-        uniform = all(len(set(caches[l][c][b].tolist())) == 1
+        uniform = all(np.unique(caches[l][c][b]).size == 1
                       for l in range(L) for c in range(C) for b in range(B))
         say("outcome", outcome.landed, outcome.reason, dump(), uniform)
     elif command[0] == "outcome":
@@ -103,11 +109,15 @@ class Decode:
         block_bytes: int = BLOCK_BYTES,
         planes: int = 1,
         order: str = "heads",
+        kv: str = "apart",
     ):
         """`prefix`: a command to run it under (another network namespace); `env`: its
         environment (default: this one's); `heads`: KV heads per block (CacheSpec.heads),
-        `planes` per head (CacheSpec.planes), its blocks' `order` (CacheSpec.order)."""
-        command = [DECODE, name, transport, str(heads), str(block_bytes), str(planes), order]
+        `planes` per head (CacheSpec.planes), its blocks' `order` (CacheSpec.order); `kv`:
+        "apart" (each cache a region of its own) or "together" (a layer's caches in one
+        region, each head's part of each cache next to each other, [blocks, heads,
+        caches, part]: CacheSpec.head_stride)."""
+        command = [DECODE, name, transport, str(heads), str(block_bytes), str(planes), order, kv]
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-c", *command],
             env=env,

@@ -8,6 +8,7 @@ not the same bytes is refused at connect, naming both."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import numpy as np
@@ -245,3 +246,126 @@ def test_an_order_that_is_not_one_or_a_token_major_split_by_head_is_refused_nami
     finally:
         streamer.close()
         decode.close()
+
+
+def together(caches: list[list[np.ndarray]], heads: int) -> list[np.ndarray]:
+    """source()'s caches of each layer in one array, each head's part of every cache next
+    to each other ([blocks, heads, caches, part]: K and V per head together)."""
+    return [
+        np.ascontiguousarray(np.stack([c.reshape(BLOCKS, heads, -1) for c in row], axis=2))
+        for row in caches
+    ]
+
+
+def together_layout(arrays: list[np.ndarray], heads: int) -> transfer.CacheLayout:
+    """The layout of together()'s arrays: each cache a spec, its heads CACHES parts apart."""
+    part = arrays[0].shape[-1]
+    block = heads * part  # one cache's bytes of a block
+    return transfer.CacheLayout(
+        arrays,
+        [
+            [
+                transfer.CacheSpec(
+                    layer,
+                    cache * part,
+                    CACHES * block,
+                    block,
+                    BLOCKS,
+                    heads,
+                    head_stride=CACHES * part,
+                )
+                for cache in range(CACHES)
+            ]
+            for layer in range(LAYERS)
+        ],
+    )
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("here, there", [(4, 4), (8, 4), (4, 6)])
+@pytest.mark.parametrize("prefill_kv", ["apart", "together"])
+def test_each_head_of_k_and_v_lands_whether_a_side_keeps_them_apart_or_together(
+    prefill_kv, here, there, heads
+):
+    """K and V in caches of their own on one side (FastDeploy's, vLLM's on GPUs) and
+    together head by head on the other ([blocks, heads, 2, tokens, dim]: CacheSpec
+    head_stride), either way, of one block size or two: a 15-token prompt, ready in two
+    chunks, lands each head's K and V tokens where the decode side keeps them."""
+    tokens = 15
+    decode_kv = "together" if prefill_kv == "apart" else "apart"
+    decode = Decode(heads=heads, block_bytes=there * heads * TOKEN_BYTES, kv=decode_kv)
+    caches = source(here, heads)
+    layout = (
+        together_layout(together(caches, heads), heads)
+        if prefill_kv == "together"
+        else transfer.CacheLayout.from_caches(caches, heads=heads)
+    )
+    streamer = transfer.KVStreamer(layout, here)
+    try:
+        src_blocks, dst_blocks = stream(streamer, decode, here, there, tokens)
+        for layer in range(LAYERS):
+            for cache in range(CACHES):
+                for j, block in enumerate(dst_blocks):
+                    got = np.array(decode.block(layer, cache, block), np.uint8)
+                    got = got.reshape(heads, there, TOKEN_BYTES)
+                    for t in range(min(there, tokens - j * there)):
+                        at = j * there + t
+                        for h in range(heads):
+                            want = value(layer, cache, src_blocks[at // here], h, at % here)
+                            assert (got[h, t] == want).all(), (layer, cache, block, h, t)
+    finally:
+        streamer.close()
+        decode.close()
+
+
+def test_heads_apart_pair_only_with_head_major_caches_of_as_many_heads():
+    """A decode cache whose heads are apart against a prefill cache token-major, or of
+    another head count: refused at connect, naming both, as is a description whose last
+    head's part ends past its region; a spec whose heads overlap, are apart in a
+    token-major block, or spill past its stride is refused when made."""
+    decode = Decode(heads=2, block_bytes=4 * 2 * TOKEN_BYTES, kv="together")
+    short = json.loads(json.dumps(decode.described))
+    short["layout"]["layers"][0][1][1] += 1  # V a byte on: its last head's part ends past it
+    refused = (
+        (
+            transfer.CacheLayout.from_caches(source(4, 2), heads=2),
+            short,
+            "cache 1 ends at byte 513",
+        ),
+        (
+            layout_of(token_major(source(4, 2), 4, 2), 2, order="tokens"),
+            decode.described,
+            "'tokens' order",
+        ),
+        (transfer.CacheLayout.from_caches(source(8, 1)), decode.described, "here 1 head(s)"),
+    )
+    try:
+        for layout, described, words in refused:
+            streamer = transfer.KVStreamer(layout, 4)
+            try:
+                with pytest.raises(pdhal.InvalidArgumentError, match=re.escape(words)):
+                    streamer.connect(described, block_tokens=4)
+            finally:
+                streamer.close()
+    finally:
+        decode.close()
+    for spec, words in (
+        (dict(block_bytes=64, heads=2, head_stride=16), "at least its 32 bytes"),
+        (dict(block_bytes=32, heads=2, head_stride=32, order="tokens"), "got 'tokens'"),
+        (dict(block_bytes=32, heads=2, head_stride=64), "spans 80 bytes (heads 64 apart)"),
+    ):
+        with pytest.raises(pdhal.InvalidArgumentError, match=re.escape(words)):
+            transfer.CacheSpec(0, 0, 64, blocks=1, **spec)
+
+
+def test_a_shard_of_heads_apart_starts_at_its_first_heads_place():
+    """Heads [1, 3) of 4 heads 2 parts apart (a decode rank of another tensor-parallel
+    split): the view starts at head 1's part, keeps them apart, and its peer's words say
+    so (the tenth word)."""
+    spec = transfer.CacheSpec(0, 8, 256, 64, 2, 4, head_stride=32)
+    view = spec.head_view(1, 2)
+    assert (view.offset, view.block_bytes, view.heads, view.head_stride) == (40, 32, 2, 32)
+    assert view.span == 48
+    assert spec.head_view(3, 1) == transfer.CacheSpec(0, 8 + 96, 256, 16, 2, 1)
+    assert spec.to_json() == [0, 8, 256, 64, 2, 4, "", 1, "heads", 32]
+    assert transfer.CacheSpec.from_json(spec.to_json()) == spec
