@@ -396,6 +396,12 @@ class CacheLayout:
         for layer, (mine, theirs) in enumerate(zip(ours, layers)):
             for index, (a, b) in enumerate(zip(mine, theirs)):
                 _same_dtype(a, b, f"layer {layer} cache {index}")
+                if a.planes != b.planes:
+                    raise InvalidArgumentError(
+                        f"layer {layer} cache {index}: a head's part of a block is "
+                        f"{a.planes} plane(s) here, {b.planes} on the peer: the two sides lay "
+                        f"out a block's bytes otherwise (CacheSpec.planes)"
+                    )
                 if a.block_bytes == b.block_bytes:
                     continue
                 if heads:
@@ -473,7 +479,11 @@ def _pair_heads_apart(ours, theirs) -> None:
 
 def _head_by_head(mine: list[CacheSpec], theirs: list[CacheSpec]) -> list[tuple]:
     """The pairs of caches of one layer, a pair whose heads are apart on either side as
-    one pair per head (_pair_heads_apart checked they pair so)."""
+    one pair per head (_pair_heads_apart checked they pair so); caches that fill whole
+    blocks alike on both sides as one pair."""
+    whole = _whole_blocks(mine, theirs)
+    if whole is not None:
+        return [whole]
     pairs = []
     for a, b in zip(mine, theirs):
         if a.head_stride or b.head_stride:
@@ -481,6 +491,47 @@ def _head_by_head(mine: list[CacheSpec], theirs: list[CacheSpec]) -> list[tuple]
         else:
             pairs.append((a, b))
     return pairs
+
+
+def _whole_blocks(mine: list[CacheSpec], theirs: list[CacheSpec]) -> tuple | None:
+    """One pair of whole blocks for a layer's caches that, on both sides, lie in one region
+    at one stride and fill each block's bytes without a gap, laid out alike (K and V
+    together head by head on both sides: a copy per block run, not per head); None where
+    they do not. Paired caches of the same block bytes, head-major, hold the same tokens
+    (check_peer: a token of a head is the same bytes on both sides)."""
+    if len(mine) < 2:
+        return None
+
+    def shape(caches: list[CacheSpec]) -> tuple | None:
+        first = min(spec.offset for spec in caches)
+        pieces = sorted(
+            (spec.offset - first + h * spec.head_step, spec.part_bytes)
+            for spec in caches
+            for h in range(spec.heads)
+        )
+        if len({(s.region, s.stride) for s in caches}) != 1 or any(
+            start != sum(n for _, n in pieces[:i]) for i, (start, _) in enumerate(pieces)
+        ):
+            return None
+        return (
+            first,
+            sum(n for _, n in pieces),
+            [(s.offset - first, s.heads, s.head_step) for s in caches],
+        )
+
+    here, there = shape(mine), shape(theirs)
+    if here is None or there is None or here[1:] != there[1:]:
+        return None
+    if any(
+        "tokens" in (a.order, b.order) or a.planes != b.planes or a.block_bytes != b.block_bytes
+        for a, b in zip(mine, theirs)
+    ):
+        return None
+    a, b = mine[0], theirs[0]
+    return (
+        CacheSpec(a.region, here[0], a.stride, here[1], min(s.blocks for s in mine)),
+        CacheSpec(b.region, there[0], b.stride, there[1], min(s.blocks for s in theirs)),
+    )
 
 
 def _same_dtype(a: CacheSpec, b: CacheSpec, what: str) -> None:

@@ -46,6 +46,11 @@ if sys.argv[7] == "apart":  # each cache a region
     caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
     specs = [[transfer.CacheSpec(l * C + c, 0, BB, BB, B, HEADS, "", PLANES, ORDER)
               for c in range(C)] for l in range(L)]
+elif sys.argv[7] == "blocks":  # a layer's region, each block every cache's: [B, C, BB]
+    buffers = [[ops.host_alloc(B * BB * C)] for _ in range(L)]
+    caches = [[row[0].as_numpy("uint8", (B, C, BB))[:, c] for c in range(C)] for row in buffers]
+    specs = [[transfer.CacheSpec(l, c * BB, C * BB, BB, B, HEADS, "", PLANES, ORDER)
+              for c in range(C)] for l in range(L)]
 else:  # a layer's region, each head's part of every cache together: [B, HEADS, C, part]
     PART = BB // HEADS
     buffers = [[ops.host_alloc(B * BB * C)] for _ in range(L)]
@@ -114,8 +119,9 @@ class Decode:
         """`prefix`: a command to run it under (another network namespace); `env`: its
         environment (default: this one's); `heads`: KV heads per block (CacheSpec.heads),
         `planes` per head (CacheSpec.planes), its blocks' `order` (CacheSpec.order); `kv`:
-        "apart" (each cache a region of its own) or "together" (a layer's caches in one
-        region, each head's part of each cache next to each other, [blocks, heads,
+        "apart" (each cache a region of its own), "blocks" (a layer's caches in one region,
+        each block every cache's: [blocks, caches, ...]) or "together" (a layer's caches in
+        one region, each head's part of each cache next to each other, [blocks, heads,
         caches, part]: CacheSpec.head_stride)."""
         command = [DECODE, name, transport, str(heads), str(block_bytes), str(planes), order, kv]
         self.proc = subprocess.Popen(

@@ -133,20 +133,46 @@ def token_major(caches: list[list[np.ndarray]], block_tokens: int, heads: int) -
     ]
 
 
+def in_blocks(caches: list[list[np.ndarray]], heads: int, order: str) -> transfer.CacheLayout:
+    """The layout of `caches` with each layer's in one array, each block every cache's
+    ([blocks, caches, ...]: K and V together block by block, as FlashInfer keeps them)."""
+    arrays = [np.ascontiguousarray(np.stack(row, axis=1)) for row in caches]
+    block = caches[0][0].shape[1]
+    return transfer.CacheLayout(
+        arrays,
+        [
+            [
+                transfer.CacheSpec(
+                    layer, c * block, CACHES * block, block, BLOCKS, heads, "", 1, order
+                )
+                for c in range(CACHES)
+            ]
+            for layer in range(LAYERS)
+        ],
+    )
+
+
+@pytest.mark.parametrize("kv", ["apart", "blocks"])
 @pytest.mark.parametrize("here_order, there_order", [("tokens", "heads"), ("heads", "tokens")])
 @pytest.mark.parametrize("here, there", [(4, 4), (8, 4), (4, 6)])
 def test_each_token_of_each_head_lands_where_the_other_order_keeps_it(
-    here_order, there_order, here, there
+    here_order, there_order, here, there, kv
 ):
     """Prefill blocks token-major (NHD) and decode blocks head-major (HND), or the other
-    way, of one block size or two: a 15-token prompt of 3 heads, ready in two chunks, lands
-    token by token, each head's bytes where the decode side's order keeps them."""
+    way, of one block size or two, K and V in caches of their own or together block by
+    block on both sides: a 15-token prompt of 3 heads, ready in two chunks, lands token by
+    token, each head's bytes where the decode side's order keeps them."""
     heads, tokens = 3, 15
-    decode = Decode(heads=heads, block_bytes=there * heads * TOKEN_BYTES, order=there_order)
+    decode = Decode(heads=heads, block_bytes=there * heads * TOKEN_BYTES, order=there_order, kv=kv)
     caches = source(here, heads)
     if here_order == "tokens":
         caches = token_major(caches, here, heads)
-    streamer = transfer.KVStreamer(layout_of(caches, heads, order=here_order), here)
+    layout = (
+        in_blocks(caches, heads, here_order)
+        if kv == "blocks"
+        else layout_of(caches, heads, order=here_order)
+    )
+    streamer = transfer.KVStreamer(layout, here)
     try:
         src_blocks, dst_blocks = stream(streamer, decode, here, there, tokens)
         for layer in range(LAYERS):
@@ -283,16 +309,19 @@ def together_layout(arrays: list[np.ndarray], heads: int) -> transfer.CacheLayou
 
 @pytest.mark.parametrize("heads", [1, 3])
 @pytest.mark.parametrize("here, there", [(4, 4), (8, 4), (4, 6)])
-@pytest.mark.parametrize("prefill_kv", ["apart", "together"])
+@pytest.mark.parametrize(
+    "prefill_kv, decode_kv",
+    [("apart", "together"), ("together", "apart"), ("together", "together")],
+)
 def test_each_head_of_k_and_v_lands_whether_a_side_keeps_them_apart_or_together(
-    prefill_kv, here, there, heads
+    prefill_kv, decode_kv, here, there, heads
 ):
     """K and V in caches of their own on one side (FastDeploy's, vLLM's on GPUs) and
     together head by head on the other ([blocks, heads, 2, tokens, dim]: CacheSpec
-    head_stride), either way, of one block size or two: a 15-token prompt, ready in two
-    chunks, lands each head's K and V tokens where the decode side keeps them."""
+    head_stride), either way, or together on both (whole blocks where their sizes are
+    the same), of one block size or two: a 15-token prompt, ready in two chunks, lands
+    each head's K and V tokens where the decode side keeps them."""
     tokens = 15
-    decode_kv = "together" if prefill_kv == "apart" else "apart"
     decode = Decode(heads=heads, block_bytes=there * heads * TOKEN_BYTES, kv=decode_kv)
     caches = source(here, heads)
     layout = (
@@ -369,3 +398,46 @@ def test_a_shard_of_heads_apart_starts_at_its_first_heads_place():
     assert spec.head_view(3, 1) == transfer.CacheSpec(0, 8 + 96, 256, 16, 2, 1)
     assert spec.to_json() == [0, 8, 256, 64, 2, 4, "", 1, "heads", 32]
     assert transfer.CacheSpec.from_json(spec.to_json()) == spec
+
+
+def test_caches_together_alike_on_both_sides_are_one_copy_per_run():
+    """K and V together head by head on both sides, blocks of one size: a run of blocks is
+    one copy of whole blocks, not one per head and cache; of two sizes, one per head,
+    cache and stretch."""
+    layout = together_layout(together(source(4, 2), 2), 2)
+    base = layout.regions[0][0]
+    alike = transfer.RunPlanner(layout, layout.layers, (4, 4))
+    block = CACHES * 2 * 4 * TOKEN_BYTES
+    assert alike.copies(0, [(1, 3, 2)]) == [(base + block, 0, 3 * block, 2 * block)]
+    other = together_layout(together(source(8, 2), 2), 2)
+    sizes = transfer.RunPlanner(layout, other.layers, (4, 8))
+    # two units: two source blocks, one destination block; per stretch, head and cache
+    assert len(sizes.copies(0, [(0, 0, 2)])) == 2 * 2 * CACHES
+    part = 4 * TOKEN_BYTES  # a head's part of a block of 4 tokens
+    padded = np.zeros((BLOCKS, 2, 3, part), np.uint8)  # K, a gap, V per head: not whole
+    gap = transfer.CacheLayout(
+        [padded],
+        [
+            [
+                transfer.CacheSpec(
+                    0, at * part, 6 * part, 2 * part, BLOCKS, 2, head_stride=3 * part
+                )
+                for at in (0, 2)
+            ]
+        ]
+        * LAYERS,
+    )
+    assert len(transfer.RunPlanner(gap, gap.layers, (4, 4)).copies(0, [(0, 0, 1)])) == 2 * CACHES
+
+
+def test_caches_of_another_number_of_planes_are_refused_at_connect_naming_both():
+    """A block of the same bytes, a head's part one plane here and two there (its K tokens,
+    then its V tokens): the bytes mean other tokens, refused at connect."""
+    streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(source(4, 2), heads=2), 4)
+    decode = Decode(heads=2, block_bytes=4 * 2 * TOKEN_BYTES, planes=2)
+    try:
+        with pytest.raises(pdhal.InvalidArgumentError, match="1 plane\\(s\\) here, 2 on the peer"):
+            streamer.connect(decode.described, block_tokens=4)
+    finally:
+        streamer.close()
+        decode.close()
