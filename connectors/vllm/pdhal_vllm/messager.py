@@ -164,14 +164,15 @@ def _entry(value) -> bool:
 
 
 #: A prefill worker's hello: its fields that are counts (ints >= 0); and "cache", the name
-#: its KV cache is shared as, and "layers", per layer [offset, stride, block bytes, blocks,
-#: heads, element type] (checked by pdhal.transfer.CacheSpec).
+#: its KV cache is shared as, "layers", per layer its caches' pdhal.transfer.CacheSpec words
+#: (checked by CacheSpec.from_json), and "tokens_placed", whether they say where each token
+#: of a block is (else a decode instance of another block size is refused).
 HELLO_COUNTS = ("rank", "ranks", "device", "kv_heads", "nbytes", "block_size")
 
 
 def _hello_problem(hello: dict) -> str | None:
     """What is wrong with the fields of a prefill worker's hello, or None."""
-    for key in (*HELLO_COUNTS, "cache", "layers"):
+    for key in (*HELLO_COUNTS, "cache", "layers", "tokens_placed"):
         if key not in hello:
             return f"its hello has no {key!r}"
     for key in HELLO_COUNTS:
@@ -183,6 +184,10 @@ def _hello_problem(hello: dict) -> str | None:
         isinstance(layer, list) for layer in hello["layers"]
     ):
         return f"its hello's layers must be a list of lists, got {hello['layers']!r:.80}"
+    if not isinstance(hello["tokens_placed"], bool):
+        return (
+            f"its hello's tokens_placed must be true or false, got {hello['tokens_placed']!r:.80}"
+        )
     return None
 
 
@@ -447,7 +452,16 @@ class Messager:
             self._end_prefill(f"the prefill worker (pid {self.prefill.pid}) was replaced")
         try:  # (the worker shared its cache before its hello: no waiting for it)
             src = ops.share_external_data("uint8", hello["cache"], [hello["nbytes"]], timeout=0)
-            layout = CacheLayout([src], [[CacheSpec(0, *layer)] for layer in hello["layers"]])
+            layout = CacheLayout(
+                [src],
+                [
+                    [
+                        CacheSpec.from_json(words, f"the prefill worker's layer {index}")
+                        for words in layer
+                    ]
+                    for index, layer in enumerate(hello["layers"])
+                ],
+            )
             service = PrefillService(
                 layout,
                 hello["block_size"],
@@ -461,10 +475,9 @@ class Messager:
                 transport_name=self.transport,
                 on_outcome=lambda outcome: self.events.put(("outcome", outcome)),
                 on_session_end=lambda facts, why: self.events.put(("decode_gone", facts, why)),
-                # vLLM's CPU cache does not keep a head's tokens in order inside a block
-                # (blocks of 96 against 32 landed every byte, yet decoded other tokens):
+                # where the worker does not know how vLLM packs its blocks (cpu_layout),
                 # a decode instance of another --block-size is refused at its hello
-                same_block_size=True,
+                same_block_size=not hello["tokens_placed"],
             )
         except (PdhalError, TypeError, ValueError) as exc:
             why = f"the messager cannot stream from this prefill cache: {exc}"

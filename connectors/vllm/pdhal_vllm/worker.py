@@ -17,6 +17,7 @@ from vllm.logger import init_logger
 import pdhal
 from pdhal import ops
 from pdhal.transfer import CacheLayout, CacheSpec, rank_heads
+from pdhal_vllm.cpu_layout import attention_isa, layer_specs
 from pdhal_vllm.decode_worker import DecodeWorker
 from pdhal_vllm.prefill_worker import PrefillWorker
 from pdhal_vllm.wire import ConnectorError, Tracer, auth_key
@@ -70,6 +71,8 @@ class Worker:
         self.cache_dtype = FP8_ALIASES.get(
             vllm_config.cache_config.cache_dtype, vllm_config.cache_config.cache_dtype
         )
+        #: what vLLM's CPU attention picks its packing by (cpu_layout.attention_isa)
+        self.attention_by = (vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype)
         #: the first of the KV heads this rank holds (of all the model's)
         self.head0 = rank_heads(self.kv_heads, self.ranks, self.rank).start
         self.trace = Tracer(self._trace_path())
@@ -78,6 +81,10 @@ class Worker:
         self.layer_index: dict[str, int] = {}
         #: per layer: offset, stride, block bytes, blocks, KV heads of this rank, element type
         self.layout: list[list] = []
+        #: per layer, its caches as pdhal.transfer describes them (cpu_layout)
+        self.specs: list[list[CacheSpec]] = []
+        #: whether they say where each token of a block is (blocks of another size pair)
+        self.tokens_placed = False
         self.num_layers = 0
         self.cache_name = ""
         #: the physical device of the KV cache: what this rank's layer-signal channel is
@@ -166,23 +173,28 @@ class Worker:
             size = t.element_size()
             self.layer_index[name] = index
             dtype = str(t.dtype).removeprefix("torch.")
-            self.layout.append(
-                [
-                    t.data_ptr() - base,
-                    t.stride(0) * size,
-                    block.numel() * size,
-                    t.shape[0],
-                    heads,
-                    dtype if self.cache_dtype == "auto" else self.cache_dtype,
-                ]
+            dtype = dtype if self.cache_dtype == "auto" else self.cache_dtype
+            offset, stride = t.data_ptr() - base, t.stride(0) * size
+            self.layout.append([offset, stride, block.numel() * size, t.shape[0], heads, dtype])
+            head_size = t.shape[3] // 2  # [blocks, heads, block_size, K and V of head_size]
+            model_dtype, cache_dtype = self.attention_by
+            isa = attention_isa(model_dtype, self.block_size, head_size, cache_dtype)
+            specs, self.tokens_placed = layer_specs(  # (one ISA for every layer)
+                isa, offset, stride, t.shape[0], heads, t.shape[2], head_size, size, dtype
             )
+            self.specs.append(specs)
         self.num_layers = len(names)
         logger.info(
-            "pdhal connector: %d layers, KV cache %s (%d bytes) in pdhal memory, block %d bytes",
+            "pdhal connector: %d layers, KV cache %s (%d bytes) in pdhal memory, block %d "
+            "bytes packed for %s (%s)",
             self.num_layers,
             tuple(kv_caches[names[0]].shape),
             buf.nbytes,
             self.layout[0][2],
+            isa,
+            "each token placed: blocks of another size pair"
+            if self.tokens_placed
+            else "packing not known here: blocks pair only with blocks of this size",
         )
         self.cache_name = f"pdhal-vllm.{os.getpid()}.{self.rank}"
         local = kv_caches[names[0]].device.index or 0
@@ -197,7 +209,7 @@ class Worker:
 
     def cache_layout(self) -> CacheLayout:
         """The KV cache as pdhal.transfer describes caches."""
-        return CacheLayout([self.buffers[0][0]], [[CacheSpec(0, *layer)] for layer in self.layout])
+        return CacheLayout([self.buffers[0][0]], self.specs)
 
     # ---- what vLLM calls, to the roles' halves ----------------------------------------
 

@@ -48,13 +48,15 @@ class Served:
         hosts=None,
         dtype: str = "bfloat16",
         messager_args: tuple[str, ...] = (),
+        block_sizes: dict[str, int] | None = None,
     ):
         """`hosts` (pdhal.testing.netns.TwoHosts): the last decode server runs in the
         other network namespace, as on another host (Mooncake across the veth pair).
         `dtype`: the model's and the KV cache's; float32 where tokens under concurrent load
         are compared with tokens computed one request at a time (in bfloat16 a batch rounds
         differently, and the tiny model's greedy tokens of one prompt already differ on a
-        plain server). `messager_args`: more of the messager's options."""
+        plain server). `messager_args`: more of the messager's options. `block_sizes`: a
+        server's --block-size where it is not 32 (by role: "prefill1", "decode1")."""
         self.cluster = Cluster(root, model, os.urandom(16).hex())
         self.namespace = f"serve{os.getpid()}{transport}{prefills}{decodes}"
         self.cluster.env |= {
@@ -65,6 +67,7 @@ class Served:
         }
         self.model, self.transport, self.dtype = model, transport, dtype
         self.messager_args = messager_args
+        self.block_sizes = block_sizes or {}
         self.urls: dict[str, str] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.hosts = hosts
@@ -143,7 +146,7 @@ class Served:
             "--port",
             str(port),
             "--block-size",
-            "32",
+            str(self.block_sizes.get(role, 32)),
             "--max-model-len",
             "512",
             "--enforce-eager",

@@ -46,7 +46,10 @@ class FakePrefill:
             "kv_heads": HEADS,
             "cache": self.name,
             "nbytes": self.buffer.nbytes,
-            "layers": [[i * LAYER_BYTES, BLOCK_BYTES, BLOCK_BYTES, BLOCKS, HEADS] for i in (0, 1)],
+            "layers": [
+                [[0, i * LAYER_BYTES, BLOCK_BYTES, BLOCK_BYTES, BLOCKS, HEADS]] for i in (0, 1)
+            ],
+            "tokens_placed": False,
             "block_size": BLOCK_TOKENS,
         }
         try:
@@ -171,6 +174,8 @@ def test_a_transfer_the_worker_abandons_fails_at_once_on_the_decode_side(peers):
         ({"rank": None}, "its hello's rank must be an int >= 0, got None"),
         ({"cache": "x" * 300}, "its hello's cache must be a name of 1-255 characters"),
         ({"layers": "all"}, "its hello's layers must be a list of lists, got 'all'"),
+        ({"layers": [[[0, 0, 64]]]}, "the prefill worker's layer 0 must be [region, offset"),
+        ({"tokens_placed": 1}, "its hello's tokens_placed must be true or false, got 1"),
     ],
 )
 def test_a_worker_the_messager_cannot_serve_is_refused_naming_why(messager, hello, said):

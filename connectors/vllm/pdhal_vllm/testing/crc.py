@@ -34,10 +34,13 @@ class CrcMessager(messager.Messager):
             layout = self.service.layout
             source = layout.memory[0]
             head0 = rank_heads(self.prefill.hello["kv_heads"], self.prefill_ranks, self.rank)
-            for layer, (spec,) in enumerate(layout.layers):
+            for layer, caches in enumerate(layout.layers):
+                # a block: each head's K and V, whichever specs describe them
+                first = min(caches, key=lambda spec: spec.offset)
+                whole = sum(spec.block_bytes for spec in caches)
                 for i, block in enumerate(added.blocks[: -(-added.prompt // self.block_size)]):
-                    start = spec.offset + block * spec.stride
-                    crcs = head_crcs(source[start : start + spec.block_bytes], spec.heads)
+                    start = first.offset + block * first.stride
+                    crcs = head_crcs(source[start : start + whole], first.heads)
                     self.trace(
                         "block", tid=outcome.request_id, layer=layer, i=i, head0=head0.start,
                         crcs=crcs,
