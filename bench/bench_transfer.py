@@ -34,6 +34,10 @@ tokens x 4 heads x 32 dims x fp32 = 32 KiB).
   streamed) in GiB/s while it transfers, over Mooncake's own transfer_engine_bench with the
   same block size and batch, one thread, while a core computes.
 
+- heterogeneous_vs_alike (MODE): bench_block_sizes' ratios, a head's token 128 bytes as
+  here: the same bytes into decode caches of other block sizes, another order, K and V
+  together, against caches alike (issue 35's target: >= 0.8).
+
 `--json` prints one object; BENCH_SMOKE=1 (make bench-smoke) runs the same on tiny sizes.
 """
 
@@ -48,6 +52,8 @@ import subprocess
 import sys
 import threading
 import time
+
+import bench_block_sizes  # (this folder: the script's own)
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 LAYERS = int(os.environ.get("BENCH_LAYERS", "4" if SMOKE else "32"))
@@ -338,6 +344,10 @@ def main() -> dict:
         "steps": STEPS,
         "shm": shm["snapshot"],
     }
+    # the same bytes between caches laid out otherwise on the decode side (issue 35), a
+    # head's token as this run's (32 dims of fp32): bench_block_sizes' modes
+    for mode, row in bench_block_sizes.measure(128).items():
+        result[f"heterogeneous_vs_alike ({mode})"] = round(row["vs_alike"], 3)
     try:
         mooncake = phase("mooncake", with_floor=False)
     except Exception as e:  # no Mooncake here: say why, measure the rest
