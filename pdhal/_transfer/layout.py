@@ -150,6 +150,11 @@ class CacheSpec:
         """The bytes from a block's first byte to its last one's end."""
         return (self.heads - 1) * self.head_step + self.part_bytes
 
+    @property
+    def end(self) -> int:
+        """Where its last block ends in its region."""
+        return self.offset + (self.blocks - 1) * self.stride + self.span
+
     def to_json(self) -> list:
         """Its words; the element type, the planes, the order and the head stride only
         where they are not the defaults (a peer of the last version reads six)."""
@@ -265,6 +270,7 @@ class CacheLayout:
                         f"layers[{layer}][{index}] must be a CacheSpec, got {spec!r}"
                     )
                 _fits(spec, sizes, f"layer {layer}'s cache", "the layout")
+        _refuse_overlaps(self.layers)
         self._pin_lock = threading.Lock()
 
     def pin(self, owner: str) -> Callable[[], None]:
@@ -522,6 +528,8 @@ def _whole_blocks(mine: list[CacheSpec], theirs: list[CacheSpec]) -> tuple | Non
     here, there = shape(mine), shape(theirs)
     if here is None or there is None or here[1:] != there[1:]:
         return None
+    if here[1] > mine[0].stride or there[1] > theirs[0].stride:
+        return None  # (a peer's caches over each other's bytes: each copied as it says)
     if any(
         "tokens" in (a.order, b.order) or a.planes != b.planes or a.block_bytes != b.block_bytes
         for a, b in zip(mine, theirs)
@@ -548,11 +556,72 @@ def _fits(spec: CacheSpec, sizes: list[int], what: str, where: str) -> None:
     blocks end within it."""
     if spec.region >= len(sizes):
         raise InvalidArgumentError(f"{what} names region {spec.region}; {where} has {len(sizes)}")
-    end = spec.offset + (spec.blocks - 1) * spec.stride + spec.span
-    if end > sizes[spec.region]:
+    if spec.end > sizes[spec.region]:
         raise InvalidArgumentError(
-            f"{what} ends at byte {end} of region {spec.region}, which holds {sizes[spec.region]}"
+            f"{what} ends at byte {spec.end} of region {spec.region}, which holds "
+            f"{sizes[spec.region]}"
         )
+
+
+#: The most heads apart a cache's parts are looked at one by one when overlaps are looked
+#: for; a cache of more is taken as the whole of its span.
+MOST_PARTS_APART = 4096
+
+
+def _refuse_overlaps(layers: list[list[CacheSpec]]) -> None:
+    """Refuse two caches of a layout whose bytes overlap (InvalidArgumentError naming
+    both): a transfer into one would land over the other's, reported landed. Caches whose
+    spans (first block to last) meet at one stride must keep their parts of a block apart
+    (K and V together); at two strides they are not looked into."""
+    by_region: dict[int, list] = {}
+    for layer, caches in enumerate(layers):
+        for index, spec in enumerate(caches):
+            by_region.setdefault(spec.region, []).append(
+                (spec.offset, spec.end, layer, index, spec)
+            )
+    for extents in by_region.values():
+        extents.sort(key=lambda extent: extent[0])
+        open_: list = []
+        for extent in extents:
+            open_ = [other for other in open_ if other[1] > extent[0]]
+            for other in open_:
+                a, b = other[4], extent[4]
+                if a.stride == b.stride and _meet(_pieces(a), _pieces(b)):
+                    raise InvalidArgumentError(
+                        f"layer {other[2]} cache {other[3]} and layer {extent[2]} cache "
+                        f"{extent[3]} overlap in region {a.region} (offsets {a.offset} and "
+                        f"{b.offset}, stride {a.stride}): one would land over the other"
+                    )
+            open_.append(extent)
+
+
+def _pieces(spec: CacheSpec) -> list[tuple[int, int]]:
+    """The [start, end) of `spec`'s bytes within a stride, from its offset modulo the
+    stride (a piece past the stride's end split in two), sorted."""
+    if spec.head_stride and spec.heads <= MOST_PARTS_APART:
+        spans = [(spec.offset + h * spec.head_step, spec.part_bytes) for h in range(spec.heads)]
+    else:
+        spans = [(spec.offset, spec.span)]
+    pieces = []
+    for start, length in spans:
+        start %= spec.stride
+        pieces.append((start, min(start + length, spec.stride)))
+        if start + length > spec.stride:
+            pieces.append((0, start + length - spec.stride))
+    return sorted(pieces)
+
+
+def _meet(ours: list[tuple[int, int]], theirs: list[tuple[int, int]]) -> bool:
+    """Whether two sorted lists of [start, end) share a byte."""
+    i = j = 0
+    while i < len(ours) and j < len(theirs):
+        if ours[i][0] < theirs[j][1] and theirs[j][0] < ours[i][1]:
+            return True
+        if ours[i][1] <= theirs[j][1]:
+            i += 1
+        else:
+            j += 1
+    return False
 
 
 def _head_view(layers, first: int, count: int, where: str) -> list[list[CacheSpec]]:

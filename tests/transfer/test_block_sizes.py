@@ -414,18 +414,19 @@ def test_caches_together_alike_on_both_sides_are_one_copy_per_run():
     # two units: two source blocks, one destination block; per stretch, head and cache
     assert len(sizes.copies(0, [(0, 0, 2)])) == 2 * 2 * CACHES
     part = 4 * TOKEN_BYTES  # a head's part of a block of 4 tokens
-    padded = np.zeros((BLOCKS, 2, 3, part), np.uint8)  # K, a gap, V per head: not whole
+    # K, a gap, V per head: not whole blocks
+    padded = [np.zeros((BLOCKS, 2, 3, part), np.uint8) for _ in range(LAYERS)]
     gap = transfer.CacheLayout(
-        [padded],
+        padded,
         [
             [
                 transfer.CacheSpec(
-                    0, at * part, 6 * part, 2 * part, BLOCKS, 2, head_stride=3 * part
+                    layer, at * part, 6 * part, 2 * part, BLOCKS, 2, head_stride=3 * part
                 )
                 for at in (0, 2)
             ]
-        ]
-        * LAYERS,
+            for layer in range(LAYERS)
+        ],
     )
     assert len(transfer.RunPlanner(gap, gap.layers, (4, 4)).copies(0, [(0, 0, 1)])) == 2 * CACHES
 

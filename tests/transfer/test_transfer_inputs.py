@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -130,6 +131,36 @@ def test_a_layout_s_regions_must_be_a_list():
         transfer.CacheLayout(region, [[transfer.CacheSpec(**GOOD)]])
     with pytest.raises(pdhal.InvalidArgumentError, match="layers must be a list of layers"):
         transfer.CacheLayout.from_caches(region.ctypes.data)
+
+
+@pytest.mark.parametrize(
+    "specs, says",
+    [
+        # K and V together head by head, V's offset forgotten: V would land over K
+        ([(0, 0, 128, 64, 4, 2, "", 1, "heads", 64)] * 2, "layer 0 cache 0 and layer 0 cache 1"),
+        # V one part in, but K's heads next to each other: V's first head is K's second
+        ([(0, 0, 128, 64, 4, 2), (0, 32, 128, 64, 4, 2, "", 1, "heads", 64)], "offsets 0 and 32"),
+        # V's block b is K's block b + 1
+        ([(0, 0, 64, 64, 4), (0, 64, 64, 64, 3)], "overlap in region 0"),
+    ],
+)
+def test_caches_whose_bytes_overlap_are_refused_naming_both(specs, says):
+    """A transfer into one would land over the other's bytes and be reported landed."""
+    region = np.zeros(512, np.uint8)
+    with pytest.raises(pdhal.InvalidArgumentError, match=re.escape(says)):
+        transfer.CacheLayout([region], [[transfer.CacheSpec(*s) for s in specs]])
+
+
+def test_caches_apart_in_one_region_are_not_overlaps():
+    """K and V together head by head (V one part in), together block by block, and two
+    layers one after the other in one region: accepted."""
+    region = np.zeros(2048, np.uint8)
+    for specs in (
+        [(0, 0, 128, 64, 4, 2, "", 1, "heads", 64), (0, 32, 128, 64, 4, 2, "", 1, "heads", 64)],
+        [(0, 0, 128, 64, 4), (0, 64, 128, 64, 4)],
+        [(0, 0, 64, 64, 4), (0, 256, 64, 64, 4)],
+    ):
+        transfer.CacheLayout([region], [[transfer.CacheSpec(*s) for s in specs]])
 
 
 def test_a_head_view_takes_counts_only():
