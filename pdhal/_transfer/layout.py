@@ -118,11 +118,15 @@ class CacheSpec:
                 f"CacheSpec.planes {self.planes} with order 'tokens': a token-major block is "
                 f"its tokens' parts, each its heads' (one plane)"
             )
-        if self.head_stride and (self.order != "heads" or self.head_stride < self.part_bytes):
+        if self.head_stride and self.order != "heads":
             raise InvalidArgumentError(
-                f"CacheSpec.head_stride {self.head_stride}: heads apart are the parts of a "
-                f"head-major block (order 'heads', got {self.order!r}), each at least its "
-                f"{self.part_bytes} bytes past the last (0: next to each other)"
+                f"CacheSpec.head_stride {self.head_stride} with order {self.order!r}: heads "
+                f"apart are the parts of a head-major block (order 'heads')"
+            )
+        if self.head_stride and self.head_stride < self.part_bytes:
+            raise InvalidArgumentError(
+                f"CacheSpec.head_stride {self.head_stride}: each head's part must be at least "
+                f"its {self.part_bytes} bytes past the last (0: next to each other)"
             )
         if self.span > self.stride:
             spans = (

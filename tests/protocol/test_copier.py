@@ -150,6 +150,21 @@ def test_token_runs_between_two_orders_expand_to_the_copies_python_plans(
     _assert_landed_as_planned(regions, source, layer.copies(runs))
 
 
+@pytest.mark.parametrize("orders", [("heads", "tokens"), ("tokens", "heads")])
+def test_a_grid_whose_later_rows_pass_a_region_s_end_is_refused_whole(memory, orders):
+    """Between two orders a stretch is rows of copies (a token's parts, or a part's
+    tokens): its destination block at the last 32 bytes of a 1,024-byte region, the first
+    row fits and the last does not; refused before any copy, the region untouched."""
+    regions, source, copier = memory
+    layer = PieceCopies([(_address(source), 64, 1, 992, 64, 16)], [2], [orders], 4, 4)
+    with pytest.raises(TransferError, match="outside the destination"):
+        copier.post_pieces(
+            layer.caches, layer.heads, layer.orders, layer.count, layer.units,
+            core.block_run_words([(0, 0, 4)]), 1,
+        )  # fmt: skip
+    assert not regions[1].any()
+
+
 def test_an_order_mask_that_is_not_one_is_refused(memory):
     regions, source, copier = memory
     caches = core.copy_caches([(_address(source), 32, 1, 0, 32, 16)])

@@ -311,24 +311,32 @@ def together_layout(arrays: list[np.ndarray], heads: int) -> transfer.CacheLayou
 @pytest.mark.parametrize("here, there", [(4, 4), (8, 4), (4, 6)])
 @pytest.mark.parametrize(
     "prefill_kv, decode_kv",
-    [("apart", "together"), ("together", "apart"), ("together", "together")],
+    [
+        ("apart", "together"),
+        ("together", "apart"),
+        ("together", "together"),
+        ("blocks", "together"),
+        ("together", "blocks"),
+    ],
 )
 def test_each_head_of_k_and_v_lands_whether_a_side_keeps_them_apart_or_together(
     prefill_kv, decode_kv, here, there, heads
 ):
-    """K and V in caches of their own on one side (FastDeploy's, vLLM's on GPUs) and
-    together head by head on the other ([blocks, heads, 2, tokens, dim]: CacheSpec
-    head_stride), either way, or together on both (whole blocks where their sizes are
-    the same), of one block size or two: a 15-token prompt, ready in two chunks, lands
-    each head's K and V tokens where the decode side keeps them."""
+    """K and V in caches of their own on one side (FastDeploy's, vLLM's on GPUs), or
+    together block by block ([blocks, 2, heads, ...]: FlashInfer's), and together head by
+    head on the other ([blocks, heads, 2, tokens, dim]: CacheSpec head_stride), either way,
+    or together head by head on both (whole blocks where their sizes are the same), of one
+    block size or two: a 15-token prompt, ready in two chunks, lands each head's K and V
+    tokens where the decode side keeps them (two layouts of a block of the same bytes in
+    one region are no whole-block copy)."""
     tokens = 15
     decode = Decode(heads=heads, block_bytes=there * heads * TOKEN_BYTES, kv=decode_kv)
     caches = source(here, heads)
-    layout = (
-        together_layout(together(caches, heads), heads)
-        if prefill_kv == "together"
-        else transfer.CacheLayout.from_caches(caches, heads=heads)
-    )
+    layout = {
+        "together": lambda: together_layout(together(caches, heads), heads),
+        "blocks": lambda: in_blocks(caches, heads, "heads"),
+        "apart": lambda: transfer.CacheLayout.from_caches(caches, heads=heads),
+    }[prefill_kv]()
     streamer = transfer.KVStreamer(layout, here)
     try:
         src_blocks, dst_blocks = stream(streamer, decode, here, there, tokens)
@@ -380,7 +388,7 @@ def test_heads_apart_pair_only_with_head_major_caches_of_as_many_heads():
         decode.close()
     for spec, words in (
         (dict(block_bytes=64, heads=2, head_stride=16), "at least its 32 bytes"),
-        (dict(block_bytes=32, heads=2, head_stride=32, order="tokens"), "got 'tokens'"),
+        (dict(block_bytes=32, heads=2, head_stride=32, order="tokens"), "with order 'tokens'"),
         (dict(block_bytes=32, heads=2, head_stride=64), "spans 80 bytes (heads 64 apart)"),
     ):
         with pytest.raises(pdhal.InvalidArgumentError, match=re.escape(words)):
@@ -431,14 +439,17 @@ def test_caches_together_alike_on_both_sides_are_one_copy_per_run():
     assert len(transfer.RunPlanner(gap, gap.layers, (4, 4)).copies(0, [(0, 0, 1)])) == 2 * CACHES
 
 
-def test_caches_of_another_number_of_planes_are_refused_at_connect_naming_both():
-    """A block of the same bytes, a head's part one plane here and two there (its K tokens,
-    then its V tokens): the bytes mean other tokens, refused at connect."""
+@pytest.mark.parametrize(
+    "there, says", [(4, "1 plane(s) here, 2 on the peer"), (8, "of 1 plane(s) per block here")]
+)
+def test_caches_of_another_number_of_planes_are_refused_at_connect_naming_both(there, says):
+    """A head's part of a block one plane here and two there (its K tokens, then its V
+    tokens), blocks of one size or two: the bytes mean other tokens, refused at connect."""
     streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(source(4, 2), heads=2), 4)
-    decode = Decode(heads=2, block_bytes=4 * 2 * TOKEN_BYTES, planes=2)
+    decode = Decode(heads=2, block_bytes=there * 2 * TOKEN_BYTES, planes=2)
     try:
-        with pytest.raises(pdhal.InvalidArgumentError, match="1 plane\\(s\\) here, 2 on the peer"):
-            streamer.connect(decode.described, block_tokens=4)
+        with pytest.raises(pdhal.InvalidArgumentError, match=re.escape(says)):
+            streamer.connect(decode.described, block_tokens=there)
     finally:
         streamer.close()
         decode.close()
