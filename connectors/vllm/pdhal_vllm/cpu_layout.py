@@ -51,21 +51,12 @@ def layer_specs(
     if isa not in PLANES or element < 2:  # (an fp8 cache's packing is not known here)
         return [CacheSpec(0, offset, stride, 2 * heads * part, blocks, heads, dtype)], False
     k_planes, v_planes = PLANES[isa](head_size)
-    return [
-        CacheSpec(
-            0,
-            offset + at * part,
-            stride,
-            heads * part,
-            blocks,
-            heads,
-            dtype,
-            planes,
-            "heads",
-            2 * part,
-        )
+    specs = [  # K at the head's part's start, V one part in; a head's K and V 2 parts long
+        CacheSpec(0, offset + at * part, stride, heads * part, blocks, heads, dtype,
+                  planes=planes, head_stride=2 * part)
         for at, planes in ((0, k_planes), (1, v_planes))
-    ], True
+    ]  # fmt: skip
+    return specs, True
 
 
 def attention_isa(model_dtype, block_tokens: int, head_size: int, cache_dtype: str) -> str | None:
