@@ -340,12 +340,11 @@ struct unit_post {
     struct pdhal_copy_job *job; /* NULL: only count the copies */
 };
 
-/* Where unit u of part h is in a block of `units` units of `parts` parts, in units: a
- * head-major block keeps a part's units together, a token-major one a unit's parts. */
-static __uint128_t unit_place(int token_major, uint64_t u, uint32_t h, uint64_t units,
-                              uint32_t parts)
+/* Where unit u of the first part is in a block of `parts` parts, in units: a head-major
+ * block keeps a part's units together, a token-major one a unit's parts. */
+static __uint128_t unit_place(int token_major, uint64_t u, uint32_t parts)
 {
-    return token_major ? (__uint128_t)u * parts + h : (__uint128_t)h * units + u;
+    return token_major ? (__uint128_t)u * parts : u;
 }
 
 static int unit_copies(void *arg, uint64_t s, uint64_t d, uint64_t k)
@@ -379,11 +378,11 @@ static int unit_copies(void *arg, uint64_t s, uint64_t d, uint64_t k)
     /* ids below 2^40 x 2^24 units, bytes below 2^64: no product wraps 128 bits */
     __uint128_t src =
         (__uint128_t)cache->src + (__uint128_t)(s / p->src_units) * cache->src_stride +
-        unit_place(p->order & PDHAL_SRC_TOKEN_MAJOR, s % p->src_units, 0, p->src_units, parts) *
+        unit_place(p->order & PDHAL_SRC_TOKEN_MAJOR, s % p->src_units, parts) *
             unit;
     __uint128_t off =
         (__uint128_t)cache->dst_offset + (__uint128_t)(d / p->dst_units) * cache->dst_stride +
-        unit_place(p->order & PDHAL_DST_TOKEN_MAJOR, d % p->dst_units, 0, p->dst_units, parts) *
+        unit_place(p->order & PDHAL_DST_TOKEN_MAJOR, d % p->dst_units, parts) *
             unit;
     if (src > UINT64_MAX || off > UINT64_MAX)
         return pdhal_fail(ERANGE, "unit run %llu of cache %u lies past the address space",

@@ -379,8 +379,7 @@ class CacheLayout:
         if heads is not None:
             mine = _head_view(self.layers, heads.src_first, heads.count, "here")
             layers = _head_view(layers, heads.dst_first, heads.count, "on the peer")
-        CacheLayout._pair_shape(mine, layers)
-        _pair_heads_apart(mine, layers)
+        _pair_heads_apart(mine, layers)  # (of the same shape: checked above)
         if _piecewise(mine, layers, tokens):
             if tokens is None:
                 raise InvalidArgumentError(

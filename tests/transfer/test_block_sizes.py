@@ -120,6 +120,28 @@ def test_each_token_lands_where_the_decode_sides_blocks_hold_it(here, there, hea
         decode.close()
 
 
+def assert_each_token_landed(
+    decode, blocks, here: int, there: int, tokens: int, heads: int, order: str = "heads"
+):
+    """Every token of every head of every cache of every layer of the prompt stream() sent
+    (its (source, destination) `blocks`, of `here` and `there` tokens) is in the decode
+    side's block where its `order` keeps it (one plane a head)."""
+    src_blocks, dst_blocks = blocks
+    for layer in range(LAYERS):
+        for cache in range(CACHES):
+            for j, block in enumerate(dst_blocks):
+                got = np.array(decode.block(layer, cache, block), np.uint8)
+                if order == "heads":
+                    got = got.reshape(heads, there, TOKEN_BYTES)
+                else:
+                    got = got.reshape(there, heads, TOKEN_BYTES).transpose(1, 0, 2)
+                for t in range(min(there, tokens - j * there)):
+                    at = j * there + t
+                    for h in range(heads):
+                        want = value(layer, cache, src_blocks[at // here], h, at % here)
+                        assert (got[h, t] == want).all(), (layer, cache, block, h, t)
+
+
 def token_major(caches: list[list[np.ndarray]], block_tokens: int, heads: int) -> list:
     """The same tokens as source()'s head-major caches, each block token-major (NHD)."""
     return [
@@ -174,20 +196,8 @@ def test_each_token_of_each_head_lands_where_the_other_order_keeps_it(
     )
     streamer = transfer.KVStreamer(layout, here)
     try:
-        src_blocks, dst_blocks = stream(streamer, decode, here, there, tokens)
-        for layer in range(LAYERS):
-            for cache in range(CACHES):
-                for j, block in enumerate(dst_blocks):
-                    got = np.array(decode.block(layer, cache, block), np.uint8)
-                    if there_order == "heads":
-                        got = got.reshape(heads, there, TOKEN_BYTES)
-                    else:
-                        got = got.reshape(there, heads, TOKEN_BYTES).transpose(1, 0, 2)
-                    for t in range(min(there, tokens - j * there)):
-                        at = j * there + t
-                        for h in range(heads):
-                            want = value(layer, cache, src_blocks[at // here], h, at % here)
-                            assert (got[h, t] == want).all(), (layer, cache, block, h, t)
+        blocks = stream(streamer, decode, here, there, tokens)
+        assert_each_token_landed(decode, blocks, here, there, tokens, heads, there_order)
     finally:
         streamer.close()
         decode.close()
@@ -339,17 +349,8 @@ def test_each_head_of_k_and_v_lands_whether_a_side_keeps_them_apart_or_together(
     }[prefill_kv]()
     streamer = transfer.KVStreamer(layout, here)
     try:
-        src_blocks, dst_blocks = stream(streamer, decode, here, there, tokens)
-        for layer in range(LAYERS):
-            for cache in range(CACHES):
-                for j, block in enumerate(dst_blocks):
-                    got = np.array(decode.block(layer, cache, block), np.uint8)
-                    got = got.reshape(heads, there, TOKEN_BYTES)
-                    for t in range(min(there, tokens - j * there)):
-                        at = j * there + t
-                        for h in range(heads):
-                            want = value(layer, cache, src_blocks[at // here], h, at % here)
-                            assert (got[h, t] == want).all(), (layer, cache, block, h, t)
+        blocks = stream(streamer, decode, here, there, tokens)
+        assert_each_token_landed(decode, blocks, here, there, tokens, heads)
     finally:
         streamer.close()
         decode.close()
