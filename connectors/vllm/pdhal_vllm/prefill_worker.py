@@ -195,6 +195,7 @@ class PrefillWorker:
                 if str(exc) != said:
                     said = str(exc)
                     logger.warning("pdhal connector: no cache messager yet: %s", said)
+                    self.w.trace("messager_missing", error=said)
                 continue
             logger.warning("pdhal connector: rank %d's cache messager is back", self.w.rank)
             self.w.trace("messager_back")

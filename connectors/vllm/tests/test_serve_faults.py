@@ -111,6 +111,8 @@ def under_load(served: Served, expected: dict, fault, busy: str) -> float:
     failed = [r for r in late if r[3] != "ok"]
     assert not failed, (
         f"{len(failed)} of {len(late)} requests after the fault failed: {failed[0]}\n"
+        f"--- the messager's and the prefill worker's links, s from the fault\n"
+        + links(served, hit)
         + "".join(f"--- {role}.log (pdhal)\n{pdhal_lines(served, role)}" for role in PARTS)
     )
     return hit
@@ -124,6 +126,23 @@ def pdhal_lines(served: Served, role: str, most: int = 30) -> str:
     """The last `most` lines pdhal wrote in `role`'s log."""
     lines = [x for x in served.cluster.log(role, 100000).splitlines() if "pdhal" in x]
     return "\n".join(lines[-most:]) + "\n"
+
+
+#: what the messager and the prefill worker trace of their link
+LINK_EVENTS = {"listening", "hello", "ready", "refused", "messager_missing", "messager_back"}
+
+
+def links(served: Served, since: float) -> str:
+    """The messager's and the prefill worker's link events after `since` (a monotonic
+    time: the traces' clock), in seconds from it: whether, and when, a restarted messager
+    took the worker back, and if not, why."""
+    events = sorted(
+        (e["t"] / 1e9 - since, who, e["kind"], e.get("error", ""))
+        for who in ("messager", "prefill0")
+        for e in served.cluster.trace(who)
+        if e["kind"] in LINK_EVENTS and e["t"] / 1e9 > since
+    )
+    return "".join(f"{t:+7.2f} {who} {kind} {why}\n" for t, who, kind, why in events)
 
 
 def assert_idle(served: Served, roles, bound: float = 60) -> None:
