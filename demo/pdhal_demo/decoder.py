@@ -230,10 +230,10 @@ class Claims:
         rid, deadline = str(request), time.monotonic() + LOAD_TIMEOUT_S
         for rank, client in enumerate(self.clients):
             while rid not in self.ended[rank]:
-                self.ended[rank].update((o.request_id, o) for o in client.poll())
-                if time.monotonic() > deadline:  # (the claim's own timeout ends it first)
+                left = deadline - time.monotonic()
+                if left <= 0:  # (the claim's own timeout ends it first)
                     raise DemoError(f"request {request} did not end on rank {rank}")
-                time.sleep(0.001)
+                self.ended[rank].update((o.request_id, o) for o in client.poll(timeout=left))
             outcome = self.ended[rank].pop(rid)
             if not outcome.landed:
                 raise DemoError(f"request {request} did not land on rank {rank}: {outcome.reason}")

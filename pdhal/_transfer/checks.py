@@ -56,6 +56,13 @@ def seconds(value: object, what: str) -> float:
     return float(value)
 
 
+def wait(value: object, what: str) -> float:
+    """`value` as how long to wait: 0 (not at all), or seconds as seconds() takes them."""
+    if type(value) in (int, float) and value == 0:
+        return 0.0
+    return seconds(value, what)
+
+
 def flag(value: object, what: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidArgumentError(f"{what} must be a bool, got {value!r}")

@@ -20,8 +20,8 @@ from pdhal._errors import InvalidArgumentError, SessionError
 from pdhal._transfer import checks
 
 #: The protocol this pdhal speaks. A change a peer of the last version would misread
-#: raises it; the hello refuses any other.
-PROTOCOL = 1
+#: raises it; the hello refuses any other. 2: `ended`, which a peer of 1 would refuse.
+PROTOCOL = 2
 #: The largest frame accepted (a claim of a million blocks fits; a peer's flood does not).
 MOST_BYTES = 1 << 24
 #: The longest string field (ids, names, reasons).
@@ -141,6 +141,17 @@ class Unserved:
 
 
 @dataclass(frozen=True)
+class Ended:
+    """Service -> client: the streamer ended `part` (its outcome is in the part's status
+    slot, unless the transport failed first). Only a wake, so that a decode side waiting
+    for something to report (DecodeClient.poll(timeout)) looks now: the slot, written
+    through the transport, says how it ended."""
+
+    TYPE: ClassVar[str] = "ended"
+    part: str
+
+
+@dataclass(frozen=True)
 class Abandon:
     """Whoever holds the deployment's key (a router) -> service, instead of a hello:
     `request`'s decode side will never claim it (its decode request failed), so the
@@ -161,10 +172,10 @@ class Ping:
     TYPE: ClassVar[str] = "ping"
 
 
-Message = Hello | Welcome | Refused | Claim | Cached | Cancel | Unserved | Abandon | Ping
+Message = Hello | Welcome | Refused | Claim | Cached | Cancel | Unserved | Ended | Abandon | Ping
 _TYPES = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Refused, Claim, Cached, Cancel, Unserved, Abandon, Ping)
+    for cls in (Hello, Welcome, Refused, Claim, Cached, Cancel, Unserved, Ended, Abandon, Ping)
 }
 #: The messages that open a session (their protocol version is checked first).
 _OPENING = (Hello, Welcome, Abandon)

@@ -590,7 +590,10 @@ class PrefillService:
                     if served is not None:
                         part = event.request_id
                         served.ended[part] = "" if event.landed else event.reason or "failed"
-                        served.parts[part].parts.discard(part)
+                        client = served.parts[part]
+                        client.parts.discard(part)
+                        if client.link is not None:  # its decode side looks at the slot now
+                            client.link.send(messages.Ended(part))
                         self._maybe_end(served)
             if self._on_outcome is not None:
                 for outcome in self._outcomes.take():
@@ -1000,6 +1003,9 @@ class DecodeClient:
         self._lost_parts: dict[str, set[str]] = {}  # instance gone -> its held parts
         self._outcomes: list[Outcome] = []
         self._freed: list[str] = []
+        #: rung (under the lock) at each word that something may be reported: poll(timeout)
+        self._bell = threading.Condition(self._lock)
+        self._rings = 0
         #: one connect at a time per address (one session per service; a hung service
         #: delays no claim to another)
         self._dialing: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
@@ -1106,11 +1112,25 @@ class DecodeClient:
                 counts.append(0)
         return min(counts)
 
-    def poll(self) -> list[Outcome]:
+    def poll(self, timeout: float = 0.0) -> list[Outcome]:
         """The claimed requests that ended since the last poll: landed if every part did;
         blocks_free False while a part's prefill side may still write (freed() says when
-        they are free)."""
+        they are free). With nothing to report (nor freed), it first waits up to `timeout`
+        s for a word that something may be: a prefill side said a part ended or will not
+        be served, a session ended, a claim failed before it went. One such word ends the
+        wait, so it may return nothing: a caller waiting for a request loops on its own
+        deadline. A claim's timeout passing rings nothing (it is seen at the next look)."""
+        timeout = checks.wait(timeout, "timeout")
+        with self._lock:
+            rings = self._rings
         self._collect()
+        if timeout > 0:
+            with self._lock:
+                idle = not (self._outcomes or self._freed or self._closed)
+                if idle:
+                    self._bell.wait_for(lambda: self._rings != rings or self._closed, timeout)
+            if idle:
+                self._collect()
         with self._lock:
             out, self._outcomes = self._outcomes, []
         return out
@@ -1130,6 +1150,7 @@ class DecodeClient:
             if self._closed:
                 return
             self._closed = True
+            self._bell.notify_all()
             services = list(self._services.values())
         self._clock.close()
         links = [service.link for service in services if service.link is not None]
@@ -1199,6 +1220,7 @@ class DecodeClient:
                     if wanted.cancelled
                     else Outcome(request_id, True)
                 )
+                self._ring()
             return
         tickets = {}
         try:
@@ -1240,6 +1262,7 @@ class DecodeClient:
                 del self._wanted[wanted.request_id]
                 if not self._closed:  # (after close() nothing is reported)
                     self._outcomes.append(Outcome(wanted.request_id, False, _bounded(why)))
+                    self._ring()
 
     def _ranks(self, instance: _Prefill, size: int) -> list[int]:
         """The ranks of `instance` (of `size`) this rank takes heads from."""
@@ -1352,6 +1375,13 @@ class DecodeClient:
         for part in parts:
             with contextlib.suppress(InvalidArgumentError, ClosedHandleError):  # its word came
                 self.receiver.release(part)
+        with self._lock:
+            self._ring()
+
+    def _ring(self) -> None:
+        """Wake a poll() waiting for something to report (under the lock)."""
+        self._rings += 1
+        self._bell.notify_all()
 
     def _gone(self, service: _Service) -> None:
         """After `service`'s session was lost with parts held: if its address refuses a
@@ -1375,6 +1405,10 @@ class DecodeClient:
         self._release(gone)
 
     def _heard(self, service: _Service, message: messages.Message) -> None:
+        if isinstance(message, messages.Ended):
+            with self._lock:
+                self._ring()
+            return
         if isinstance(message, messages.Unserved):
             with self._lock:  # (held parts too: their deadline may have passed first)
                 wanted = self._part_of.get(message.part)
@@ -1423,6 +1457,8 @@ class DecodeClient:
             if unwritten:  # held (its deadline passed): nothing will write it
                 with contextlib.suppress(InvalidArgumentError, ClosedHandleError):
                     self.receiver.release(part)
+        with self._lock:
+            self._ring()
 
     def _collect(self) -> None:
         """The receiver's outcomes and freed parts, as requests."""

@@ -144,10 +144,9 @@ def _decode(args) -> None:
                 _say("cancelled", command[1])
             elif command[0] == "wait":  # request, blocks, bound: its outcome
                 deadline = time.monotonic() + command[3]
-                while command[1] not in ended and time.monotonic() < deadline:
-                    for outcome in client.poll():
+                while command[1] not in ended and (left := deadline - time.monotonic()) > 0:
+                    for outcome in client.poll(timeout=left):
                         ended[outcome.request_id] = outcome
-                    time.sleep(0.002)
                 outcome = ended.pop(command[1], None)
                 if outcome is None:
                     _say("outcome", None)
@@ -159,6 +158,11 @@ def _decode(args) -> None:
                         outcome.blocks_free,
                         _blocks(arrays, heads, command[2]),
                     )
+            elif command[0] == "poll":  # bound: one poll waiting up to it, and its seconds
+                _say("polling")
+                start = time.monotonic()
+                got = client.poll(timeout=command[1])
+                _say("polled", [o.request_id for o in got], time.monotonic() - start)
             elif command[0] == "freed":  # bound: the requests freed within it
                 deadline, freed = time.monotonic() + command[1], []
                 while not freed and time.monotonic() < deadline:

@@ -87,6 +87,38 @@ def test_a_claim_from_another_process_lands_byte_for_byte(peers):
     assert_landed([5, 2, 7], [1, 3, 6], got)
 
 
+def test_a_waiting_poll_is_woken_by_the_landing_and_reports_it(peers):
+    """A decode side waiting for something to report (poll(timeout)) hears from the
+    prefill side that the part ended, and finds it landed then: not at its timeout, and
+    not before the slot says so (a wake with nothing to report would return nothing)."""
+    service, address = prefill(peers)
+    client = peers("decode")
+    connect(client, address)
+    client.send("claim", "r1", address, [5, 2, 7], 10, 60)
+    client.read("claimed")
+    client.send("poll", 60)
+    client.read("polling")
+    service.send("add", "r1", [1, 3, 6], 10)
+    reported, seconds = client.read("polled", bound=90)
+    assert reported == ["r1"] and seconds < 30, (reported, seconds)
+
+
+def test_a_waiting_poll_is_woken_by_an_unserved_claim(peers):
+    """A claim of a request the prefill side failed is answered `unserved`: that wakes a
+    waiting poll too, which reports the failure."""
+    service, address = prefill(peers)
+    client = peers("decode")
+    connect(client, address)
+    service.send("fail", "gone", "the prefill worker restarted")
+    service.read("failed")
+    client.send("claim", "gone", address, [1], 4, 60)
+    client.read("claimed")
+    client.send("poll", 60)
+    client.read("polling")
+    reported, seconds = client.read("polled", bound=90)
+    assert reported == ["gone"] and seconds < 30, (reported, seconds)
+
+
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
 def test_each_decode_rank_gets_its_heads_from_the_prefill_ranks_that_hold_them(
     peers, prefill_tp, decode_tp
@@ -154,15 +186,15 @@ def test_a_hello_of_another_layout_or_namespace_is_refused_naming_both_sides(pee
 
 
 def test_a_hello_of_another_protocol_version_is_refused_naming_both(peers):
-    """A peer of protocol 2 (a raw hello from this process) is refused at the hello, with
-    both versions named, before anything else of it is read."""
+    """A peer of protocol 1 (before `ended`; a raw hello from this process) is refused at
+    the hello, with both versions named, before anything else of it is read."""
     _, address = prefill(peers)
     conn = control.dial(address, KEY, 10)
-    conn.write(b'{"type": "hello", "protocol": 2, "facts": {}, "described": {}}', 10)
+    conn.write(b'{"type": "hello", "protocol": 1, "facts": {}, "described": {}}', 10)
     answer = control.read_message(conn, 10)
     conn.close()
     assert isinstance(answer, messages.Refused)
-    assert "protocol version 2; this side speaks version 1" in answer.reason
+    assert "protocol version 1; this side speaks version 2" in answer.reason
 
 
 def test_a_peer_without_the_key_is_dropped_at_the_handshake(peers):

@@ -34,8 +34,8 @@ logger = init_logger(__name__)
 #: a claim never waits on it; a loaded messager's hello can take seconds). One that
 #: refuses connections fails the loads that need it at once.
 CONNECT_S = 10.0
-#: The longest sleep between two looks at a layer's progress (sync loads), or at the
-#: loads' outcomes in an idle step.
+#: The longest sleep between two looks at a layer's progress (sync loads: a layer's
+#: landing rings nothing).
 LAYER_POLL_S = 1e-3
 #: The first of those sleeps (each next one twice as long, up to LAYER_POLL_S).
 FIRST_NAP_S = 50e-6
@@ -153,9 +153,10 @@ class DecodeWorker:
             load.went = True
             self.w.trace("want", tid=load.tid, req=load.req)
 
-    def _collect(self) -> None:
-        """The client's outcomes, and the held loads it freed."""
-        for outcome in self.client.poll():
+    def _collect(self, wait: float = 0.0) -> None:
+        """The client's outcomes, and the held loads it freed; with nothing to report,
+        after waiting up to `wait` s for a word that something may be (DecodeClient.poll)."""
+        for outcome in self.client.poll(timeout=wait):
             load = self.claims.pop(outcome.request_id, None)
             if load is None:
                 continue  # (a claim of blocks cached here)
@@ -236,21 +237,15 @@ class DecodeWorker:
         """vLLM scheduled nothing this step, and returning now would only start another
         empty one (the engine steps while any request waits for its KV): return once an
         async load can be reported, or after idle_wait_s, which bounds what a request
-        arriving meanwhile waits. The loads' outcomes are written into this cache by the
-        prefill side (no wake reaches here), so this looks at them, napping FIRST_NAP_S
-        doubling to LAYER_POLL_S: a landing is noticed within LAYER_POLL_S."""
+        arriving meanwhile waits. The wait sleeps until the client hears that a load may
+        have ended (the prefill side's word that a part ended, a session's end): no nap
+        loop, and a landing is noticed as its word comes."""
         waiting = [x for x in self.loads.values() if not x.sync]
         if not waiting or any(x.done and not x.held for x in waiting):
             return  # nothing to wait for, or something to report now
         deadline = time.monotonic() + self.idle_wait
-        nap = FIRST_NAP_S
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            time.sleep(min(nap, left))
-            nap = min(2 * nap, LAYER_POLL_S)
-            self._collect()
+        while (left := deadline - time.monotonic()) > 0:
+            self._collect(wait=left)
             if any(x.done and not x.held for x in waiting):
                 return
 

@@ -103,11 +103,10 @@ class FakeDecode:
 
     def outcome(self, tid: str, timeout: float = 30.0):
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for outcome in self.client.poll():
+        while (left := deadline - time.monotonic()) > 0:
+            for outcome in self.client.poll(timeout=left):
                 if outcome.request_id == tid:
                     return outcome
-            time.sleep(0.01)
         pytest.fail(f"no outcome of {tid} within {timeout} s")
 
     def block(self, layer: int, block: int) -> bytes:
