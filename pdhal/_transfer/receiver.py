@@ -21,13 +21,20 @@ import uuid
 from dataclasses import dataclass
 
 from pdhal import ops
-from pdhal._errors import ChannelBusyError, ClosedHandleError, InvalidArgumentError, TransferError
+from pdhal._errors import (
+    ChannelBusyError,
+    ClosedHandleError,
+    InvalidArgumentError,
+    PdhalError,
+    TransferError,
+)
 from pdhal._protocol.names import namespace, validate_name
 from pdhal._transfer import checks, mailbox
 from pdhal._transfer.contract import require_memory
 from pdhal._transfer.layout import CacheLayout
 from pdhal._transfer.outcome import Outcome
 from pdhal._transfer.plugins import transport
+from pdhal._transfer.staging import Staging, needs_staging
 
 CLOSED = "the receiver was closed"
 
@@ -46,11 +53,19 @@ class _Expected:
     deadline: float
     timeout: float
     layerwise: bool
+    blocks: list[int] | None = None  # where it goes (staging: what is copied as it lands)
+    staged: int = 0  # staging: its layers copied into the caches, from the first
 
 
 class KVReceiver:
     """Expect requests into `layout`'s caches; describe() is what the prefill side connects
     to (JSON-able), expect() the ticket it sends with each request's destination blocks.
+
+    Caches in memory the transport does not serve, where it serves host memory (device
+    memory over shm), are staged (pdhal.transfer's staging): the transport is given a
+    pinned host mirror of them, and each request's blocks (expect's `blocks`) are copied
+    into them by the backend's runtime before it is reported landed, layer by layer for a
+    layerwise one (layers_landed). describe() says so ("staged": the caches' kinds).
 
     Thread-safe. close() ends it: every call after it (or blocked in wait() while it ran)
     raises ClosedHandleError("the receiver was closed"), and close() itself returns the
@@ -86,19 +101,27 @@ class KVReceiver:
             (ctypes.c_char * (slots * mailbox.SLOT_BYTES)).from_address(self._status.address)
         ).cast("B")
         self._unpin = None
+        self._staging: Staging | None = None
         try:
-            require_memory(transport(transport_name), layout.memory, "the decode caches'")
+            served = layout
+            if needs_staging(transport(transport_name), layout):
+                self._staging = Staging(layout)
+                served = self._staging.mirror
+            require_memory(transport(transport_name), served.memory, "the decode caches'")
             self._unpin = layout.pin("KVReceiver")  # no free of the caches it serves
             self._endpoint = transport(transport_name).endpoint(
-                [*layout.memory, self._status], name
+                [*served.memory, self._status], name
             )
         except BaseException:
             if self._unpin is not None:
                 self._unpin()
+            if self._staging is not None:
+                self._staging.close()
             self._view.release()
             ops.host_free(self._status)
             self._forget_name()
             raise
+        self._served = served
         # A token naming this receiver in its description and in every ticket: a prefill
         # side refuses a ticket sent to another receiver's destination.
         self._token = uuid.uuid4().hex
@@ -132,18 +155,23 @@ class KVReceiver:
         with self._lock:
             self._check_open()
         out = self._endpoint.describe()
-        out["layout"] = self.layout.describe()
+        out["layout"] = self._served.describe()
+        if self._staging is not None:
+            out["staged"] = list(self.layout.kinds)
         out["status_region"] = len(self.layout.memory)
         out["status_slots"] = len(self._generations)
         out["receiver"] = self._token
         return out
 
-    def expect(self, request_id: str, timeout: float, *, layerwise: bool = False) -> dict:
+    def expect(
+        self, request_id: str, timeout: float, *, layerwise: bool = False, blocks=None
+    ) -> dict:
         """Start waiting for `request_id` (ended as failed if nothing landed after `timeout`
         s): the ticket the prefill side needs with its destination blocks. `layerwise`: the
         prefill side also reports each layer as it lands (layers_landed), for a decode side
         that computes layer by layer while the rest arrives; it costs a status write per
-        layer.
+        layer. `blocks`: those destination blocks (ids in these caches), which a receiver
+        that stages its caches (see the class) needs: it copies them as they land.
 
         The ticket (JSON-able) holds "request" (`request_id`), "receiver" (this receiver's
         token, as in describe()), "slot", "generation", "layerwise" and "timeout" (the
@@ -153,6 +181,16 @@ class KVReceiver:
         request_id = checks.name(request_id, "request_id")
         timeout = checks.seconds(timeout, "timeout")
         layerwise = checks.flag(layerwise, "layerwise")
+        if blocks is not None:
+            limit = min(spec.blocks for caches in self.layout.layers for spec in caches)
+            blocks = checks.block_ids(blocks, "blocks", limit, "decode caches", unique=True)
+        elif self._staging is not None:
+            raise InvalidArgumentError(
+                f"this receiver stages its {'/'.join(dict.fromkeys(self.layout.kinds))} caches "
+                f"through pinned host memory (its transport {self.transport_name!r} moves "
+                f"host memory only): expect() needs the request's blocks, to copy them as "
+                f"they land"
+            )
         with self._lock:
             self._check_open()
             if request_id in self._expected:
@@ -170,7 +208,7 @@ class KVReceiver:
             slot = self._free.popleft()
             self._generations[slot] = generation = (self._generations[slot] + 1) % (1 << 56)
             self._expected[request_id] = _Expected(
-                slot, generation, time.monotonic() + timeout, timeout, layerwise
+                slot, generation, time.monotonic() + timeout, timeout, layerwise, blocks
             )
         return {
             "request": request_id,
@@ -194,6 +232,9 @@ class KVReceiver:
             if state == mailbox.PENDING and now < e.deadline:
                 continue
             del self._expected[request_id]
+            if state == mailbox.LANDED and self._staging is not None:
+                reason = self._stage(e, self.layout.num_layers)
+                state = mailbox.LANDED if reason == "" else mailbox.FAILED
             if state != mailbox.PENDING:
                 self._ended.append(Outcome(request_id, state == mailbox.LANDED, reason))
                 self._free.append(e.slot)
@@ -207,6 +248,18 @@ class KVReceiver:
         for request_id, e in list(self._held.items()):
             if self._read(e)[0] != mailbox.PENDING:  # the prefill side's last write of it
                 self._let_go(request_id)
+
+    def _stage(self, e: _Expected, layers: int) -> str:
+        """Copy `e`'s blocks of its layers landed but not copied yet, up to `layers`, from
+        the mirror into the caches: "" once done, else why it failed (under the lock)."""
+        if layers <= e.staged:
+            return ""
+        try:
+            self._staging.to_caches(e.blocks, range(e.staged, layers))
+        except PdhalError as exc:
+            return f"copying its blocks from pinned host memory into the caches failed: {exc}"
+        e.staged = layers
+        return ""
 
     def _let_go(self, request_id: str) -> None:
         e = self._held.pop(request_id)
@@ -298,7 +351,12 @@ class KVReceiver:
             )
             # a shared word is input: a prefill side writes at most num_layers - 1 there
             # (the last layer's news is the outcome), so a larger count is no count at all
-            return count if count < self.layout.num_layers else 0
+            count = count if count < self.layout.num_layers else 0
+            if self._staging is not None:
+                failure = self._stage(e, count)
+                if failure:
+                    raise TransferError(failure)
+            return count
 
     def wait(self, request_id: str, poll_interval: float = 0.001) -> Outcome:
         """Poll until `request_id` ended (by its deadline at the latest); the outcomes of
@@ -344,6 +402,8 @@ class KVReceiver:
         try:
             self._endpoint.close()
         finally:
+            if self._staging is not None:
+                self._staging.close()
             self._view.release()
             ops.host_free(self._status)
             self._forget_name()

@@ -1226,7 +1226,9 @@ class DecodeClient:
         try:
             left = max(1e-3, ask.deadline - self._clock.now())
             for part in parts:
-                tickets[part] = self.receiver.expect(part, left, layerwise=ask.layerwise)
+                tickets[part] = self.receiver.expect(
+                    part, left, layerwise=ask.layerwise, blocks=ask.blocks
+                )
         except PdhalError as e:
             self._unsent(wanted, str(e), tickets)
             return

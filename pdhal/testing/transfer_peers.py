@@ -41,20 +41,44 @@ import pdhal
 from pdhal import ops, transfer
 L, C, B = {LAYERS}, {CACHES}, {BLOCKS}
 HEADS, BB, PLANES, ORDER = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+if sys.argv[8] == "device":  # the simulated runtime's device memory (its test support's)
+    import ctypes, importlib, os
+    module, support, library = {{
+        "cuda": ("pdhal_cuda.testing", "CudaTestSupport", "PDHAL_CUDART"),
+        "xpu": ("pdhal_xpu.testing", "XpuTestSupport", "PDHAL_XPURT"),
+    }}[pdhal.current_backend()]
+    device = getattr(importlib.import_module(module), support)(os.environ[library])
+    alloc, free = device.alloc, lambda buffer: None
+    def view(buffer, shape):  # (a simulated device's memory is this host's)
+        raw = (ctypes.c_uint8 * buffer.nbytes).from_address(buffer.data_ptr())
+        return np.ctypeslib.as_array(raw).reshape(shape)
+else:
+    alloc, free = ops.host_alloc, ops.host_free
+    view = lambda buffer, shape: buffer.as_numpy("uint8", shape)
 if sys.argv[7] == "apart":  # each cache a region
-    buffers = [[ops.host_alloc(B * BB) for _ in range(C)] for _ in range(L)]
-    caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
+    buffers = [[alloc(B * BB) for _ in range(C)] for _ in range(L)]
+    caches = [[view(b, (B, BB)) for b in row] for row in buffers]
     specs = [[transfer.CacheSpec(l * C + c, 0, BB, BB, B, HEADS, "", PLANES, ORDER)
               for c in range(C)] for l in range(L)]
 elif sys.argv[7] == "blocks":  # a layer's region, each block every cache's: [B, C, BB]
-    buffers = [[ops.host_alloc(B * BB * C)] for _ in range(L)]
-    caches = [[row[0].as_numpy("uint8", (B, C, BB))[:, c] for c in range(C)] for row in buffers]
+    buffers = [[alloc(B * BB * C)] for _ in range(L)]
+    caches = [[view(row[0], (B, C, BB))[:, c] for c in range(C)] for row in buffers]
     specs = [[transfer.CacheSpec(l, c * BB, C * BB, BB, B, HEADS, "", PLANES, ORDER)
               for c in range(C)] for l in range(L)]
+elif sys.argv[7] == "halves":  # a layer's region, each cache's blocks in turn: [C, B, BB]
+    buffers = [[alloc(C * B * BB)] for _ in range(L)]
+    caches = [[view(row[0], (C, B, BB))[c] for c in range(C)] for row in buffers]
+    specs = [[transfer.CacheSpec(l, c * B * BB, BB, BB, B, HEADS, "", PLANES, ORDER)
+              for c in range(C)] for l in range(L)]
+elif sys.argv[7] == "layers":  # one region, each block every layer's caches: [B, L, C, BB]
+    buffers = [[alloc(B * L * C * BB)]]
+    caches = [[view(buffers[0][0], (B, L, C, BB))[:, l, c] for c in range(C)] for l in range(L)]
+    specs = [[transfer.CacheSpec(0, (l * C + c) * BB, L * C * BB, BB, B, HEADS, "", PLANES,
+                                 ORDER) for c in range(C)] for l in range(L)]
 else:  # a layer's region, each head's part of every cache together: [B, HEADS, C, part]
     PART = BB // HEADS
-    buffers = [[ops.host_alloc(B * BB * C)] for _ in range(L)]
-    caches = [[row[0].as_numpy("uint8", (B, HEADS, C, PART))[:, :, c] for c in range(C)]
+    buffers = [[alloc(B * BB * C)] for _ in range(L)]
+    caches = [[view(row[0], (B, HEADS, C, PART))[:, :, c] for c in range(C)]
               for row in buffers]
     specs = [[transfer.CacheSpec(l, c * PART, C * BB, BB, B, HEADS, "", PLANES, ORDER, C * PART)
               for c in range(C)] for l in range(L)]
@@ -70,12 +94,21 @@ dump = lambda: {{str(b): [[int(caches[l][c][b].flat[0]) for c in range(C)] for l
 for line in sys.stdin:
     command = json.loads(line)
     if command[0] == "expect":
-        say("ticket", receiver.expect(command[1], command[2], layerwise=command[3]))
+        try:
+            say("ticket", receiver.expect(command[1], command[2], layerwise=command[3],
+                                          blocks=command[4]))
+        except pdhal.PdhalError as e:
+            say("ticket", {{"error": f"{{type(e).__name__}}: {{e}}"}})
     elif command[0] == "layers":
         try:
             say("layers", receiver.layers_landed(command[1]), dump())
         except pdhal.PdhalError as e:
             say("layers", None, f"{{type(e).__name__}}: {{e}}")
+    elif command[0] == "fill":  # what the engine wrote there: every block, this byte
+        for row in caches:
+            for c in row:
+                c[:] = command[1]
+        say("filled")
     elif command[0] == "read":
         say("bytes", caches[command[1]][command[2]][command[3]].reshape(-1).tolist())
     elif command[0] == "wait":
@@ -95,7 +128,7 @@ for line in sys.stdin:
 receiver.close()
 for row in buffers:
     for b in row:
-        ops.host_free(b)
+        free(b)
 say("closed")
 """
 
@@ -115,15 +148,21 @@ class Decode:
         planes: int = 1,
         order: str = "heads",
         kv: str = "apart",
+        memory: str = "host",
     ):
         """`prefix`: a command to run it under (another network namespace); `env`: its
         environment (default: this one's); `heads`: KV heads per block (CacheSpec.heads),
         `planes` per head (CacheSpec.planes), its blocks' `order` (CacheSpec.order); `kv`:
         "apart" (each cache a region of its own), "blocks" (a layer's caches in one region,
-        each block every cache's: [blocks, caches, ...]) or "together" (a layer's caches in
-        one region, each head's part of each cache next to each other, [blocks, heads,
-        caches, part]: CacheSpec.head_stride)."""
+        each block every cache's: [blocks, caches, ...]), "halves" (a layer's caches in one
+        region, each cache's blocks in turn: [caches, blocks, ...]), "layers" (one region,
+        each block every layer's caches: [blocks, layers, caches, ...]) or "together" (a
+        layer's caches in one region, each head's part of each cache next to each other,
+        [blocks, heads, caches, part]: CacheSpec.head_stride); `memory`: "host"
+        (host_alloc) or "device" (the simulated runtime's device memory, on a process bound
+        to the cuda or xpu backend: its receiver stages it through pinned host memory)."""
         command = [DECODE, name, transport, str(heads), str(block_bytes), str(planes), order, kv]
+        command.append(memory)
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-c", *command],
             env=env,
@@ -144,14 +183,24 @@ class Decode:
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
 
-    def expect(self, request_id: str, timeout: float = 30.0, layerwise: bool = False) -> dict:
-        self.send("expect", request_id, timeout, layerwise)
+    def expect(
+        self, request_id: str, timeout: float = 30.0, layerwise: bool = False, blocks=None
+    ) -> dict:
+        """The ticket of KVReceiver.expect (`blocks`: its destination blocks, which a
+        receiver that stages needs), or {"error": its type and message}."""
+        self.send("expect", request_id, timeout, layerwise, blocks)
         return self.read("ticket")[0]
 
     def layers(self, request_id: str):
         """(receiver.layers_landed, the dump as wait() gives it), or (None, the error)."""
         self.send("layers", request_id)
         return self.read("layers")
+
+    def fill(self, value: int) -> None:
+        """Write `value` into every byte of its caches (as its engine would: a decode
+        side's own blocks, which no transfer may touch)."""
+        self.send("fill", value)
+        self.read("filled")
 
     def block(self, layer: int, cache: int, block: int) -> list[int]:
         """Every byte of one block of its caches."""

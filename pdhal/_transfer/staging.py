@@ -1,0 +1,143 @@
+"""Staging through pinned host memory: caches in memory a transport cannot reach (device
+memory, where shm moves host memory only) served through a mirror of the same geometry in
+pinned host memory, and copied between the two by the backend's runtime.
+
+A KVReceiver over such caches serves the mirror (its transport sees host memory, so a
+prefill side on any backend pairs with it as with host caches) and copies each landed
+block into the caches before it reports it landed; nothing of the caches is ever shared
+with another process, so no vendor's IPC handle leaves it. The copies are the backend's
+copy_blocks (a runtime copy, then synchronize): each block's own bytes only (a cache's
+span of it), so the blocks around it, another request's, are never touched.
+
+What it costs: a mirror as large as the caches (pinned host memory) and a host-to-device
+copy of each landed request, on the thread that learns it landed."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from pdhal import ops
+from pdhal._memory.blocks import MemorySpan, resolve
+from pdhal._transfer.contract import Transport
+from pdhal._transfer.layout import CacheLayout
+
+
+def needs_staging(transport: Transport, layout: CacheLayout) -> bool:
+    """Whether `layout`'s caches go through a host mirror for `transport`: it says which
+    kinds of memory it serves, host memory among them, and a cache is device memory it
+    does not serve."""
+    served = transport.memory
+    return (
+        served is not None
+        and "cpu" in served
+        and any(kind not in served and kind != "unknown" for kind in layout.kinds)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stretch:
+    """The bytes of one or more caches of a region that block b keeps at [offset + b *
+    stride, + width): caches whose blocks sit side by side merged into one."""
+
+    region: int
+    offset: int
+    stride: int
+    width: int
+    blocks: int
+
+
+def stretches(layout: CacheLayout, layers: range) -> list[_Stretch]:
+    """The stretches of `layers`' caches: per region and stride, the caches' spans of a
+    block merged where they touch (K and V of one block next to each other: one)."""
+    spans: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
+    for layer in layers:
+        for spec in layout.layers[layer]:
+            spans[spec.region, spec.stride].append((spec.offset, spec.span, spec.blocks))
+    out = []
+    for (region, stride), found in spans.items():
+        merged: list[list[int]] = []
+        for offset, span, blocks in sorted(set(found)):
+            last = merged[-1] if merged else None
+            # touching: the same block's bytes (caches of a layout never overlap), one stretch
+            if last is not None and offset <= last[0] + last[1]:
+                last[1] = max(last[1], offset + span - last[0])
+                last[2] = min(last[2], blocks)
+            else:
+                merged.append([offset, span, blocks])
+        out += [_Stretch(region, o, stride, w, n) for o, w, n in merged]
+    return out
+
+
+class Staging:
+    """A pinned host mirror of `layout` (the caches), and copies of blocks between them."""
+
+    def __init__(self, layout: CacheLayout):
+        self.caches = layout
+        self._refs = [resolve(region, f"region {i}") for i, region in enumerate(layout.memory)]
+        self._buffers: list = []
+        try:
+            for _, nbytes in layout.regions:
+                self._buffers.append(ops.host_alloc(nbytes))
+        except BaseException:
+            self.close()
+            raise
+        #: The mirror: the same caches in pinned host memory, what a transport serves.
+        self.mirror = CacheLayout(self._buffers, layout.layers)
+        self._mirror_refs = [resolve(b, f"mirror region {i}") for i, b in enumerate(self._buffers)]
+        self._all = stretches(layout, range(layout.num_layers))
+        self._by_layer: dict[int, list[_Stretch]] = {}
+
+    def to_caches(self, blocks: list[int], layers: range) -> None:
+        """Copy `blocks` of `layers` from the mirror into the caches, and wait for it."""
+        self._copy(blocks, layers, self._refs, self._mirror_refs)
+
+    def to_mirror(self, blocks: list[int], layers: range) -> None:
+        """Copy `blocks` of `layers` from the caches into the mirror, and wait for it."""
+        self._copy(blocks, layers, self._mirror_refs, self._refs)
+
+    def _copy(self, blocks: list[int], layers: range, dst_refs: list, src_refs: list) -> None:
+        if not blocks:
+            return
+        every = layers == range(self.caches.num_layers)
+        for stretch in self._all if every else self._stretches(layers):
+            dst = _span(dst_refs[stretch.region], stretch)
+            src = _span(src_refs[stretch.region], stretch)
+            if stretch.width == stretch.stride:  # blocks side by side: runs of ids, one copy
+                ops.copy_blocks(dst, blocks, src, blocks, stretch.width)
+                continue
+            for block in blocks:  # each block's bytes alone (between them: other caches')
+                start = block * stretch.stride
+                ops.copy_blocks(
+                    _sub(dst, start, stretch.width),
+                    [0],
+                    _sub(src, start, stretch.width),
+                    [0],
+                    stretch.width,
+                )
+        ops.synchronize()
+
+    def _stretches(self, layers: range) -> list[_Stretch]:
+        if len(layers) != 1:
+            return stretches(self.caches, layers)
+        found = self._by_layer.get(layers.start)
+        if found is None:
+            found = self._by_layer[layers.start] = stretches(self.caches, layers)
+        return found
+
+    def close(self) -> None:
+        """Free the mirror."""
+        buffers, self._buffers = self._buffers, []
+        for buffer in buffers:
+            ops.host_free(buffer)
+
+
+def _span(ref, stretch: _Stretch) -> MemorySpan:
+    """The bytes of `stretch`'s blocks in the memory `ref` names."""
+    nbytes = (stretch.blocks - 1) * stretch.stride + stretch.width
+    return MemorySpan(dataclasses.replace(ref, address=ref.address + stretch.offset, nbytes=nbytes))
+
+
+def _sub(span: MemorySpan, start: int, nbytes: int) -> MemorySpan:
+    ref = span._pdhal_memory_ref()
+    return MemorySpan(dataclasses.replace(ref, address=ref.address + start, nbytes=nbytes))
