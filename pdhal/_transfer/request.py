@@ -167,6 +167,12 @@ class Request:
             grew = True
         return grew and self.live and self.layerwise and self.layers_landed < self.layers
 
+    def write_unsent(self, reason: str) -> None:
+        """A write of it failed before it went (its link is sound): it fails, and its
+        decode side is to read why."""
+        self.in_flight -= 1
+        self.fail(reason)
+
     def fail(self, reason: str, *, post: bool = True) -> bool:
         """ADDED or STREAMING -> FAILING (the first failure wins; later ones, and a failure
         of one whose outcome is already going out, are ignored). `post`: its decode side is

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+import pdhal
 from pdhal import ops
 from pdhal._memory.blocks import MemorySpan, resolve
 from pdhal._transfer.contract import Transport
@@ -25,14 +26,14 @@ from pdhal._transfer.layout import CacheLayout
 
 def needs_staging(transport: Transport, layout: CacheLayout) -> bool:
     """Whether `layout`'s caches go through a host mirror for `transport`: it says which
-    kinds of memory it serves, host memory among them, and a cache is device memory it
-    does not serve."""
+    kinds of memory it serves, host memory among them, and caches are device memory it
+    does not serve, every one of this process's backend (whose runtime copies them; any
+    other memory is refused as the transport refuses it)."""
     served = transport.memory
-    return (
-        served is not None
-        and "cpu" in served
-        and any(kind not in served and kind != "unknown" for kind in layout.kinds)
-    )
+    if served is None or "cpu" not in served:
+        return False
+    unserved = {kind for kind in layout.kinds if kind not in served}
+    return bool(unserved) and unserved == {pdhal.current_platform().device_kind}
 
 
 @dataclasses.dataclass(frozen=True)

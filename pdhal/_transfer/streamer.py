@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pdhal._errors import ClosedHandleError, InvalidArgumentError
+from pdhal._errors import ClosedHandleError, InvalidArgumentError, PdhalError
 from pdhal._transfer import checks, keeper, mailbox
 from pdhal._transfer.contract import (
     require_memory,
@@ -40,6 +40,7 @@ from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome, Outcomes
 from pdhal._transfer.plugins import transport
 from pdhal._transfer.request import Action, Request, State
+from pdhal._transfer.staging import Staging, needs_staging
 
 #: How often a decode side with requests in flight is checked for liveness (a link's
 #: problem() is a probe: a dead peer sends no wake).
@@ -88,8 +89,16 @@ class KVStreamer:
         clock = keeper.checked(clock)
         self._transport = transport(transport_name)
         require_target_completion(self._transport)  # a LANDED word never beats its bytes
-        require_memory(self._transport, layout.memory, "the prefill caches'")
-        self._unpin = layout.pin("KVStreamer")  # no free of the caches while it copies
+        #: where its transport copies from: the caches, or their pinned host mirror (staging)
+        self._staging = Staging(layout) if needs_staging(self._transport, layout) else None
+        self._served = layout if self._staging is None else self._staging.mirror
+        try:
+            require_memory(self._transport, self._served.memory, "the prefill caches'")
+            self._unpin = layout.pin("KVStreamer")  # no free of the caches while it copies
+        except BaseException:
+            if self._staging is not None:
+                self._staging.close()
+            raise
         self._src_blocks = min(spec.blocks for caches in layout.layers for spec in caches)
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}
@@ -174,15 +183,14 @@ class KVStreamer:
                 f"{described['regions'][: len(sizes)]}: a description must not claim more "
                 f"than it serves"
             )
-        require_pairs(self._transport, self.layout.kinds, layout.get("memory"), len(sizes))
+        require_pairs(self._transport, self._served.kinds, layout.get("memory"), len(sizes))
         units_of(self.block_tokens, there)  # (refused before the layouts are compared)
-        layers = self.layout.check_peer(layout, heads, (self.block_tokens, there))
-        source = (
-            self.layout if heads is None else self.layout.head_view(heads.src_first, heads.count)
-        )
+        served = self._served  # (the runs' addresses are those the link copies from)
+        layers = served.check_peer(layout, heads, (self.block_tokens, there))
+        source = served if heads is None else served.head_view(heads.src_first, heads.count)
 
         def link(status: tuple[int, int]):
-            return self._transport.connect(described, [*self.layout.regions, status])
+            return self._transport.connect(described, [*self._served.regions, status])
 
         dest = Destination(
             link,
@@ -499,16 +507,30 @@ class KVStreamer:
                 self._plans[key] = runs
         blocks = sum(n for _, n in items)
         nbytes = dest.planner.block_bytes[layer] * blocks
-        dest.put(
-            Send(
-                layer=layer,
-                items=items,
-                runs=runs,
-                nbytes=nbytes,
-                signal_ns=signal_ns,
-                step=step,
-            )
+        send = Send(
+            layer=layer, items=items, runs=runs, nbytes=nbytes, signal_ns=signal_ns, step=step
         )
+        failure = self._stage(layer, spans) if self._staging is not None else None
+        if failure is None:
+            dest.put(send)
+            return
+        with self._lock:  # nothing of it went: each request fails, its decode side told
+            acts = []
+            for request, _ in items:
+                request.write_unsent(failure)
+                acts.append((request, request.advance()))
+        for request, action in acts:
+            self._act(request, action)
+
+    def _stage(self, layer: int, spans: list[tuple[Request, int, int]]) -> str | None:
+        """Copy the blocks of `spans` in `layer` from the caches into their pinned host
+        mirror, which the transport sends from: None once done, else why it failed."""
+        blocks = [b for request, first, end in spans for b in request.source(first, end)]
+        try:
+            self._staging.to_mirror(blocks, range(layer, layer + 1))
+        except PdhalError as exc:
+            return f"copying its blocks from the caches into pinned host memory failed: {exc}"
+        return None
 
     # ---- what the destinations report --------------------------------------------
 
@@ -746,6 +768,8 @@ class KVStreamer:
         for request, action in acts:
             self._act(request, action)
         self._unpin()
+        if self._staging is not None:
+            self._staging.close()  # (a free waits for the copies its links queued)
 
 
 def _failure(reason: str | None) -> str | None:

@@ -8,14 +8,20 @@ the request with why."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
 from pdhal_cuda.testing import CudaTestSupport
 from pdhal_xpu.testing import XpuTestSupport
+from simulators import SimRuntime
 
+import pdhal
 from pdhal import transfer
+from pdhal._backends import registry as _registry
+from pdhal.testing import session_peers
 from pdhal.testing.transfer_peers import (
+    BLOCK_BYTES,
     BLOCK_TOKENS,
     BLOCKS,
     CACHES,
@@ -153,3 +159,149 @@ def test_a_copy_into_the_caches_the_runtime_fails_fails_the_request_with_why(str
         assert "copying its blocks from pinned host memory into the caches failed" in reason
     finally:
         decode.close()
+
+
+@pytest.fixture
+def bind(monkeypatch):
+    """bind(backend): this process bound to `backend`'s simulated runtime (its selection
+    undone after the test)."""
+
+    def bound(backend: str):
+        monkeypatch.setenv("PDHAL_PLATFORM", backend)
+        monkeypatch.setenv("PDHAL_CUDART", CudaTestSupport.simulator())
+        monkeypatch.setenv("PDHAL_XPURT", XpuTestSupport.simulator())
+        _registry.reset()
+        assert pdhal.current_backend() == backend
+        return SimRuntime(backend)
+
+    yield bound
+    _registry.reset()
+
+
+def device_sources(runtime) -> transfer.CacheLayout:
+    """The source caches (transfer_peers.source_caches' bytes) in `runtime`'s device memory,
+    each cache a region."""
+    regions, specs = [], []
+    for row in source_caches():
+        specs.append([])
+        for cache in row:
+            region = runtime.device.alloc(cache.nbytes)
+            ctypes.memmove(region.data_ptr(), cache.ctypes.data, cache.nbytes)
+            specs[-1].append(transfer.CacheSpec(len(regions), 0, BLOCK_BYTES, BLOCK_BYTES, BLOCKS))
+            regions.append(region)
+    return transfer.CacheLayout(regions, specs)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "xpu"])
+def test_a_prefill_side_s_device_caches_are_staged_each_layer_as_it_goes(bind, backend):
+    """This process prefills into the simulated runtime's device memory; its streamer sends
+    from a pinned host mirror, each layer's blocks copied into it as they go (a partial
+    last block once the prompt is whole), to a decode process on the cpu backend."""
+    streamer = transfer.KVStreamer(device_sources(bind(backend)), BLOCK_TOKENS, claim_timeout=30)
+    decode = Decode(env=dict(os.environ, PDHAL_PLATFORM="cpu"))
+    try:
+        ticket = decode.expect("a")
+        streamer.add_request("a", [2, 3, 4], 10)
+        streamer.set_destination("a", streamer.connect(decode.described), [5, 6, 0], ticket)
+        for tokens in (6, 10):  # chunked: the partial block goes with the second chunk
+            for layer in range(LAYERS):
+                streamer.layer_ready(layer, [("a", tokens)])
+        assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
+        landed, reason, dump, uniform = decode.wait("a")
+        assert landed and reason == "" and uniform
+        for src, dst in zip([2, 3, 4], [5, 6, 0]):
+            assert landed_blocks(dump, dst) == expected(src), f"block {src} -> {dst}"
+    finally:
+        decode.close()
+        streamer.close()
+
+
+def test_a_copy_out_of_the_caches_the_runtime_fails_fails_the_request_with_why(bind):
+    runtime = bind("xpu")
+    streamer = transfer.KVStreamer(device_sources(runtime), BLOCK_TOKENS, claim_timeout=30)
+    decode = Decode(env=dict(os.environ, PDHAL_PLATFORM="cpu"))
+    try:
+        ticket = decode.expect("a")
+        streamer.add_request("a", [2], 4)
+        streamer.set_destination("a", streamer.connect(decode.described), [5], ticket)
+        runtime.fail(COPY["xpu"])
+        try:
+            streamer.layer_ready(0, [("a", 4)])
+        finally:
+            runtime.clear_failures()
+        [outcome] = outcomes_until(streamer, 1)
+        assert not outcome.landed
+        assert "copying its blocks from the caches into pinned host memory failed" in (
+            outcome.reason
+        )
+        landed, reason, _ = decode.outcome("a")
+        assert not landed and "into pinned host memory failed" in reason
+    finally:
+        decode.close()
+        streamer.close()
+
+
+def test_a_claim_through_a_session_lands_in_staged_device_caches(bind):
+    """The control plane over a staged decode side: this process's DecodeClient (bound to
+    the simulated xpu runtime, its caches device memory) claims from a prefill service in
+    a process on the cpu backend; what it reports landed is in its device caches, head by
+    head, and nothing else of them changed."""
+    runtime = bind("xpu")
+    block = session_peers.KV_HEADS * session_peers.HEAD_BYTES
+    regions = [
+        runtime.device.alloc(session_peers.BLOCKS * block)
+        for _ in range(session_peers.LAYERS * session_peers.CACHES)
+    ]
+    for region in regions:
+        ctypes.memset(region.data_ptr(), ENGINE, region.nbytes)
+    layout = transfer.CacheLayout(
+        regions,
+        [
+            [
+                transfer.CacheSpec(
+                    layer * session_peers.CACHES + c,
+                    0,
+                    block,
+                    block,
+                    session_peers.BLOCKS,
+                    session_peers.KV_HEADS,
+                )
+                for c in range(session_peers.CACHES)
+            ]
+            for layer in range(session_peers.LAYERS)
+        ],
+    )
+    service = session_peers.Peer("prefill", env=dict(os.environ, PDHAL_PLATFORM="cpu"))
+    receiver = transfer.KVReceiver(layout, f"staged-session-{os.getpid()}", slots=4)
+    client = transfer.DecodeClient(
+        receiver,
+        key=session_peers.KEY,
+        kv_heads=session_peers.KV_HEADS,
+        block_tokens=session_peers.BLOCK_TOKENS,
+    )
+    try:
+        [address] = service.read("listening")
+        client.claim("r1", address, [5, 2], tokens=8, timeout=30)
+        service.send("add", "r1", [1, 3], 8)
+        got = []
+        while not got:
+            got = client.poll(timeout=30)
+        assert [(o.request_id, o.landed) for o in got] == [("r1", True)], got
+        for index, region in enumerate(regions):
+            layer, cache = divmod(index, session_peers.CACHES)
+            data = ctypes.string_at(region.data_ptr(), region.nbytes)
+            for b in range(session_peers.BLOCKS):
+                src = {5: 1, 2: 3}.get(b)
+                for head in range(session_peers.KV_HEADS):
+                    start = b * block + head * session_peers.HEAD_BYTES
+                    want = ENGINE if src is None else session_peers.value(layer, cache, src, head)
+                    assert set(data[start : start + session_peers.HEAD_BYTES]) == {want}, (
+                        layer,
+                        cache,
+                        b,
+                        head,
+                    )
+    finally:
+        client.close()
+        receiver.close()
+        service.close()
