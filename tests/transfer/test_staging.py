@@ -305,3 +305,31 @@ def test_a_claim_through_a_session_lands_in_staged_device_caches(bind):
         client.close()
         receiver.close()
         service.close()
+
+
+@pytest.mark.parametrize("prefill, decode", [("cuda", "xpu"), ("xpu", "cuda")])
+def test_one_vendor_s_device_caches_reach_another_s_through_pinned_host_memory(
+    bind, prefill, decode
+):
+    """Prefill on one simulated runtime's device memory, decode on the other's, on one
+    host over shm: each side stages its own (no IPC handle of either vendor leaves its
+    process), and every block is in the decode side's device memory once it landed."""
+    streamer = transfer.KVStreamer(device_sources(bind(prefill)), BLOCK_TOKENS, claim_timeout=30)
+    there = on_device(decode, "halves")
+    try:
+        there.fill(ENGINE)
+        ticket = there.expect("a", blocks=[7, 1])
+        streamer.add_request("a", [0, 6], 8)
+        streamer.set_destination("a", streamer.connect(there.described), [7, 1], ticket)
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("a", 8)])
+        assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
+        landed, reason, dump, _ = there.wait("a")
+        assert landed and reason == ""
+        for src, dst in zip([0, 6], [7, 1]):
+            assert landed_blocks(dump, dst) == expected(src), f"block {src} -> {dst}"
+        untouched = [b for b in range(BLOCKS) if b not in (7, 1)]
+        assert all(landed_blocks(dump, b) == [[ENGINE] * CACHES] * LAYERS for b in untouched)
+    finally:
+        there.close()
+        streamer.close()
