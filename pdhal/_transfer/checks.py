@@ -8,6 +8,7 @@ send, so a bad value fails only the call that gave it."""
 
 from __future__ import annotations
 
+import hashlib
 import operator
 
 from pdhal._errors import InvalidArgumentError
@@ -58,9 +59,15 @@ def seconds(value: object, what: str) -> float:
 
 def wait(value: object, what: str) -> float:
     """`value` as how long to wait: 0 (not at all), or seconds as seconds() takes them."""
-    if type(value) in (int, float) and value == 0:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
         return 0.0
     return seconds(value, what)
+
+
+def blocks_digest(ids: list[int]) -> str:
+    """What a ticket says of its request's destination blocks (KVReceiver.expect's
+    `blocks`): the prefill side refuses other blocks (32 hex digits)."""
+    return hashlib.blake2b(",".join(map(str, ids)).encode(), digest_size=16).hexdigest()
 
 
 def flag(value: object, what: str) -> bool:
@@ -79,13 +86,17 @@ def name(value: object, what: str) -> str:
 def block_ids(
     values: object, what: str, limit: int, where: str = "caches", *, unique: bool = False
 ) -> list[int]:
-    """`values` (any iterable of ints: a list, a numpy array, a range) as a list of ints in
+    """`values` (an ordered iterable of ints: a list, a numpy array, a range) as a list of ints in
     [0, limit) (`where`: whose blocks, for the message); `unique`: no id twice (two blocks
     of one request written to one place would lose one of them)."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+    if isinstance(values, (str, bytes, dict, set, frozenset)) or not hasattr(values, "__iter__"):
         raise InvalidArgumentError(f"{what} must be a list of block ids, got {values!r}")
+    try:
+        items = iter(values)
+    except TypeError:  # (a 0-d numpy array has __iter__ and refuses it)
+        raise InvalidArgumentError(f"{what} must be a list of block ids, got {values!r}") from None
     ids = []
-    for index, value in enumerate(values):
+    for index, value in enumerate(items):
         number = _index(value)
         if number is None:
             raise InvalidArgumentError(

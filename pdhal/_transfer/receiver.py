@@ -105,7 +105,7 @@ class KVReceiver:
         try:
             served = layout
             if needs_staging(transport(transport_name), layout):
-                self._staging = Staging(layout)
+                self._staging = Staging(layout, transport(transport_name).memory)
                 served = self._staging.mirror
             require_memory(transport(transport_name), served.memory, "the decode caches'")
             self._unpin = layout.pin("KVReceiver")  # no free of the caches it serves
@@ -174,10 +174,11 @@ class KVReceiver:
         that stages its caches (see the class) needs: it copies them as they land.
 
         The ticket (JSON-able) holds "request" (`request_id`), "receiver" (this receiver's
-        token, as in describe()), "slot", "generation", "layerwise" and "timeout" (the
+        token, as in describe()), "slot", "generation", "layerwise", "timeout" (the
         prefill side ends the request, and writes nothing more of it, once that long
-        passed since it was given the ticket); a prefill side refuses it for another
-        request or another receiver's destination."""
+        passed since it was given the ticket) and, given `blocks`, "blocks" (their digest);
+        a prefill side refuses it for another request, another receiver's destination, or
+        other destination blocks."""
         request_id = checks.name(request_id, "request_id")
         timeout = checks.seconds(timeout, "timeout")
         layerwise = checks.flag(layerwise, "layerwise")
@@ -210,7 +211,7 @@ class KVReceiver:
             self._expected[request_id] = _Expected(
                 slot, generation, time.monotonic() + timeout, timeout, layerwise, blocks
             )
-        return {
+        ticket = {
             "request": request_id,
             "receiver": self._token,
             "slot": slot,
@@ -218,6 +219,9 @@ class KVReceiver:
             "layerwise": layerwise,
             "timeout": timeout,
         }
+        if blocks is not None:  # (a staging receiver copies those: no other may be written)
+            ticket["blocks"] = checks.blocks_digest(blocks)
+        return ticket
 
     def _read(self, e: _Expected) -> tuple[int, str]:
         offset = e.slot * mailbox.SLOT_BYTES
@@ -354,7 +358,10 @@ class KVReceiver:
             count = count if count < self.layout.num_layers else 0
             if self._staging is not None:
                 failure = self._stage(e, count)
-                if failure:
+                if failure:  # its prefill side may write on (into the mirror): held
+                    del self._expected[request_id]
+                    self._ended.append(Outcome(request_id, False, failure, blocks_free=False))
+                    self._held[request_id] = e
                     raise TransferError(failure)
             return count
 

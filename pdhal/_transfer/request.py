@@ -115,6 +115,15 @@ class Request:
         are blocks, else virtual ids (block * units per block + the unit's place in it)."""
         return self._unit_ids(self.given, self.base, self.units[0], first, end)
 
+    def source_blocks(self, first: int, end: int) -> list[int]:
+        """The source blocks units [first, end) lie in, each once, in order (where a unit
+        is part of a block, what holds it whole)."""
+        per = self.units[0]
+        if per == 1:
+            return self.source(first, end)
+        units = range(self.cached + first, self.cached + end)
+        return list(dict.fromkeys(self.given[u // per - self.base] for u in units))
+
     def destination(self, first: int, end: int) -> list[int]:
         """The destination ids of units [first, end) of those that go, as source() names
         the source's."""

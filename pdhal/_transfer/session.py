@@ -1115,8 +1115,8 @@ class DecodeClient:
     def poll(self, timeout: float = 0.0) -> list[Outcome]:
         """The claimed requests that ended since the last poll: landed if every part did;
         blocks_free False while a part's prefill side may still write (freed() says when
-        they are free). With nothing to report (nor freed), it first waits up to `timeout`
-        s for a word that something may be: a prefill side said a part ended or will not
+        they are free). With nothing to report, it first waits up to `timeout` s for a word
+        that something may be: a prefill side said a part ended or will not
         be served, a session ended, a claim failed before it went. One such word ends the
         wait, so it may return nothing: a caller waiting for a request loops on its own
         deadline. A claim's timeout passing rings nothing (it is seen at the next look)."""
@@ -1126,7 +1126,7 @@ class DecodeClient:
         self._collect()
         if timeout > 0:
             with self._lock:
-                idle = not (self._outcomes or self._freed or self._closed)
+                idle = not (self._outcomes or self._closed)
                 if idle:
                     self._bell.wait_for(lambda: self._rings != rings or self._closed, timeout)
             if idle:
@@ -1408,8 +1408,10 @@ class DecodeClient:
 
     def _heard(self, service: _Service, message: messages.Message) -> None:
         if isinstance(message, messages.Ended):
-            with self._lock:
-                self._ring()
+            with self._lock:  # (a part of this session's: another's wakes nobody)
+                wanted = self._part_of.get(message.part)
+                if wanted is not None and wanted.parts.get(message.part) is service:
+                    self._ring()
             return
         if isinstance(message, messages.Unserved):
             with self._lock:  # (held parts too: their deadline may have passed first)

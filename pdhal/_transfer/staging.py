@@ -71,22 +71,28 @@ def stretches(layout: CacheLayout, layers: range) -> list[_Stretch]:
 
 
 class Staging:
-    """A pinned host mirror of `layout` (the caches), and copies of blocks between them."""
+    """A pinned host mirror of `layout`'s regions of a kind `served` (the transport's
+    memory kinds) does not name (the others are served as they are), and copies of blocks
+    between the caches and the mirror."""
 
-    def __init__(self, layout: CacheLayout):
+    def __init__(self, layout: CacheLayout, served: tuple[str, ...]):
         self.caches = layout
+        self._staged = [kind not in served for kind in layout.kinds]
         self._refs = [resolve(region, f"region {i}") for i, region in enumerate(layout.memory)]
         self._buffers: list = []
+        regions = []
         try:
-            for _, nbytes in layout.regions:
-                self._buffers.append(ops.host_alloc(nbytes))
+            for staged, region, (_, nbytes) in zip(self._staged, layout.memory, layout.regions):
+                if staged:
+                    self._buffers.append(ops.host_alloc(nbytes))
+                regions.append(self._buffers[-1] if staged else region)
         except BaseException:
             self.close()
             raise
-        #: The mirror: the same caches in pinned host memory, what a transport serves.
-        self.mirror = CacheLayout(self._buffers, layout.layers)
-        self._mirror_refs = [resolve(b, f"mirror region {i}") for i, b in enumerate(self._buffers)]
-        self._all = stretches(layout, range(layout.num_layers))
+        #: The mirror: the caches, those staged in pinned host memory: what a transport serves.
+        self.mirror = CacheLayout(regions, layout.layers)
+        self._mirror_refs = [resolve(r, f"mirror region {i}") for i, r in enumerate(regions)]
+        self._all = self._of_staged(range(layout.num_layers))
         self._by_layer: dict[int, list[_Stretch]] = {}
 
     def to_caches(self, blocks: list[int], layers: range) -> None:
@@ -120,11 +126,14 @@ class Staging:
 
     def _stretches(self, layers: range) -> list[_Stretch]:
         if len(layers) != 1:
-            return stretches(self.caches, layers)
+            return self._of_staged(layers)
         found = self._by_layer.get(layers.start)
         if found is None:
-            found = self._by_layer[layers.start] = stretches(self.caches, layers)
+            found = self._by_layer[layers.start] = self._of_staged(layers)
         return found
+
+    def _of_staged(self, layers: range) -> list[_Stretch]:
+        return [s for s in stretches(self.caches, layers) if self._staged[s.region]]
 
     def close(self) -> None:
         """Free the mirror."""

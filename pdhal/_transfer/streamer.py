@@ -7,7 +7,9 @@ layer_ready(layer, [(request, tokens in the cache)]) is the whole interface to t
 chunks fill them, its last partial block once the prompt is whole. Runs consecutive on both
 sides are planned once per step (the same block pairs in every layer) and handed to the
 request's Destination, an active object that submits and completes them on threads of its
-own: no call here waits on a decode side, and no copy runs on the caller's thread.
+own: no call here waits on a decode side, and no copy runs on the caller's thread but a
+staging one (caches the transport cannot reach: each layer's blocks copied into their
+pinned host mirror through the runtime, staging.py).
 
 A request's life is the state machine of request.py; it ends exactly once, landed when
 every layer of it landed (its decode side then reads LANDED in its status slot) or failed
@@ -90,7 +92,11 @@ class KVStreamer:
         self._transport = transport(transport_name)
         require_target_completion(self._transport)  # a LANDED word never beats its bytes
         #: where its transport copies from: the caches, or their pinned host mirror (staging)
-        self._staging = Staging(layout) if needs_staging(self._transport, layout) else None
+        self._staging = (
+            Staging(layout, self._transport.memory)
+            if needs_staging(self._transport, layout)
+            else None
+        )
         self._served = layout if self._staging is None else self._staging.mirror
         try:
             require_memory(self._transport, self._served.memory, "the prefill caches'")
@@ -304,6 +310,13 @@ class KVStreamer:
         dst = checks.block_ids(
             dst_blocks, "dst_blocks", dest.planner.dst_blocks, "decode caches", unique=True
         )
+        said = ticket.get("blocks")  # (the receiver's digest of what it expects there)
+        if said is not None and said != checks.blocks_digest(dst):
+            raise InvalidArgumentError(
+                f"request {request_id!r}: dst_blocks are not the blocks its decode side's "
+                f"expect() was given (a staging receiver copies only those): pass the same "
+                f"blocks to both"
+            )
         need = None if tokens is None else checks.integer(tokens, "tokens", 1)
         skip = None if cached_blocks is None else checks.integer(cached_blocks, "cached_blocks")
         with self._lock:
@@ -525,7 +538,7 @@ class KVStreamer:
     def _stage(self, layer: int, spans: list[tuple[Request, int, int]]) -> str | None:
         """Copy the blocks of `spans` in `layer` from the caches into their pinned host
         mirror, which the transport sends from: None once done, else why it failed."""
-        blocks = [b for request, first, end in spans for b in request.source(first, end)]
+        blocks = [b for request, first, end in spans for b in request.source_blocks(first, end)]
         try:
             self._staging.to_mirror(blocks, range(layer, layer + 1))
         except PdhalError as exc:

@@ -41,15 +41,22 @@ import pdhal
 from pdhal import ops, transfer
 L, C, B = {LAYERS}, {CACHES}, {BLOCKS}
 HEADS, BB, PLANES, ORDER = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-if sys.argv[8] == "device":  # the simulated runtime's device memory (its test support's)
+if sys.argv[8] != "host":  # the simulated runtime's device memory (its test support's)
     import ctypes, importlib, os
     module, support, library = {{
         "cuda": ("pdhal_cuda.testing", "CudaTestSupport", "PDHAL_CUDART"),
         "xpu": ("pdhal_xpu.testing", "XpuTestSupport", "PDHAL_XPURT"),
     }}[pdhal.current_backend()]
     device = getattr(importlib.import_module(module), support)(os.environ[library])
-    alloc, free = device.alloc, lambda buffer: None
+    allocated = []
+    def alloc(n):  # "mixed": every other region host memory
+        on_device = sys.argv[8] == "device" or len(allocated) % 2 == 0
+        allocated.append(device.alloc(n) if on_device else ops.host_alloc(n))
+        return allocated[-1]
+    free = lambda buffer: None if hasattr(buffer, "data_ptr") else ops.host_free(buffer)
     def view(buffer, shape):  # (a simulated device's memory is this host's)
+        if not hasattr(buffer, "data_ptr"):
+            return buffer.as_numpy("uint8", shape)
         raw = (ctypes.c_uint8 * buffer.nbytes).from_address(buffer.data_ptr())
         return np.ctypeslib.as_array(raw).reshape(shape)
 else:
@@ -159,8 +166,9 @@ class Decode:
         each block every layer's caches: [blocks, layers, caches, ...]) or "together" (a
         layer's caches in one region, each head's part of each cache next to each other,
         [blocks, heads, caches, part]: CacheSpec.head_stride); `memory`: "host"
-        (host_alloc) or "device" (the simulated runtime's device memory, on a process bound
-        to the cuda or xpu backend: its receiver stages it through pinned host memory)."""
+        (host_alloc), "device" (the simulated runtime's device memory, on a process bound
+        to the cuda or xpu backend: its receiver stages it through pinned host memory) or
+        "mixed" (every other region device memory, the others host memory)."""
         command = [DECODE, name, transport, str(heads), str(block_bytes), str(planes), order, kv]
         command.append(memory)
         self.proc = subprocess.Popen(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import pytest
 from pdhal_cuda.testing import CudaTestSupport
@@ -17,7 +18,7 @@ from pdhal_xpu.testing import XpuTestSupport
 from simulators import SimRuntime
 
 import pdhal
-from pdhal import transfer
+from pdhal import InvalidArgumentError, transfer
 from pdhal._backends import registry as _registry
 from pdhal.testing import session_peers
 from pdhal.testing.transfer_peers import (
@@ -45,8 +46,11 @@ ENGINE = 0xEE
 COPY = {"cuda": "cudaMemcpyAsync", "xpu": "xpu_memcpy_async"}
 
 
-def on_device(backend: str, kv: str = "apart", env: dict | None = None) -> Decode:
-    """A decode process bound to `backend`'s simulated runtime, its caches device memory."""
+def on_device(
+    backend: str, kv: str = "apart", env: dict | None = None, memory: str = "device"
+) -> Decode:
+    """A decode process bound to `backend`'s simulated runtime, its caches device memory
+    (`memory` "mixed": every other region host memory)."""
     env = dict(
         os.environ,
         PDHAL_PLATFORM=backend,
@@ -54,7 +58,16 @@ def on_device(backend: str, kv: str = "apart", env: dict | None = None) -> Decod
         PDHAL_XPURT=XpuTestSupport.simulator(),
         **(env or {}),
     )
-    return Decode(env=env, kv=kv, memory="device")
+    return Decode(env=env, kv=kv, memory=memory)
+
+
+def counted(decode: Decode, request_id: str, bound: float = 30.0):
+    """decode.layers(request_id) once it counts a layer (or fails), within `bound` s."""
+    deadline = time.monotonic() + bound
+    while (got := decode.layers(request_id))[0] == 0:
+        assert time.monotonic() < deadline, f"no layer of {request_id} counted in {bound} s"
+        time.sleep(0.002)
+    return got
 
 
 @pytest.fixture
@@ -110,9 +123,7 @@ def test_a_layerwise_request_s_layers_are_in_the_device_caches_as_they_are_count
         streamer.set_destination("a", streamer.connect(decode.described), [1, 7], ticket)
         streamer.layer_ready(0, [("a", 8)])
         layers_until(streamer, 1)
-        count, dump = decode.layers("a")
-        while count < 1:
-            count, dump = decode.layers("a")
+        count, dump = counted(decode, "a")
         assert count == 1
         for src, dst in zip([3, 4], [1, 7]):
             assert landed_blocks(dump, dst)[0] == expected(src)[0]
@@ -333,3 +344,91 @@ def test_one_vendor_s_device_caches_reach_another_s_through_pinned_host_memory(
     finally:
         there.close()
         streamer.close()
+
+
+@pytest.mark.parametrize("backend", ["cuda", "xpu"])
+def test_a_staged_prefill_copies_whole_source_blocks_to_a_decode_side_of_smaller_blocks(
+    bind, backend
+):
+    """Blocks of 4 tokens here, of 2 there: each of this side's blocks goes as two units,
+    and what is staged is the source blocks that hold them (not the units' ids)."""
+    streamer = transfer.KVStreamer(device_sources(bind(backend)), BLOCK_TOKENS, claim_timeout=30)
+    decode = Decode(env=dict(os.environ, PDHAL_PLATFORM="cpu"), block_bytes=BLOCK_BYTES // 2)
+    try:
+        ticket = decode.expect("a")
+        dest = streamer.connect(decode.described, block_tokens=BLOCK_TOKENS // 2)
+        streamer.add_request("a", [1, 2], 8)
+        streamer.set_destination("a", dest, [6, 0, 3, 5], ticket)
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("a", 8)])
+        assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
+        landed, reason, dump, uniform = decode.wait("a")
+        assert landed and reason == "" and uniform
+        for src, dst in zip([1, 1, 2, 2], [6, 0, 3, 5]):
+            assert landed_blocks(dump, dst) == expected(src), f"block {src} -> {dst}"
+    finally:
+        decode.close()
+        streamer.close()
+
+
+@pytest.mark.parametrize("backend", ["cuda", "xpu"])
+def test_device_and_host_caches_in_one_layout_stage_the_device_ones_only(streamer, backend):
+    """A host region is served as it is (the xpu runtime copies no host memory to host
+    memory: staging it would fail every request); the device ones go through the mirror."""
+    decode = on_device(backend, memory="mixed")
+    try:
+        decode.fill(ENGINE)
+        regions = len(decode.described["layout"]["regions"])
+        assert decode.described["staged"] == [KIND[backend], "cpu"] * (regions // 2)
+        ticket = decode.expect("a", blocks=[4, 3])
+        streamer.add_request("a", [6, 1], 8)
+        streamer.set_destination("a", streamer.connect(decode.described), [4, 3], ticket)
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("a", 8)])
+        assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
+        landed, reason, dump, _ = decode.wait("a")
+        assert landed and reason == ""
+        for src, dst in zip([6, 1], [4, 3]):
+            assert landed_blocks(dump, dst) == expected(src), f"block {src} -> {dst}"
+        untouched = [b for b in range(BLOCKS) if b not in (4, 3)]
+        assert all(landed_blocks(dump, b) == [[ENGINE] * CACHES] * LAYERS for b in untouched)
+    finally:
+        decode.close()
+
+
+def test_other_blocks_than_the_receiver_expects_are_refused_at_set_destination(streamer):
+    """A staging receiver copies the blocks expect() was given; the prefill side refuses
+    other destination blocks, at the call that gives them (else the request's bytes would
+    stay in the mirror and another block's be copied over)."""
+    decode = on_device("xpu")
+    try:
+        ticket = decode.expect("a", blocks=[1])
+        streamer.add_request("a", [2], 4)
+        dest = streamer.connect(decode.described)
+        with pytest.raises(InvalidArgumentError, match="not the blocks its decode side's"):
+            streamer.set_destination("a", dest, [5], ticket)
+        streamer.set_destination("a", dest, [1], ticket)
+        for layer in range(LAYERS):
+            streamer.layer_ready(layer, [("a", 4)])
+        assert decode.wait("a")[0]
+    finally:
+        decode.close()
+
+
+def test_a_layer_copy_the_runtime_fails_fails_the_request_its_blocks_held(streamer):
+    """layers_landed raises TransferError once a layer's copy failed, and the request is
+    failed for good (reported so, its blocks held: its prefill side may still write the
+    mirror), not counted on as if nothing happened."""
+    decode = on_device("xpu", "blocks", env={"SIM_FAIL": COPY["xpu"] + ":1"})
+    try:
+        ticket = decode.expect("a", layerwise=True, blocks=[1, 7])
+        streamer.add_request("a", [3, 4], 8)
+        streamer.set_destination("a", streamer.connect(decode.described), [1, 7], ticket)
+        streamer.layer_ready(0, [("a", 8)])
+        layers_until(streamer, 1)
+        count, said = counted(decode, "a")  # (the copy is tried once the layer counts)
+        assert count is None and "TransferError" in said and "copying its blocks" in said
+        landed, reason, free = decode.outcome("a")
+        assert not landed and not free and "copying its blocks" in reason
+    finally:
+        decode.close()

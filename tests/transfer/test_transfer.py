@@ -325,6 +325,9 @@ def test_bad_requests_are_refused_with_what_was_expected(decode, streamer):
         streamer.add_request("far", [8], 4)
     with pytest.raises(bad, match="request_id must be a non-empty str"):
         streamer.add_request("", [0], 4)
+    for unordered in ({0}, {0: 1}, np.array(0)):  # a set's or dict's order is no prompt's
+        with pytest.raises(bad, match="src_blocks must be a list of block ids"):
+            streamer.add_request("unordered", unordered, 4)
     streamer.add_request("ok", [0], 4)
     with pytest.raises(bad, match="was added already"):
         streamer.add_request("ok", [1], 4)
