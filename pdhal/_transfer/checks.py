@@ -57,7 +57,7 @@ def seconds(value: object, what: str) -> float:
     return float(value)
 
 
-def wait(value: object, what: str) -> float:
+def timeout_or_zero(value: object, what: str) -> float:
     """`value` as how long to wait: 0 (not at all), or seconds as seconds() takes them."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
         return 0.0

@@ -41,7 +41,7 @@ class Outcomes:
     def take(self, timeout: object = 0.0) -> list[Outcome]:
         """Every outcome put since the last take; waits up to `timeout` seconds (0: not
         at all) for one when there is none."""
-        timeout = checks.wait(timeout, "timeout")
+        timeout = checks.timeout_or_zero(timeout, "timeout")
         with self._ready:
             if timeout:
                 self._ready.wait_for(lambda: self._items, timeout)

@@ -136,7 +136,9 @@ class KVReceiver:
         self._free = collections.deque(range(slots))
         self._generations = [0] * slots
         self._expected: dict[str, _Expected] = {}
-        self._held: dict[str, _Expected] = {}  # failed by their deadline, still writable
+        #: failed while their prefill side may still write them (by their deadline, an
+        #: abandon(unwritten=False), a layer's staging copy)
+        self._held: dict[str, _Expected] = {}
         self._ended: list[Outcome] = []
         self._freed: list[str] = []  # held ones let go since the last freed()
 
@@ -271,8 +273,9 @@ class KVReceiver:
         self._freed.append(request_id)
 
     def freed(self) -> list[str]:
-        """The requests failed by their deadline (Outcome.blocks_free False) whose blocks
-        may go back to the allocator now, named once each: their prefill side ended them
+        """The requests failed while their prefill side could still write them
+        (Outcome.blocks_free False) whose blocks may go back to the allocator now, named
+        once each: their prefill side ended them
         (every write of theirs has landed), or release() said it is gone."""
         with self._lock:
             self._check_open()
@@ -281,7 +284,7 @@ class KVReceiver:
         return out
 
     def held(self) -> list[str]:
-        """The requests failed by their deadline whose blocks are still held."""
+        """The requests failed whose blocks are still held (blocks_free False)."""
         with self._lock:
             self._check_open()
             self._scan()

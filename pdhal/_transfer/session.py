@@ -957,6 +957,24 @@ class _Wanted:
     cancelled: bool = False  # before its claim went: a cancel follows the claim
 
 
+class _Bell:
+    """Rung at each word that something may be reported (under `lock`, the client's), for
+    a poll(timeout) to wait on: no ring is lost between looking and waiting, since a
+    waiter says which ring it last saw."""
+
+    def __init__(self, lock: threading.Lock):
+        self._rung = threading.Condition(lock)
+        self.rings = 0
+
+    def ring(self) -> None:
+        self.rings += 1
+        self._rung.notify_all()
+
+    def wait(self, since: int, timeout: float, done: Callable[[], bool]) -> None:
+        """Until a ring after `since`, `done()`, or `timeout` s."""
+        self._rung.wait_for(lambda: self.rings != since or done(), timeout)
+
+
 class DecodeClient:
     """Claims requests' KV into `receiver`'s caches from prefill services: one decode rank
     (`tp_rank` of `tp_size`) of a model with `kv_heads` KV heads, blocks of `block_tokens`.
@@ -1003,9 +1021,7 @@ class DecodeClient:
         self._lost_parts: dict[str, set[str]] = {}  # instance gone -> its held parts
         self._outcomes: list[Outcome] = []
         self._freed: list[str] = []
-        #: rung (under the lock) at each word that something may be reported: poll(timeout)
-        self._bell = threading.Condition(self._lock)
-        self._rings = 0
+        self._bell = _Bell(self._lock)  # what poll(timeout) waits on
         #: one connect at a time per address (one session per service; a hung service
         #: delays no claim to another)
         self._dialing: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
@@ -1108,27 +1124,30 @@ class DecodeClient:
         for part in wanted.parts:
             try:
                 counts.append(self.receiver.layers_landed(part))
-            except PdhalError:
+            except PdhalError:  # it failed (its copy into the caches, say): poll() says so
                 counts.append(0)
+                with self._lock:
+                    self._bell.ring()
         return min(counts)
 
     def poll(self, timeout: float = 0.0) -> list[Outcome]:
         """The claimed requests that ended since the last poll: landed if every part did;
         blocks_free False while a part's prefill side may still write (freed() says when
         they are free). With nothing to report, it first waits up to `timeout` s for a word
-        that something may be: a prefill side said a part ended or will not
-        be served, a session ended, a claim failed before it went. One such word ends the
-        wait, so it may return nothing: a caller waiting for a request loops on its own
-        deadline. A claim's timeout passing rings nothing (it is seen at the next look)."""
-        timeout = checks.wait(timeout, "timeout")
+        that something may be: a prefill side said a part ended or will not be served, a
+        session ended, a claim failed before it went or a layer's copy failed, held blocks
+        came free. One such word ends the wait, so it may return nothing: a caller waiting
+        for a request loops on its own deadline. A sent claim's deadline passing rings
+        nothing (it is seen at the next look); after close() it returns [] at once."""
+        timeout = checks.timeout_or_zero(timeout, "timeout")
         with self._lock:
-            rings = self._rings
+            since = self._bell.rings
         self._collect()
         if timeout > 0:
             with self._lock:
                 idle = not (self._outcomes or self._closed)
                 if idle:
-                    self._bell.wait_for(lambda: self._rings != rings or self._closed, timeout)
+                    self._bell.wait(since, timeout, lambda: self._closed)
             if idle:
                 self._collect()
         with self._lock:
@@ -1150,7 +1169,7 @@ class DecodeClient:
             if self._closed:
                 return
             self._closed = True
-            self._bell.notify_all()
+            self._bell.ring()
             services = list(self._services.values())
         self._clock.close()
         links = [service.link for service in services if service.link is not None]
@@ -1220,7 +1239,7 @@ class DecodeClient:
                     if wanted.cancelled
                     else Outcome(request_id, True)
                 )
-                self._ring()
+                self._bell.ring()
             return
         tickets = {}
         try:
@@ -1264,7 +1283,7 @@ class DecodeClient:
                 del self._wanted[wanted.request_id]
                 if not self._closed:  # (after close() nothing is reported)
                     self._outcomes.append(Outcome(wanted.request_id, False, _bounded(why)))
-                    self._ring()
+                    self._bell.ring()
 
     def _ranks(self, instance: _Prefill, size: int) -> list[int]:
         """The ranks of `instance` (of `size`) this rank takes heads from."""
@@ -1377,13 +1396,9 @@ class DecodeClient:
         for part in parts:
             with contextlib.suppress(InvalidArgumentError, ClosedHandleError):  # its word came
                 self.receiver.release(part)
-        with self._lock:
-            self._ring()
-
-    def _ring(self) -> None:
-        """Wake a poll() waiting for something to report (under the lock)."""
-        self._rings += 1
-        self._bell.notify_all()
+        if parts:
+            with self._lock:
+                self._bell.ring()
 
     def _gone(self, service: _Service) -> None:
         """After `service`'s session was lost with parts held: if its address refuses a
@@ -1411,7 +1426,7 @@ class DecodeClient:
             with self._lock:  # (a part of this session's: another's wakes nobody)
                 wanted = self._part_of.get(message.part)
                 if wanted is not None and wanted.parts.get(message.part) is service:
-                    self._ring()
+                    self._bell.ring()
             return
         if isinstance(message, messages.Unserved):
             with self._lock:  # (held parts too: their deadline may have passed first)
@@ -1462,7 +1477,7 @@ class DecodeClient:
                 with contextlib.suppress(InvalidArgumentError, ClosedHandleError):
                     self.receiver.release(part)
         with self._lock:
-            self._ring()
+            self._bell.ring()
 
     def _collect(self) -> None:
         """The receiver's outcomes and freed parts, as requests."""

@@ -14,11 +14,13 @@ copy of each landed request, on the thread that learns it landed."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
 
 import pdhal
 from pdhal import ops
+from pdhal._errors import PdhalError
 from pdhal._memory.blocks import MemorySpan, resolve
 from pdhal._transfer.contract import Transport
 from pdhal._transfer.layout import CacheLayout
@@ -38,8 +40,9 @@ def needs_staging(transport: Transport, layout: CacheLayout) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Stretch:
-    """The bytes of one or more caches of a region that block b keeps at [offset + b *
-    stride, + width): caches whose blocks sit side by side merged into one."""
+    """Bytes of block b of one or more caches of a region, at [offset + b * stride, +
+    width): the pieces of block b (a head's part of a cache, or a whole block's) that
+    touch, merged into one."""
 
     region: int
     offset: int
@@ -49,23 +52,29 @@ class _Stretch:
 
 
 def stretches(layout: CacheLayout, layers: range) -> list[_Stretch]:
-    """The stretches of `layers`' caches: per region and stride, the caches' spans of a
-    block merged where they touch (K and V of one block next to each other: one)."""
-    spans: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
+    """The stretches of `layers`' caches: per region and stride, a block's pieces (each
+    head's part of a cache where its heads are apart, else the cache's whole block) merged
+    where they touch (K and V of one block next to each other: one), never across a gap,
+    which may hold another block's bytes."""
+    pieces: dict[tuple[int, int], set[tuple[int, int, int]]] = defaultdict(set)
     for layer in layers:
         for spec in layout.layers[layer]:
-            spans[spec.region, spec.stride].append((spec.offset, spec.span, spec.blocks))
+            found = pieces[spec.region, spec.stride]
+            if spec.head_stride:
+                for head in range(spec.heads):
+                    found.add((spec.offset + head * spec.head_step, spec.part_bytes, spec.blocks))
+            else:
+                found.add((spec.offset, spec.span, spec.blocks))
     out = []
-    for (region, stride), found in spans.items():
+    for (region, stride), found in pieces.items():
         merged: list[list[int]] = []
-        for offset, span, blocks in sorted(set(found)):
+        for offset, width, blocks in sorted(found):
             last = merged[-1] if merged else None
-            # touching: the same block's bytes (caches of a layout never overlap), one stretch
-            if last is not None and offset <= last[0] + last[1]:
-                last[1] = max(last[1], offset + span - last[0])
+            if last is not None and offset <= last[0] + last[1]:  # touching: one stretch
+                last[1] = max(last[1], offset + width - last[0])
                 last[2] = min(last[2], blocks)
             else:
-                merged.append([offset, span, blocks])
+                merged.append([offset, width, blocks])
         out += [_Stretch(region, o, stride, w, n) for o, w, n in merged]
     return out
 
@@ -76,23 +85,23 @@ class Staging:
     between the caches and the mirror."""
 
     def __init__(self, layout: CacheLayout, served: tuple[str, ...]):
-        self.caches = layout
+        self.layout = layout
         self._staged = [kind not in served for kind in layout.kinds]
         self._refs = [resolve(region, f"region {i}") for i, region in enumerate(layout.memory)]
         self._buffers: list = []
-        regions = []
         try:
+            regions = []
             for staged, region, (_, nbytes) in zip(self._staged, layout.memory, layout.regions):
                 if staged:
                     self._buffers.append(ops.host_alloc(nbytes))
                 regions.append(self._buffers[-1] if staged else region)
+            #: The caches, those staged in pinned host memory: what a transport serves.
+            self.mirror = CacheLayout(regions, layout.layers)
+            self._mirror_refs = [resolve(r, f"mirror region {i}") for i, r in enumerate(regions)]
+            self._all = self._of_staged(range(layout.num_layers))
         except BaseException:
             self.close()
             raise
-        #: The mirror: the caches, those staged in pinned host memory: what a transport serves.
-        self.mirror = CacheLayout(regions, layout.layers)
-        self._mirror_refs = [resolve(r, f"mirror region {i}") for i, r in enumerate(regions)]
-        self._all = self._of_staged(range(layout.num_layers))
         self._by_layer: dict[int, list[_Stretch]] = {}
 
     def to_caches(self, blocks: list[int], layers: range) -> None:
@@ -106,23 +115,34 @@ class Staging:
     def _copy(self, blocks: list[int], layers: range, dst_refs: list, src_refs: list) -> None:
         if not blocks:
             return
-        every = layers == range(self.caches.num_layers)
-        for stretch in self._all if every else self._stretches(layers):
-            dst = _span(dst_refs[stretch.region], stretch)
-            src = _span(src_refs[stretch.region], stretch)
-            if stretch.width == stretch.stride:  # blocks side by side: runs of ids, one copy
-                ops.copy_blocks(dst, blocks, src, blocks, stretch.width)
-                continue
-            for block in blocks:  # each block's bytes alone (between them: other caches')
-                start = block * stretch.stride
-                ops.copy_blocks(
-                    _sub(dst, start, stretch.width),
-                    [0],
-                    _sub(src, start, stretch.width),
-                    [0],
-                    stretch.width,
-                )
+        every = layers == range(self.layout.num_layers)
+        try:
+            for stretch in self._all if every else self._stretches(layers):
+                self._copy_stretch(stretch, blocks, dst_refs, src_refs)
+        except BaseException:
+            # the copies queued before the one that failed run on: wait for them, so that
+            # none lands in blocks their owner takes back after this failure
+            with contextlib.suppress(PdhalError):
+                ops.synchronize()
+            raise
         ops.synchronize()
+
+    @staticmethod
+    def _copy_stretch(stretch: _Stretch, blocks: list[int], dst_refs: list, src_refs: list):
+        dst = _span(dst_refs[stretch.region], stretch)
+        src = _span(src_refs[stretch.region], stretch)
+        if stretch.width == stretch.stride:  # blocks side by side: runs of ids, one copy each
+            ops.copy_blocks(dst, blocks, src, blocks, stretch.width)
+            return
+        for block in blocks:  # each block's bytes alone (between them: other blocks')
+            start = block * stretch.stride
+            ops.copy_blocks(
+                _sub(dst, start, stretch.width),
+                [0],
+                _sub(src, start, stretch.width),
+                [0],
+                stretch.width,
+            )
 
     def _stretches(self, layers: range) -> list[_Stretch]:
         if len(layers) != 1:
@@ -133,7 +153,7 @@ class Staging:
         return found
 
     def _of_staged(self, layers: range) -> list[_Stretch]:
-        return [s for s in stretches(self.caches, layers) if self._staged[s.region]]
+        return [s for s in stretches(self.layout, layers) if self._staged[s.region]]
 
     def close(self) -> None:
         """Free the mirror."""

@@ -296,7 +296,8 @@ class KVStreamer:
         the decode side needs, if it says: only the prompt's first `tokens` (vLLM's decode
         computes the last prompt token itself), from block `cached_blocks` on (a prefix it
         cached, at least add_request's); `dst_blocks` are the blocks from there to the last
-        of those tokens, each once."""
+        of those tokens, each once (and, where the ticket carries their digest, the blocks
+        its receiver's expect() was given)."""
         self._open()
         request_id = checks.name(request_id, "request_id")
         with self._lock:
@@ -311,6 +312,10 @@ class KVStreamer:
             dst_blocks, "dst_blocks", dest.planner.dst_blocks, "decode caches", unique=True
         )
         said = ticket.get("blocks")  # (the receiver's digest of what it expects there)
+        if said is not None and not isinstance(said, str):
+            raise InvalidArgumentError(
+                f"the ticket's blocks must be the digest its receiver wrote, got {said!r}"
+            )
         if said is not None and said != checks.blocks_digest(dst):
             raise InvalidArgumentError(
                 f"request {request_id!r}: dst_blocks are not the blocks its decode side's "

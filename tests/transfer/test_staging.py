@@ -12,6 +12,7 @@ import ctypes
 import os
 import time
 
+import numpy as np
 import pytest
 from pdhal_cuda.testing import CudaTestSupport
 from pdhal_xpu.testing import XpuTestSupport
@@ -20,6 +21,7 @@ from simulators import SimRuntime
 import pdhal
 from pdhal import InvalidArgumentError, transfer
 from pdhal._backends import registry as _registry
+from pdhal._transfer.staging import stretches
 from pdhal.testing import session_peers
 from pdhal.testing.transfer_peers import (
     BLOCK_BYTES,
@@ -432,3 +434,26 @@ def test_a_layer_copy_the_runtime_fails_fails_the_request_its_blocks_held(stream
         assert not landed and not free and "copying its blocks" in reason
     finally:
         decode.close()
+
+
+def test_a_stretch_never_spans_a_gap_that_holds_another_block_s_bytes():
+    """Caches whose heads are apart (head_stride) copy head by head where nothing of the
+    same block fills between them: here B's block b - 1 lies inside A's block b's span,
+    and one layer's heads sit between another layer's. Pieces that touch still merge."""
+    p = 16
+    region = np.zeros(4 * p * 9, np.uint8)
+    a = transfer.CacheSpec(0, 0, 4 * p, 2 * p, 8, 2, head_stride=2 * p)
+    b = transfer.CacheSpec(0, 5 * p, 4 * p, 2 * p, 8, 2, head_stride=2 * p)
+    got = stretches(transfer.CacheLayout([region], [[a, b]]), range(1))
+    assert sorted((s.offset, s.width) for s in got) == [(0, p), (2 * p, p), (5 * p, p), (7 * p, p)]
+    # [blocks, heads, layers, part]: layer 1's heads are between layer 0's
+    heads = [
+        transfer.CacheSpec(0, layer * p, 4 * p, 2 * p, 8, 2, head_stride=2 * p) for layer in (0, 1)
+    ]
+    layout = transfer.CacheLayout([region], [[heads[0]], [heads[1]]])
+    assert sorted((s.offset, s.width) for s in stretches(layout, range(1, 2))) == [
+        (p, p),
+        (3 * p, p),
+    ]
+    whole = stretches(layout, range(2))  # every layer: the heads touch, one stretch a block
+    assert [(s.offset, s.width, s.stride) for s in whole] == [(0, 4 * p, 4 * p)]
