@@ -965,6 +965,7 @@ class _Bell:
     def __init__(self, lock: threading.Lock):
         self._rung = threading.Condition(lock)
         self.rings = 0
+        self.waiting = 0  # polls in wait() now (a test waits for one to be there)
 
     def ring(self) -> None:
         self.rings += 1
@@ -972,7 +973,11 @@ class _Bell:
 
     def wait(self, since: int, timeout: float, done: Callable[[], bool]) -> None:
         """Until a ring after `since`, `done()`, or `timeout` s."""
-        self._rung.wait_for(lambda: self.rings != since or done(), timeout)
+        self.waiting += 1
+        try:
+            self._rung.wait_for(lambda: self.rings != since or done(), timeout)
+        finally:
+            self.waiting -= 1
 
 
 class DecodeClient:
