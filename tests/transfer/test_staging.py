@@ -72,6 +72,24 @@ def counted(decode: Decode, request_id: str, bound: float = 30.0):
     return got
 
 
+def lands_alone(streamer, decode: Decode, src: list[int], dst: list[int], tokens: int):
+    """Request "a" (`tokens`, in source blocks `src`) streamed whole into a staging decode
+    side's blocks `dst`: it lands, each block holds its source block's bytes, and every
+    other block what the engine wrote there (ENGINE)."""
+    ticket = decode.expect("a", blocks=dst)
+    streamer.add_request("a", src, tokens)
+    streamer.set_destination("a", streamer.connect(decode.described), dst, ticket)
+    for layer in range(LAYERS):
+        streamer.layer_ready(layer, [("a", tokens)])
+    assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
+    landed, reason, dump, uniform = decode.wait("a")
+    assert landed and reason == "" and uniform
+    for s, d in zip(src, dst):
+        assert landed_blocks(dump, d) == expected(s), f"block {s} -> {d}"
+    untouched = [b for b in range(BLOCKS) if b not in dst]
+    assert all(landed_blocks(dump, b) == [[ENGINE] * CACHES] * LAYERS for b in untouched)
+
+
 @pytest.fixture
 def streamer():
     s = transfer.KVStreamer(
@@ -94,18 +112,7 @@ def test_device_caches_are_staged_and_hold_every_block_once_it_is_reported_lande
         regions = len(decode.described["layout"]["regions"])
         assert decode.described["staged"] == [KIND[backend]] * regions
         assert decode.described["layout"]["memory"] == ["cpu"] * regions  # what shm serves
-        ticket = decode.expect("a", blocks=[5, 6, 0])
-        streamer.add_request("a", [2, 3, 4], 10)
-        streamer.set_destination("a", streamer.connect(decode.described), [5, 6, 0], ticket)
-        for layer in range(LAYERS):
-            streamer.layer_ready(layer, [("a", 10)])
-        assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
-        landed, reason, dump, uniform = decode.wait("a")
-        assert landed and reason == "" and uniform
-        for src, dst in zip([2, 3, 4], [5, 6, 0]):
-            assert landed_blocks(dump, dst) == expected(src), f"block {src} -> {dst}"
-        untouched = [b for b in range(BLOCKS) if b not in (5, 6, 0)]
-        assert all(landed_blocks(dump, b) == [[ENGINE] * CACHES] * LAYERS for b in untouched)
+        lands_alone(streamer, decode, [2, 3, 4], [5, 6, 0], 10)
     finally:
         decode.close()
 
@@ -331,18 +338,7 @@ def test_one_vendor_s_device_caches_reach_another_s_through_pinned_host_memory(
     there = on_device(decode, "halves")
     try:
         there.fill(ENGINE)
-        ticket = there.expect("a", blocks=[7, 1])
-        streamer.add_request("a", [0, 6], 8)
-        streamer.set_destination("a", streamer.connect(there.described), [7, 1], ticket)
-        for layer in range(LAYERS):
-            streamer.layer_ready(layer, [("a", 8)])
-        assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
-        landed, reason, dump, _ = there.wait("a")
-        assert landed and reason == ""
-        for src, dst in zip([0, 6], [7, 1]):
-            assert landed_blocks(dump, dst) == expected(src), f"block {src} -> {dst}"
-        untouched = [b for b in range(BLOCKS) if b not in (7, 1)]
-        assert all(landed_blocks(dump, b) == [[ENGINE] * CACHES] * LAYERS for b in untouched)
+        lands_alone(streamer, there, [0, 6], [7, 1], 8)
     finally:
         there.close()
         streamer.close()
@@ -382,18 +378,7 @@ def test_device_and_host_caches_in_one_layout_stage_the_device_ones_only(streame
         decode.fill(ENGINE)
         regions = len(decode.described["layout"]["regions"])
         assert decode.described["staged"] == [KIND[backend], "cpu"] * (regions // 2)
-        ticket = decode.expect("a", blocks=[4, 3])
-        streamer.add_request("a", [6, 1], 8)
-        streamer.set_destination("a", streamer.connect(decode.described), [4, 3], ticket)
-        for layer in range(LAYERS):
-            streamer.layer_ready(layer, [("a", 8)])
-        assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
-        landed, reason, dump, _ = decode.wait("a")
-        assert landed and reason == ""
-        for src, dst in zip([6, 1], [4, 3]):
-            assert landed_blocks(dump, dst) == expected(src), f"block {src} -> {dst}"
-        untouched = [b for b in range(BLOCKS) if b not in (4, 3)]
-        assert all(landed_blocks(dump, b) == [[ENGINE] * CACHES] * LAYERS for b in untouched)
+        lands_alone(streamer, decode, [6, 1], [4, 3], 8)
     finally:
         decode.close()
 
