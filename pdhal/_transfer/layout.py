@@ -320,6 +320,11 @@ class CacheLayout:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def num_blocks(self) -> int:
+        """The blocks every cache has (the fewest any has): the block ids valid here."""
+        return min(spec.blocks for caches in self.layers for spec in caches)
+
     def describe(self) -> dict:
         """The layout as JSON-able data, without addresses (a peer has its own), with the
         kind of memory each region is (a transport may move some pairs of kinds only)."""

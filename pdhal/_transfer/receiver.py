@@ -185,7 +185,7 @@ class KVReceiver:
         timeout = checks.seconds(timeout, "timeout")
         layerwise = checks.flag(layerwise, "layerwise")
         if blocks is not None:
-            limit = min(spec.blocks for caches in self.layout.layers for spec in caches)
+            limit = self.layout.num_blocks
             blocks = checks.block_ids(blocks, "blocks", limit, "decode caches", unique=True)
         elif self._staging is not None:
             raise InvalidArgumentError(

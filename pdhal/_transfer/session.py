@@ -312,7 +312,7 @@ class PrefillService:
         a rank that sends nothing (`sends` False) it lands at once."""
         request_id = checks.name(request_id, "request_id")
         tokens = checks.integer(prompt_tokens, "prompt_tokens", 1)
-        src = checks.block_ids(src_blocks, "src_blocks", self._src_limit(), "prefill caches")
+        src = checks.block_ids(src_blocks, "src_blocks", self.layout.num_blocks, "prefill caches")
         if len(src) > -(-tokens // self.streamer.block_tokens):
             raise InvalidArgumentError(
                 f"request {request_id!r}: {len(src)} source blocks for {tokens} tokens"
@@ -344,7 +344,7 @@ class PrefillService:
     def add_blocks(self, request_id: str, src_blocks) -> None:
         """More source blocks of `request_id`, after those it has."""
         request_id = checks.name(request_id, "request_id")
-        src = checks.block_ids(src_blocks, "src_blocks", self._src_limit(), "prefill caches")
+        src = checks.block_ids(src_blocks, "src_blocks", self.layout.num_blocks, "prefill caches")
         with self._lock:
             served = self._live(request_id)
             if len(served.src_blocks) + len(src) > -(
@@ -460,9 +460,6 @@ class PrefillService:
     def _open(self) -> None:
         if self._closed:
             raise InvalidArgumentError("the prefill service was closed")
-
-    def _src_limit(self) -> int:
-        return min(spec.blocks for caches in self.layout.layers for spec in caches)
 
     def _live(self, request_id: str) -> _Served:
         self._open()
@@ -1056,7 +1053,9 @@ class DecodeClient:
         it cannot be (unreachable, refused, its timeout passed first) the claim fails."""
         request_id = checks.name(request_id, "request_id")
         instance = _Prefill.parse(prefill)
-        dst = checks.block_ids(blocks, "blocks", self._dst_limit(), "decode caches", unique=True)
+        dst = checks.block_ids(
+            blocks, "blocks", self.receiver.layout.num_blocks, "decode caches", unique=True
+        )
         tokens = checks.integer(tokens, "tokens", 1)
         timeout = checks.seconds(timeout, "timeout")
         whole = -(-tokens // self.facts.block_tokens)
@@ -1194,9 +1193,6 @@ class DecodeClient:
     def _open(self) -> None:
         if self._closed:
             raise InvalidArgumentError("the decode client was closed")
-
-    def _dst_limit(self) -> int:
-        return min(spec.blocks for caches in self.receiver.layout.layers for spec in caches)
 
     def _advance(self, wanted: _Wanted) -> None:
         """Send `wanted`'s claim if every session it needs is up; else wait for the first

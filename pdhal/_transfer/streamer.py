@@ -105,7 +105,7 @@ class KVStreamer:
             if self._staging is not None:
                 self._staging.close()
             raise
-        self._src_blocks = min(spec.blocks for caches in layout.layers for spec in caches)
+        self._src_blocks = layout.num_blocks
         self._lock = threading.RLock()
         self._requests: dict[str, Request] = {}
         self._outcomes = Outcomes()
