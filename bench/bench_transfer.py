@@ -24,6 +24,11 @@ tokens x 4 heads x 32 dims x fp32 = 32 KiB).
   of an idle reader (one new layer found: the reader was blocked when it came); a layer
   signalled while the messager still copied the one before waits behind it, which
   signal_to_submit_all_layers_us_p50 shows.
+- followed_*: the same, each streamed step one KVStreamer.follow() instead of a
+  layer_ready per signal: the link's copier thread sleeps on the channel's futex and
+  starts each layer's copies at its signal (submit = when it saw it). signal_to_submit is
+  then the worker's timestamp to that, the floor that run's own; a layer counts as one
+  that found the link idle when the layer before had settled before its signal.
 - exposed_ms_p50 / exposed_ms_p99 (the headline; p99: the slow tail), overlap_efficiency_p50
   / overlap_efficiency_p1 (p1: the low tail): per request, as pdhal.transfer defines them
   (pdhal/_transfer/metrics.py), from the streamer's own records: landed minus the worker's
@@ -44,6 +49,7 @@ tokens x 4 heads x 32 dims x fp32 = 32 KiB).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import statistics
@@ -77,9 +83,9 @@ for layer, row in enumerate(buffers):
     for kv, buf in enumerate(row):
         ops.set_data_ipc(buf, f"bench.prefill.l{{layer}}{{kv}}")
 caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
-times_buf = ops.host_alloc(8 * L)
+times_buf = ops.host_alloc(8 * STEPS * L)
 ops.set_data_ipc(times_buf, "bench.times")
-times = times_buf.as_numpy("int64", (L,))
+times = times_buf.as_numpy("int64", (STEPS, L))
 a = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)
 def compute(ms):
     end = time.perf_counter() + ms / 1e3
@@ -96,9 +102,9 @@ for step in range(STEPS):
         for kv in range(2):
             caches[layer][kv][:] = (step + layer + kv) % 251
         layer_ms.append((time.perf_counter() - t) * 1e3)
-        times[layer] = time.monotonic_ns()
+        times[step, layer] = time.monotonic_ns()
         if with_floor and step % 2:  # a floor step: the messager waits in read()
-            os.write(floor_fd, struct.pack("<qq", layer, times[layer]))
+            os.write(floor_fd, struct.pack("<qq", layer, times[step, layer]))
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, layer))
     sys.stdin.readline()  # the messager is done with this step
 print(sorted(layer_ms)[len(layer_ms) // 2], flush=True)
@@ -173,9 +179,11 @@ def wake_floor() -> list[float]:
     return samples
 
 
-def phase(transport_name: str, with_floor: bool) -> dict:
+def phase(transport_name: str, with_floor: bool, follow: bool = False) -> dict:
     """One run of the worker's steps through a streamer over `transport_name`; with_floor:
-    every other step memmoves the same runs instead (shm: the floor it is judged by)."""
+    every other step memmoves the same runs instead (shm: the floor it is judged by);
+    follow: each streamed step is one KVStreamer.follow() (the link waits for each layer's
+    signal itself), not a layer_ready per signal."""
     from pdhal import ops, transfer
 
     os.environ["PDHAL_NAMESPACE"] = f"bench{os.getpid()}{transport_name}"
@@ -192,7 +200,7 @@ def phase(transport_name: str, with_floor: bool) -> dict:
         ]
         for layer in range(LAYERS)
     ]
-    times = ops.share_external_data("int64", "bench.times", [LAYERS])
+    times = ops.share_external_data("int64", "bench.times", [STEPS, LAYERS])
     layout = transfer.CacheLayout.from_caches(prefill)
     streamer = transfer.KVStreamer(
         layout, BLOCK_TOKENS, transport_name=transport_name, max_layers_in_flight=8
@@ -229,7 +237,11 @@ def phase(transport_name: str, with_floor: bool) -> dict:
         if reader is None:
             reader = ops.open_kv_signal_reader(0, 0, timeout=60)
             seen = (0, -1)
-        done = -1
+        if streaming and follow:  # every layer of the step at once (step numbers from 1)
+            ready = [(r, BLOCKS_PER_REQUEST * BLOCK_TOKENS) for r in ids]
+            streamer.follow(reader, step + 1, ready)
+            seen = (step + 1, LAYERS - 1)
+        done = -1 if not (streaming and follow) else LAYERS - 1
         while done < LAYERS - 1:
             if streaming:
                 seen = reader.wait(seen, timeout=60)
@@ -237,7 +249,7 @@ def phase(transport_name: str, with_floor: bool) -> dict:
                 if seen[0] != step + 1:
                     continue
                 if seen[1] >= 0:
-                    woken.append((woke - int(times[seen[1]])) / 1e3)
+                    woken.append((woke - int(times[step, seen[1]])) / 1e3)
                 upto = seen[1]
                 if upto == done + 1:
                     alone.add((step, upto))
@@ -251,7 +263,8 @@ def phase(transport_name: str, with_floor: bool) -> dict:
                 if streaming:
                     woke_for[(step, layer)] = woke
                     ready = [(r, BLOCKS_PER_REQUEST * BLOCK_TOKENS) for r in ids]
-                    streamer.layer_ready(layer, ready, signal_ns=int(times[layer]), step=step)
+                    signal_ns = int(times[step, layer])
+                    streamer.layer_ready(layer, ready, signal_ns=signal_ns, step=step)
                 else:
                     for src, dst, n in floor_runs[layer]:
                         ctypes.memmove(dst, src, n)
@@ -278,13 +291,28 @@ def phase(transport_name: str, with_floor: bool) -> dict:
         proc.wait(timeout=60)
     streamed_bytes = sum(r.nbytes for r in records)
     busy = [(r.submit_ns, r.end_ns) for r in records]
+    if follow:  # a record's step is the channel's (from 1): this loop's step + 1
+        records = [dataclasses.replace(r, step=r.step - 1) for r in records]
+    signalled = {(r.step, r.layer): int(times[r.step, r.layer]) for r in records}
+    if follow:  # the link woke for each layer: its submit; idle when the layer before ended
+        woke_for = {(r.step, r.layer): r.submit_ns for r in records}
+        ended = {(r.step, r.layer): r.end_ns for r in records}
+        alone = {
+            key
+            for key in signalled
+            if key[1] == 0 or ended.get((key[0], key[1] - 1), 1 << 62) < signalled[key]
+        }
     return {
         "streamed_us": [(r.end_ns - woke_for[(r.step, r.layer)]) / 1e3 for r in records],
         "memmoved_us": memmoved_us,
         "signal_to_submit_us": [
-            (r.submit_ns - r.signal_ns) / 1e3 for r in records if (r.step, r.layer) in alone
+            (r.submit_ns - signalled[(r.step, r.layer)]) / 1e3
+            for r in records
+            if (r.step, r.layer) in alone
         ],
-        "signal_to_submit_all_us": [(r.submit_ns - r.signal_ns) / 1e3 for r in records],
+        "signal_to_submit_all_us": [
+            (r.submit_ns - signalled[(r.step, r.layer)]) / 1e3 for r in records
+        ],
         "signal_to_wake_us": woken,
         "wake_floor_us": floor,
         "layer_ms": layer_ms,
@@ -317,6 +345,23 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _followed(run: dict) -> dict:
+    """The same ratios for steps the streamer followed (one follow() per step: the link's
+    copier woke by each layer's signal), against the floors of that run."""
+    floor = run["wake_floor_us"]
+    return {
+        "followed_signal_to_submit_vs_floor": _median(run["signal_to_submit_us"]) / _median(floor)
+        if run["signal_to_submit_us"] and floor
+        else None,
+        "followed_shm_vs_memcpy_under_compute": statistics.mean(run["memmoved_us"])
+        / statistics.mean(run["streamed_us"]),
+        "followed_signal_to_submit_us_p50": _median(run["signal_to_submit_us"]),
+        "followed_signal_to_submit_all_layers_us_p50": _median(run["signal_to_submit_all_us"]),
+        "followed_wake_floor_us_p50": _median(floor),
+        **{f"followed_{k}": v for k, v in _headline(run["snapshot"]).items()},
+    }
+
+
 def main() -> dict:
     shm = phase("shm", with_floor=True)
     floor = shm["wake_floor_us"]
@@ -338,6 +383,7 @@ def main() -> dict:
         "wake_floor_us_p50": _median(floor),
         "wake_floor_threads_us_p50": statistics.median(threads_floor),
         "signal_to_wake_us_p50": statistics.median(shm["signal_to_wake_us"]),
+        **_followed(phase("shm", with_floor=True, follow=True)),
         "layer_compute_ms": shm["layer_ms"],
         "bytes_per_layer": REQUESTS * BLOCKS_PER_REQUEST * 2 * BLOCK_BYTES,
         "layers": LAYERS,

@@ -7,7 +7,13 @@
  * thread then runs each job's copies guarded (a SIGBUS from a peer that shrank its file fails
  * that job, not the process) and marks the job done, waking whoever waits on it. A post of
  * block runs expands them into byte copies here, cache by cache, so a layer of a step costs
- * the caller one call however many runs it has. */
+ * the caller one call however many runs it has.
+ *
+ * A gate is a job that holds the thread until a layer's signal (the engine's per-query
+ * progress word) is published: the jobs posted behind it start at the signal, woken by its
+ * futex, with nothing of the poster's in between. A gate whose signal does not come within
+ * its timeout, or that destroy interrupts, breaks the copier: every job after it fails
+ * uncopied, for what it carries was never computed. */
 #define _GNU_SOURCE
 #include "internal.h"
 
@@ -26,6 +32,10 @@ struct pdhal_copy_job {
     _Atomic uint32_t state; /* futex word: JOB_PENDING until the thread ran it */
     _Atomic int refs;       /* the poster's handle and the queue's */
     char why[256];          /* a failed job's reason, written before state */
+    _Atomic int64_t started_ns; /* when it started (a gate: opened); 0 until then */
+    pdhal_segment *gate;        /* a gate's signals (holding a reference); NULL: copies */
+    uint64_t until;             /* a gate's progress word to wait for */
+    int64_t timeout_ns;         /* a gate's longest wait, from when the thread reaches it */
     uint64_t count;
     struct copy {
         char *dst;
@@ -38,6 +48,12 @@ struct span { uint64_t start, end; };
 
 struct pdhal_copier {
     pdhal_worker worker; /* its thread and queue of jobs */
+    /* The gate the thread waits on (NULL: none), for destroy to wake: set and cleared by the
+     * thread, read by destroy, under gate_lock (the segment lives while it is set). */
+    pthread_mutex_t gate_lock;
+    pdhal_segment *waiting;
+    _Atomic int closing;  /* destroy began: a gate waiting fails */
+    char broken[200];     /* the thread's own: why a gate failed ("" while none did) */
     uint32_t regions;
     uint64_t *region_base, *region_bytes;
     uint32_t nsources;
@@ -46,8 +62,88 @@ struct pdhal_copier {
 
 static void job_unref(struct pdhal_copy_job *job)
 {
-    if (job && atomic_fetch_sub_explicit(&job->refs, 1, memory_order_acq_rel) == 1)
+    if (job && atomic_fetch_sub_explicit(&job->refs, 1, memory_order_acq_rel) == 1) {
+        if (job->gate)
+            pdhal_segment_unref(job->gate);
         free(job);
+    }
+}
+
+/* Wait until `gate`'s signal came (0), its timeout passed, or destroy began (-errno, the
+ * detail set). */
+static int open_gate(pdhal_copier *c, struct pdhal_copy_job *gate)
+{
+    pdhal_segment *seg = gate->gate;
+    struct pdhal_segment_header *h = seg->hdr;
+    int64_t now = pdhal_now_ns();
+    int64_t deadline = gate->timeout_ns > INT64_MAX - now ? INT64_MAX : now + gate->timeout_ns;
+    uint64_t step = gate->until >> PDHAL_LAYER_BITS;
+    long long layer = (long long)(gate->until & PDHAL_LAYER_MASK) - 1;
+    pthread_mutex_lock(&c->gate_lock);
+    c->waiting = seg;
+    pthread_mutex_unlock(&c->gate_lock);
+    int rc;
+    for (;;) {
+        /* acquire: the progress read next is at least as new as this sequence value */
+        uint32_t seen = atomic_load_explicit(&h->seq, memory_order_acquire);
+        if (pdhal_progress_load(seg) >= gate->until) {
+            rc = 0;
+            break;
+        }
+        /* after the sequence read: destroy sets closing, then bumps the sequence */
+        if (atomic_load(&c->closing)) {
+            rc = pdhal_fail(ECANCELED, "the link closed before layer %lld of step %llu was "
+                                       "signalled", layer, (unsigned long long)step);
+            break;
+        }
+        rc = pdhal_wait_change(&h->seq, &h->waiters, seen, deadline);
+        if (rc == -ETIMEDOUT) {
+            rc = pdhal_fail(ETIMEDOUT, "layer %lld of step %llu was not signalled on %s within "
+                                       "%.3g s", layer, (unsigned long long)step, seg->path,
+                            (double)gate->timeout_ns / 1e9);
+            break;
+        }
+        if (rc < 0 && rc != -EINTR) {
+            rc = pdhal_wait_failed(rc, seg->path);
+            break;
+        }
+    }
+    pthread_mutex_lock(&c->gate_lock);
+    c->waiting = NULL;
+    pthread_mutex_unlock(&c->gate_lock);
+    return rc;
+}
+
+/* Run `job`: a gate opens, copies copy. Returns its state, the reason in job->why. */
+static uint32_t run_job(pdhal_copier *c, struct pdhal_copy_job *job)
+{
+    if (c->broken[0]) {
+        snprintf(job->why, sizeof job->why, "not copied: %s", c->broken);
+        return JOB_FAILED;
+    }
+    if (job->gate) {
+        if (open_gate(c, job) != 0) {
+            snprintf(c->broken, sizeof c->broken, "%s", pdhal_last_error());
+            snprintf(job->why, sizeof job->why, "%s", c->broken);
+            return JOB_FAILED;
+        }
+        atomic_store_explicit(&job->started_ns, pdhal_now_ns(), memory_order_relaxed);
+        return JOB_DONE;
+    }
+    atomic_store_explicit(&job->started_ns, pdhal_now_ns(), memory_order_relaxed);
+    if (pdhal_guard_arm() != 0) { /* no handler: no copy may run unguarded */
+        snprintf(job->why, sizeof job->why, "%s", pdhal_last_error());
+        return JOB_FAILED;
+    }
+    for (uint64_t i = 0; i < job->count; i++) {
+        const struct copy *copy = &job->copies[i];
+        if (pdhal_copy_armed_grid(copy->dst, copy->src, &copy->grid) != 0) {
+            snprintf(job->why, sizeof job->why, "copy %llu of %llu: %s", (unsigned long long)i,
+                     (unsigned long long)job->count, pdhal_last_error());
+            return JOB_FAILED;
+        }
+    }
+    return JOB_DONE;
 }
 
 static void *copier_main(void *arg)
@@ -57,21 +153,7 @@ static void *copier_main(void *arg)
         struct pdhal_copy_job *job = (struct pdhal_copy_job *)pdhal_worker_take(&c->worker);
         if (!job)
             return NULL; /* stopping, and every job ran */
-        uint32_t state = JOB_DONE;
-        if (pdhal_guard_arm() != 0) { /* no handler: no copy may run unguarded */
-            snprintf(job->why, sizeof job->why, "%s", pdhal_last_error());
-            state = JOB_FAILED;
-        }
-        for (uint64_t i = 0; i < job->count && state == JOB_DONE; i++) {
-            const struct copy *copy = &job->copies[i];
-            if (pdhal_copy_armed_grid(copy->dst, copy->src, &copy->grid) != 0) {
-                snprintf(job->why, sizeof job->why, "copy %llu of %llu: %s",
-                         (unsigned long long)i, (unsigned long long)job->count,
-                         pdhal_last_error());
-                state = JOB_FAILED;
-                break;
-            }
-        }
+        uint32_t state = run_job(c, job);
         /* release: a waiter that sees the state also sees the bytes and the reason */
         atomic_store_explicit(&job->state, state, memory_order_release);
         pdhal_futex_wake_all(&job->state);
@@ -115,11 +197,13 @@ int pdhal_copier_create(const uint64_t *region_base, const uint64_t *region_byte
         spans[i].end = start > UINT64_MAX - bytes ? UINT64_MAX : start + bytes;
     }
     qsort(spans, nsources, sizeof *spans, compare_spans);
+    pthread_mutex_init(&c->gate_lock, NULL);
     c->regions = regions, c->region_base = bases, c->region_bytes = sizes;
     c->nsources = nsources, c->sources = spans;
     /* every signal blocked on the copier thread but SIGBUS, a guarded copy's own fault */
     int rc = pdhal_worker_start(&c->worker, copier_main, c, SIGBUS);
     if (rc != 0) {
+        pthread_mutex_destroy(&c->gate_lock);
         free(bases), free(sizes), free(spans), free(c);
         return pdhal_fail(rc, "cannot start the copier thread: %s", strerror(rc));
     }
@@ -197,7 +281,9 @@ static int new_job(uint64_t count, struct pdhal_copy_job **out)
         return pdhal_fail(ENOMEM, "out of memory");
     atomic_init(&job->state, JOB_PENDING);
     atomic_init(&job->refs, 2);
+    atomic_init(&job->started_ns, 0);
     job->why[0] = '\0';
+    job->gate = NULL;
     job->count = count;
     *out = job;
     return 0;
@@ -208,16 +294,33 @@ static int new_job(uint64_t count, struct pdhal_copy_job **out)
 static int enqueue(pdhal_copier *c, struct pdhal_copy_job *job, pdhal_copy_job **out)
 {
     if (c->worker.pid != getpid()) {
-        free(job);
+        job_unref(job), job_unref(job); /* both of its references: it was never queued */
         return pdhal_fail(ECHILD, "this copier belongs to pid %d; a forked child must "
                                   "connect its own link", (int)c->worker.pid);
     }
     if (pdhal_worker_put(&c->worker, &job->work) != 0) {
-        free(job);
+        job_unref(job), job_unref(job);
         return pdhal_fail(EPIPE, "the copier was stopped (its link closed)");
     }
     *out = job;
     return 0;
+}
+
+int pdhal_copier_post_gate(pdhal_copier *c, pdhal_segment *signals, uint64_t until,
+                           int64_t timeout_ns, pdhal_copy_job **out)
+{
+    *out = NULL;
+    if (!signals || signals->kind != PDHAL_KIND_QUERY)
+        return pdhal_fail(EINVAL, "a gate waits on a per-query channel's progress word");
+    if (timeout_ns <= 0)
+        return pdhal_fail(EINVAL, "a gate's timeout is %lld ns: above 0", (long long)timeout_ns);
+    struct pdhal_copy_job *job = NULL;
+    int failed = new_job(0, &job);
+    if (failed)
+        return failed;
+    pdhal_segment_ref(signals);
+    job->gate = signals, job->until = until, job->timeout_ns = timeout_ns;
+    return enqueue(c, job, out);
 }
 
 int pdhal_copier_post_runs(pdhal_copier *c, const uint64_t *runs, uint64_t count,
@@ -496,6 +599,11 @@ int pdhal_copy_job_wait(pdhal_copy_job *job, int64_t deadline_ns)
     }
 }
 
+int64_t pdhal_copy_job_started_ns(pdhal_copy_job *job)
+{
+    return atomic_load_explicit(&job->started_ns, memory_order_relaxed);
+}
+
 int pdhal_copy_job_done(pdhal_copy_job *job)
 {
     return atomic_load_explicit(&job->state, memory_order_acquire) != JOB_PENDING;
@@ -510,10 +618,19 @@ void pdhal_copier_destroy(pdhal_copier *c)
     /* Every job queued runs first; inherited across fork, the thread does not exist here:
      * the jobs queued never ran in this process, and their waiters (if any) are this
      * process's to time out. */
+    if (c->worker.pid == getpid()) { /* (in a forked child, no thread waits; the lock may
+                                       * have been copied held) */
+        atomic_store(&c->closing, 1); /* then the wake: a gate waiting sees it (open_gate) */
+        pthread_mutex_lock(&c->gate_lock);
+        if (c->waiting)
+            pdhal_bump_and_wake(&c->waiting->hdr->seq, &c->waiting->hdr->waiters);
+        pthread_mutex_unlock(&c->gate_lock);
+    }
     for (struct pdhal_work *w = pdhal_worker_stop(&c->worker), *next; w; w = next) {
         next = w->next;
         job_unref((struct pdhal_copy_job *)w);
     }
+    pthread_mutex_destroy(&c->gate_lock);
     free(c->region_base), free(c->region_bytes), free(c->sources), free(c);
 }
 

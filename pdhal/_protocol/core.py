@@ -487,18 +487,19 @@ class CopyJob:
     def done(self) -> bool:
         return bool(lib.pdhal_copy_job_done(self._ptr))
 
+    def started_ns(self) -> int:
+        """When the job started, a gate when it opened (time.monotonic_ns()); 0 until."""
+        return lib.pdhal_copy_job_started_ns(self._ptr)
+
     def wait(self, timeout: float) -> None:
         """Return once every copy of the job ran; TransferError if one met memory its owner
-        took away (SIGBUS), or if the job had not run within `timeout` seconds."""
+        took away (SIGBUS), a gate's signal did not come (or one before it), or if the job
+        had not run within `timeout` seconds."""
         rc = lib.pdhal_copy_job_wait(self._ptr, deadline_ns(timeout))
         if rc == -errno.ETIMEDOUT:
             raise TransferError(f"the copies did not run within {timeout:g} s")
         if rc < 0:
-            _raise(
-                rc,
-                "the destination's memory was taken away under a copy",
-                {errno.EFAULT: TransferError},
-            )
+            _raise(rc, "the copies failed", {errno.EFAULT: TransferError})
 
 
 class HostQueue:
@@ -537,6 +538,13 @@ class Copier(HostQueue):
         self._ptr = ffi.gc(out[0], lib.pdhal_copier_destroy)
         self._lock = threading.Lock()
         self._last: CopyJob | None = None  # the job posted last: jobs run in order
+
+    def post_gate(self, signals: Segment, until: int, timeout: float) -> CopyJob:
+        """Queue a gate: the jobs posted after it start once the per-query progress word of
+        `signals` reaches `until`; one whose word does not within `timeout` seconds of the
+        thread reaching it fails, and every job after it (copier.c)."""
+        timeout_ns = max(int(timeout * 1e9), 1)
+        return self._post(lib.pdhal_copier_post_gate, signals.ptr, until, timeout_ns)
 
     def post_runs(self, runs: list[tuple[int, int, int, int]]) -> CopyJob:
         """Queue `runs` ((source address, region, offset, bytes), plain ints) as one job."""

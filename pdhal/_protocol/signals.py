@@ -318,6 +318,13 @@ class ProgressReader:
     def producer_pid(self) -> int:
         return self._segment.creator_pid
 
+    @property
+    def segment(self) -> _core.Segment:
+        """The channel's segment (for a link's gate: KVStreamer.follow); ClosedHandleError
+        once the reader was closed."""
+        self._segment.ptr  # noqa: B018 (raises once closed)
+        return self._segment
+
     def close(self) -> None:
         self._segment.close()
 

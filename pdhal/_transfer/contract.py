@@ -180,6 +180,11 @@ class Batch:
         after `timeout` seconds (a stalled peer or link)."""
         raise NotImplementedError
 
+    def started_ns(self) -> int:
+        """When its copies started (a gate's: when the link saw the signal), as
+        time.monotonic_ns(); 0 while not, or if the transport does not say."""
+        return 0
+
 
 class Link:
     """The source side's connection to one endpoint."""
@@ -205,6 +210,16 @@ class Link:
         InvalidArgumentError unless `layer` is a LayerCopies and `runs` a BlockRuns."""
         require_blocks(layer, runs)
         return self.submit(layer.copies(runs.runs))
+
+    def gate(self, signals: object, until: int, timeout: float) -> Batch:
+        """Hold the submits made after this one until the engine's per-query progress word
+        of `signals` (a ProgressReader's segment) reaches `until` (a layer of a step
+        signalled), so their copies start at the signal with nothing of the caller's in
+        between. The batch lands when the signal came; it fails if the signal did not come
+        within `timeout` seconds of the link's reaching the gate, or the link closed first,
+        and so does every submit after it (the link is broken). Only where
+        Transport.gates says so."""
+        raise NotImplementedError
 
     def problem(self) -> str | None:
         """None while the peer looks alive; else why not (checked before each submit)."""
@@ -264,6 +279,10 @@ class Transport:
     #: not handing each write to a thread of its own first. False (the default): a submit
     #: may take its time, and runs on the destination's submitting thread.
     posts: ClassVar[bool] = False
+    #: True when its links can hold submits behind an engine's layer signal (Link.gate),
+    #: which KVStreamer.follow needs: the signal then starts the copies without a Python
+    #: call per layer. False (the default): the messager calls layer_ready per signal.
+    gates: ClassVar[bool] = False
 
     def configure(self, **options: object) -> None:
         """Set the transport's options (each plugin documents its own: an address to

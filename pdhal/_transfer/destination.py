@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -54,8 +55,19 @@ class Send(Write):
     items: list = field(default_factory=list)  # (request, blocks) it carries
     runs: BlockRuns | None = None  # its block runs, the same in each layer of a step
     nbytes: int = 0
-    signal_ns: int = 0
+    signal_ns: int = 0  # followed: when the link saw the signal
     step: int | None = None  # the engine's, if it said
+    gate: Gate | None = None  # followed (KVStreamer.follow): the signal its copies wait for
+    gate_batch: Batch | None = None  # once submitted
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The engine's signal a followed layer's copies wait for on the link (Link.gate)."""
+
+    signals: object  # the ProgressReader's segment
+    until: int  # the progress word of that layer of that step
+    timeout: float  # from when the link reaches it (the layer before it copied)
 
 
 @dataclass(eq=False)
@@ -333,6 +345,9 @@ class Destination:
             if isinstance(write, StatusWrite):
                 write.batch = link.submit(runs)
             else:
+                if write.gate is not None:
+                    gate = write.gate
+                    write.gate_batch = link.gate(gate.signals, gate.until, gate.timeout)
                 write.batch = link.submit_blocks(self.planner.layer(write.layer), write.runs)
         except Exception as e:  # TransferError, or a transport's bug
             write.failed = _why(e)
@@ -353,8 +368,10 @@ class Destination:
                 write = self._submitted[0]
             reason = write.failed
             if write.batch is not None:
-                left = write.submit_ns / 1e9 + self._stall - time.monotonic()
                 try:
+                    if isinstance(write, Send) and write.gate_batch is not None:
+                        _opened(write)
+                    left = write.submit_ns / 1e9 + self._stall - time.monotonic()
                     write.batch.wait(max(left, MIN_WAIT_S))
                     reason = None
                 except Exception as e:  # TransferError, or a transport's bug
@@ -407,6 +424,13 @@ def _within(open_: Callable[[], _Channel], bound: float, what: str) -> _Channel:
     if isinstance(got, Exception):
         raise got
     return got
+
+
+def _opened(send: Send) -> None:
+    """Wait for `send`'s gate: its signal came (the send was submitted then, by the link,
+    which times its own gate out: Link.gate), or TransferError."""
+    send.gate_batch.wait(math.inf)
+    send.submit_ns = send.signal_ns = send.gate_batch.started_ns() or time.monotonic_ns()
 
 
 def _why(error: Exception) -> str:

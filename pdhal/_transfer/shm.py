@@ -209,6 +209,10 @@ class _ShmBatch(Batch):
     def wait(self, timeout: float) -> None:
         self._job.wait(timeout)
 
+    def started_ns(self) -> int:
+        """When its copies started (a gate: when its signal was seen); 0 until then."""
+        return self._job.started_ns()
+
 
 class ShmLink(Link):
     """The endpoint's regions mapped here, copied into by a copier thread (a submit
@@ -322,6 +326,10 @@ class ShmLink(Link):
             lambda copier: copier.post_blocks(layer.caches, layer.count, runs.words, len(runs))
         )
 
+    def gate(self, signals: object, until: int, timeout: float) -> Batch:
+        """A gate on the copier (copier.c): its thread waits on the signal's futex."""
+        return self._post(lambda copier: copier.post_gate(signals, until, timeout))
+
     def _post(self, post) -> Batch:
         """post(copier)'s job as a batch (a peer shrinking the regions fails it: a SIGBUS
         the copier survives). The memory it touches is held while it is posted: a free that
@@ -364,6 +372,8 @@ class ShmTransport(Transport):
     completion = "target"
     #: A submit only queues the copies on the link's copier thread.
     posts = True
+    #: The copier thread waits for a layer's signal itself (Link.gate).
+    gates = True
     #: memmove: host memory on both sides.
     memory = ("cpu",)
     #: The shared-file format is pdhal's own.

@@ -28,13 +28,15 @@ import time
 from collections.abc import Callable
 
 from pdhal._errors import ClosedHandleError, InvalidArgumentError, PdhalError
+from pdhal._protocol import core as _core
+from pdhal._protocol.signals import ProgressReader
 from pdhal._transfer import checks, keeper, mailbox
 from pdhal._transfer.contract import (
     require_memory,
     require_pairs,
     require_target_completion,
 )
-from pdhal._transfer.destination import Destination, Send, StatusWrite, Write
+from pdhal._transfer.destination import Destination, Gate, Send, StatusWrite, Write
 from pdhal._transfer.heads import HeadShard
 from pdhal._transfer.keeper import Clock, Deadlines
 from pdhal._transfer.layout import BlockRuns, CacheLayout, RunPlanner, block_runs, units_of
@@ -49,6 +51,8 @@ from pdhal._transfer.staging import Staging, needs_staging
 PEER_CHECK_S = 0.1
 #: Plans (a step's runs) kept; older ones are planned again if asked for.
 PLANS = 1024
+#: The largest step a per-query progress word holds.
+MAX_STEP = (1 << (64 - _core.LAYER_BITS)) - 1
 #: A status slot's generation is 56 bits (mailbox.word).
 GENERATIONS = (1 << 56) - 1
 
@@ -438,7 +442,72 @@ class KVStreamer:
         if step is not None:
             step = checks.integer(step, "step")
         layer = checks.integer(layer, "layer", 0, self.layout.num_layers - 1)
+        self._take(layer, self._ready_entries(ready), signal_ns, step)
+
+    def follow(self, signals: ProgressReader, step: int, ready) -> None:
+        """Send every layer of `ready` ((request_id, tokens in the cache), as layer_ready
+        takes) of engine step `step` as the engine signals it on `signals` (the messager's
+        ProgressReader of the per-query channel), with no call per layer: each layer's
+        copies wait on the link for that layer's signal and start at it, with no Python in
+        between (a transport whose links gate: Transport.gates, shm's). One call per step,
+        before or while its layers are signalled (a layer signalled already goes at once).
+        A layer not signalled within stall_timeout of the one before it having copied
+        breaks its decode side, as a stalled write does.
+
+        Each request must be streaming (its destination set) and read whole on its decode
+        side (not a layerwise ticket, whose progress words follow each layer): call
+        layer_ready for the others. Requests not added, or ended, are passed over.
+        InvalidArgumentError for anything else, before anything is sent."""
+        self._open()
+        if not self._transport.gates:
+            raise InvalidArgumentError(
+                f"follow() needs a transport whose links wait for a signal themselves "
+                f"(Transport.gates); {self._transport.name!r}'s do not: call layer_ready per "
+                f"signal"
+            )
+        if self._staging is not None:
+            raise InvalidArgumentError(
+                "follow() cannot stage: these caches are copied into pinned host memory "
+                "layer by layer on the caller's thread; call layer_ready per signal"
+            )
+        if not isinstance(signals, ProgressReader):
+            raise InvalidArgumentError(
+                f"signals must be the per-query channel's ProgressReader "
+                f"(pdhal.ops.open_kv_signal_reader), got {signals!r}"
+            )
+        segment = signals.segment  # ClosedHandleError once it was closed
+        step = checks.integer(step, "step", 1, MAX_STEP)
         entries = self._ready_entries(ready)
+        with self._lock:
+            for request_id, _ in entries:
+                request = self._requests.get(request_id)
+                if request is None or not request.live:
+                    continue
+                if request.state is not State.STREAMING:
+                    raise InvalidArgumentError(
+                        f"request {request_id!r} has no decode side yet: follow() sends "
+                        f"only requests whose destination is set; call layer_ready for it"
+                    )
+                if request.layerwise:
+                    raise InvalidArgumentError(
+                        f"request {request_id!r}'s decode side reads it layer by layer (a "
+                        f"layerwise ticket): call layer_ready for it"
+                    )
+        for layer in range(self.layout.num_layers):
+            until = (step << _core.LAYER_BITS) | (layer + 1)
+            gate = Gate(segment, until, self.stall_timeout)
+            self._take(layer, entries, 0, step, gate)
+
+    def _take(
+        self,
+        layer: int,
+        entries: list[tuple[str, int]],
+        signal_ns: int,
+        step: int | None,
+        gate: Gate | None = None,
+    ) -> None:
+        """`entries` ((request_id, tokens)) are ready in `layer`: send what became
+        sendable (behind `gate`, when followed)."""
         by_dest: dict[int, tuple[Destination, list[Request]]] = {}
         lease: list[Request] = []
         with self._lock:
@@ -460,7 +529,7 @@ class KVStreamer:
         for request in lease:
             self._clock.after(self.claim_timeout, lambda r=request: self._sources_expired(r))
         for dest, requests in by_dest.values():
-            self._send(dest, layer, requests, signal_ns, step)
+            self._send(dest, layer, requests, signal_ns, step, gate)
 
     @staticmethod
     def _ready_entries(ready) -> list[tuple[str, int]]:
@@ -497,8 +566,9 @@ class KVStreamer:
         requests: list[Request],
         signal_ns: int,
         step: int | None = None,
+        gate: Gate | None = None,
     ) -> None:
-        """Hand `dest` the newly sendable blocks of `requests` in `layer`."""
+        """Hand `dest` the newly sendable blocks of `requests` in `layer` (behind `gate`)."""
         with self._lock:
             spans, items = [], []
             for request in requests:
@@ -526,7 +596,13 @@ class KVStreamer:
         blocks = sum(n for _, n in items)
         nbytes = dest.planner.block_bytes[layer] * blocks
         send = Send(
-            layer=layer, items=items, runs=runs, nbytes=nbytes, signal_ns=signal_ns, step=step
+            layer=layer,
+            items=items,
+            runs=runs,
+            nbytes=nbytes,
+            signal_ns=signal_ns,
+            step=step,
+            gate=gate,
         )
         failure = self._stage(layer, spans) if self._staging is not None else None
         if failure is None:
@@ -589,6 +665,9 @@ class KVStreamer:
             for request, blocks in send.items:
                 if request.first_submit_ns is None and send.submit_ns:
                     request.first_submit_ns = send.submit_ns
+                if send.gate is not None and send.layer == request.layers - 1:
+                    # followed: when the link saw it (a later chunk's last layer settles later)
+                    request.last_signal_ns = send.signal_ns
                 why = reason or (
                     "the streamer stopped sending to this decode side" if reason == "" else None
                 )

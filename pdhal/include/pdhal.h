@@ -322,9 +322,22 @@ int pdhal_copier_post_pieces(pdhal_copier *copier, const pdhal_copy_cache *cache
                              const uint32_t *parts, const uint8_t *orders, uint32_t ncaches,
                              uint64_t src_tokens, uint64_t dst_tokens, const int64_t *token_runs,
                              uint64_t nruns, pdhal_copy_job **job);
+/* Post a gate: a job that holds the copier until the per-query progress word of `signals`
+ * (a PDHAL_KIND_QUERY segment, its reader's handle) reaches `until` ((step << LAYER_BITS) |
+ * (layer + 1): that layer of that step signalled), so the jobs posted after it start at the
+ * signal with no caller between. It fails if the word has not got there `timeout_ns` after
+ * the copier began waiting on it, or once destroy began; a gate that failed fails every job
+ * posted after it, uncopied (the link is broken: nothing behind a signal that never came
+ * may run). -EINVAL (not a per-query segment, or a timeout not above 0), -ECHILD, -EPIPE as
+ * pdhal_copier_post_runs. The job holds a reference to `signals`. */
+int pdhal_copier_post_gate(pdhal_copier *copier, pdhal_segment *signals, uint64_t until,
+                           int64_t timeout_ns, pdhal_copy_job **job);
+/* When a gate opened (its copier saw the signal), or a job started (CLOCK_MONOTONIC ns); 0
+ * until then, and for a job that failed before it started. */
+int64_t pdhal_copy_job_started_ns(pdhal_copy_job *job);
 /* Wait until `job` ran, at most until deadline_ns (CLOCK_MONOTONIC, pdhal_now_ns): 0 (every
- * copy done), -EFAULT (a copy met memory its owner took away; the detail names it),
- * -ETIMEDOUT. */
+ * copy done), -EFAULT (a copy met memory its owner took away, a gate's signal never came, or
+ * a gate before it failed; the detail names it), -ETIMEDOUT. */
 int pdhal_copy_job_wait(pdhal_copy_job *job, int64_t deadline_ns);
 /* 1 once `job` ran (done or failed), else 0: never blocks. */
 int pdhal_copy_job_done(pdhal_copy_job *job);

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from pdhal import InvalidArgumentError, TransferError
 from pdhal._protocol import core
 from pdhal._transfer.layout import LayerCopies, PieceCopies, UnitCopies
+from pdhal.testing.fixtures import run_child
 
 
 def _address(array: np.ndarray) -> int:
@@ -375,3 +378,99 @@ def test_a_sigbus_handler_installed_after_the_first_copy_does_not_unguard_the_ne
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "failed:" in done.stdout and "SIGBUS" in done.stdout
+
+
+# ---- gates: jobs held until a layer's signal (KVStreamer.follow) ------------------------
+
+
+@pytest.fixture
+def channel():
+    """The engine's per-query channel (this process produces it: step 1 begun) and its
+    reader, whose segment a gate waits on."""
+    from pdhal import ops
+    from pdhal._protocol import signals
+
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    reader = ops.open_kv_signal_reader(0, 0, timeout=30)
+    yield meta, reader
+    reader.close()
+    signals.close_producer_channels()
+
+
+def _until(step: int, layer: int) -> int:
+    return (step << core.LAYER_BITS) | (layer + 1)
+
+
+def test_a_gate_holds_the_jobs_behind_it_until_its_layer_is_signalled(memory, channel):
+    from pdhal import ops
+
+    regions, source, copier = memory
+    meta, reader = channel
+    gate = copier.post_gate(reader.segment, _until(1, 1), 30)
+    job = copier.post_runs([(_address(source), 0, 0, 64)])
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0))  # not its layer yet
+    with pytest.raises(TransferError, match="did not run within"):
+        job.wait(0.2)
+    assert not gate.done() and gate.started_ns() == 0 and not regions[0].any()
+    signalled = time.monotonic_ns()
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 1))
+    job.wait(30)
+    assert bytes(regions[0][:64]) == bytes(source[:64])
+    assert signalled <= gate.started_ns() <= job.started_ns()
+
+
+def test_a_gate_whose_signal_does_not_come_fails_and_nothing_after_it_copies(memory, channel):
+    from pdhal import ops
+
+    regions, source, copier = memory
+    meta, reader = channel
+    gate = copier.post_gate(reader.segment, _until(1, 0), 0.1)
+    behind = [copier.post_runs([(_address(source), 0, 0, 64)]) for _ in range(2)]
+    with pytest.raises(TransferError, match="layer 0 of step 1 was not signalled"):
+        gate.wait(30)
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0))  # too late
+    later = copier.post_runs([(_address(source), 1, 0, 64)])
+    for job in [*behind, later]:
+        with pytest.raises(TransferError, match="not copied: layer 0 of step 1"):
+            job.wait(30)
+    assert not regions[0].any() and not regions[1].any()
+
+
+def test_destroy_ends_a_gate_s_wait_at_once():
+    """Woken, not noticed at the wait's next slice: a child whose slices last a minute
+    closes a copier whose gate waits up to two."""
+    run_child(
+        """
+        import time
+        import numpy as np
+        from pdhal import ops, TransferError
+        from pdhal._protocol import core
+        meta = ops.open_shm_and_get_meta_signal(0, 0)
+        reader = ops.open_kv_signal_reader(0, 0, timeout=30)
+        region, source = np.zeros(64, np.uint8), np.ones(64, np.uint8)
+        copier = core.Copier([region.ctypes.data], [64], [(source.ctypes.data, 64)])
+        gate = copier.post_gate(reader.segment, (1 << core.LAYER_BITS) | 1, 120)
+        job = copier.post_runs([(source.ctypes.data, 0, 0, 64)])
+        time.sleep(0.2)  # the thread sleeps on the gate (were it not there yet, it ends at once)
+        started = time.monotonic()
+        copier.destroy()
+        took = time.monotonic() - started
+        assert took < 30, took  # not a slice's 60 s, nor the gate's 120
+        for what, j in (("the link closed before layer 0 of step 1", gate), ("not copied", job)):
+            try:
+                j.wait(0)
+                raise AssertionError(what)
+            except TransferError as e:
+                assert what in str(e), e
+        assert not region.any()
+        """,
+        env={**os.environ, "PDHAL_WAIT_SLICE_MS": "60000"},
+    )
+
+
+def test_a_gate_without_a_timeout_or_a_per_query_channel_is_refused(memory, channel):
+    copier, (_, reader) = memory[2], channel
+    with pytest.raises(InvalidArgumentError, match="above 0"):
+        copier._post(core.lib.pdhal_copier_post_gate, reader.segment.ptr, 1, 0)
+    with pytest.raises(InvalidArgumentError, match="per-query channel"):
+        copier._post(core.lib.pdhal_copier_post_gate, core.ffi.NULL, 1, 1)

@@ -208,3 +208,148 @@ def test_a_dead_prefill_worker_fails_its_requests_on_both_sides(namespace):
     assert all(  # ... and its channel: nothing else
         n.startswith((f"buf.host.{worker.proc.pid}.", "buf.prefill.", "query.r0.d0")) for n in names
     ), names
+
+
+# ---- followed: the link waits for each layer's signal itself (KVStreamer.follow) ----------
+
+
+def _streaming(streamer, decode, requests=SOURCE, **expect):
+    dest = streamer.connect(decode.described)
+    for request in requests:
+        streamer.add_request(request, SOURCE[request], PROMPT[request])
+        streamer.set_destination(request, dest, DEST[request], decode.expect(request, **expect))
+    return dest
+
+
+def test_followed_steps_land_every_byte_once_their_layers_are_signalled():
+    """One follow() per step and no call per layer: each layer's copies wait on the shm
+    link's copier for that layer's signal. Step 2 is followed before the worker computes
+    it, so a copy that did not wait would land the zeros its blocks held (a's last block
+    holds the partial-block marker after step 1, which the first step must not send)."""
+    decode, worker = Decode(), Worker("per_query")
+    streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS)
+    try:
+        _streaming(streamer, decode)
+        worker.go()  # its first step creates the channel
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            streamer.follow(reader, 1, [("a", 6), ("b", 6)])
+            worker.expect("step done")
+            b = outcomes_until(streamer, 1)
+            assert [(o.request_id, o.landed) for o in b] == [("b", True)], b
+            streamer.follow(reader, 2, [("a", 10)])  # before the worker computes step 2
+            assert streamer.poll(timeout=0.2) == []  # a waits for step 2's signals
+            worker.go()
+            worker.expect("step done")
+            a = outcomes_until(streamer, 1)
+            assert [(o.request_id, o.landed) for o in a] == [("a", True)], a
+            worker.go()
+        worker.expect("done")
+        for request in SOURCE:
+            landed, reason, dump, uniform = decode.wait(request)
+            assert landed and uniform, reason
+            for src, dst in zip(SOURCE[request], DEST[request]):
+                assert landed_blocks(dump, dst) == expected(src), f"{request}: {src} -> {dst}"
+        records = streamer.metrics.layers()
+        assert sorted((r.step, r.layer) for r in records) == sorted(
+            (step, layer) for step in (1, 2) for layer in range(LAYERS)
+        )
+        # submitted when the link saw the signal: never before it was published
+        assert all(r.signal_ns == r.submit_ns <= r.end_ns for r in records)
+    finally:
+        streamer.close()
+        worker.close()
+        decode.close()
+
+
+def test_a_followed_layer_never_signalled_breaks_its_decode_side_and_nothing_behind_it_copies():
+    """The worker never computes the followed step: the link's first gate times out after
+    stall_timeout, the requests fail naming the layer, and when the step's signals come
+    after all, none of its copies runs (the prefill caches hold a stale marker the decode
+    blocks must never see)."""
+    decode, worker = Decode(), Worker("per_query")
+    caches = prefill_caches()
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(caches), BLOCK_TOKENS, stall_timeout=0.5
+    )
+    try:
+        _streaming(streamer, decode, requests=["b"])
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            worker.expect("step done")  # step 1 ran, unfollowed
+            for row in caches:
+                for cache in row:
+                    cache[:] = 0x77  # stale: step 2 has not run
+            streamer.follow(reader, 2, [("b", 6)])
+            [ended] = outcomes_until(streamer, 1)
+            assert not ended.landed and "layer 0 of step 2 was not signalled" in ended.reason
+            worker.go()  # the step's signals come after all
+            worker.expect("step done")
+            worker.go()
+        worker.expect("done")
+        assert all(
+            byte != 0x77
+            for layer in range(LAYERS)
+            for cache in range(CACHES)
+            for block in DEST["b"]
+            for byte in decode.block(layer, cache, block)
+        )
+    finally:
+        streamer.close()
+        worker.close()
+        decode.close()
+
+
+def test_follow_refuses_what_it_cannot_send_before_anything_goes(faulty):
+    """Each refusal names what was wrong, and nothing of the call went: the same request is
+    then sent layer by layer."""
+    decode, worker = Decode(), Worker("per_query")
+    streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS)
+    other = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS, transport_name="faulty"
+    )
+    faulty("")
+    try:
+        dest = streamer.connect(decode.described)
+        streamer.add_request("b", SOURCE["b"], PROMPT["b"])
+        streamer.add_request("a", SOURCE["a"], PROMPT["a"])
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            with pytest.raises(pdhal.InvalidArgumentError, match="has no decode side yet"):
+                streamer.follow(reader, 1, [("b", 6), ("a", 6)])
+            refused = {
+                "must be the per-query channel's ProgressReader": lambda: streamer.follow(
+                    "reader", 1, [("b", 6)]
+                ),
+                "step must be": lambda: streamer.follow(reader, 0, [("b", 6)]),
+                "ready must be": lambda: streamer.follow(reader, 1, "b"),
+                "Transport.gates": lambda: other.follow(reader, 1, []),
+            }
+            streamer.set_destination("b", dest, DEST["b"], decode.expect("b"))
+            ticket = decode.expect("a", layerwise=True)
+            streamer.set_destination("a", dest, DEST["a"], ticket)
+            refused["reads it layer by layer"] = lambda: streamer.follow(
+                reader, 1, [("b", 6), ("a", 6)]
+            )
+            for why, call in refused.items():
+                with pytest.raises(pdhal.InvalidArgumentError, match=why):
+                    call()
+            assert streamer.metrics.layers() == []
+            worker.expect("step done")
+            for layer in range(LAYERS):  # b was not sent by any refused call: now it is
+                streamer.layer_ready(layer, [("b", 6)])
+            [b] = outcomes_until(streamer, 1)
+            assert b.landed, b.reason
+            closed = ops.open_kv_signal_reader(0, 0, timeout=30)
+            closed.close()
+            with pytest.raises(pdhal.ClosedHandleError):
+                streamer.follow(closed, 2, [("a", 10)])
+            streamer.abort("done")
+            worker.go()
+            worker.expect("step done")
+            worker.go()
+        worker.expect("done")
+    finally:
+        streamer.close()
+        other.close()
+        worker.close()
+        decode.close()
