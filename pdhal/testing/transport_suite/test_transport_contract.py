@@ -361,3 +361,41 @@ def test_a_link_is_used_from_several_threads_at_once(transport, destination):
         assert dest.digests() == [_digest(source)]
     finally:
         link.close()
+
+
+def test_a_gate_holds_the_submits_after_it_until_its_signal(transport, destination):
+    """A transport whose links gate (Transport.gates, which KVStreamer.follow needs) holds
+    the submits after a gate until the engine's layer signal, and when the signal does not
+    come in time fails the gate and them, writing nothing."""
+    if not getattr(transport, "gates", False):
+        pytest.skip(f"{transport.name!r} declares no gates: KVStreamer.follow refuses it")
+    from pdhal import ops
+    from pdhal._protocol import core, signals
+
+    dest = destination([4096])
+    first, second = _source(4096, seed=7), _source(4096, seed=8)
+    sources = [(a.ctypes.data, a.nbytes) for a in (first, second)]
+    link = transport.connect(dest.described, sources)
+    meta = ops.open_shm_and_get_meta_signal(0, 0)  # this process is the engine: step 1
+    reader = ops.open_kv_signal_reader(0, 0, timeout=30)
+    try:
+        layer = lambda n: (1 << core.LAYER_BITS) | (n + 1)  # noqa: E731
+        gate = link.gate(reader.segment, layer(0), 30.0)
+        held = link.submit([(first.ctypes.data, 0, 0, 4096)])
+        with pytest.raises(TransferError):
+            held.wait(0.2)
+        assert not gate.done() and dest.digests() == [_digest(np.zeros(4096, np.uint8))]
+        ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0))
+        held.wait(30.0)
+        assert gate.done() and dest.digests() == [_digest(first)]
+        late = link.gate(reader.segment, layer(1), 0.1)
+        behind = link.submit([(second.ctypes.data, 0, 0, 4096)])
+        for batch in (late, behind):
+            with pytest.raises(TransferError):
+                batch.wait(30.0)
+        ops.signal_layer_ready(ops.init_signal_layerwise(meta, 1))  # too late: nothing moves
+        assert dest.digests() == [_digest(first)]
+    finally:
+        link.close()
+        reader.close()
+        signals.close_producer_channels()
