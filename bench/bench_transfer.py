@@ -272,9 +272,8 @@ def phase(transport_name: str, with_floor: bool, follow: bool = False) -> dict:
             done = upto
         if streaming:
             ended = []
-            while len(ended) < REQUESTS:
-                ended += streamer.poll()
-                time.sleep(0.0001)
+            while len(ended) < REQUESTS:  # waiting, not polling: the GIL stays free
+                ended += streamer.poll(timeout=60)
             assert all(o.landed for o in ended), ended
             say(decode, json.dumps(["wait", ids]))
             assert all(json.loads(decode.stdout.readline()))

@@ -12,8 +12,9 @@
  * A gate is a job that holds the thread until a layer's signal (the engine's per-query
  * progress word) is published: the jobs posted behind it start at the signal, woken by its
  * futex, with nothing of the poster's in between. A gate whose signal does not come within
- * its timeout, or that destroy interrupts, breaks the copier: every job after it fails
- * uncopied, for what it carries was never computed. */
+ * its timeout, that is cancelled, or that destroy interrupts fails, and so does the one job
+ * posted right after it (the copies it guards, which were never computed), uncopied; the
+ * jobs after that run as they would have. */
 #define _GNU_SOURCE
 #include "internal.h"
 
@@ -33,6 +34,7 @@ struct pdhal_copy_job {
     _Atomic int refs;       /* the poster's handle and the queue's */
     char why[256];          /* a failed job's reason, written before state */
     _Atomic int64_t started_ns; /* when it started (a gate: opened); 0 until then */
+    _Atomic int cancelled;      /* a gate given up (pdhal_copy_job_cancel) */
     pdhal_segment *gate;        /* a gate's signals (holding a reference); NULL: copies */
     uint64_t until;             /* a gate's progress word to wait for */
     int64_t timeout_ns;         /* a gate's longest wait, from when the thread reaches it */
@@ -53,7 +55,7 @@ struct pdhal_copier {
     pthread_mutex_t gate_lock;
     pdhal_segment *waiting;
     _Atomic int closing;  /* destroy began: a gate waiting fails */
-    char broken[200];     /* the thread's own: why a gate failed ("" while none did) */
+    char skip[200];       /* the thread's own: why the job after a failed gate fails ("") */
     uint32_t regions;
     uint64_t *region_base, *region_bytes;
     uint32_t nsources;
@@ -90,10 +92,16 @@ static int open_gate(pdhal_copier *c, struct pdhal_copy_job *gate)
             rc = 0;
             break;
         }
-        /* after the sequence read: destroy sets closing, then bumps the sequence */
+        /* after the sequence read: destroy (cancel) sets closing (cancelled), then bumps
+         * the sequence */
         if (atomic_load(&c->closing)) {
             rc = pdhal_fail(ECANCELED, "the link closed before layer %lld of step %llu was "
                                        "signalled", layer, (unsigned long long)step);
+            break;
+        }
+        if (atomic_load(&gate->cancelled)) {
+            rc = pdhal_fail(ECANCELED, "given up before layer %lld of step %llu was signalled",
+                            layer, (unsigned long long)step);
             break;
         }
         rc = pdhal_wait_change(&h->seq, &h->waiters, seen, deadline);
@@ -117,14 +125,15 @@ static int open_gate(pdhal_copier *c, struct pdhal_copy_job *gate)
 /* Run `job`: a gate opens, copies copy. Returns its state, the reason in job->why. */
 static uint32_t run_job(pdhal_copier *c, struct pdhal_copy_job *job)
 {
-    if (c->broken[0]) {
-        snprintf(job->why, sizeof job->why, "not copied: %s", c->broken);
+    if (c->skip[0]) { /* the copies a failed gate guarded */
+        snprintf(job->why, sizeof job->why, "not copied: %s", c->skip);
+        c->skip[0] = '\0';
         return JOB_FAILED;
     }
     if (job->gate) {
         if (open_gate(c, job) != 0) {
-            snprintf(c->broken, sizeof c->broken, "%s", pdhal_last_error());
-            snprintf(job->why, sizeof job->why, "%s", c->broken);
+            snprintf(c->skip, sizeof c->skip, "%s", pdhal_last_error());
+            snprintf(job->why, sizeof job->why, "%s", c->skip);
             return JOB_FAILED;
         }
         atomic_store_explicit(&job->started_ns, pdhal_now_ns(), memory_order_relaxed);
@@ -282,6 +291,7 @@ static int new_job(uint64_t count, struct pdhal_copy_job **out)
     atomic_init(&job->state, JOB_PENDING);
     atomic_init(&job->refs, 2);
     atomic_init(&job->started_ns, 0);
+    atomic_init(&job->cancelled, 0);
     job->why[0] = '\0';
     job->gate = NULL;
     job->count = count;
@@ -597,6 +607,14 @@ int pdhal_copy_job_wait(pdhal_copy_job *job, int64_t deadline_ns)
             return -ETIMEDOUT;
         /* 0 (woken, or the state moved) and -EINTR look again */
     }
+}
+
+void pdhal_copy_job_cancel(pdhal_copy_job *job)
+{
+    if (!job->gate)
+        return;
+    atomic_store(&job->cancelled, 1); /* then the wake: a gate waiting sees it (open_gate) */
+    pdhal_bump_and_wake(&job->gate->hdr->seq, &job->gate->hdr->waiters);
 }
 
 int64_t pdhal_copy_job_started_ns(pdhal_copy_job *job)

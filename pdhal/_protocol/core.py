@@ -491,6 +491,10 @@ class CopyJob:
         """When the job started, a gate when it opened (time.monotonic_ns()); 0 until."""
         return lib.pdhal_copy_job_started_ns(self._ptr)
 
+    def cancel(self) -> None:
+        """Give a gate up: it fails at once unless it opened, with the job posted after it."""
+        lib.pdhal_copy_job_cancel(self._ptr)
+
     def wait(self, timeout: float) -> None:
         """Return once every copy of the job ran; TransferError if one met memory its owner
         took away (SIGBUS), a gate's signal did not come (or one before it), or if the job
@@ -498,8 +502,10 @@ class CopyJob:
         rc = lib.pdhal_copy_job_wait(self._ptr, deadline_ns(timeout))
         if rc == -errno.ETIMEDOUT:
             raise TransferError(f"the copies did not run within {timeout:g} s")
+        if rc == -errno.EFAULT:  # the job's own reason, which says what failed
+            raise TransferError(ffi.string(lib.pdhal_last_error()).decode(errors="replace"))
         if rc < 0:
-            _raise(rc, "the copies failed", {errno.EFAULT: TransferError})
+            _raise(rc, "the copies failed")
 
 
 class HostQueue:
@@ -540,9 +546,9 @@ class Copier(HostQueue):
         self._last: CopyJob | None = None  # the job posted last: jobs run in order
 
     def post_gate(self, signals: Segment, until: int, timeout: float) -> CopyJob:
-        """Queue a gate: the jobs posted after it start once the per-query progress word of
-        `signals` reaches `until`; one whose word does not within `timeout` seconds of the
-        thread reaching it fails, and every job after it (copier.c)."""
+        """Queue a gate: the job posted next starts once the per-query progress word of
+        `signals` reaches `until`; a gate whose word does not within `timeout` seconds of
+        the thread reaching it fails, with that job (copier.c)."""
         timeout_ns = max(int(timeout * 1e9), 1)
         return self._post(lib.pdhal_copier_post_gate, signals.ptr, until, timeout_ns)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+from dataclasses import dataclass
 from typing import ClassVar
 
 from pdhal._errors import InvalidArgumentError, TransferError
@@ -181,9 +182,22 @@ class Batch:
         raise NotImplementedError
 
     def started_ns(self) -> int:
-        """When its copies started (a gate's: when the link saw the signal), as
+        """When its copies started (gated: when the link saw the signal), as
         time.monotonic_ns(); 0 while not, or if the transport does not say."""
         return 0
+
+    def cancel(self) -> None:
+        """Give a gated batch up: it fails at once unless its copies started. Nothing for
+        any other."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The engine's layer signal a gated submit waits for (Link.submit_blocks)."""
+
+    signals: object  # the per-query channel's segment (ProgressReader.segment)
+    until: int  # the progress word of that layer of that step (step, layer + 1 packed)
+    timeout: float  # seconds, from when the link reaches it
 
 
 class Link:
@@ -203,23 +217,22 @@ class Link:
         another landed lands after it."""
         raise NotImplementedError
 
-    def submit_blocks(self, layer: LayerCopies, runs: BlockRuns) -> Batch:
+    def submit_blocks(self, layer: LayerCopies, runs: BlockRuns, gate: Gate | None = None) -> Batch:
         """Start the copies of block `runs` in one `layer` of the destination's caches, as
         submit(layer.copies(runs.runs)) does (what this default does); a transport may
         expand and check them itself instead (shm does, in C: no Python per run).
-        InvalidArgumentError unless `layer` is a LayerCopies and `runs` a BlockRuns."""
-        require_blocks(layer, runs)
-        return self.submit(layer.copies(runs.runs))
+        InvalidArgumentError unless `layer` is a LayerCopies and `runs` a BlockRuns.
 
-    def gate(self, signals: object, until: int, timeout: float) -> Batch:
-        """Hold the submits made after this one until the engine's per-query progress word
-        of `signals` (a ProgressReader's segment) reaches `until` (a layer of a step
-        signalled), so their copies start at the signal with nothing of the caller's in
-        between. The batch lands when the signal came; it fails if the signal did not come
-        within `timeout` seconds of the link's reaching the gate, or the link closed first,
-        and so does every submit after it (the link is broken). Only where
-        Transport.gates says so."""
-        raise NotImplementedError
+        `gate` (only where Transport.gates says so): the copies wait on the link for the
+        engine's layer signal the Gate names and start at it, with nothing of the caller's
+        in between; the batch's started_ns() says when, and cancel() gives them up unless
+        they started. If the signal does not come within the gate's timeout of the link
+        reaching it, or the link closes first, the batch fails with its copies unstarted
+        (started_ns() 0), and the submits after it go on."""
+        require_blocks(layer, runs)
+        if gate is not None:
+            raise InvalidArgumentError(f"this link does not gate (Transport.gates): {gate!r}")
+        return self.submit(layer.copies(runs.runs))
 
     def problem(self) -> str | None:
         """None while the peer looks alive; else why not (checked before each submit)."""
@@ -279,9 +292,10 @@ class Transport:
     #: not handing each write to a thread of its own first. False (the default): a submit
     #: may take its time, and runs on the destination's submitting thread.
     posts: ClassVar[bool] = False
-    #: True when its links can hold submits behind an engine's layer signal (Link.gate),
-    #: which KVStreamer.follow needs: the signal then starts the copies without a Python
-    #: call per layer. False (the default): the messager calls layer_ready per signal.
+    #: True when its links can hold a submit until an engine's layer signal
+    #: (Link.submit_blocks' gate), which KVStreamer.follow needs: the signal then starts
+    #: the copies without a Python call per layer. False (the default): the messager calls
+    #: layer_ready per signal.
     gates: ClassVar[bool] = False
 
     def configure(self, **options: object) -> None:

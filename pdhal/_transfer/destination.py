@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pdhal._errors import TransferError
 from pdhal._protocol import core as _core
 from pdhal._transfer import mailbox
-from pdhal._transfer.contract import Batch, Link
+from pdhal._transfer.contract import Batch, Gate, Link
 from pdhal._transfer.layout import BlockRuns, RunPlanner
 
 #: The shortest wait for a write whose stall_timeout passed while it queued: one look.
@@ -58,16 +58,7 @@ class Send(Write):
     signal_ns: int = 0  # followed: when the link saw the signal
     step: int | None = None  # the engine's, if it said
     gate: Gate | None = None  # followed (KVStreamer.follow): the signal its copies wait for
-    gate_batch: Batch | None = None  # once submitted
-
-
-@dataclass(frozen=True)
-class Gate:
-    """The engine's signal a followed layer's copies wait for on the link (Link.gate)."""
-
-    signals: object  # the ProgressReader's segment
-    until: int  # the progress word of that layer of that step
-    timeout: float  # from when the link reaches it (the layer before it copied)
+    unsignalled: bool = False  # followed, and failed before its copies started
 
 
 @dataclass(eq=False)
@@ -220,6 +211,17 @@ class Destination:
                     self._cond.notify_all()
             self._bell.ring()
 
+    def give_up_unneeded(self) -> None:
+        """Cancel the followed sends on the link that no live request needs and whose
+        signal has not come (a request failed): they will not copy, and what was put behind
+        them does not wait for a signal that may never come. Those not submitted yet are
+        dropped when their turn comes."""
+        with self._cond:
+            followed = [w for w in self._submitted if isinstance(w, Send) and w.gate]
+        for send in followed:
+            if send.batch is not None and self._unneeded(send):
+                send.batch.cancel()
+
     def problem(self) -> str | None:
         """Why the decode side looks gone (its link's problem()), or None."""
         with self._cond:
@@ -344,11 +346,11 @@ class Destination:
         try:
             if isinstance(write, StatusWrite):
                 write.batch = link.submit(runs)
-            else:
-                if write.gate is not None:
-                    gate = write.gate
-                    write.gate_batch = link.gate(gate.signals, gate.until, gate.timeout)
+            elif write.gate is None:
                 write.batch = link.submit_blocks(self.planner.layer(write.layer), write.runs)
+            else:
+                layer = self.planner.layer(write.layer)
+                write.batch = link.submit_blocks(layer, write.runs, write.gate)
         except Exception as e:  # TransferError, or a transport's bug
             write.failed = _why(e)
 
@@ -369,10 +371,11 @@ class Destination:
             reason = write.failed
             if write.batch is not None:
                 try:
-                    if isinstance(write, Send) and write.gate_batch is not None:
-                        _opened(write)
-                    left = write.submit_ns / 1e9 + self._stall - time.monotonic()
-                    write.batch.wait(max(left, MIN_WAIT_S))
+                    if isinstance(write, Send) and write.gate is not None:
+                        _followed(write)
+                    else:
+                        left = write.submit_ns / 1e9 + self._stall - time.monotonic()
+                        write.batch.wait(max(left, MIN_WAIT_S))
                     reason = None
                 except Exception as e:  # TransferError, or a transport's bug
                     reason = _why(e)
@@ -386,8 +389,8 @@ class Destination:
             if close:
                 channel.link.close()
             self._settled(self, write, reason)
-            if reason:
-                self.break_(reason, write.epoch)
+            if reason and not (isinstance(write, Send) and write.unsignalled):
+                self.break_(reason, write.epoch)  # (a signal that never came is the engine's)
             with self._cond:  # its window place goes only now: what it queued is seen
                 self._submitted.popleft()
                 self._taken -= 1
@@ -426,11 +429,17 @@ def _within(open_: Callable[[], _Channel], bound: float, what: str) -> _Channel:
     return got
 
 
-def _opened(send: Send) -> None:
-    """Wait for `send`'s gate: its signal came (the send was submitted then, by the link,
-    which times its own gate out: Link.gate), or TransferError."""
-    send.gate_batch.wait(math.inf)
-    send.submit_ns = send.signal_ns = send.gate_batch.started_ns() or time.monotonic_ns()
+def _followed(send: Send) -> None:
+    """Wait for a followed `send` to land, unbounded here: the link fails it if its signal
+    does not come in time (Link.submit_blocks' gate). It was submitted when the link saw the
+    signal; one that failed before that is `unsignalled`, which breaks nothing: the link
+    and the decode side are fine, the engine never computed the layer."""
+    try:
+        send.batch.wait(math.inf)
+    finally:
+        started = send.batch.started_ns()
+        send.unsignalled = not started
+        send.submit_ns = send.signal_ns = started or time.monotonic_ns()
 
 
 def _why(error: Exception) -> str:

@@ -55,6 +55,7 @@ class Request:
     landed: list[int] = field(default_factory=list)  # blocks in the destination, per layer
     layers_landed: int = 0  # the first layers, each of whose blocks all landed
     in_flight: int = 0  # writes of it not settled (data or progress, queued or submitted)
+    unsignalled: int = 0  # followed layers (KVStreamer.follow) not settled: signals to come
     reason: str = ""  # why it failed
     post_failure: bool = True  # whether its decode side is to read why it failed
     nbytes: int = 0
@@ -95,9 +96,14 @@ class Request:
 
     @property
     def all_sent(self) -> bool:
-        """Every block of every layer was handed to its destination: it needs nothing more
-        from the prefill side."""
-        return self.state is State.STREAMING and all(n == self.blocks for n in self.sent)
+        """Every block of every layer was handed to its destination, none of it waiting
+        there for the engine's signal (followed): it needs nothing more from the prefill
+        side."""
+        return (
+            self.state is State.STREAMING
+            and not self.unsignalled
+            and all(n == self.blocks for n in self.sent)
+        )
 
     def sendable(self, layer: int) -> int:
         """Units of `layer` that may go: the full ones, the last partial one once whole,

@@ -35,6 +35,7 @@ from pdhal._transfer import checks
 from pdhal._transfer.contract import (
     Batch,
     Endpoint,
+    Gate,
     Link,
     Run,
     RunChecker,
@@ -193,12 +194,13 @@ def _checked(described: object) -> tuple[int, str, list[str], list[int]]:
 
 
 class _ShmBatch(Batch):
-    """One submit's copies, queued on the link's copier."""
+    """One submit's copies, queued on the link's copier (behind their gate's job, if
+    gated: it fails them if it fails)."""
 
-    __slots__ = ("_job",)
+    __slots__ = ("_job", "_gate")
 
-    def __init__(self, job: _core.CopyJob):
-        self._job = job
+    def __init__(self, job: _core.CopyJob, gate: _core.CopyJob | None = None):
+        self._job, self._gate = job, gate
 
     def done(self) -> bool:
         if not self._job.done():
@@ -210,8 +212,12 @@ class _ShmBatch(Batch):
         self._job.wait(timeout)
 
     def started_ns(self) -> int:
-        """When its copies started (a gate: when its signal was seen); 0 until then."""
+        """When its copies started (gated: when the link saw the signal); 0 until then."""
         return self._job.started_ns()
+
+    def cancel(self) -> None:
+        if self._gate is not None:
+            self._gate.cancel()
 
 
 class ShmLink(Link):
@@ -300,10 +306,13 @@ class ShmLink(Link):
             return LandedBatch()
         return self._post(lambda copier: copier.post_runs(runs))
 
-    def submit_blocks(self, layer: LayerCopies, runs: BlockRuns) -> Batch:
+    def submit_blocks(self, layer: LayerCopies, runs: BlockRuns, gate: Gate | None = None) -> Batch:
         """The copier expands and checks the block runs in C (the unit runs of two block
-        sizes too): no Python per run."""
+        sizes too): no Python per run. A gate is a job of the copier's before them, its
+        thread waiting on the signal's futex."""
         require_blocks(layer, runs)
+        if gate is not None and not isinstance(gate, Gate):
+            raise InvalidArgumentError(f"gate must be a Gate, got {gate!r}")
         why = self.problem()
         if why is not None:
             raise TransferError(why)
@@ -311,29 +320,31 @@ class ShmLink(Link):
             return LandedBatch()
         if isinstance(layer, PieceCopies):  # (a UnitCopies of one-token units, and orders)
             return self._post(
+                gate=gate,
+                post=
                 lambda copier: copier.post_pieces(
                     layer.caches, layer.heads, layer.orders, layer.count, layer.units,
                     runs.words, len(runs),
-                )
+                ),
             )  # fmt: skip
         if isinstance(layer, UnitCopies):
             return self._post(
                 lambda copier: copier.post_units(
                     layer.caches, layer.heads, layer.count, layer.units, runs.words, len(runs)
-                )
+                ),
+                gate,
             )
         return self._post(
-            lambda copier: copier.post_blocks(layer.caches, layer.count, runs.words, len(runs))
+            lambda copier: copier.post_blocks(layer.caches, layer.count, runs.words, len(runs)),
+            gate,
         )
 
-    def gate(self, signals: object, until: int, timeout: float) -> Batch:
-        """A gate on the copier (copier.c): its thread waits on the signal's futex."""
-        return self._post(lambda copier: copier.post_gate(signals, until, timeout))
-
-    def _post(self, post) -> Batch:
+    def _post(self, post, gate: Gate | None = None) -> Batch:
         """post(copier)'s job as a batch (a peer shrinking the regions fails it: a SIGBUS
-        the copier survives). The memory it touches is held while it is posted: a free that
-        began before is refused here, one after it waits for the copier (HostQueue)."""
+        the copier survives), behind `gate`'s job if given (the two posted under the lock,
+        so the gate guards this job). The memory it touches is held while it is posted: a
+        free that began before is refused here, one after it waits for the copier
+        (HostQueue)."""
         if self._copier is None:
             raise TransferError("the link was closed")
         try:
@@ -344,7 +355,15 @@ class ShmLink(Link):
             with self._lock:
                 if self._copier is None:
                     raise TransferError("the link was closed")
-                return _ShmBatch(post(self._copier))
+                if gate is None:
+                    return _ShmBatch(post(self._copier))
+                opens = self._copier.post_gate(gate.signals, gate.until, gate.timeout)
+                try:
+                    return _ShmBatch(post(self._copier), opens)
+                except BaseException:  # refused: the gate guards an empty job, no other
+                    opens.cancel()
+                    self._copier.post_runs([])
+                    raise
         finally:
             _extents.release(held)
 
@@ -372,7 +391,7 @@ class ShmTransport(Transport):
     completion = "target"
     #: A submit only queues the copies on the link's copier thread.
     posts = True
-    #: The copier thread waits for a layer's signal itself (Link.gate).
+    #: The copier thread waits for a layer's signal itself (submit_blocks' gate).
     gates = True
     #: memmove: host memory on both sides.
     memory = ("cpu",)

@@ -32,11 +32,12 @@ from pdhal._protocol import core as _core
 from pdhal._protocol.signals import ProgressReader
 from pdhal._transfer import checks, keeper, mailbox
 from pdhal._transfer.contract import (
+    Gate,
     require_memory,
     require_pairs,
     require_target_completion,
 )
-from pdhal._transfer.destination import Destination, Gate, Send, StatusWrite, Write
+from pdhal._transfer.destination import Destination, Send, StatusWrite, Write
 from pdhal._transfer.heads import HeadShard
 from pdhal._transfer.keeper import Clock, Deadlines
 from pdhal._transfer.layout import BlockRuns, CacheLayout, RunPlanner, block_runs, units_of
@@ -578,6 +579,7 @@ class KVStreamer:
                 spans.append((request, first, end))
                 items.append((request, end - first))
                 request.mark_sent(layer, end)
+                request.unsignalled += gate is not None
             if not items:
                 return
             key = (dest, tuple(spans))  # every layer of a step sends the same spans
@@ -665,13 +667,17 @@ class KVStreamer:
             for request, blocks in send.items:
                 if request.first_submit_ns is None and send.submit_ns:
                     request.first_submit_ns = send.submit_ns
-                if send.gate is not None and send.layer == request.layers - 1:
-                    # followed: when the link saw it (a later chunk's last layer settles later)
-                    request.last_signal_ns = send.signal_ns
+                if send.gate is not None:
+                    request.unsignalled -= 1
+                    if send.layer == request.layers - 1:
+                        # when the link saw it (a later chunk's last layer settles later)
+                        request.last_signal_ns = send.signal_ns
                 why = reason or (
                     "the streamer stopped sending to this decode side" if reason == "" else None
                 )
-                if request.write_settled(send.layer, blocks, per_block * blocks, why):
+                if send.unsignalled:  # the link is sound: its decode side is told why
+                    request.write_unsent(why)
+                elif request.write_settled(send.layer, blocks, per_block * blocks, why):
                     request.in_flight += 1  # the progress word, settled like a layer
                     progress.append((request, request.layers_landed))
                 acts.append((request, request.advance()))
@@ -699,7 +705,11 @@ class KVStreamer:
             self._act(request, action)
 
     def _act(self, request: Request, action: Action | None) -> None:
-        """Carry out what `request`'s last transition asked for (outside the lock)."""
+        """Carry out what `request`'s last transition asked for (outside the lock). One
+        that failed with followed layers still waiting for their signals gives up those no
+        live request needs: its outcome is not held up by signals that may never come."""
+        if request.unsignalled and not request.live:
+            request.dest.give_up_unneeded()
         if action is None:
             return
         if not action.post:

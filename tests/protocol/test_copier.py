@@ -419,21 +419,42 @@ def test_a_gate_holds_the_jobs_behind_it_until_its_layer_is_signalled(memory, ch
     assert signalled <= gate.started_ns() <= job.started_ns()
 
 
-def test_a_gate_whose_signal_does_not_come_fails_and_nothing_after_it_copies(memory, channel):
+def test_a_gate_whose_signal_does_not_come_fails_with_the_job_it_guards_only(memory, channel):
     from pdhal import ops
 
     regions, source, copier = memory
     meta, reader = channel
     gate = copier.post_gate(reader.segment, _until(1, 0), 0.1)
-    behind = [copier.post_runs([(_address(source), 0, 0, 64)]) for _ in range(2)]
+    guarded = copier.post_runs([(_address(source), 0, 0, 64)])
+    after = copier.post_runs([(_address(source), 1, 0, 64)])
     with pytest.raises(TransferError, match="layer 0 of step 1 was not signalled"):
         gate.wait(30)
+    with pytest.raises(TransferError, match="not copied: layer 0 of step 1"):
+        guarded.wait(30)
+    after.wait(30)  # the jobs after it run as they would have
     ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0))  # too late
-    later = copier.post_runs([(_address(source), 1, 0, 64)])
-    for job in [*behind, later]:
-        with pytest.raises(TransferError, match="not copied: layer 0 of step 1"):
-            job.wait(30)
-    assert not regions[0].any() and not regions[1].any()
+    copier.post_runs([(_address(source), 1, 64, 64)]).wait(30)
+    assert not regions[0].any() and guarded.started_ns() == 0 and gate.started_ns() == 0
+    assert bytes(regions[1][:128]) == bytes(source[:64]) * 2
+
+
+def test_a_cancelled_gate_fails_at_once_with_its_job_unless_it_opened(memory, channel):
+    from pdhal import ops
+
+    regions, source, copier = memory
+    meta, reader = channel
+    gate = copier.post_gate(reader.segment, _until(1, 0), 120)
+    guarded = copier.post_runs([(_address(source), 0, 0, 64)])
+    second = copier.post_gate(reader.segment, _until(1, 0), 120)
+    kept = copier.post_runs([(_address(source), 1, 0, 64)])
+    gate.cancel()
+    with pytest.raises(TransferError, match="given up before layer 0 of step 1"):
+        guarded.wait(30)
+    assert not second.done()  # the next gate still waits for its signal
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0))
+    kept.wait(30)
+    second.cancel()  # opened already: nothing
+    assert not regions[0].any() and bytes(regions[1][:64]) == bytes(source[:64])
 
 
 def test_destroy_ends_a_gate_s_wait_at_once():

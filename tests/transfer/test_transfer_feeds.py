@@ -261,31 +261,116 @@ def test_followed_steps_land_every_byte_once_their_layers_are_signalled():
         decode.close()
 
 
-def test_a_followed_layer_never_signalled_breaks_its_decode_side_and_nothing_behind_it_copies():
-    """The worker never computes the followed step: the link's first gate times out after
-    stall_timeout, the requests fail naming the layer, and when the step's signals come
-    after all, none of its copies runs (the prefill caches hold a stale marker the decode
-    blocks must never see)."""
+def test_a_followed_layer_never_signalled_fails_its_request_alone_and_nothing_of_it_copies():
+    """b is followed for a step the worker has not computed: the link's gate times out after
+    stall_timeout, b fails naming the layer, and its decode side reads why at once (the
+    link is fine: not its deadline). When the signals come after all, none of b's copies
+    runs (its source blocks hold a stale marker the decode blocks must never see). a, sent
+    layer by layer to the same decode side behind b's gates, lands."""
     decode, worker = Decode(), Worker("per_query")
     caches = prefill_caches()
     streamer = transfer.KVStreamer(
         transfer.CacheLayout.from_caches(caches), BLOCK_TOKENS, stall_timeout=0.5
     )
     try:
-        _streaming(streamer, decode, requests=["b"])
+        _streaming(streamer, decode)
         worker.go()
         with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
-            worker.expect("step done")  # step 1 ran, unfollowed
+            worker.expect("step done")  # step 1 ran, unsent
             for row in caches:
                 for cache in row:
-                    cache[:] = 0x77  # stale: step 2 has not run
+                    cache[SOURCE["b"]] = 0x77  # stale: as if step 2 were to write them
             streamer.follow(reader, 2, [("b", 6)])
-            [ended] = outcomes_until(streamer, 1)
-            assert not ended.landed and "layer 0 of step 2 was not signalled" in ended.reason
+            for layer in range(LAYERS):
+                streamer.layer_ready(layer, [("a", 6)])
+            [b] = outcomes_until(streamer, 1)
+            assert not b.landed and "layer 0 of step 2 was not signalled" in b.reason, b
+            landed, reason, _, _ = decode.wait("b")
+            assert not landed and "layer 0 of step 2 was not signalled" in reason
             worker.go()  # the step's signals come after all
+            worker.expect("step done")
+            for layer in range(LAYERS):
+                streamer.layer_ready(layer, [("a", 10)])
+            [a] = outcomes_until(streamer, 1)
+            assert a.landed, a.reason
+            worker.go()
+        worker.expect("done")
+        landed, reason, dump, uniform = decode.wait("a")
+        assert landed and uniform, reason
+        for src, dst in zip(SOURCE["a"], DEST["a"]):
+            assert landed_blocks(dump, dst) == expected(src)
+        assert all(
+            byte != 0x77
+            for layer in range(LAYERS)
+            for cache in range(CACHES)
+            for block in DEST["b"]
+            for byte in decode.block(layer, cache, block)
+        )
+    finally:
+        streamer.close()
+        worker.close()
+        decode.close()
+
+
+def test_abort_ends_a_followed_step_whose_worker_died_at_once_on_both_sides(namespace):
+    """The worker dies with a's second step followed: the reader says so, and abort() ends
+    a with that reason on both sides at once, its gates given up (stall_timeout is a
+    minute: waiting for it fails the test's bound)."""
+    decode, worker = Decode(), Worker("per_query")
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS, stall_timeout=60.0
+    )
+    try:
+        _streaming(streamer, decode)
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            streamer.follow(reader, 1, [("a", 6), ("b", 6)])
+            worker.expect("step done")
+            streamer.follow(reader, 2, [("a", 10)])
+            worker.proc.kill()
+            worker.proc.wait(timeout=30)
+            with pytest.raises(pdhal.ProducerDiedError) as died:
+                reader.wait((1, LAYERS - 1), timeout=30)
+        streamer.abort(f"the prefill worker died: {died.value}")
+        ended = {o.request_id: o for o in outcomes_until(streamer, 2, bound=30)}
+        assert ended["b"].landed, "b was whole after step 1"
+        assert not ended["a"].landed and "the prefill worker died" in ended["a"].reason
+        landed, reason, _, _ = decode.wait("a")
+        assert not landed and "the prefill worker died" in reason
+    finally:
+        streamer.close()
+        worker.proc.stdin.close()
+        worker.proc.stdout.close()
+        decode.close()
+    pdhal.cleanup(namespace)  # the dead worker's leftovers
+
+
+def test_a_followed_request_past_its_decode_side_s_deadline_is_given_up_before_its_signals():
+    """b's decode side gives it up after 1 s, its followed step not computed: the streamer
+    ends it then (not at stall_timeout, a minute), its gates given up, and when the signals
+    come after all nothing of it is written (a stale marker its decode blocks never see)."""
+    decode, worker = Decode(), Worker("per_query")
+    caches = prefill_caches()
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(caches), BLOCK_TOKENS, stall_timeout=60.0
+    )
+    try:
+        _streaming(streamer, decode, requests=["b"], timeout=1.0)
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            worker.expect("step done")
+            for row in caches:
+                for cache in row:
+                    cache[SOURCE["b"]] = 0x77
+            streamer.follow(reader, 2, [("b", 6)])
+            [b] = outcomes_until(streamer, 1, bound=30)
+            assert not b.landed and "deadline" in b.reason, b
+            worker.go()
             worker.expect("step done")
             worker.go()
         worker.expect("done")
+        landed, _, free = decode.outcome("b")  # (its own deadline, or the prefill side's word)
+        assert not landed and (free or decode.freed()[0] == ["b"])  # the word came: b is free
         assert all(
             byte != 0x77
             for layer in range(LAYERS)

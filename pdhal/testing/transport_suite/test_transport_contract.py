@@ -21,6 +21,7 @@ from pdhal import InvalidArgumentError, TransferError
 from pdhal.transfer import (
     COMPLETIONS,
     BlockRuns,
+    Gate,
     LayerCopies,
     Transport,
     block_runs,
@@ -363,38 +364,52 @@ def test_a_link_is_used_from_several_threads_at_once(transport, destination):
         link.close()
 
 
-def test_a_gate_holds_the_submits_after_it_until_its_signal(transport, destination):
-    """A transport whose links gate (Transport.gates, which KVStreamer.follow needs) holds
-    the submits after a gate until the engine's layer signal, and when the signal does not
-    come in time fails the gate and them, writing nothing."""
+def test_a_gated_submit_waits_for_its_signal_and_one_whose_signal_never_comes_fails_alone(
+    transport, destination
+):
+    """A transport whose links gate (Transport.gates, which KVStreamer.follow needs) starts
+    a gated submit's copies only at the engine's layer signal; one whose signal does not come
+    in time (or that is cancelled) fails with nothing written and its copies unstarted,
+    while the submits after it land."""
     if not getattr(transport, "gates", False):
         pytest.skip(f"{transport.name!r} declares no gates: KVStreamer.follow refuses it")
     from pdhal import ops
     from pdhal._protocol import core, signals
 
-    dest = destination([4096])
-    first, second = _source(4096, seed=7), _source(4096, seed=8)
-    sources = [(a.ctypes.data, a.nbytes) for a in (first, second)]
-    link = transport.connect(dest.described, sources)
+    block = 1024
+    dest = destination([4 * block])
+    source = _source(4 * block, seed=7)
+    layer = LayerCopies([(source.ctypes.data, block, 0, 0, block, block)])
+    to = [BlockRuns([(b, b, 1)]) for b in range(4)]  # source block b to destination block b
+    link = transport.connect(dest.described, [(source.ctypes.data, source.nbytes)])
     meta = ops.open_shm_and_get_meta_signal(0, 0)  # this process is the engine: step 1
     reader = ops.open_kv_signal_reader(0, 0, timeout=30)
+    word = lambda n: (1 << core.LAYER_BITS) | (n + 1)  # noqa: E731 (layer n of step 1)
+    landed = np.zeros(4 * block, np.uint8)
     try:
-        layer = lambda n: (1 << core.LAYER_BITS) | (n + 1)  # noqa: E731
-        gate = link.gate(reader.segment, layer(0), 30.0)
-        held = link.submit([(first.ctypes.data, 0, 0, 4096)])
+        held = link.submit_blocks(layer, to[0], Gate(reader.segment, word(0), 30.0))
         with pytest.raises(TransferError):
             held.wait(0.2)
-        assert not gate.done() and dest.digests() == [_digest(np.zeros(4096, np.uint8))]
+        assert held.started_ns() == 0 and dest.digests() == [_digest(landed)]
+        signalled = time.monotonic_ns()
         ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0))
         held.wait(30.0)
-        assert gate.done() and dest.digests() == [_digest(first)]
-        late = link.gate(reader.segment, layer(1), 0.1)
-        behind = link.submit([(second.ctypes.data, 0, 0, 4096)])
-        for batch in (late, behind):
+        landed[:block] = source[:block]
+        assert held.started_ns() >= signalled and dest.digests() == [_digest(landed)]
+        late = link.submit_blocks(layer, to[1], Gate(reader.segment, word(1), 0.1))
+        given_up = link.submit_blocks(layer, to[2], Gate(reader.segment, word(2), 60.0))
+        after = link.submit_blocks(layer, to[3])
+        given_up.cancel()
+        for failed in (late, given_up):
             with pytest.raises(TransferError):
-                batch.wait(30.0)
-        ops.signal_layer_ready(ops.init_signal_layerwise(meta, 1))  # too late: nothing moves
-        assert dest.digests() == [_digest(first)]
+                failed.wait(30.0)
+            assert failed.started_ns() == 0
+        after.wait(30.0)  # a gate's failure is its own submit's
+        landed[3 * block :] = source[3 * block :]
+        for n in (1, 2):  # too late: nothing moves
+            ops.signal_layer_ready(ops.init_signal_layerwise(meta, n))
+        link.submit_blocks(layer, to[0]).wait(30.0)  # (behind anything that might)
+        assert dest.digests() == [_digest(landed)]
     finally:
         link.close()
         reader.close()
