@@ -13,8 +13,8 @@
  * progress word) is published: the jobs posted behind it start at the signal, woken by its
  * futex, with nothing of the poster's in between. A gate whose signal does not come within
  * its timeout, that is cancelled, or that destroy interrupts fails, and so does the one job
- * posted right after it (the copies it guards, which were never computed), uncopied; the
- * jobs after that run as they would have. */
+ * posted right after it unless that is a gate too (the copies it guards, which were never
+ * computed), uncopied; the jobs after that run as they would have. */
 #define _GNU_SOURCE
 #include "internal.h"
 
@@ -88,20 +88,21 @@ static int open_gate(pdhal_copier *c, struct pdhal_copy_job *gate)
     for (;;) {
         /* acquire: the progress read next is at least as new as this sequence value */
         uint32_t seen = atomic_load_explicit(&h->seq, memory_order_acquire);
-        if (pdhal_progress_load(seg) >= gate->until) {
-            rc = 0;
-            break;
-        }
         /* after the sequence read: destroy (cancel) sets closing (cancelled), then bumps
-         * the sequence */
+         * the sequence; and before the progress: a gate given up stays given up, though
+         * its signal came while it waited its turn */
         if (atomic_load(&c->closing)) {
             rc = pdhal_fail(ECANCELED, "the link closed before layer %lld of step %llu was "
                                        "signalled", layer, (unsigned long long)step);
             break;
         }
         if (atomic_load(&gate->cancelled)) {
-            rc = pdhal_fail(ECANCELED, "given up before layer %lld of step %llu was signalled",
+            rc = pdhal_fail(ECANCELED, "given up before layer %lld of step %llu was copied",
                             layer, (unsigned long long)step);
+            break;
+        }
+        if (pdhal_progress_load(seg) >= gate->until) {
+            rc = 0;
             break;
         }
         rc = pdhal_wait_change(&h->seq, &h->waiters, seen, deadline);
@@ -125,12 +126,8 @@ static int open_gate(pdhal_copier *c, struct pdhal_copy_job *gate)
 /* Run `job`: a gate opens, copies copy. Returns its state, the reason in job->why. */
 static uint32_t run_job(pdhal_copier *c, struct pdhal_copy_job *job)
 {
-    if (c->skip[0]) { /* the copies a failed gate guarded */
-        snprintf(job->why, sizeof job->why, "not copied: %s", c->skip);
-        c->skip[0] = '\0';
-        return JOB_FAILED;
-    }
     if (job->gate) {
+        c->skip[0] = '\0'; /* a gate guards no gate: one that guarded nothing is done with */
         if (open_gate(c, job) != 0) {
             snprintf(c->skip, sizeof c->skip, "%s", pdhal_last_error());
             snprintf(job->why, sizeof job->why, "%s", c->skip);
@@ -138,6 +135,11 @@ static uint32_t run_job(pdhal_copier *c, struct pdhal_copy_job *job)
         }
         atomic_store_explicit(&job->started_ns, pdhal_now_ns(), memory_order_relaxed);
         return JOB_DONE;
+    }
+    if (c->skip[0]) { /* the copies a failed gate guarded */
+        snprintf(job->why, sizeof job->why, "not copied: %s", c->skip);
+        c->skip[0] = '\0';
+        return JOB_FAILED;
     }
     atomic_store_explicit(&job->started_ns, pdhal_now_ns(), memory_order_relaxed);
     if (pdhal_guard_arm() != 0) { /* no handler: no copy may run unguarded */
@@ -648,7 +650,8 @@ void pdhal_copier_destroy(pdhal_copier *c)
         next = w->next;
         job_unref((struct pdhal_copy_job *)w);
     }
-    pthread_mutex_destroy(&c->gate_lock);
+    if (c->worker.pid == getpid())
+        pthread_mutex_destroy(&c->gate_lock);
     free(c->region_base), free(c->region_bytes), free(c->sources), free(c);
 }
 

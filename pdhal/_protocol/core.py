@@ -492,7 +492,8 @@ class CopyJob:
         return lib.pdhal_copy_job_started_ns(self._ptr)
 
     def cancel(self) -> None:
-        """Give a gate up: it fails at once unless it opened, with the job posted after it."""
+        """Give a gate up: unless it opened, it fails (at once if the copier waits on it, else
+        when the copier reaches it, its signal come or not), with the job posted after it."""
         lib.pdhal_copy_job_cancel(self._ptr)
 
     def wait(self, timeout: float) -> None:

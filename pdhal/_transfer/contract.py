@@ -187,8 +187,8 @@ class Batch:
         return 0
 
     def cancel(self) -> None:
-        """Give a gated batch up: it fails at once unless its copies started. Nothing for
-        any other."""
+        """Give a gated batch up: unless its copies started, it fails without waiting for
+        its signal, and they never start. Nothing for any other."""
 
 
 @dataclass(frozen=True)
@@ -294,7 +294,8 @@ class Transport:
     posts: ClassVar[bool] = False
     #: True when its links can hold a submit until an engine's layer signal
     #: (Link.submit_blocks' gate), which KVStreamer.follow needs: the signal then starts
-    #: the copies without a Python call per layer. False (the default): the messager calls
+    #: the copies without a Python call per layer. A gated submit only queues (as `posts`)
+    #: and holds up no other submit of its link. False (the default): the messager calls
     #: layer_ready per signal.
     gates: ClassVar[bool] = False
 

@@ -1,6 +1,7 @@
 """One decode side a streamer sends to, as an active object: it owns its link, its window of
 writes in flight, the writes waiting for that window, the buffers its status words go out
-from, and two threads, one submitting its writes in order and one completing them in order.
+from, and two threads, one submitting its writes in order and one completing them in order
+(and, once a step is followed, a third settling its followed sends: see arm).
 The streamer only hands it writes (put) and never waits on it, so no caller of the
 streamer (a layer signal, fail, abort, a messager's event loop) is held by a slow decode
 side, and every copy, the shm transport's memmove included, runs off the caller's thread.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -58,7 +58,7 @@ class Send(Write):
     signal_ns: int = 0  # followed: when the link saw the signal
     step: int | None = None  # the engine's, if it said
     gate: Gate | None = None  # followed (KVStreamer.follow): the signal its copies wait for
-    unsignalled: bool = False  # followed, and failed before its copies started
+    never_started: bool = False  # followed, and failed before its copies started
 
 
 @dataclass(eq=False)
@@ -133,6 +133,11 @@ class Destination:
         self._submitting = 0  # writes being submitted (0 or 1), on either thread
         self._stopping = False
         self._submitting_done = False
+        #: Followed sends submitted (arm), in order, and the thread settling them (made by
+        #: the first), woken by _armed_bell
+        self._armed: collections.deque[Send] = collections.deque()
+        self._armed_bell = _core.Bell()
+        self._armer: threading.Thread | None = None
         #: Rung when _submitted grows or submitting ended: the completing thread waits on
         #: it in C, so a write submitted on a caller's thread hands no lock to a Python
         #: thread (Condition.notify is ~100 us of the caller's time under the GIL)
@@ -211,15 +216,47 @@ class Destination:
                     self._cond.notify_all()
             self._bell.ring()
 
-    def give_up_unneeded(self) -> None:
-        """Cancel the followed sends on the link that no live request needs and whose
-        signal has not come (a request failed): they will not copy, and what was put behind
-        them does not wait for a signal that may never come. Those not submitted yet are
-        dropped when their turn comes."""
+    def arm(self, send: Send) -> None:
+        """Submit a followed `send` (its copies gated on the engine's layer signal) now, on
+        the caller's thread, beside the other writes rather than among them: its gate may
+        wait as long as a layer computes, and no other write, nor the window, waits behind
+        it (shm runs gated copies on a copier of their own). A thread of their own settles
+        followed sends in order. Without a link to submit on, or where submits may block,
+        it is put as any write."""
         with self._cond:
-            followed = [w for w in self._submitted if isinstance(w, Send) and w.gate]
+            channel = self._channel
+            lane = self._posts and channel is not None and not self._stopping
+            if lane:
+                send.epoch = self.epoch
+                channel.outstanding += 1
+                if self._armer is None:
+                    self._armer = threading.Thread(
+                        target=self._armed_loop, name="pdhal-transfer-followed", daemon=True
+                    )
+                    self._threads.append(self._armer)
+                    self._armer.start()
+        if not lane:
+            self.put(send)
+            return
+        if self._unneeded(send):
+            send.failed = ""
+        else:
+            self._send(send, channel)
+        with self._cond:
+            self._armed.append(send)
+        self._armed_bell.ring()
+        if send.batch is not None and self._unneeded(send):  # failed meanwhile
+            send.batch.cancel()
+
+    def give_up_unneeded(self) -> None:
+        """Cancel the followed sends that no live request needs and whose signal has not
+        come (a request failed): they will not copy, and their requests' outcomes wait for
+        no signal that may never come. Those not submitted yet are dropped when their turn
+        comes."""
+        with self._cond:
+            followed = [w for w in (*self._armed, *self._submitted) if isinstance(w, Send)]
         for send in followed:
-            if send.batch is not None and self._unneeded(send):
+            if send.gate is not None and send.batch is not None and self._unneeded(send):
                 send.batch.cancel()
 
     def problem(self) -> str | None:
@@ -262,9 +299,12 @@ class Destination:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        for thread in self._threads:
+        with self._cond:
+            threads = list(self._threads)
+        self._armed_bell.ring()
+        for thread in threads:
             thread.join(max(deadline - time.monotonic(), 0))
-        if any(thread.is_alive() for thread in self._threads):
+        if any(thread.is_alive() for thread in threads):
             return False
         with self._cond:
             channel, self._channel = self._channel, None
@@ -286,9 +326,12 @@ class Destination:
             with self._cond:
                 # once stopping, it ends when nothing is queued or in flight (a write
                 # settling may queue another: a failure's word after its reason)
+                # (a followed send settling may queue its request's word: the armed too)
                 while not (
                     self._inbox and self._taken < self._window and not self._submitting
-                ) and not (self._stopping and not self._inbox and not self._taken):
+                ) and not (
+                    self._stopping and not self._inbox and not self._taken and not self._armed
+                ):
                     self._cond.wait()
                 write = self._inbox.popleft() if self._inbox else None
                 if write is None:
@@ -372,7 +415,7 @@ class Destination:
             if write.batch is not None:
                 try:
                     if isinstance(write, Send) and write.gate is not None:
-                        _followed(write)
+                        self._wait_followed(write)
                     else:
                         left = write.submit_ns / 1e9 + self._stall - time.monotonic()
                         write.batch.wait(max(left, MIN_WAIT_S))
@@ -389,13 +432,71 @@ class Destination:
             if close:
                 channel.link.close()
             self._settled(self, write, reason)
-            if reason and not (isinstance(write, Send) and write.unsignalled):
+            if reason and not (isinstance(write, Send) and write.never_started):
                 self.break_(reason, write.epoch)  # (a signal that never came is the engine's)
             with self._cond:  # its window place goes only now: what it queued is seen
                 self._submitted.popleft()
                 self._taken -= 1
                 if self._inbox or self._stopping:  # the submitting thread waits for room
                     self._cond.notify_all()
+
+    def _armed_loop(self) -> None:
+        """Settle each followed send in order (arm), then end once stopping."""
+        while True:
+            with self._cond:
+                seen = self._armed_bell.seen()  # before looking: a ring after it is not missed
+                send = self._armed[0] if self._armed else None
+                if send is None and self._stopping:
+                    return
+            if send is None:
+                self._armed_bell.wait(seen)
+                continue
+            reason = send.failed
+            if send.batch is not None:
+                try:
+                    self._wait_followed(send)
+                    reason = None
+                except Exception as e:  # TransferError, or a transport's bug
+                    reason = _why(e)
+            channel, close = send.channel, False
+            with self._cond:
+                if channel is not None:
+                    channel.outstanding -= 1
+                    close = channel.retired and channel.outstanding == 0
+            if close:
+                channel.link.close()
+            self._settled(self, send, reason)
+            if reason and not send.never_started:
+                self.break_(reason, send.epoch)
+            with self._cond:
+                self._armed.popleft()
+                self._cond.notify_all()  # a stopping submit thread waits for the armed too
+
+    def _wait_followed(self, send: Send) -> None:
+        """Wait for a followed `send` to land: its gate as long as it takes (the link fails
+        it if the signal does not come in time: Link.submit_blocks), its copies up to
+        stall_timeout from when they started. Submitted when the link saw the signal; one
+        that failed before its copies started is `never_started`, which breaks nothing (the
+        link is sound: the engine never computed the layer)."""
+        batch = send.batch
+        try:
+            while True:
+                try:
+                    batch.wait(self._stall)
+                    break
+                except TransferError:
+                    if batch.done():  # (raises the reason if it failed)
+                        break
+                    started = batch.started_ns()
+                    if started and time.monotonic_ns() - started > self._stall * 1e9:
+                        raise TransferError(
+                            f"a followed layer did not land within {self._stall:g} s of its signal"
+                        ) from None
+        except Exception:
+            send.never_started = not batch.started_ns()
+            raise
+        finally:
+            send.submit_ns = send.signal_ns = batch.started_ns() or time.monotonic_ns()
 
 
 def _within(open_: Callable[[], _Channel], bound: float, what: str) -> _Channel:
@@ -427,19 +528,6 @@ def _within(open_: Callable[[], _Channel], bound: float, what: str) -> _Channel:
     if isinstance(got, Exception):
         raise got
     return got
-
-
-def _followed(send: Send) -> None:
-    """Wait for a followed `send` to land, unbounded here: the link fails it if its signal
-    does not come in time (Link.submit_blocks' gate). It was submitted when the link saw the
-    signal; one that failed before that is `unsignalled`, which breaks nothing: the link
-    and the decode side are fine, the engine never computed the layer."""
-    try:
-        send.batch.wait(math.inf)
-    finally:
-        started = send.batch.started_ns()
-        send.unsignalled = not started
-        send.submit_ns = send.signal_ns = started or time.monotonic_ns()
 
 
 def _why(error: Exception) -> str:

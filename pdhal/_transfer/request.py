@@ -55,7 +55,7 @@ class Request:
     landed: list[int] = field(default_factory=list)  # blocks in the destination, per layer
     layers_landed: int = 0  # the first layers, each of whose blocks all landed
     in_flight: int = 0  # writes of it not settled (data or progress, queued or submitted)
-    unsignalled: int = 0  # followed layers (KVStreamer.follow) not settled: signals to come
+    awaiting_signals: int = 0  # its followed layers (KVStreamer.follow) not settled yet
     reason: str = ""  # why it failed
     post_failure: bool = True  # whether its decode side is to read why it failed
     nbytes: int = 0
@@ -101,7 +101,7 @@ class Request:
         side."""
         return (
             self.state is State.STREAMING
-            and not self.unsignalled
+            and not self.awaiting_signals
             and all(n == self.blocks for n in self.sent)
         )
 

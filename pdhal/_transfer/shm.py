@@ -236,6 +236,9 @@ class ShmLink(Link):
         # close swaps it whole, so a submit reads both of one mapping
         self._targets: tuple[list[int], list[_extents.Extent]] = ([], [])
         self._copier: _core.Copier | None = None
+        #: A second copier, for gated submits only (made by the first): a gate waiting for
+        #: its signal holds up no other submit
+        self._gated: _core.Copier | None = None
         self._lock = threading.Lock()  # a post against close
         # the pdhal memory its copies touch (the regions mapped, the sources pdhal knows),
         # marked with the copier: a free of any of it here waits for the copies queued
@@ -277,6 +280,7 @@ class ShmLink(Link):
                 self._records = [buffer_path(names[0]), buffer_path(names[-1])]
             spans = self._runs.spans()
             self._copier = _core.Copier(self._targets[0], sizes, spans)
+            self._sizes, self._spans = sizes, spans
             sources = [_extents.find(address) for address, _ in spans]
             self._touched = [e for e in [*self._targets[1], *sources] if e is not None]
             _extents.mark_queued(self._touched, self._copier)
@@ -341,10 +345,10 @@ class ShmLink(Link):
 
     def _post(self, post, gate: Gate | None = None) -> Batch:
         """post(copier)'s job as a batch (a peer shrinking the regions fails it: a SIGBUS
-        the copier survives), behind `gate`'s job if given (the two posted under the lock,
-        so the gate guards this job). The memory it touches is held while it is posted: a
-        free that began before is refused here, one after it waits for the copier
-        (HostQueue)."""
+        the copier survives); gated, on the second copier right behind `gate`'s job (the
+        two posted under the lock, so the gate guards this job). The memory it touches is
+        held while it is posted: a free that began before is refused here, one after it
+        waits for the copiers (HostQueue)."""
         if self._copier is None:
             raise TransferError("the link was closed")
         try:
@@ -357,12 +361,14 @@ class ShmLink(Link):
                     raise TransferError("the link was closed")
                 if gate is None:
                     return _ShmBatch(post(self._copier))
-                opens = self._copier.post_gate(gate.signals, gate.until, gate.timeout)
+                if self._gated is None:
+                    self._gated = _core.Copier(self._targets[0], self._sizes, self._spans)
+                    _extents.mark_queued(self._touched, self._gated)
+                opens = self._gated.post_gate(gate.signals, gate.until, gate.timeout)
                 try:
-                    return _ShmBatch(post(self._copier), opens)
-                except BaseException:  # refused: the gate guards an empty job, no other
+                    return _ShmBatch(post(self._gated), opens)
+                except BaseException:  # refused: its gate guards nothing (the next is a gate)
                     opens.cancel()
-                    self._copier.post_runs([])
                     raise
         finally:
             _extents.release(held)
@@ -372,8 +378,9 @@ class ShmLink(Link):
         no other link of this process maps them, after the copies queued ran. Idempotent."""
         self._targets = ([], [])
         with self._lock:
-            copier, self._copier = self._copier, None
-        if copier is not None:
+            copiers = [c for c in (self._copier, self._gated) if c is not None]
+            self._copier = self._gated = None
+        for copier in copiers:
             copier.destroy()  # runs what was queued: nothing copies into what is unmapped
             _extents.forget_queued(self._touched, copier)
         while self._names:

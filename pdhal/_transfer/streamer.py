@@ -450,10 +450,13 @@ class KVStreamer:
         takes) of engine step `step` as the engine signals it on `signals` (the messager's
         ProgressReader of the per-query channel), with no call per layer: each layer's
         copies wait on the link for that layer's signal and start at it, with no Python in
-        between (a transport whose links gate: Transport.gates, shm's). One call per step,
-        before or while its layers are signalled (a layer signalled already goes at once).
-        A layer not signalled within stall_timeout of the one before it having copied
-        breaks its decode side, as a stalled write does.
+        between (a transport whose links gate: Transport.gates, shm's), and apart from the
+        link's other writes, which never wait behind them. One call per step, before or
+        while its layers are signalled (a layer signalled already goes at once). A layer not
+        signalled within stall_timeout of the link reaching it is never copied: its
+        requests fail, told why. A followed request that fails before its signals came
+        (fail, abort, its decode side's deadline) gives up its layers no live request
+        shares.
 
         Each request must be streaming (its destination set) and read whole on its decode
         side (not a layerwise ticket, whose progress words follow each layer): call
@@ -579,7 +582,7 @@ class KVStreamer:
                 spans.append((request, first, end))
                 items.append((request, end - first))
                 request.mark_sent(layer, end)
-                request.unsignalled += gate is not None
+                request.awaiting_signals += gate is not None
             if not items:
                 return
             key = (dest, tuple(spans))  # every layer of a step sends the same spans
@@ -608,7 +611,10 @@ class KVStreamer:
         )
         failure = self._stage(layer, spans) if self._staging is not None else None
         if failure is None:
-            dest.put(send)
+            if gate is None:
+                dest.put(send)
+            else:
+                dest.arm(send)
             return
         with self._lock:  # nothing of it went: each request fails, its decode side told
             acts = []
@@ -668,14 +674,14 @@ class KVStreamer:
                 if request.first_submit_ns is None and send.submit_ns:
                     request.first_submit_ns = send.submit_ns
                 if send.gate is not None:
-                    request.unsignalled -= 1
+                    request.awaiting_signals -= 1
                     if send.layer == request.layers - 1:
                         # when the link saw it (a later chunk's last layer settles later)
                         request.last_signal_ns = send.signal_ns
                 why = reason or (
                     "the streamer stopped sending to this decode side" if reason == "" else None
                 )
-                if send.unsignalled:  # the link is sound: its decode side is told why
+                if send.never_started:  # the link is sound: its decode side is told why
                     request.write_unsent(why)
                 elif request.write_settled(send.layer, blocks, per_block * blocks, why):
                     request.in_flight += 1  # the progress word, settled like a layer
@@ -708,7 +714,7 @@ class KVStreamer:
         """Carry out what `request`'s last transition asked for (outside the lock). One
         that failed with followed layers still waiting for their signals gives up those no
         live request needs: its outcome is not held up by signals that may never come."""
-        if request.unsignalled and not request.live:
+        if request.awaiting_signals and not request.live:
             request.dest.give_up_unneeded()
         if action is None:
             return

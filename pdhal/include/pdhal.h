@@ -327,14 +327,17 @@ int pdhal_copier_post_pieces(pdhal_copier *copier, const pdhal_copy_cache *cache
  * (layer + 1): that layer of that step signalled), so the job posted next starts at the
  * signal with no caller between (post the two under one lock of the caller's). The gate
  * fails if the word has not got there `timeout_ns` after the copier began waiting on it, if
- * it is cancelled (pdhal_copy_job_cancel), or once destroy began; the job posted next then
- * fails too, uncopied (what it carries was never computed), and the jobs after that run.
+ * it is cancelled (pdhal_copy_job_cancel), or once destroy began (before it opened); the job
+ * posted next then fails too, uncopied (what it carries was never computed), unless it is a
+ * gate, and the jobs after that run. A gate waiting holds up every job behind it: post
+ * gated jobs to a copier of their own.
  * -EINVAL (not a per-query segment, or a timeout not above 0), -ECHILD, -EPIPE as
  * pdhal_copier_post_runs. The job holds a reference to `signals`. */
 int pdhal_copier_post_gate(pdhal_copier *copier, pdhal_segment *signals, uint64_t until,
                            int64_t timeout_ns, pdhal_copy_job **job);
-/* Give a gate up: it fails at once unless it opened (then this does nothing). Any job but a
- * gate: nothing. */
+/* Give a gate up: unless it opened (then this does nothing), it fails, at once if the copier
+ * waits on it, else when the copier reaches it, though its signal came meanwhile. Any job
+ * but a gate: nothing. */
 void pdhal_copy_job_cancel(pdhal_copy_job *job);
 /* When a gate opened (its copier saw the signal), or a job started (CLOCK_MONOTONIC ns); 0
  * until then, and for a job that failed before it started. */

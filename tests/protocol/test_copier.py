@@ -449,12 +449,34 @@ def test_a_cancelled_gate_fails_at_once_with_its_job_unless_it_opened(memory, ch
     kept = copier.post_runs([(_address(source), 1, 0, 64)])
     gate.cancel()
     with pytest.raises(TransferError, match="given up before layer 0 of step 1"):
-        guarded.wait(30)
+        guarded.wait(10)  # (its gate would wait 120 s)
     assert not second.done()  # the next gate still waits for its signal
     ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0))
     kept.wait(30)
     second.cancel()  # opened already: nothing
     assert not regions[0].any() and bytes(regions[1][:64]) == bytes(source[:64])
+
+
+def test_a_gate_given_up_while_it_waits_its_turn_stays_given_up_though_its_signal_came(
+    memory, channel
+):
+    """Cancelled behind another gate, its own signal published meanwhile: when the copier
+    reaches it, it fails, and its copies are never made (a request given up at its decode
+    side's deadline while the copier lagged the engine)."""
+    from pdhal import ops
+
+    regions, source, copier = memory
+    meta, reader = channel
+    front = copier.post_gate(reader.segment, _until(1, 1), 60)
+    copier.post_runs([(_address(source), 1, 0, 64)])
+    late = copier.post_gate(reader.segment, _until(1, 0), 60)
+    guarded = copier.post_runs([(_address(source), 0, 0, 64)])
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 0))  # late's signal, not front's
+    late.cancel()
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 1))  # the copier moves on
+    with pytest.raises(TransferError, match="given up before layer 0 of step 1"):
+        guarded.wait(30)
+    assert front.started_ns() and not late.started_ns() and not regions[0].any()
 
 
 def test_destroy_ends_a_gate_s_wait_at_once():

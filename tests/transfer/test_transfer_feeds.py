@@ -312,6 +312,43 @@ def test_a_followed_layer_never_signalled_fails_its_request_alone_and_nothing_of
         decode.close()
 
 
+def test_a_request_sent_layer_by_layer_lands_while_a_followed_step_waits_for_its_signals():
+    """a is followed for step 2 before the worker computes it; b, whole after step 1, is
+    sent layer by layer to the same decode side meanwhile and lands without waiting for
+    a's signals (stall_timeout is a minute: b waiting behind them fails the test's bound).
+    Then step 2 runs and a lands too."""
+    decode, worker = Decode(), Worker("per_query")
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS, stall_timeout=60.0
+    )
+    try:
+        _streaming(streamer, decode)
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            worker.expect("step done")
+            streamer.follow(reader, 2, [("a", 10)])
+            for layer in range(LAYERS):
+                streamer.layer_ready(layer, [("b", 6)])
+            [b] = outcomes_until(streamer, 1, bound=30)
+            assert b.request_id == "b" and b.landed, b
+            dumps = {"b": decode.wait("b")}
+            worker.go()
+            worker.expect("step done")
+            [a] = outcomes_until(streamer, 1)
+            assert a.landed, a.reason
+            worker.go()
+        worker.expect("done")
+        dumps["a"] = decode.wait("a")
+        for request, (landed, reason, dump, uniform) in dumps.items():
+            assert landed and uniform, reason
+            for src, dst in zip(SOURCE[request], DEST[request]):
+                assert landed_blocks(dump, dst) == expected(src), f"{request}: {src} -> {dst}"
+    finally:
+        streamer.close()
+        worker.close()
+        decode.close()
+
+
 def test_abort_ends_a_followed_step_whose_worker_died_at_once_on_both_sides(namespace):
     """The worker dies with a's second step followed: the reader says so, and abort() ends
     a with that reason on both sides at once, its gates given up (stall_timeout is a
