@@ -226,8 +226,8 @@ class Destination:
         with self._cond:
             channel = self._channel
             lane = self._posts and channel is not None and not self._stopping
-            if lane:
-                send.epoch = self.epoch
+            if lane:  # it counts on its link until it settled, submitted or not
+                send.epoch, send.channel = self.epoch, channel
                 channel.outstanding += 1
                 if self._armer is None:
                     self._armer = threading.Thread(
