@@ -136,6 +136,7 @@ class Destination:
         #: Followed sends submitted (arm), in order, and the thread settling them (made by
         #: the first), woken by _armed_bell
         self._armed: collections.deque[Send] = collections.deque()
+        self._arming = 0  # sends counted on a link by arm, not in _armed yet
         self._armed_bell = _core.Bell()
         self._armer: threading.Thread | None = None
         #: Rung when _submitted grows or submitting ended: the completing thread waits on
@@ -229,22 +230,30 @@ class Destination:
             if lane:  # it counts on its link until it settled, submitted or not
                 send.epoch, send.channel = self.epoch, channel
                 channel.outstanding += 1
+                self._arming += 1  # (stop's threads wait for it)
                 if self._armer is None:
-                    self._armer = threading.Thread(
+                    armer = threading.Thread(
                         target=self._armed_loop, name="pdhal-transfer-followed", daemon=True
                     )
-                    self._threads.append(self._armer)
-                    self._armer.start()
+                    armer.start()
+                    self._armer = armer
+                    self._threads.append(armer)
         if not lane:
             self.put(send)
             return
-        if self._unneeded(send):
-            send.failed = ""
-        else:
-            self._send(send, channel)
-        with self._cond:
-            self._armed.append(send)
-        self._armed_bell.ring()
+        try:
+            if self._unneeded(send):
+                send.failed = ""
+            else:
+                self._send(send, channel)
+        finally:
+            if send.batch is None and send.failed is None:  # a KeyboardInterrupt in it
+                send.failed = "the submit was interrupted"
+            with self._cond:
+                self._armed.append(send)
+                self._arming -= 1
+                self._cond.notify_all()
+            self._armed_bell.ring()
         if send.batch is not None and self._unneeded(send):  # failed meanwhile
             send.batch.cancel()
 
@@ -330,7 +339,11 @@ class Destination:
                 while not (
                     self._inbox and self._taken < self._window and not self._submitting
                 ) and not (
-                    self._stopping and not self._inbox and not self._taken and not self._armed
+                    self._stopping
+                    and not self._inbox
+                    and not self._taken
+                    and not self._armed
+                    and not self._arming
                 ):
                     self._cond.wait()
                 write = self._inbox.popleft() if self._inbox else None
@@ -446,7 +459,7 @@ class Destination:
             with self._cond:
                 seen = self._armed_bell.seen()  # before looking: a ring after it is not missed
                 send = self._armed[0] if self._armed else None
-                if send is None and self._stopping:
+                if send is None and self._stopping and not self._arming:
                     return
             if send is None:
                 self._armed_bell.wait(seen)
@@ -481,17 +494,18 @@ class Destination:
         batch = send.batch
         try:
             while True:
-                try:
-                    batch.wait(self._stall)
+                started = batch.started_ns()
+                left = self._stall - (time.monotonic_ns() - started) / 1e9 if started else None
+                if left is not None and left <= 0:
+                    raise TransferError(
+                        f"a followed layer did not land within {self._stall:g} s of its signal"
+                    )
+                try:  # its gate: a slice of stall_timeout at a time; its copies: what is left
+                    batch.wait(self._stall if left is None else max(left, MIN_WAIT_S))
                     break
                 except TransferError:
                     if batch.done():  # (raises the reason if it failed)
                         break
-                    started = batch.started_ns()
-                    if started and time.monotonic_ns() - started > self._stall * 1e9:
-                        raise TransferError(
-                            f"a followed layer did not land within {self._stall:g} s of its signal"
-                        ) from None
         except Exception:
             send.never_started = not batch.started_ns()
             raise

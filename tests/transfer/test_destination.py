@@ -223,3 +223,36 @@ def test_many_writes_put_as_fast_as_possible_keep_their_order():
         assert settled == [(layer, None) for layer in range(writes)]
     finally:
         assert dest.stop(time.monotonic() + 60)
+
+
+def test_a_followed_send_armed_while_the_destination_stops_is_settled_before_it_ends():
+    """arm() is inside its submit when stop() begins: stop waits for it (the link is not
+    closed under it) and the send is settled, every thread then ending; a send armed
+    after stop began is put as any write, and refused."""
+    dest, link, settled, _ = _destination(posts=True, window=2)
+    inside, release, closed = threading.Event(), threading.Event(), []
+
+    def submit_blocks(layer, runs, gate=None):
+        inside.set()
+        release.wait(60)
+        batch = HeldBatch()
+        batch.landed.set()
+        return batch
+
+    link.submit_blocks, link.close = submit_blocks, lambda: closed.append(True)
+    request = SimpleNamespace(live=True)
+    gate = object()  # (the fake link takes any)
+    arming = threading.Thread(
+        target=dest.arm, args=(Send(layer=7, items=[(request, 1)], gate=gate),)
+    )
+    arming.start()
+    assert inside.wait(60)
+    assert not dest.stop(time.monotonic() + 0.2)  # not while a send is being armed
+    assert not closed and settled == []
+    release.set()
+    arming.join(60)
+    assert dest.stop(time.monotonic() + 60)
+    assert settled == [(7, None)] and closed == [True]
+    assert not any(thread.is_alive() for thread in dest._threads)
+    dest.arm(Send(layer=8, items=[(request, 1)], gate=gate))
+    assert settled[-1] == (8, "the streamer was closed")
