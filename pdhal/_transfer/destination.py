@@ -424,29 +424,7 @@ class Destination:
                 if not self._submitted:
                     return
                 write = self._submitted[0]
-            reason = write.failed
-            if write.batch is not None:
-                try:
-                    if isinstance(write, Send) and write.gate is not None:
-                        self._wait_followed(write)
-                    else:
-                        left = write.submit_ns / 1e9 + self._stall - time.monotonic()
-                        write.batch.wait(max(left, MIN_WAIT_S))
-                    reason = None
-                except Exception as e:  # TransferError, or a transport's bug
-                    reason = _why(e)
-            channel, close = write.channel, False
-            with self._cond:
-                if channel is not None:
-                    channel.outstanding -= 1
-                    close = channel.retired and channel.outstanding == 0
-            if isinstance(write, StatusWrite) and write.buffer and reason is None:
-                channel.status.give_back(write.buffer)  # one that failed may still be read
-            if close:
-                channel.link.close()
-            self._settled(self, write, reason)
-            if reason and not (isinstance(write, Send) and write.never_started):
-                self.break_(reason, write.epoch)  # (a signal that never came is the engine's)
+            self._settle(write)
             with self._cond:  # its window place goes only now: what it queued is seen
                 self._submitted.popleft()
                 self._taken -= 1
@@ -464,26 +442,39 @@ class Destination:
             if send is None:
                 self._armed_bell.wait(seen)
                 continue
-            reason = send.failed
-            if send.batch is not None:
-                try:
-                    self._wait_followed(send)
-                    reason = None
-                except Exception as e:  # TransferError, or a transport's bug
-                    reason = _why(e)
-            channel, close = send.channel, False
-            with self._cond:
-                if channel is not None:
-                    channel.outstanding -= 1
-                    close = channel.retired and channel.outstanding == 0
-            if close:
-                channel.link.close()
-            self._settled(self, send, reason)
-            if reason and not send.never_started:
-                self.break_(reason, send.epoch)
+            self._settle(send)
             with self._cond:
                 self._armed.popleft()
                 self._cond.notify_all()  # a stopping submit thread waits for the armed too
+
+    def _settle(self, write: Write) -> None:
+        """Wait for `write` (a followed send as _wait_followed does, any other until
+        stall_timeout after it was submitted), take it off its link (closed once retired
+        and idle), report it, and break the destination if it failed, unless it was a
+        followed send whose signal never came (the engine's, not the link's)."""
+        reason = write.failed
+        if write.batch is not None:
+            try:
+                if isinstance(write, Send) and write.gate is not None:
+                    self._wait_followed(write)
+                else:
+                    left = write.submit_ns / 1e9 + self._stall - time.monotonic()
+                    write.batch.wait(max(left, MIN_WAIT_S))
+                reason = None
+            except Exception as e:  # TransferError, or a transport's bug
+                reason = _why(e)
+        channel, close = write.channel, False
+        with self._cond:
+            if channel is not None:
+                channel.outstanding -= 1
+                close = channel.retired and channel.outstanding == 0
+        if isinstance(write, StatusWrite) and write.buffer and reason is None:
+            channel.status.give_back(write.buffer)  # one that failed may still be read
+        if close:
+            channel.link.close()
+        self._settled(self, write, reason)
+        if reason and not (isinstance(write, Send) and write.never_started):
+            self.break_(reason, write.epoch)
 
     def _wait_followed(self, send: Send) -> None:
         """Wait for a followed `send` to land: its gate as long as it takes (the link fails

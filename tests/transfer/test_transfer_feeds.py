@@ -213,6 +213,28 @@ def test_a_dead_prefill_worker_fails_its_requests_on_both_sides(namespace):
 # ---- followed: the link waits for each layer's signal itself (KVStreamer.follow) ----------
 
 
+#: What a followed test writes into source blocks whose step has not run: a decode block
+#: holding it got a copy that was never to be made.
+STALE = 0x77
+
+
+def _make_stale(caches, blocks: list[int]) -> None:
+    for row in caches:
+        for cache in row:
+            cache[blocks] = STALE
+
+
+def _stale_in(decode, blocks: list[int]) -> bool:
+    """Whether any byte of `blocks` in any layer and cache of `decode` is STALE."""
+    return any(
+        byte == STALE
+        for layer in range(LAYERS)
+        for cache in range(CACHES)
+        for block in blocks
+        for byte in decode.block(layer, cache, block)
+    )
+
+
 def _streaming(streamer, decode, requests=SOURCE, **expect):
     dest = streamer.connect(decode.described)
     for request in requests:
@@ -277,9 +299,7 @@ def test_a_followed_layer_never_signalled_fails_its_request_alone_and_nothing_of
         worker.go()
         with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
             worker.expect("step done")  # step 1 ran, unsent
-            for row in caches:
-                for cache in row:
-                    cache[SOURCE["b"]] = 0x77  # stale: as if step 2 were to write them
+            _make_stale(caches, SOURCE["b"])  # as if step 2 were to write them
             streamer.follow(reader, 2, [("b", 6)])
             for layer in range(LAYERS):
                 streamer.layer_ready(layer, [("a", 6)])
@@ -299,13 +319,7 @@ def test_a_followed_layer_never_signalled_fails_its_request_alone_and_nothing_of
         assert landed and uniform, reason
         for src, dst in zip(SOURCE["a"], DEST["a"]):
             assert landed_blocks(dump, dst) == expected(src)
-        assert all(
-            byte != 0x77
-            for layer in range(LAYERS)
-            for cache in range(CACHES)
-            for block in DEST["b"]
-            for byte in decode.block(layer, cache, block)
-        )
+        assert not _stale_in(decode, DEST["b"])
     finally:
         streamer.close()
         worker.close()
@@ -396,9 +410,7 @@ def test_a_followed_request_past_its_decode_side_s_deadline_is_given_up_before_i
         worker.go()
         with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
             worker.expect("step done")
-            for row in caches:
-                for cache in row:
-                    cache[SOURCE["b"]] = 0x77
+            _make_stale(caches, SOURCE["b"])
             streamer.follow(reader, 2, [("b", 6)])
             [b] = outcomes_until(streamer, 1, bound=30)
             assert not b.landed and "deadline" in b.reason, b
@@ -408,13 +420,7 @@ def test_a_followed_request_past_its_decode_side_s_deadline_is_given_up_before_i
         worker.expect("done")
         landed, _, free = decode.outcome("b")  # (its own deadline, or the prefill side's word)
         assert not landed and (free or decode.freed()[0] == ["b"])  # the word came: b is free
-        assert all(
-            byte != 0x77
-            for layer in range(LAYERS)
-            for cache in range(CACHES)
-            for block in DEST["b"]
-            for byte in decode.block(layer, cache, block)
-        )
+        assert not _stale_in(decode, DEST["b"])
     finally:
         streamer.close()
         worker.close()
