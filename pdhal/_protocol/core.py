@@ -182,6 +182,16 @@ class Segment:
     def closed(self) -> bool:
         return self._ptr is None
 
+    def dup(self) -> Segment:
+        """Another handle on this mapping, as dup(2) gives another descriptor: closed on
+        its own, the mapping living while either is open (a link's gate reads the signals
+        of a reader its owner may close meanwhile)."""
+        other = Segment.__new__(Segment)
+        other._ptr = self.ptr  # the same released-when-unreferenced pointer (close())
+        for name in ("path", "kind", "is_producer", "ring_slots"):
+            setattr(other, name, getattr(self, name))
+        return other
+
     def close(self) -> None:
         """Release the handle; the producer's close unlinks the name. Idempotent.
 

@@ -199,6 +199,11 @@ class Gate:
     until: int  # the progress word of that layer of that step (step, layer + 1 packed)
     timeout: float  # seconds, from when the link reaches it
 
+    def came(self) -> bool:
+        """Whether the engine signalled it (the layer is in the caches, whole), whether or
+        not the link saw it yet."""
+        return self.signals.progress() >= self.until
+
 
 class Link:
     """The source side's connection to one endpoint."""

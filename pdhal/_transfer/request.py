@@ -55,7 +55,7 @@ class Request:
     landed: list[int] = field(default_factory=list)  # blocks in the destination, per layer
     layers_landed: int = 0  # the first layers, each of whose blocks all landed
     in_flight: int = 0  # writes of it not settled (data or progress, queued or submitted)
-    awaiting_signals: int = 0  # its followed layers (KVStreamer.follow) not settled yet
+    gates: list = field(default_factory=list)  # its followed layers' (follow), till settled
     reason: str = ""  # why it failed
     post_failure: bool = True  # whether its decode side is to read why it failed
     nbytes: int = 0
@@ -96,13 +96,13 @@ class Request:
 
     @property
     def all_sent(self) -> bool:
-        """Every block of every layer was handed to its destination, none of it waiting
-        there for the engine's signal (followed): it needs nothing more from the prefill
-        side."""
+        """Every block of every layer was handed to its destination, a followed layer once
+        the engine signalled it (its copies may not have started): it needs nothing more
+        from the prefill side."""
         return (
             self.state is State.STREAMING
-            and not self.awaiting_signals
             and all(n == self.blocks for n in self.sent)
+            and all(gate.came() for gate in self.gates)
         )
 
     def sendable(self, layer: int) -> int:

@@ -479,7 +479,8 @@ class KVStreamer:
                 f"signals must be the per-query channel's ProgressReader "
                 f"(pdhal.ops.open_kv_signal_reader), got {signals!r}"
             )
-        segment = signals.segment  # ClosedHandleError once it was closed
+        segment = signals.segment.dup()  # ClosedHandleError once it was closed; then the
+        # gates read their signals whether or not the reader is closed meanwhile
         step = checks.integer(step, "step", 1, MAX_STEP)
         entries = self._ready_entries(ready)
         with self._lock:
@@ -582,7 +583,8 @@ class KVStreamer:
                 spans.append((request, first, end))
                 items.append((request, end - first))
                 request.mark_sent(layer, end)
-                request.awaiting_signals += gate is not None
+                if gate is not None:
+                    request.gates.append(gate)
             if not items:
                 return
             key = (dest, tuple(spans))  # every layer of a step sends the same spans
@@ -674,7 +676,7 @@ class KVStreamer:
                 if request.first_submit_ns is None and send.submit_ns:
                     request.first_submit_ns = send.submit_ns
                 if send.gate is not None:
-                    request.awaiting_signals -= 1
+                    request.gates.remove(send.gate)
                     if send.layer == request.layers - 1:
                         # when the link saw it (a later chunk's last layer settles later)
                         request.last_signal_ns = send.signal_ns
@@ -714,7 +716,7 @@ class KVStreamer:
         """Carry out what `request`'s last transition asked for (outside the lock). One
         that failed with followed layers still waiting for their signals gives up those no
         live request needs: its outcome is not held up by signals that may never come."""
-        if request.awaiting_signals and not request.live:
+        if request.gates and not request.live:
             request.dest.give_up_unneeded()
         if action is None:
             return
@@ -780,7 +782,8 @@ class KVStreamer:
     def abort(self, reason: str) -> None:
         """Fail every request that still needs something of the prefill side (e.g. its
         worker died): those not ended, but for those every block of which was handed to its
-        decode side already, which land (or fail) as their writes settle."""
+        decode side already (a followed layer, once the engine signalled it), which land
+        (or fail) as their writes settle."""
         reason = checks.name(str(reason), "reason")
         with self._lock:
             acts = [

@@ -14,6 +14,7 @@ import pytest
 
 import pdhal
 from pdhal import ops
+from pdhal._protocol import core as _core
 from pdhal._protocol import names as _names
 
 
@@ -422,3 +423,22 @@ def test_only_the_reader_handle_reads_the_ring():
         other.ring_next(out, 1538, 0)
     assert e.value.errno == errno.EPERM
     other.close()
+
+
+def test_a_dup_of_a_handle_reads_on_after_the_first_is_closed_and_closes_on_its_own():
+    """Segment.dup(): a followed gate's signals outlive the messager's reader."""
+    meta = ops.open_shm_and_get_meta_signal(0, 0)
+    reader = ops.open_kv_signal_reader(0, 0)
+    dup = reader.segment.dup()
+    reader.close()
+    with pytest.raises(pdhal.ClosedHandleError):
+        reader.current()
+    ops.signal_layer_ready(ops.init_signal_layerwise(meta, 2))
+    assert dup.progress() == _core.pack_progress(meta.step, 2)
+    again = ops.open_kv_signal_reader(0, 0)
+    again.segment.dup().close()
+    assert again.current() == (meta.step, 2)
+    again.close()
+    dup.close()
+    with pytest.raises(pdhal.ClosedHandleError):
+        dup.progress()

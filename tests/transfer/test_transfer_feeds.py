@@ -363,13 +363,20 @@ def test_a_request_sent_layer_by_layer_lands_while_a_followed_step_waits_for_its
         decode.close()
 
 
-def test_abort_ends_a_followed_step_whose_worker_died_at_once_on_both_sides(namespace):
+def test_abort_ends_a_followed_step_whose_worker_died_at_once_on_both_sides(namespace, faulty):
     """The worker dies with a's second step followed: the reader says so, and abort() ends
     a with that reason on both sides at once, its gates given up (stall_timeout is a
-    minute: waiting for it fails the test's bound)."""
+    minute: waiting for it fails the test's bound). b, whose only step was signalled whole,
+    lands though none of its layers had settled when abort() came (the link holds them:
+    a loaded machine's copier thread that has not run yet)."""
+    held = faulty("held")
+    held.release.clear()
     decode, worker = Decode(), Worker("per_query")
     streamer = transfer.KVStreamer(
-        transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS, stall_timeout=60.0
+        transfer.CacheLayout.from_caches(prefill_caches()),
+        BLOCK_TOKENS,
+        stall_timeout=60.0,
+        transport_name="faulty",
     )
     try:
         _streaming(streamer, decode)
@@ -382,18 +389,21 @@ def test_abort_ends_a_followed_step_whose_worker_died_at_once_on_both_sides(name
             worker.proc.wait(timeout=30)
             with pytest.raises(pdhal.ProducerDiedError) as died:
                 reader.wait((1, LAYERS - 1), timeout=30)
+        assert streamer.metrics.layers() == [], "nothing settles while the link holds it"
         streamer.abort(f"the prefill worker died: {died.value}")
+        held.release.set()
         ended = {o.request_id: o for o in outcomes_until(streamer, 2, bound=30)}
         assert ended["b"].landed, "b was whole after step 1"
         assert not ended["a"].landed and "the prefill worker died" in ended["a"].reason
         landed, reason, _, _ = decode.wait("a")
         assert not landed and "the prefill worker died" in reason
     finally:
+        held.release.set()
         streamer.close()
         worker.proc.stdin.close()
         worker.proc.stdout.close()
         decode.close()
-    pdhal.cleanup(namespace)  # the dead worker's leftovers
+        pdhal.cleanup(namespace)  # the dead worker's leftovers
 
 
 def test_a_followed_request_past_its_decode_side_s_deadline_is_given_up_before_its_signals():

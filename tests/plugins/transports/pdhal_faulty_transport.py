@@ -5,10 +5,11 @@ answering), "fail:N" (the Nth submit raises TransferError), "delay:N" (the Nth s
 bytes are copied only when it is waited for, 0.1 s later), "problem:N" (problem()
 raises from its Nth call on: a transport's bug) and "hangs:N" (the Nth connect to an
 endpoint and those after it never return: Mooncake's connect to a cut-off peer), each for
-every endpoint or, as
-"stall:N@NAME", for the endpoint NAME only. Submits are counted per endpoint (its process
-and name), over every link to it: a link made anew after a fault goes on counting. Every
-other submit is shm's."""
+every endpoint or, as "stall:N@NAME", for the endpoint NAME only; and "held" (the
+transport gates, as shm does, and a gated batch settles only once `release` is set: its
+signal came, its copies may have run, and the streamer has not seen it yet). Submits are
+counted per endpoint (its process and name), over every link to it: a link made anew
+after a fault goes on counting. Every other submit is shm's."""
 
 import collections
 import os
@@ -41,6 +42,26 @@ class _Delayed(Batch):
         self._landed = True
 
 
+class _Held(Batch):
+    def __init__(self, batch: Batch):
+        self._batch = batch
+
+    def done(self) -> bool:
+        return release.is_set() and self._batch.done()
+
+    def wait(self, timeout: float) -> None:
+        if not release.wait(timeout):
+            raise TransferError(f"injected hold: not released after {timeout:g} s")
+        self._batch.wait(timeout)
+
+    def started_ns(self) -> int:
+        return self._batch.started_ns()
+
+    def cancel(self) -> None:
+        self._batch.cancel()
+
+
+release = threading.Event()  # what "held" batches wait for
 _counts: collections.Counter = collections.Counter()  # (endpoint, "submit"/"problem") -> calls
 _lock = threading.Lock()
 
@@ -55,7 +76,7 @@ class FaultyLink(Link):
             if not only or only == endpoint:
                 if kind in ("stalls", "problem"):
                     self._from[kind] = int(count)
-                else:
+                elif kind != "held":  # the transport's, read by gates
                     self._faults[int(count)] = kind
 
     def _count(self, what: str) -> int:
@@ -76,6 +97,11 @@ class FaultyLink(Link):
             return _Delayed(self._link, runs)
         return self._link.submit(runs)
 
+    def submit_blocks(self, layer, runs, gate=None):
+        if gate is None:
+            return super().submit_blocks(layer, runs)  # through submit(), and its faults
+        return _Held(self._link.submit_blocks(layer, runs, gate))
+
     def problem(self):
         if self._count("problem") >= self._from.get("problem", float("inf")):
             raise RuntimeError("injected: problem() has a bug")
@@ -88,6 +114,10 @@ class FaultyLink(Link):
 class FaultyTransport(Transport):
     name = "faulty"
     completion = "target"  # shm's, with faults
+
+    @property
+    def gates(self) -> bool:
+        return "held" in os.environ.get("PDHAL_FAULTY_TRANSPORT", "").split(",")
 
     def endpoint(self, regions, name):
         return transport("shm").endpoint(regions, name)
