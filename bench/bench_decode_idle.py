@@ -62,7 +62,10 @@ def serve(procs: Procs, name: str, model: str, config: dict, executor: str) -> s
     args += ["--distributed-executor-backend", executor]
     args += ["--block-size", str(BLOCK), "--max-model-len", "512", "--enforce-eager"]
     args += ["--seed", "0", "--dtype", "bfloat16", "--no-enable-prefix-caching"]
-    procs.start(name, [*args, "--kv-transfer-config", json.dumps(config)])
+    # vLLM's CPU build turns "uni" into "mp" unless its V1 multiprocessing is off, which for
+    # a server keeps the engine core in a process of its own and runs the worker in it
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if executor == "uni" else None
+    procs.start(name, [*args, "--kv-transfer-config", json.dumps(config)], env=env)
     return f"http://127.0.0.1:{port}"
 
 

@@ -59,6 +59,24 @@ def extra_config(given: dict | None) -> dict:
     return extra
 
 
+def idle_spin_advice(executor: object, world_size: int) -> str | None:
+    """What a decode instance run by `executor` (vLLM's distributed_executor_backend, as
+    resolved) with `world_size` workers should run instead, for an engine that sleeps while
+    its requests wait for their KV; None where it sleeps already. vLLM steps its engine while
+    any request waits, and an idle step waits in the worker (idle_wait_s): with a single
+    worker in a process of its own ("mp"), the engine core spins on the shared-memory queue
+    for its answer (bench_decode_idle). With several workers that is vLLM's to change."""
+    if executor != "mp" or world_size != 1:
+        return None
+    return (
+        "this decode instance runs its one worker in a process of its own (the 'mp' "
+        "executor), so while its requests wait for their KV, vLLM's queue between the engine "
+        "core and that worker spins about a core; run it with --distributed-executor-backend "
+        "uni (on vLLM's CPU build also VLLM_ENABLE_V1_MULTIPROCESSING=0) and its engine "
+        "waits asleep (docs/engines/vllm.md)"
+    )
+
+
 def kv_transfer_config(kv_role: str, failure_policy: str = "fail", **extra) -> dict:
     """The kv-transfer-config of an instance with the pdhal connector (a dict: vLLM's
     `kv_transfer_config=`, or json.dumps it for `--kv-transfer-config`). `kv_role`:

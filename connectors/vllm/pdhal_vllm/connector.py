@@ -45,8 +45,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.logger import init_logger
 
-from pdhal_vllm.config import extra_config
+from pdhal_vllm.config import extra_config, idle_spin_advice
 from pdhal_vllm.metadata import MESSAGER, TRANSFER_ID, PdhalConnectorMetadata
 from pdhal_vllm.scheduler import Scheduler
 from pdhal_vllm.worker import Worker
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["MESSAGER", "TRANSFER_ID", "PdhalConnector", "PdhalConnectorMetadata"]
+
+logger = init_logger(__name__)
 
 
 class PdhalConnector(KVConnectorBase_V1):
@@ -81,6 +84,10 @@ class PdhalConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = Scheduler(self)
             self.worker = None
+            parallel = vllm_config.parallel_config
+            advice = idle_spin_advice(parallel.distributed_executor_backend, parallel.world_size)
+            if self.is_consumer and advice is not None:
+                logger.warning("pdhal connector: %s", advice)
         else:
             self.scheduler = None
             self.worker = self.worker_class(self, vllm_config)

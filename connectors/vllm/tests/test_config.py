@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from pdhal_vllm.config import extra_config, kv_transfer_config
+from pdhal_vllm.config import extra_config, idle_spin_advice, kv_transfer_config
 from pdhal_vllm.wire import ConnectorError
 
 
@@ -84,3 +84,19 @@ def test_the_messager_refuses_a_transport_option_at_start(option, said):
         timeout=60,
     )
     assert done.returncode == 1 and said in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "executor, world_size, spins",
+    [("mp", 1, True), ("uni", 1, False), ("mp", 2, False), ("ray", 1, False)],
+)
+def test_a_decode_instance_whose_engine_core_would_spin_is_told_what_to_run(
+    executor, world_size, spins
+):
+    """One worker in a process of its own: the engine core spins on vLLM's queue while
+    requests wait for KV (bench_decode_idle), and the advice names the options that stop it."""
+    advice = idle_spin_advice(executor, world_size)
+    assert (advice is not None) == spins
+    if spins:
+        assert "--distributed-executor-backend uni" in advice
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in advice
