@@ -4,7 +4,11 @@
   wait for their KV) waits for a load to end, up to idle_wait_s (0.01 s), instead of
   returning into another empty step;
 - spin: the same with idle_wait_s 0, which is what the connector did before: the engine
-  steps as fast as it can while any request waits for its KV.
+  steps as fast as vLLM lets it while any request waits for its KV (vLLM sleeps 1 ms after
+  a step that ran no model).
+
+Both decode servers run as the connector's docs advise (`--executor uni`, the default:
+pdhal_vllm.config.SLEEPING_DECODE_ARGS and _ENV), their worker in the engine core's process.
 
 One messager, one prefill server and a decode server per mode start once, in parallel (each
 server's worker one unbound torch thread). Each round, per mode (the order alternating):
@@ -22,15 +26,15 @@ decode requests' latency from the prefill request sent to their last token (medi
 wait / spin. The target (issue 34): the decode server's CPU while its requests wait for KV
 <= 0.1 of a core.
 
-What stands in its way is vLLM's, not the connector's: vLLM's CPU build always runs its
-worker in a process of its own (MultiprocExecutor; it turns "uni" into "mp"), and a reader
-of the shared-memory queue between the engine core and the worker spins (sched_yield) for
-a second after each read. While the worker waits in an idle step, the engine core spins on
-its answer; were the engine core to wait instead, the worker would spin on the next step.
-Measured here (2 cores, 4 requests waiting, 3 rounds): spin 1.39-1.47 cores, wait (0.01 s)
-1.14-1.17 cores, the engine core's main thread 0.91 of them; and a wait of 1.0 s still 0.98
-cores (each step's read restarts the second of spinning) while another request then waits
-up to that second. Only an engine that stops stepping reaches the target.
+`--executor mp` runs the worker in a process of its own instead, as vLLM's CPU build does
+unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (it turns "uni" into "mp"): a reader of the
+shared-memory queue between the engine core and the worker spins (sched_yield) for a second
+after each read, so while the worker waits in an idle step the engine core spins on its
+answer. Measured so (2 cores, 4 requests waiting, 3 rounds): spin 1.39-1.47 cores, wait
+(0.01 s) 1.14-1.17 cores, the engine core's main thread 0.91 of them. With the worker in the
+engine core's process (3 rounds, 2026-12-07): wait 0.05-0.06 cores, spin 0.25; another
+request 16.7 ms against 8.6 (it waits for the idle step to end, at most idle_wait_s); a
+landing noticed 1.38 ms after the streamer landed it (p99 8.2) against 0.95 (p99 3.8).
 
     .venv-vllm/bin/python bench/bench_decode_idle.py [--rounds 3] [--requests 4]
 """
@@ -48,6 +52,7 @@ import threading
 import time
 
 from bench_vllm import PY, BenchError, Procs, free_port, post, server_env
+from pdhal_vllm.config import SLEEPING_DECODE_ARGS, SLEEPING_DECODE_ENV
 
 import pdhal
 
@@ -59,12 +64,14 @@ BLOCK = 32
 def serve(procs: Procs, name: str, model: str, config: dict, executor: str) -> str:
     port = free_port()
     args = [PY, "-m", "pdhal_vllm.vllm_cli", "serve", model, "--port", str(port)]
-    args += ["--distributed-executor-backend", executor]
     args += ["--block-size", str(BLOCK), "--max-model-len", "512", "--enforce-eager"]
     args += ["--seed", "0", "--dtype", "bfloat16", "--no-enable-prefix-caching"]
-    # vLLM's CPU build turns "uni" into "mp" unless its V1 multiprocessing is off, which for
-    # a server keeps the engine core in a process of its own and runs the worker in it
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if executor == "uni" else None
+    env = None
+    if executor == "uni":  # as the connector's docs run a decode server
+        args += SLEEPING_DECODE_ARGS
+        env = SLEEPING_DECODE_ENV
+    else:
+        args += ["--distributed-executor-backend", executor]
     procs.start(name, [*args, "--kv-transfer-config", json.dumps(config)], env=env)
     return f"http://127.0.0.1:{port}"
 

@@ -471,7 +471,11 @@ class Stack:
         ]
         env = None
         if mode in PDHAL_TRANSPORTS:
-            from pdhal_vllm.config import kv_transfer_config
+            from pdhal_vllm.config import (
+                SLEEPING_DECODE_ARGS,
+                SLEEPING_DECODE_ENV,
+                kv_transfer_config,
+            )
 
             side = (
                 {"messager": self.messagers[mode]}
@@ -484,6 +488,9 @@ class Stack:
             # one device would signal their layers on one channel (refused at start)
             if kv_role == "kv_producer":
                 env = {"PDHAL_CPU_VISIBLE_DEVICES": str(list(PDHAL_TRANSPORTS).index(mode))}
+            else:  # as the connector's docs run a decode server: its engine sleeps
+                args += SLEEPING_DECODE_ARGS  # while its requests wait for their KV
+                env = SLEEPING_DECODE_ENV
         elif mode == "example":
             config = {
                 "kv_connector": "ExampleConnector",

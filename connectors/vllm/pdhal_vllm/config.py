@@ -20,6 +20,12 @@ EXTRA_CONFIG = {
     "trace": None,
 }
 ROLES = ("kv_producer", "kv_consumer")
+#: What a decode `vllm serve` of one worker takes for an engine that sleeps while its
+#: requests wait for their KV (idle_spin_advice): its worker in the engine core's process,
+#: which vLLM's CPU build allows only with V1 multiprocessing off (the API server and the
+#: engine core stay processes of their own).
+SLEEPING_DECODE_ARGS = ("--distributed-executor-backend", "uni")
+SLEEPING_DECODE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 FAILURE_POLICIES = ("fail", "recompute")
 
 
@@ -68,12 +74,13 @@ def idle_spin_advice(executor: object, world_size: int) -> str | None:
     for its answer (bench_decode_idle). With several workers that is vLLM's to change."""
     if executor != "mp" or world_size != 1:
         return None
+    [(variable, value)] = SLEEPING_DECODE_ENV.items()
     return (
         "this decode instance runs its one worker in a process of its own (the 'mp' "
         "executor), so while its requests wait for their KV, vLLM's queue between the engine "
-        "core and that worker spins about a core; run it with --distributed-executor-backend "
-        "uni (on vLLM's CPU build also VLLM_ENABLE_V1_MULTIPROCESSING=0) and its engine "
-        "waits asleep (docs/engines/vllm.md)"
+        f"core and that worker spins about a core; run it with {' '.join(SLEEPING_DECODE_ARGS)}"
+        f" (on vLLM's CPU build also {variable}={value}) and its engine waits asleep "
+        "(docs/engines/vllm.md)"
     )
 
 

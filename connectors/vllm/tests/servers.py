@@ -1,7 +1,7 @@
 """`vllm serve` processes as their users run them, for the tests: a prefill and decode
 servers with the pdhal connector (API server, engine core and worker each their own process,
 but for a decode server's worker, which runs in its engine core's process as the connector's
-docs advise: SLEEPING_DECODE; started as `python -m pdhal_vllm.vllm_cli serve`, vLLM's own
+docs advise: SLEEPING_DECODE_ARGS; started as `python -m pdhal_vllm.vllm_cli serve`, vLLM's own
 CLI, whose `vllm` script cannot start with vLLM's CPU build), the prefill server's
 messager, an optional plain server, and the router in front. Each server is a process
 group of its own, so a test can kill one whole, as a machine or a container dies."""
@@ -18,15 +18,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from conftest import PY, Cluster, free_ports
-from pdhal_vllm.config import kv_transfer_config
+from pdhal_vllm.config import SLEEPING_DECODE_ARGS, SLEEPING_DECODE_ENV, kv_transfer_config
 
 from pdhal.testing.reset import segments_of
 
 MAX_TOKENS = 8
-# A decode server whose engine sleeps while its requests wait for their KV (docs/engines/
-# vllm.md, bench_decode_idle): its worker in the engine core's process, with no queue
-# between them that spins; vLLM's CPU build allows it only with V1 multiprocessing off
-SLEEPING_DECODE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, ("--distributed-executor-backend", "uni")
 
 
 class Served:
@@ -102,8 +98,8 @@ class Served:
             there = self.hosts is not None and role == decoders[-1]
             if there:
                 extra["transport_options"] = {"host": self.hosts.decode_ip}
-            env, args = SLEEPING_DECODE
-            self._serve(role, {"kv_role": "kv_consumer", "extra": extra}, there, env, args)
+            config = {"kv_role": "kv_consumer", "extra": extra}
+            self._serve(role, config, there, SLEEPING_DECODE_ENV, SLEEPING_DECODE_ARGS)
         for role in self.urls:
             self.wait_healthy(role)
         router_log = open(self.cluster.path("router.log"), "w")
