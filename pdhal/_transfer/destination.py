@@ -149,14 +149,11 @@ class Destination:
         self._unreachable: tuple[int, str] | None = None
         # a connect failure is the caller's; one that hangs (a cut-off peer) is one too
         self._channel: _Channel | None = _within(self._open, stall_timeout, "connecting")
+        self._running = 0  # its threads not ended: the last, once stopping, closes the link
         self._threads = [
-            threading.Thread(target=self._submit_loop, name="pdhal-transfer-submit", daemon=True),
-            threading.Thread(
-                target=self._complete_loop, name="pdhal-transfer-complete", daemon=True
-            ),
+            self._thread(self._submit_loop, "pdhal-transfer-submit"),
+            self._thread(self._complete_loop, "pdhal-transfer-complete"),
         ]
-        for thread in self._threads:
-            thread.start()
 
     def _open(self) -> _Channel:
         status = StatusBuffers(self._window + 1)
@@ -232,12 +229,8 @@ class Destination:
                 channel.outstanding += 1
                 self._arming += 1  # (stop's threads wait for it)
                 if self._armer is None:
-                    armer = threading.Thread(
-                        target=self._armed_loop, name="pdhal-transfer-followed", daemon=True
-                    )
-                    armer.start()
-                    self._armer = armer
-                    self._threads.append(armer)
+                    self._armer = self._thread(self._armed_loop, "pdhal-transfer-followed")
+                    self._threads.append(self._armer)
         if not lane:
             self.put(send)
             return
@@ -303,23 +296,17 @@ class Destination:
         return threading.current_thread() in self._threads
 
     def stop(self, deadline: float) -> bool:
-        """Settle what was put, then close the link; False if that did not end by
-        `deadline` (time.monotonic()): its threads are left to end on their own."""
+        """Settle what was put, then close the link (its last thread to end does); False
+        if that did not end by `deadline` (time.monotonic()): its threads are left to end
+        on their own, and the link closes when they have."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        with self._cond:
             threads = list(self._threads)
         self._armed_bell.ring()
         for thread in threads:
             thread.join(max(deadline - time.monotonic(), 0))
-        if any(thread.is_alive() for thread in threads):
-            return False
-        with self._cond:
-            channel, self._channel = self._channel, None
-        if channel is not None:
-            channel.link.close()
-        return True
+        return not any(thread.is_alive() for thread in threads)
 
     @staticmethod
     def _retire(channel: _Channel) -> bool:
@@ -328,6 +315,27 @@ class Destination:
         return channel.outstanding == 0
 
     # ---- its threads ----------------------------------------------------------------
+
+    def _thread(self, loop: Callable[[], None], name: str) -> threading.Thread:
+        """Start one of its threads, running `loop` (under the lock, or before any other)."""
+        self._running += 1
+        thread = threading.Thread(target=self._run, args=(loop,), name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self, loop: Callable[[], None]) -> None:
+        """Run `loop`, which ends once stopping; the last of its threads to end closes the
+        link, whether or not stop() still waits (a lost connect race, a gone peer)."""
+        try:
+            loop()
+        finally:
+            with self._cond:
+                self._running -= 1
+                channel = None
+                if not self._running:
+                    channel, self._channel = self._channel, None
+            if channel is not None:
+                channel.link.close()
 
     def _submit_loop(self) -> None:
         """Submit each write in order as the window has room."""

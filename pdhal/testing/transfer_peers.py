@@ -257,6 +257,13 @@ class Decode:
         self.proc.stdout.close()
 
 
+def mapped_from(pid: int) -> list[str]:
+    """This process's mappings of host_alloc buffers of process `pid` (a decode side's
+    caches a link maps)."""
+    with open("/proc/self/maps") as maps:
+        return [line.split()[-1] for line in maps if f".buf.host.{pid}." in line]
+
+
 def landed_blocks(dump: dict, dst_block: int) -> list[list[int]]:
     return dump[str(dst_block)]
 

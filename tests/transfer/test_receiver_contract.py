@@ -15,7 +15,7 @@ import pytest
 import pdhal
 from pdhal import ops, transfer
 from pdhal.testing.fixtures import python_child, run_child
-from pdhal.testing.transfer_peers import BLOCK_TOKENS, source_caches
+from pdhal.testing.transfer_peers import BLOCK_TOKENS, mapped_from, source_caches
 
 BLOCKS, BLOCK_BYTES = 8, 64
 
@@ -34,12 +34,6 @@ def host_layout():
     yield make
     for buf in buffers:
         ops.host_free(buf)
-
-
-def _mapped_from(pid: int) -> list[str]:
-    """This process's mappings of host_alloc buffers of process `pid`."""
-    with open("/proc/self/maps") as maps:
-        return [line.split()[-1] for line in maps if f".buf.host.{pid}." in line]
 
 
 # ---- 1: close() under threads that use the receiver -----------------------------------------
@@ -266,12 +260,12 @@ def test_closing_the_last_link_unmaps_the_decode_side(decode):
     try:
         first = shm.connect(decode.described, [(src.address, src.nbytes)])
         second = shm.connect(decode.described, [(src.address, src.nbytes)])
-        assert _mapped_from(decode.proc.pid)
+        assert mapped_from(decode.proc.pid)
         first.close()
-        assert _mapped_from(decode.proc.pid)
+        assert mapped_from(decode.proc.pid)
         second.submit([(src.address, 0, 0, BLOCK_BYTES)]).wait(5)
         second.close()
-        assert _mapped_from(decode.proc.pid) == []
+        assert mapped_from(decode.proc.pid) == []
     finally:
         ops.host_free(src)
 
@@ -284,12 +278,12 @@ def test_closing_a_streamer_unmaps_the_decode_side(decode):
     )
     try:
         dest = streamer.connect(decode.described)
-        assert _mapped_from(decode.proc.pid)
+        assert mapped_from(decode.proc.pid)
         streamer.add_request("a", [1], BLOCK_TOKENS)
         streamer.set_destination("a", dest, [2], decode.expect("a"))
     finally:
         streamer.close()
-    assert _mapped_from(decode.proc.pid) == []
+    assert mapped_from(decode.proc.pid) == []
 
 
 # ---- 7: request ids are strs --------------------------------------------------------------

@@ -31,6 +31,7 @@ from pdhal.testing.transfer_peers import (
     Prefill,
     expected,
     landed_blocks,
+    mapped_from,
     outcomes_until,
     source_caches,
 )
@@ -250,7 +251,8 @@ def test_a_claimed_request_fails_at_its_decode_side_s_deadline(decode):
 def test_leases_and_dead_peers_are_kept_without_any_poll(decode, namespace):
     """A messager hearing outcomes through on_outcome never polls: a request nobody claims
     still fails by its lease (a streamer holding nothing else, its clock moved on), and
-    one whose decode process was killed by the streamer's peer check."""
+    one whose decode process was killed by the streamer's peer check, which then lets go
+    of that process's memory (its caches stay in RAM while anything maps them)."""
     heard, clock = [], ManualClock()
     leases = make_streamer(claim_timeout=60, on_outcome=heard.append, clock=clock)
     streamer = make_streamer(on_outcome=heard.append)
@@ -270,10 +272,43 @@ def test_leases_and_dead_peers_are_kept_without_any_poll(decode, namespace):
         ended = {o.request_id: o for o in heard}
         assert "no decode side claimed it within 60 s" in ended["orphan"].reason
         assert not ended["doomed"].landed and "is gone" in ended["doomed"].reason
+        while mapped_from(decode.proc.pid):
+            assert time.monotonic() < deadline, "the gone decode side's caches stay mapped"
+            time.sleep(0.01)
     finally:
         leases.close()
         streamer.close()
         pdhal.cleanup(namespace)  # what the killed decode process left
+
+
+def test_a_decode_side_connected_twice_at_once_keeps_one_link(decode, monkeypatch):
+    """Two threads connect the same decode side at once, each making a link (held until
+    both are made): both get the one destination, and the other link is closed, so none
+    of the decode side stays mapped once the streamer is closed."""
+    streamer = make_streamer()
+    both, made = threading.Barrier(2, timeout=30), streamer._transport.connect
+
+    def connect_together(described, sources):
+        link = made(described, sources)
+        both.wait()
+        return link
+
+    monkeypatch.setattr(streamer._transport, "connect", connect_together)
+    got = []
+    threads = [
+        threading.Thread(target=lambda: got.append(streamer.connect(decode.described)))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(got) == 2 and got[0] is got[1]
+    streamer.close()
+    deadline = time.monotonic() + 30
+    while mapped_from(decode.proc.pid):  # the other link's threads end on their own
+        assert time.monotonic() < deadline, "the link that lost the race is never closed"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("transport_name", ["shm", "faulty"])
