@@ -458,10 +458,10 @@ class KVStreamer:
         (fail, abort, its decode side's deadline) gives up its layers no live request
         shares.
 
-        Each request must be streaming (its destination set) and read whole on its decode
-        side (not a layerwise ticket, whose progress words follow each layer): call
-        layer_ready for the others. Requests not added, or ended, are passed over.
-        InvalidArgumentError for anything else, before anything is sent."""
+        Each request must be streaming (its destination set): call layer_ready for the
+        others. A layerwise ticket hears each layer once it landed, as with layer_ready.
+        Requests not added, or ended, are passed over. InvalidArgumentError for anything
+        else, before anything is sent."""
         self._open()
         if not self._transport.gates:
             raise InvalidArgumentError(
@@ -492,11 +492,6 @@ class KVStreamer:
                     raise InvalidArgumentError(
                         f"request {request_id!r} has no decode side yet: follow() sends "
                         f"only requests whose destination is set; call layer_ready for it"
-                    )
-                if request.layerwise:
-                    raise InvalidArgumentError(
-                        f"request {request_id!r}'s decode side reads it layer by layer (a "
-                        f"layerwise ticket): call layer_ready for it"
                     )
         for layer in range(self.layout.num_layers):
             until = (step << _core.LAYER_BITS) | (layer + 1)

@@ -204,6 +204,15 @@ class Decode:
         self.send("layers", request_id)
         return self.read("layers")
 
+    def layers_until(self, request_id: str, count: int, bound: float = 30.0):
+        """Ask until `count` layers of `request_id` landed (or `bound` s): as layers()."""
+        deadline = time.monotonic() + bound
+        while True:
+            landed, dump = self.layers(request_id)
+            if landed is None or landed >= count or time.monotonic() > deadline:
+                return landed, dump
+            time.sleep(0.005)
+
     def fill(self, value: int) -> None:
         """Write `value` into every byte of its caches (as its engine would: a decode
         side's own blocks, which no transfer may touch)."""

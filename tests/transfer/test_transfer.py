@@ -461,16 +461,6 @@ def test_a_status_slot_reads_only_its_own_generation():
     assert mailbox.read(memoryview(slot), 4) == (mailbox.LANDED, "")
 
 
-def _layers_until(decode, request_id: str, count: int, bound: float = 30.0):
-    """Ask the decode process until `count` layers of `request_id` landed (or `bound` s)."""
-    deadline = time.monotonic() + bound
-    while True:
-        landed, dump = decode.layers(request_id)
-        if landed is None or landed >= count or time.monotonic() > deadline:
-            return landed, dump
-        time.sleep(0.005)
-
-
 def test_a_layerwise_ticket_hears_each_layer_as_it_lands_and_only_then(decode, streamer):
     """A decode side that computes layer by layer (vLLM's sync load): after the first two
     of three layers were signalled it hears 2 layers landed, and their blocks are there,
@@ -482,7 +472,7 @@ def test_a_layerwise_ticket_hears_each_layer_as_it_lands_and_only_then(decode, s
     streamer.set_destination("plain", dest, [6], decode.expect("plain"))
     for layer in range(LAYERS - 1):
         streamer.layer_ready(layer, [("lw", 8), ("plain", 4)])
-    landed, dump = _layers_until(decode, "lw", LAYERS - 1)
+    landed, dump = decode.layers_until("lw", LAYERS - 1)
     assert landed == LAYERS - 1
     for src, dst in ((1, 4), (2, 5)):
         assert landed_blocks(dump, dst)[: LAYERS - 1] == expected(src)[: LAYERS - 1]
@@ -490,14 +480,14 @@ def test_a_layerwise_ticket_hears_each_layer_as_it_lands_and_only_then(decode, s
     assert decode.layers("plain")[0] == 0
     streamer.layer_ready(LAYERS - 1, [("lw", 8), ("plain", 4)])
     assert sorted(o.request_id for o in outcomes_until(streamer, 2)) == ["lw", "plain"]
-    assert _layers_until(decode, "lw", LAYERS)[0] == LAYERS
+    assert decode.layers_until("lw", LAYERS)[0] == LAYERS
     assert decode.wait("lw")[0] and decode.wait("plain")[0]
     assert decode.layers("lw") == [None, "InvalidArgumentError: request 'lw' is not expected"]
 
     streamer.add_request("doomed", [0], 4)
     streamer.set_destination("doomed", dest, [7], decode.expect("doomed", layerwise=True))
     streamer.layer_ready(0, [("doomed", 4)])
-    assert _layers_until(decode, "doomed", 1)[0] == 1
+    assert decode.layers_until("doomed", 1)[0] == 1
     streamer.fail("doomed", "the prefill worker died")
     assert outcomes_until(streamer, 1) == [
         transfer.Outcome("doomed", False, "the prefill worker died")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -37,10 +38,12 @@ PROMPT = {"a": 10, "b": 6}
 
 WORKER = f"""
 import sys
+import time
 from pdhal import ops
 from pdhal.testing.transfer_peers import pattern
 L, C, B, BB, BT = {LAYERS}, {CACHES}, {BLOCKS}, {BLOCK_BYTES}, {BLOCK_TOKENS}
 mode = sys.argv[1]
+pause = tuple(map(int, sys.argv[2].split(","))) if len(sys.argv) > 2 else None  # step, layer
 buffers = [[ops.host_alloc(B * BB) for _ in range(C)] for _ in range(L)]
 caches = [[b.as_numpy("uint8", (B, BB)) for b in row] for row in buffers]
 for layer, row in enumerate(buffers):
@@ -52,7 +55,7 @@ STEPS = [[(0, 0, 0, 6, 10), (1, 4, 0, 6, 6)], [(0, 0, 6, 4, 10)]]
 PARTIAL = 0xEE  # a block whose tokens are not all written yet
 print("ready", flush=True)
 sys.stdin.readline()
-for chunks in STEPS:
+for number, chunks in enumerate(STEPS, 1):
     encoder, this_time, decoder = [0, 0], [1, 1], [0, 0]
     for slot, _, before, length, _ in chunks:
         encoder[slot], this_time[slot], decoder[slot] = length, length, before
@@ -71,6 +74,9 @@ for chunks in STEPS:
                     value = pattern(layer, cache, first + block) if whole else PARTIAL
                     caches[layer][cache][first + block] = value
         ops.signal_layer_ready(signal_of(layer))
+        if (number, layer) == pause:  # the test looks at what its signals so far did
+            print("paused", flush=True)
+            sys.stdin.readline()
     print("step done", flush=True)
     sys.stdin.readline()  # the messager has this step (a per-query reader must not fall behind)
 print("done", flush=True)
@@ -79,9 +85,11 @@ sys.stdin.readline()
 
 
 class Worker:
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, pause: tuple[int, int] | None = None):
+        """`pause` (step, layer): it stops after signalling that layer, says "paused" and
+        goes on at go()."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER, mode],
+            [sys.executable, "-c", WORKER, mode, *([",".join(map(str, pause))] if pause else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -243,15 +251,18 @@ def _streaming(streamer, decode, requests=SOURCE, **expect):
     return dest
 
 
-def test_followed_steps_land_every_byte_once_their_layers_are_signalled():
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_followed_steps_land_every_byte_once_their_layers_are_signalled(layerwise):
     """One follow() per step and no call per layer: each layer's copies wait on the shm
     link's copier for that layer's signal. Step 2 is followed before the worker computes
     it, so a copy that did not wait would land the zeros its blocks held (a's last block
-    holds the partial-block marker after step 1, which the first step must not send)."""
-    decode, worker = Decode(), Worker("per_query")
+    holds the partial-block marker after step 1, which the first step must not send).
+    `layerwise`: both decode sides read their requests layer by layer (vLLM's sync load),
+    each hearing a layer only once it landed: a hears none before step 2's signals."""
+    decode, worker = Decode(), Worker("per_query", pause=(2, 0) if layerwise else None)
     streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS)
     try:
-        _streaming(streamer, decode)
+        _streaming(streamer, decode, layerwise=layerwise)
         worker.go()  # its first step creates the channel
         with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
             streamer.follow(reader, 1, [("a", 6), ("b", 6)])
@@ -260,6 +271,13 @@ def test_followed_steps_land_every_byte_once_their_layers_are_signalled():
             assert [(o.request_id, o.landed) for o in b] == [("b", True)], b
             streamer.follow(reader, 2, [("a", 10)])  # before the worker computes step 2
             assert streamer.poll(timeout=0.2) == []  # a waits for step 2's signals
+            if layerwise:  # no layer of a whole before its last block came; then layer 0
+                assert decode.layers("a")[0] == 0
+                worker.go()
+                worker.expect("paused")
+                assert decode.layers_until("a", 1)[0] == 1
+                time.sleep(0.1)  # layer 1 not signalled: nothing more is told
+                assert decode.layers("a")[0] == 1
             worker.go()
             worker.expect("step done")
             a = outcomes_until(streamer, 1)
@@ -463,11 +481,7 @@ def test_follow_refuses_what_it_cannot_send_before_anything_goes(faulty):
                 "Transport.gates": lambda: other.follow(reader, 1, []),
             }
             streamer.set_destination("b", dest, DEST["b"], decode.expect("b"))
-            ticket = decode.expect("a", layerwise=True)
-            streamer.set_destination("a", dest, DEST["a"], ticket)
-            refused["reads it layer by layer"] = lambda: streamer.follow(
-                reader, 1, [("b", 6), ("a", 6)]
-            )
+            streamer.set_destination("a", dest, DEST["a"], decode.expect("a"))
             for why, call in refused.items():
                 with pytest.raises(pdhal.InvalidArgumentError, match=why):
                     call()
