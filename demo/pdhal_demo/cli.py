@@ -118,6 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="baseline: post every layer signal only after the forward pass",
     )
     parser.add_argument(
+        "--follow",
+        action="store_true",
+        help="per_query over shm: hand each step to the messager's service once "
+        "(PrefillService.follow); the link starts each layer's copies at its signal, "
+        "with no call per layer",
+    )
+    parser.add_argument(
         "--inflight",
         type=_positive,
         default=4,
@@ -200,6 +207,12 @@ def _check_usage(args, model) -> None:
         raise _Refused(2, f"--slow-rank names a rank beyond --tp {args.tp}")
     if args.fault == "kill-decoder" and args.decoder == "remote":
         raise _Refused(2, "--fault kill-decoder kills a local decoder; kill a remote one by hand")
+    if args.follow and (args.mode != "per_query" or args.transport != "shm" or args.slow_rank):
+        raise _Refused(
+            2,
+            "--follow needs --mode per_query and --transport shm (a link that waits for "
+            "each layer's signal itself), and no --slow-rank (its delay is per layer call)",
+        )
     if args.decoder == "remote" and args.transport != "mooncake":
         raise _Refused(2, "--decoder remote needs --transport mooncake (shm stays on one host)")
 
@@ -329,6 +342,7 @@ def main(args) -> int:
         transfer_timeout_s=args.transfer_timeout,
         slow_ms=args.slow_rank,
         decode_platform=args.decode_platform,
+        follow=args.follow,
     )
     summaries, runs = [], []
     try:

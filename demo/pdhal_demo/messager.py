@@ -167,6 +167,25 @@ def _per_query(messager: Messager, plan: Plan, reader, base: int) -> None:
             feed.progress(seen, signal_ns)
 
 
+def _per_query_followed(messager: Messager, plan: Plan, reader, base: int) -> None:
+    """--follow: each plan step goes to the service once, as the worker begins it (its
+    table in hand), and each of its layers' copies starts on the link at the layer's
+    signal: this thread wakes once per step, not per layer."""
+    messager.offset = base + 1
+    last = base + len(plan.steps)
+    seen, given = (base, -1), 0
+    with reader:
+        while seen[0] < last or given < len(plan.steps):
+            messager.idle()  # before blocking: the parent wakes while this one sleeps
+            seen = reader.wait(seen, timeout=WAIT_TIMEOUT_S)
+            while given < len(plan.steps) and base + 1 + given <= seen[0]:
+                messager.prepare(given)
+                table = [(str(c.request), c.start + c.length) for c in plan.steps[given]]
+                messager.service.follow(reader, base + 1 + given, table)
+                given += 1
+            seen = (seen[0], plan.model.layers - 1)  # wake at the next step's beginning
+
+
 def _per_chunk(messager: Messager, plan: Plan, rank: int, device: int) -> None:
     """Each (step, layer) record lists (slot, cached, chunk) of the requests it advanced; the
     plan says which request held each batch slot in that step (slots are reused)."""
@@ -213,7 +232,8 @@ def run(link, setup: dict) -> None:
     link.send(("ready", {"pid": os.getpid(), "address": address}))
     try:
         if plan.mode == "per_query":
-            _per_query(messager, plan, reader, base)
+            follow = _per_query_followed if setup.get("follow") else _per_query
+            follow(messager, plan, reader, base)
         else:  # the ring hands over every step from the first, whenever the reader attaches
             _per_chunk(messager, plan, rank, device)
     except pdhal.ProducerDiedError as e:  # the decode side hears it too, not by its deadline

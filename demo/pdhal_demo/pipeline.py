@@ -42,6 +42,8 @@ class Options:
     slow_ms: dict[int, float] = field(default_factory=dict)  # rank -> a slow link's delay
     #: The backend the decoder runs on (PDHAL_PLATFORM there); None: the prefill's.
     decode_platform: str | None = None
+    #: per_query: each step one PrefillService.follow, no call per layer (shm only)
+    follow: bool = False
 
 
 class Progress:
@@ -246,6 +248,7 @@ class Pipeline:
                     "device": self.devices[rank],
                     "prefill_cache": f"prefill_cache.{rank}",
                     "slow_ms": self.options.slow_ms.get(rank, 0),
+                    "follow": self.options.follow,
                 }
             )
             ready = self._expect(role, "ready")

@@ -102,6 +102,19 @@ def test_both_modes_verify_every_byte(transport, extra, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_followed_steps_verify_every_byte():
+    """--follow: each step is one PrefillService.follow, the shm link starting each layer's
+    copies at its signal; every byte verified, the transfers overlapping the forward."""
+    run = demo(*SMALL, "--mode", "per_query", "--transport", "shm", "--follow", "--json")
+    assert run.returncode == 0, run.stderr
+    [s] = runs_of(run.stdout)
+    assert s["ok"] and not s["bad_blocks"] and not s["bad_tokens"]
+    assert s["bytes_moved"] == expected_bytes([64, 100, 200, 333], 4)
+    assert s["verified_bytes"] == token_bytes([64, 100, 200, 333], 4)
+    assert s["causality_violations"] == 0
+    assert 0 <= s["overlap_efficiency_p1"] <= s["overlap_efficiency_p50"] <= 1
+
+
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
 def test_figures_keep_their_bounds_with_every_core_busy(transport):
     """Two busy loops compete for the two cores: the worker and the messager get preempted
@@ -716,6 +729,7 @@ def test_json_is_one_object_and_the_plot_any_format_matplotlib_writes(tmp_path, 
             1,
             "--decode-platform tpu: PDHAL_PLATFORM: no backend 'tpu' is installed",
         ),
+        (["--follow"], (), None, 2, "--follow needs --mode per_query and --transport shm"),
     ],
     ids=[
         "plot-folder-missing",
@@ -729,6 +743,7 @@ def test_json_is_one_object_and_the_plot_any_format_matplotlib_writes(tmp_path, 
         "bad-PDHAL-variable",
         "usage",
         "decode-platform-not-installed",
+        "follow-both-modes",
     ],
 )
 def test_what_the_run_needs_is_checked_before_any_process_starts(

@@ -56,6 +56,8 @@ class Request:
     layers_landed: int = 0  # the first layers, each of whose blocks all landed
     in_flight: int = 0  # writes of it not settled (data or progress, queued or submitted)
     gates: list = field(default_factory=list)  # its followed layers' (follow), till settled
+    #: per layer, the gate of its last follow: blocks given later (add_blocks) wait on it too
+    follows: list = field(default_factory=list)
     reason: str = ""  # why it failed
     post_failure: bool = True  # whether its decode side is to read why it failed
     nbytes: int = 0
@@ -71,6 +73,7 @@ class Request:
 
     def __post_init__(self):
         self.ready, self.sent, self.landed = [0] * self.layers, [0] * self.layers, [0] * self.layers
+        self.follows = [None] * self.layers
         self.base = self.cached  # add_request's cached blocks (`given` starts after them)
         self.needed = self.blocks  # source blocks from `base` to the prompt's end
         self.unit_tokens = self.block_tokens

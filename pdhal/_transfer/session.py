@@ -81,6 +81,19 @@ PROBES_S = (0.0, 0.1)
 log = logging.getLogger("pdhal")
 
 
+def _ready_pairs(ready) -> list[tuple[str, int]]:
+    """`ready` ((request_id, tokens) pairs, as layer_ready takes), checked whole."""
+    if isinstance(ready, (str, bytes)) or not hasattr(ready, "__iter__"):
+        raise InvalidArgumentError(f"ready must be a list of (request_id, tokens), got {ready!r}")
+    pairs = []
+    for index, pair in enumerate(ready):  # all checked before any is given
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidArgumentError(f"ready[{index}] must be (request_id, tokens)")
+        request_id = checks.name(pair[0], f"ready[{index}]'s request_id")
+        pairs.append((request_id, checks.integer(pair[1], f"ready[{index}]'s tokens", 1)))
+    return pairs
+
+
 def part_id(request_id: str, prefill_rank: int, decode_rank: int) -> str:
     """The name of the part of `request_id` prefill rank `prefill_rank` sends decode rank
     `decode_rank` (the receiver request it lands as, on both sides)."""
@@ -197,6 +210,8 @@ class _Served:
     ready: list[int]
     #: each layer's last layer_ready (signal_ns, step), for a part claimed after it
     given: list[tuple[int | None, int | None]] = field(default_factory=list)
+    #: its last follow() (signals, step, tokens), for a part claimed after it
+    followed: tuple[object, int, int] | None = None
     parts: dict[str, _Client] = field(default_factory=dict)  # part -> its decode rank
     cached: dict[str, int] = field(default_factory=dict)  # part -> prompt blocks not sent
     expected: int | None = None  # parts its decode instance needs, once one claimed
@@ -290,6 +305,7 @@ class PrefillService:
         #: a decode instance's claims its lost session left waiting, by its instance id
         self._dropped: dict[str, list[str]] = {}
         self._clients: set[_Client] = set()
+        self._followed_step = 0  # the last step follow() gave
         self._outcomes = Outcomes()
         self._closed = False
         self._clock = Deadlines("pdhal-session-clock", clock)
@@ -365,24 +381,36 @@ class PrefillService:
     ) -> None:
         """Layer `layer` now holds `tokens` of each (request_id, tokens) in `ready`."""
         layer = checks.integer(layer, "layer", 0, self.layout.num_layers - 1)
-        if isinstance(ready, (str, bytes)) or not hasattr(ready, "__iter__"):
-            raise InvalidArgumentError(
-                f"ready must be a list of (request_id, tokens), got {ready!r}"
-            )
-        pairs = []
-        for index, pair in enumerate(ready):  # all checked before any is given
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise InvalidArgumentError(f"ready[{index}] must be (request_id, tokens)")
-            request_id = checks.name(pair[0], f"ready[{index}]'s request_id")
-            pairs.append((request_id, checks.integer(pair[1], f"ready[{index}]'s tokens", 1)))
+        pairs = _ready_pairs(ready)
         with self._lock:  # (the streamer never calls back into it: its outcomes queue)
-            known = [(self._served.get(r), tokens) for r, tokens in pairs]
-            known = [(served, tokens) for served, tokens in known if served is not None]
+            known = self._known(pairs)
             given = [(part, tokens) for served, tokens in known for part in self._streaming(served)]
             self.streamer.layer_ready(layer, given, signal_ns, step=step)  # refuses bad input
             for served, tokens in known:  # kept for parts claimed later
                 served.ready[layer] = max(served.ready[layer], tokens)
                 served.given[layer] = (signal_ns, step)
+
+    def follow(self, signals, step: int, ready) -> None:
+        """Send every layer of `ready` ((request_id, tokens), as layer_ready takes) of
+        engine step `step` as the engine signals it on `signals` (the messager's
+        ProgressReader of the per-query channel): one call per step and none per layer, each
+        layer's copies waiting on the link for its signal (KVStreamer.follow). A part claimed
+        later is followed from its claim, a layer signalled by then going at once. Refused
+        as KVStreamer.follow refuses (a transport that does not gate, staged caches, a
+        reader that is not one, a step out of range), before anything is sent."""
+        pairs = _ready_pairs(ready)
+        with self._lock:
+            known = self._known(pairs)
+            given = [(part, tokens) for served, tokens in known for part in self._streaming(served)]
+            self.streamer.follow(signals, step, given)  # refuses bad input
+            self._followed_step = max(self._followed_step, step)
+            for served, tokens in known:  # kept for parts claimed later
+                served.followed = (signals, step, tokens)
+
+    def _known(self, pairs: list[tuple[str, int]]) -> list[tuple[_Served, int]]:
+        """The (request, tokens) of `pairs` whose request is served here (under the lock)."""
+        known = [(self._served.get(r), tokens) for r, tokens in pairs]
+        return [(served, tokens) for served, tokens in known if served is not None]
 
     def fail(self, request_id: str, reason: str) -> None:
         """End `request_id` as failed (the engine aborted it): nothing more of it is sent.
@@ -534,6 +562,22 @@ class PrefillService:
             if tokens:
                 signal_ns, step = served.given[layer]
                 self.streamer.layer_ready(layer, [(claim.part, tokens)], signal_ns, step=step)
+        if served.followed is not None:  # what its step's signals will make ready
+            self._follow_late(served, claim.part)
+
+    def _follow_late(self, served: _Served, part: str) -> None:
+        """Part `part` of `served`, claimed after its step was followed: the layers whose
+        signal came go now, the others at a signal (of a later step, if one was followed
+        since: the streamer follows a channel's steps in order)."""
+        signals, step, tokens = served.followed
+        try:
+            now = signals.current()
+            for layer in range(self.layout.num_layers):
+                if now >= (step, layer):
+                    self.streamer.layer_ready(layer, [(part, tokens)], step=step)
+            self.streamer.follow(signals, max(step, self._followed_step), [(part, tokens)])
+        except PdhalError as e:  # its reader closed meanwhile: nothing will send it
+            self._fail(served, f"its claim came after its step was followed: {e}")
 
     def _unserved(self, client: _Client, part: str, reason: str) -> None:
         if client.link is not None:

@@ -115,6 +115,10 @@ class KVStreamer:
         self._requests: dict[str, Request] = {}
         self._outcomes = Outcomes()
         self._plans: dict[tuple, BlockRuns] = {}  # (destination, the step's spans) -> its runs
+        #: per-query channel (its path, its producer) -> the last step followed there; one
+        #: follow() at a time, so that a link's gates queue in the steps' order
+        self._followed: dict[tuple[str, int], int] = {}
+        self._following = threading.Lock()
         self._destinations: dict[str, Destination] = {}  # by their description
         self._watched: set[Destination] = set()  # those with a peer check scheduled
         self.metrics = TransferMetrics()
@@ -451,8 +455,10 @@ class KVStreamer:
         ProgressReader of the per-query channel), with no call per layer: each layer's
         copies wait on the link for that layer's signal and start at it, with no Python in
         between (a transport whose links gate: Transport.gates, shm's), and apart from the
-        link's other writes, which never wait behind them. One call per step, before or
-        while its layers are signalled (a layer signalled already goes at once). A layer not
+        link's other writes, which never wait behind them. One call per step, in the steps'
+        order, before or while its layers are signalled (a layer signalled already goes at
+        once); as the feeds do, it takes a later step's signal to mean every layer of the
+        earlier ones was signalled (the protocol's layers come in order). A layer not
         signalled within stall_timeout of the link reaching it is never copied: its
         requests fail, told why. A followed request that fails before its signals came
         (fail, abort, its decode side's deadline) gives up its layers no live request
@@ -483,7 +489,20 @@ class KVStreamer:
         # gates read their signals whether or not the reader is closed meanwhile
         step = checks.integer(step, "step", 1, MAX_STEP)
         entries = self._ready_entries(ready)
+        channel = (segment.path, segment.creator_pid)
+        with self._following:
+            self._follow(segment, channel, step, entries)
+
+    def _follow(self, segment, channel: tuple[str, int], step: int, entries) -> None:
+        """follow()'s checks of the step and its requests, then its layers (one at a time)."""
         with self._lock:
+            latest = self._followed.get(channel, 0)
+            if step < latest:  # its gates would wait behind the later step's on each link
+                raise InvalidArgumentError(
+                    f"step {step} is followed after step {latest} of {segment.path}: follow "
+                    f"a channel's steps in order (a layer waits on its link behind the gates "
+                    f"queued before it)"
+                )
             for request_id, _ in entries:
                 request = self._requests.get(request_id)
                 if request is None or not request.live:
@@ -493,6 +512,7 @@ class KVStreamer:
                         f"request {request_id!r} has no decode side yet: follow() sends "
                         f"only requests whose destination is set; call layer_ready for it"
                     )
+            self._followed[channel] = step
         for layer in range(self.layout.num_layers):
             until = (step << _core.LAYER_BITS) | (layer + 1)
             gate = Gate(segment, until, self.stall_timeout)
@@ -521,6 +541,8 @@ class KVStreamer:
                     request.last_signal_ns = signal_ns
                 if not missing and request.sources_missing:
                     lease.append(request)
+                if gate is not None:
+                    request.follows[layer] = gate
                 if (
                     request.state is State.STREAMING
                     and request.sendable(layer) > request.sent[layer]
@@ -546,18 +568,23 @@ class KVStreamer:
         return entries
 
     def _send_ready(self, request: Request) -> None:
-        """Send what of `request` is sendable and was not sent, layer by layer."""
+        """Send what of `request` is sendable and was not sent, layer by layer: behind the
+        gate of the layer's last follow, unless its signal came (its tokens are ready only
+        once it comes)."""
         with self._lock:
             if request.state is not State.STREAMING:
                 return
             layers = [
-                layer
+                (layer, request.follows[layer])
                 for layer in range(request.layers)
                 if request.sendable(layer) > request.sent[layer]
             ]
         now = time.monotonic_ns()
-        for layer in layers:
-            self._send(request.dest, layer, [request], now)
+        for layer, gate in layers:
+            if gate is None or gate.came():
+                self._send(request.dest, layer, [request], now)
+            else:
+                self._send(request.dest, layer, [request], 0, gate.until >> _core.LAYER_BITS, gate)
 
     def _send(
         self,

@@ -37,11 +37,8 @@ def _caches(rank: int, size: int, head_bytes: int, fill: bool, dtype: str = ""):
     block = len(heads) * head_bytes
     buffers = [ops.host_alloc(BLOCKS * block) for _ in range(LAYERS * CACHES)]
     arrays = [b.as_numpy("uint8", (BLOCKS, len(heads), head_bytes)) for b in buffers]
-    for index, array in enumerate(arrays):
-        layer, cache = divmod(index, CACHES)
-        for b in range(BLOCKS):
-            for local, head in enumerate(heads):
-                array[b, local] = value(layer, cache, b, head) if fill else 0
+    for layer in range(LAYERS):
+        _compute(arrays, heads, layer, fill)
     layout = transfer.CacheLayout(
         buffers,
         [
@@ -55,6 +52,15 @@ def _caches(rank: int, size: int, head_bytes: int, fill: bool, dtype: str = ""):
     return layout, arrays, heads
 
 
+def _compute(arrays, heads, layer: int, fill: bool = True) -> None:
+    """Write `layer` of every cache, each block's bytes value(...) (or zeros)."""
+    for cache in range(CACHES):
+        array = arrays[layer * CACHES + cache]
+        for b in range(BLOCKS):
+            for local, head in enumerate(heads):
+                array[b, local] = value(layer, cache, b, head) if fill else 0
+
+
 _SAY = threading.Lock()
 
 
@@ -66,9 +72,13 @@ def _say(*message) -> None:
 
 
 def _prefill(args) -> None:
-    from pdhal import transfer
+    from pdhal import ops, transfer
 
-    layout, _, _ = _caches(args.tp_rank, args.tp_size, args.head_bytes, True, args.dtype)
+    # --blank: its layers computed by "signal" commands, as an engine's steps compute them
+    layout, arrays, heads = _caches(
+        args.tp_rank, args.tp_size, args.head_bytes, not args.blank, args.dtype
+    )
+    meta = reader = None
     service = transfer.PrefillService(
         layout,
         args.block_tokens,
@@ -99,11 +109,37 @@ def _prefill(args) -> None:
             elif command[0] == "fail":
                 service.fail(command[1], command[2])
                 _say("failed", command[1])
+            elif command[0] == "follow":  # request, tokens(, ahead): a step that computes them
+                if command[3:] != [True]:  # a new step; ahead: the one after it, not begun
+                    meta = ops.open_shm_and_get_meta_signal(0, 0)
+                reader = reader or ops.open_kv_signal_reader(0, 0, timeout=30)
+                step = meta.step + (command[3:] == [True])
+                service.follow(reader, step, [(command[1], command[2])])
+                _say("followed", step)
+            elif command[0] == "step":  # the next step begins
+                meta = ops.open_shm_and_get_meta_signal(0, 0)
+                _say("stepped", meta.step)
+            elif command[0] == "signal":  # layer: computed (its bytes written), signalled
+                _compute(arrays, heads, command[1])
+                ops.signal_layer_ready(ops.init_signal_layerwise(meta, command[1]))
+                _say("signalled", command[1])
+            elif command[0] == "claimed":  # request, bound: once a decode rank claimed it
+                deadline = time.monotonic() + command[2]
+                while transfer.part_id(command[1], args.tp_rank, 0) not in service.streamer:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{command[1]} not claimed in {command[2]} s")
+                    time.sleep(0.002)
+                _say("claimed", command[1])
             elif command[0] == "exit":
                 break
         except Exception as e:  # the test reads it
             _say("error", type(e).__name__, str(e))
     service.close()
+    if reader is not None:  # the step channel, as an engine's exit closes it
+        from pdhal.testing.reset import release_process_state
+
+        reader.close()
+        release_process_state(forget_backend=False)
     _say("closed")
     _exit_at_once(layout)
 
@@ -234,6 +270,7 @@ def main(argv=None) -> None:
     parser.add_argument("--keepalive", type=float, default=5.0)
     parser.add_argument("--claim-timeout", type=float, default=60.0)
     parser.add_argument("--dtype", default="", help="the caches' element type (CacheSpec.dtype)")
+    parser.add_argument("--blank", action="store_true", help="prefill: caches zero till signal")
     args = parser.parse_args(argv)
     (_prefill if args.role == "prefill" else _decode)(args)
 

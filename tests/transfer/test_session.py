@@ -87,6 +87,70 @@ def test_a_claim_from_another_process_lands_byte_for_byte(peers):
     assert_landed([5, 2, 7], [1, 3, 6], got)
 
 
+def test_a_followed_step_claimed_midway_sends_each_layer_at_its_signal(peers, namespace):
+    """PrefillService.follow: one call for the step, none per layer. The decode side claims
+    after layer 0 was computed and signalled: that layer goes at once, the others each at
+    its signal (the prefill caches are zeros until a layer is computed, so a copy that did
+    not wait lands zeros), byte for byte across the two processes."""
+    service, address = prefill(peers, "--blank")
+    client = peers("decode")
+    connect(client, address)
+    service.send("add", "r1", [1, 3, 6], 10, False)
+    service.read("added")
+    service.send("follow", "r1", 10)
+    service.read("followed")
+    service.send("signal", 0)
+    service.read("signalled")
+    client.send("claim", "r1", address, [5, 2, 7], 10, 30)
+    client.read("claimed")
+    service.send("claimed", "r1", 30)
+    service.read("claimed")
+    for layer in range(1, LAYERS):
+        service.send("signal", layer)
+        service.read("signalled")
+    assert service.read("outcome") == ["r1", True, ""]
+    client.send("wait", "r1", [5, 2, 7], 30)
+    landed, reason, free, got = client.read("outcome")
+    assert (landed, reason, free) == (True, "", True)
+    assert_landed([5, 2, 7], [1, 3, 6], got)
+
+
+def test_a_claim_of_a_step_followed_before_a_later_one_waits_for_the_later_signals(peers):
+    """r2's step is followed ahead (before it begins) while r1's computes; r1 is claimed
+    then: its layer signalled by then goes at once, the others wait for the later step's
+    signals (the streamer takes a channel's steps in order; those imply its own), and
+    land byte for byte."""
+    service, address = prefill(peers, "--blank")
+    client = peers("decode")
+    connect(client, address)
+    for request, blocks in (("r1", [1, 3, 6]), ("r2", [0, 2, 4])):
+        service.send("add", request, blocks, 10, False)
+        service.read("added")
+    service.send("follow", "r1", 10)
+    [step] = service.read("followed")
+    service.send("signal", 0)
+    service.read("signalled")
+    service.send("follow", "r2", 10, True)
+    assert service.read("followed") == [step + 1]
+    client.send("claim", "r1", address, [5, 2, 7], 10, 30)
+    client.read("claimed")
+    service.send("claimed", "r1", 30)
+    service.read("claimed")
+    for signalled in range(1, LAYERS):
+        service.send("signal", signalled)
+        service.read("signalled")
+    service.send("step")
+    service.read("stepped")
+    for signalled in range(LAYERS):
+        service.send("signal", signalled)
+        service.read("signalled")
+    assert service.read("outcome") == ["r1", True, ""]
+    client.send("wait", "r1", [5, 2, 7], 30)
+    landed, reason, free, got = client.read("outcome")
+    assert (landed, reason, free) == (True, "", True)
+    assert_landed([5, 2, 7], [1, 3, 6], got)
+
+
 def test_a_waiting_poll_is_woken_by_the_landing_and_reports_it(peers):
     """A decode side waiting for something to report (poll(timeout)) hears from the
     prefill side that the part ended, and finds it landed then: not at its timeout, and
@@ -345,6 +409,23 @@ def test_a_request_nobody_claims_fails_at_its_claim_lease_not_before(caches):
         assert service.poll() == [
             transfer.Outcome("r1", False, "no decode side claimed it within 60 s")
         ]
+    finally:
+        service.close()
+
+
+def test_a_follow_the_streamer_cannot_take_is_refused_at_the_call(caches):
+    """What KVStreamer.follow refuses, PrefillService.follow refuses at the call, naming
+    what was wrong."""
+    service = transfer.PrefillService(caches, 4, key=KEY, kv_heads=KV_HEADS)
+    try:
+        service.add_request("r1", [1], 4)
+        for signals, ready, why in (
+            ("reader", [("r1", 4)], "ProgressReader"),
+            (None, "r1", "ready must be a list"),
+            (None, [("r1", 0)], "tokens"),
+        ):
+            with pytest.raises(InvalidArgumentError, match=why):
+                service.follow(signals, 1, ready)
     finally:
         service.close()
 

@@ -301,6 +301,40 @@ def test_followed_steps_land_every_byte_once_their_layers_are_signalled(layerwis
         decode.close()
 
 
+def test_blocks_given_after_their_step_was_followed_wait_for_its_signals():
+    """a's prompt comes chunk by chunk and so do its source blocks: block 0 with step 1,
+    blocks 1 and 2 given (add_blocks) once step 2 was followed, before the worker computes
+    it. They go behind step 2's gates, not at once: a copy that did not wait would land
+    the partial-block marker and zeros the worker wrote before step 2."""
+    decode, worker = Decode(), Worker("per_query")
+    streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS)
+    try:
+        dest = streamer.connect(decode.described)
+        streamer.add_request("a", SOURCE["a"][:1], PROMPT["a"])
+        streamer.set_destination("a", dest, DEST["a"], decode.expect("a"))
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            streamer.follow(reader, 1, [("a", 6)])
+            worker.expect("step done")
+            streamer.follow(reader, 2, [("a", 10)])
+            streamer.add_blocks("a", SOURCE["a"][1:])
+            assert streamer.poll(timeout=0.2) == []  # its last blocks wait for step 2
+            worker.go()
+            worker.expect("step done")
+            [a] = outcomes_until(streamer, 1)
+            assert a.landed, a.reason
+            worker.go()
+        worker.expect("done")
+        landed, reason, dump, uniform = decode.wait("a")
+        assert landed and uniform, reason
+        for src, dst in zip(SOURCE["a"], DEST["a"]):
+            assert landed_blocks(dump, dst) == expected(src), f"a: {src} -> {dst}"
+    finally:
+        streamer.close()
+        worker.close()
+        decode.close()
+
+
 def test_a_followed_layer_never_signalled_fails_its_request_alone_and_nothing_of_it_copies():
     """b is followed for a step the worker has not computed: the link's gate times out after
     stall_timeout, b fails naming the layer, and its decode side reads why at once (the
@@ -495,6 +529,9 @@ def test_follow_refuses_what_it_cannot_send_before_anything_goes(faulty):
             closed.close()
             with pytest.raises(pdhal.ClosedHandleError):
                 streamer.follow(closed, 2, [("a", 10)])
+            streamer.follow(reader, 3, [])  # a step followed: none before it may be now
+            with pytest.raises(pdhal.InvalidArgumentError, match="is followed after step 3"):
+                streamer.follow(reader, 2, [("a", 10)])
             streamer.abort("done")
             worker.go()
             worker.expect("step done")
