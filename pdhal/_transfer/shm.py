@@ -18,6 +18,7 @@ import errno
 import os
 import select
 import threading
+from collections.abc import Callable
 
 from pdhal import ops
 from pdhal._errors import (
@@ -193,6 +194,21 @@ def _checked(described: object) -> tuple[int, str, list[str], list[int]]:
     return pid, started, list(names), sizes
 
 
+def _poster(layer: LayerCopies, runs: BlockRuns) -> Callable[[_core.Copier], _core.CopyJob]:
+    """What posts the copies of block `runs` in `layer` to a copier: blocks, the units of
+    two block sizes, or pieces converted between two orders."""
+    if isinstance(layer, PieceCopies):  # (a UnitCopies of one-token units, and orders)
+        return lambda copier: copier.post_pieces(
+            layer.caches, layer.heads, layer.orders, layer.count, layer.units,
+            runs.words, len(runs),
+        )  # fmt: skip
+    if isinstance(layer, UnitCopies):
+        return lambda copier: copier.post_units(
+            layer.caches, layer.heads, layer.count, layer.units, runs.words, len(runs)
+        )
+    return lambda copier: copier.post_blocks(layer.caches, layer.count, runs.words, len(runs))
+
+
 class _ShmBatch(Batch):
     """One submit's copies, queued on the link's copier (behind their gate's job, if
     gated: it fails them if it fails)."""
@@ -322,26 +338,7 @@ class ShmLink(Link):
             raise TransferError(why)
         if not len(runs):
             return LandedBatch()
-        if isinstance(layer, PieceCopies):  # (a UnitCopies of one-token units, and orders)
-            return self._post(
-                gate=gate,
-                post=
-                lambda copier: copier.post_pieces(
-                    layer.caches, layer.heads, layer.orders, layer.count, layer.units,
-                    runs.words, len(runs),
-                ),
-            )  # fmt: skip
-        if isinstance(layer, UnitCopies):
-            return self._post(
-                lambda copier: copier.post_units(
-                    layer.caches, layer.heads, layer.count, layer.units, runs.words, len(runs)
-                ),
-                gate,
-            )
-        return self._post(
-            lambda copier: copier.post_blocks(layer.caches, layer.count, runs.words, len(runs)),
-            gate,
-        )
+        return self._post(_poster(layer, runs), gate)  # whichever copies: behind the gate
 
     def _post(self, post, gate: Gate | None = None) -> Batch:
         """post(copier)'s job as a batch (a peer shrinking the regions fails it: a SIGBUS

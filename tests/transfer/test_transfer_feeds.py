@@ -458,6 +458,99 @@ def test_abort_ends_a_followed_step_whose_worker_died_at_once_on_both_sides(name
         pdhal.cleanup(namespace)  # the dead worker's leftovers
 
 
+def test_a_request_sharing_a_failed_request_s_followed_layers_still_lands():
+    """a and b are followed for step 2 in the same sends; a fails before the signals: the
+    layers b needs too are not given up, and b lands once the step runs."""
+    decode, worker = Decode(), Worker("per_query")
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS, stall_timeout=60.0
+    )
+    try:
+        _streaming(streamer, decode)
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            worker.expect("step done")
+            streamer.follow(reader, 2, [("a", 10), ("b", 6)])
+            streamer.fail("a", "the engine gave up on a")
+            assert streamer.poll(timeout=0.3) == []  # a's share of b's sends: not given up
+            worker.go()
+            worker.expect("step done")
+            ended = {o.request_id: o for o in outcomes_until(streamer, 2)}
+            assert not ended["a"].landed and "gave up" in ended["a"].reason
+            assert ended["b"].landed, ended["b"].reason
+            worker.go()
+        worker.expect("done")
+        landed, reason, dump, uniform = decode.wait("b")
+        assert landed and uniform, reason
+        for src, dst in zip(SOURCE["b"], DEST["b"]):
+            assert landed_blocks(dump, dst) == expected(src), f"b: {src} -> {dst}"
+    finally:
+        streamer.close()
+        worker.close()
+        decode.close()
+
+
+def test_a_followed_layer_whose_copies_started_is_not_landed_before_they_end(faulty):
+    """b's step was signalled before follow(): its gates open at once and its copies start,
+    but the link holds their batches (faulty "held-open"): nothing of b is reported, nor a
+    layer recorded, until they end."""
+    held = faulty("held-open")
+    held.release.clear()
+    decode, worker = Decode(), Worker("per_query")
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(prefill_caches()),
+        BLOCK_TOKENS,
+        stall_timeout=60.0,
+        transport_name="faulty",
+    )
+    try:
+        _streaming(streamer, decode, requests=["b"])
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            worker.expect("step done")
+            streamer.follow(reader, 1, [("b", 6)])  # (returns once the gates opened)
+            assert streamer.poll(timeout=0.5) == []
+            assert streamer.metrics.layers() == []
+            held.release.set()
+            [b] = outcomes_until(streamer, 1)
+            assert b.landed, b.reason
+            worker.go()
+            worker.expect("step done")
+            worker.go()
+        worker.expect("done")
+    finally:
+        held.release.set()
+        streamer.close()
+        worker.close()
+        decode.close()
+
+
+def test_a_followed_layer_may_take_all_of_stall_timeout_to_be_signalled():
+    """stall_timeout 3 s: step 2's first signal comes 1.5 s after follow() (a slow step):
+    a lands. Each layer has the whole bound, not a share of it."""
+    decode, worker = Decode(), Worker("per_query")
+    streamer = transfer.KVStreamer(
+        transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS, stall_timeout=3.0
+    )
+    try:
+        _streaming(streamer, decode, requests=["a"])
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            worker.expect("step done")
+            streamer.follow(reader, 2, [("a", 10)])
+            time.sleep(1.5)
+            worker.go()
+            worker.expect("step done")
+            [a] = outcomes_until(streamer, 1)
+            assert a.landed, a.reason
+            worker.go()
+        worker.expect("done")
+    finally:
+        streamer.close()
+        worker.close()
+        decode.close()
+
+
 def test_a_followed_request_past_its_decode_side_s_deadline_is_given_up_before_its_signals():
     """b's decode side gives it up after 1 s, its followed step not computed: the streamer
     ends it then (not at stall_timeout, a minute), its gates given up, and when the signals

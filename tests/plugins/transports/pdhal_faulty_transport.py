@@ -7,7 +7,9 @@ raises from its Nth call on: a transport's bug) and "hangs:N" (the Nth connect t
 endpoint and those after it never return: Mooncake's connect to a cut-off peer), each for
 every endpoint or, as "stall:N@NAME", for the endpoint NAME only; and "held" (the
 transport gates, as shm does, and a gated batch settles only once `release` is set: its
-signal came, its copies may have run, and the streamer has not seen it yet). Submits are
+signal came, its copies may have run, and the streamer has not seen it yet) or
+"held-open" (the same, and a gated submit returns once its gate opened: copies started,
+not landed). Submits are
 counted per endpoint (its process and name), over every link to it: a link made anew
 after a fault goes on counting. Every other submit is shm's."""
 
@@ -43,8 +45,11 @@ class _Delayed(Batch):
 
 
 class _Held(Batch):
-    def __init__(self, batch: Batch):
+    def __init__(self, batch: Batch, opened: bool):
         self._batch = batch
+        deadline = time.monotonic() + 30
+        while opened and not batch.started_ns() and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def done(self) -> bool:
         return release.is_set() and self._batch.done()
@@ -62,6 +67,12 @@ class _Held(Batch):
 
 
 release = threading.Event()  # what "held" batches wait for
+
+
+def _faults() -> list[str]:
+    return os.environ.get("PDHAL_FAULTY_TRANSPORT", "").split(",")
+
+
 _counts: collections.Counter = collections.Counter()  # (endpoint, "submit"/"problem") -> calls
 _lock = threading.Lock()
 
@@ -76,7 +87,7 @@ class FaultyLink(Link):
             if not only or only == endpoint:
                 if kind in ("stalls", "problem"):
                     self._from[kind] = int(count)
-                elif kind != "held":  # the transport's, read by gates
+                elif kind not in ("held", "held-open"):  # the transport's: gates
                     self._faults[int(count)] = kind
 
     def _count(self, what: str) -> int:
@@ -100,7 +111,8 @@ class FaultyLink(Link):
     def submit_blocks(self, layer, runs, gate=None):
         if gate is None:
             return super().submit_blocks(layer, runs)  # through submit(), and its faults
-        return _Held(self._link.submit_blocks(layer, runs, gate))
+        opened = "held-open" in _faults()
+        return _Held(self._link.submit_blocks(layer, runs, gate), opened)
 
     def problem(self):
         if self._count("problem") >= self._from.get("problem", float("inf")):
@@ -117,7 +129,7 @@ class FaultyTransport(Transport):
 
     @property
     def gates(self) -> bool:
-        return "held" in os.environ.get("PDHAL_FAULTY_TRANSPORT", "").split(",")
+        return bool({"held", "held-open"} & set(_faults()))
 
     def endpoint(self, regions, name):
         return transport("shm").endpoint(regions, name)
