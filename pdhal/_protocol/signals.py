@@ -318,6 +318,14 @@ class ProgressReader:
     def producer_pid(self) -> int:
         return self._segment.creator_pid
 
+    def dup(self) -> ProgressReader:
+        """Another reader of this channel, on the same mapping, closed on its own
+        (Segment.dup): for whoever reads it after this one's owner closed it."""
+        other = ProgressReader.__new__(ProgressReader)
+        other._segment = self.segment.dup()
+        other.rank, other.device_id = self.rank, self.device_id
+        return other
+
     @property
     def segment(self) -> _core.Segment:
         """The channel's segment (for a link's gate: KVStreamer.follow); ClosedHandleError

@@ -404,8 +404,9 @@ class PrefillService:
             given = [(part, tokens) for served, tokens in known for part in self._streaming(served)]
             self.streamer.follow(signals, step, given)  # refuses bad input
             self._followed_step = max(self._followed_step, step)
-            for served, tokens in known:  # kept for parts claimed later
-                served.followed = (signals, step, tokens)
+            kept = signals.dup()  # parts claimed later, after the messager closed its reader too
+            for served, tokens in known:
+                served.followed = (kept, step, tokens)
 
     def _known(self, pairs: list[tuple[str, int]]) -> list[tuple[_Served, int]]:
         """The (request, tokens) of `pairs` whose request is served here (under the lock)."""
@@ -576,7 +577,7 @@ class PrefillService:
                 if now >= (step, layer):
                     self.streamer.layer_ready(layer, [(part, tokens)], step=step)
             self.streamer.follow(signals, max(step, self._followed_step), [(part, tokens)])
-        except PdhalError as e:  # its reader closed meanwhile: nothing will send it
+        except PdhalError as e:  # (the streamer closing meanwhile)
             self._fail(served, f"its claim came after its step was followed: {e}")
 
     def _unserved(self, client: _Client, part: str, reason: str) -> None:

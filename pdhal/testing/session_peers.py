@@ -116,6 +116,10 @@ def _prefill(args) -> None:
                 step = meta.step + (command[3:] == [True])
                 service.follow(reader, step, [(command[1], command[2])])
                 _say("followed", step)
+            elif command[0] == "unread":  # the messager closes its reader (its loop ended)
+                reader.close()
+                reader = None
+                _say("unread")
             elif command[0] == "step":  # the next step begins
                 meta = ops.open_shm_and_get_meta_signal(0, 0)
                 _say("stepped", meta.step)
@@ -135,10 +139,11 @@ def _prefill(args) -> None:
         except Exception as e:  # the test reads it
             _say("error", type(e).__name__, str(e))
     service.close()
-    if reader is not None:  # the step channel, as an engine's exit closes it
+    if meta is not None:  # the step channel, as an engine's exit closes it
         from pdhal.testing.reset import release_process_state
 
-        reader.close()
+        if reader is not None:
+            reader.close()
         release_process_state(forget_backend=False)
     _say("closed")
     _exit_at_once(layout)

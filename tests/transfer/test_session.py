@@ -89,9 +89,11 @@ def test_a_claim_from_another_process_lands_byte_for_byte(peers):
 
 def test_a_followed_step_claimed_midway_sends_each_layer_at_its_signal(peers, namespace):
     """PrefillService.follow: one call for the step, none per layer. The decode side claims
-    after layer 0 was computed and signalled: that layer goes at once, the others each at
-    its signal (the prefill caches are zeros until a layer is computed, so a copy that did
-    not wait lands zeros), byte for byte across the two processes."""
+    after layer 0 was computed and signalled, and after the messager closed its reader (as
+    one whose loop ended before the decode side's blocks came free): that layer goes at
+    once, the others each at its signal (the prefill caches are zeros until a layer is
+    computed, so a copy that did not wait lands zeros), byte for byte across the two
+    processes."""
     service, address = prefill(peers, "--blank")
     client = peers("decode")
     connect(client, address)
@@ -101,6 +103,8 @@ def test_a_followed_step_claimed_midway_sends_each_layer_at_its_signal(peers, na
     service.read("followed")
     service.send("signal", 0)
     service.read("signalled")
+    service.send("unread")
+    service.read("unread")
     client.send("claim", "r1", address, [5, 2, 7], 10, 30)
     client.read("claimed")
     service.send("claimed", "r1", 30)
