@@ -305,7 +305,6 @@ class PrefillService:
         #: a decode instance's claims its lost session left waiting, by its instance id
         self._dropped: dict[str, list[str]] = {}
         self._clients: set[_Client] = set()
-        self._followed_step = 0  # the last step follow() gave
         self._outcomes = Outcomes()
         self._closed = False
         self._clock = Deadlines("pdhal-session-clock", clock)
@@ -403,7 +402,6 @@ class PrefillService:
             known = self._known(pairs)
             given = [(part, tokens) for served, tokens in known for part in self._streaming(served)]
             self.streamer.follow(signals, step, given)  # refuses bad input
-            self._followed_step = max(self._followed_step, step)
             kept = signals.dup()  # parts claimed later, after the messager closed its reader too
             for served, tokens in known:
                 served.followed = (kept, step, tokens)
@@ -576,7 +574,8 @@ class PrefillService:
             for layer in range(self.layout.num_layers):
                 if now >= (step, layer):
                     self.streamer.layer_ready(layer, [(part, tokens)], step=step)
-            self.streamer.follow(signals, max(step, self._followed_step), [(part, tokens)])
+            latest = self.streamer.last_followed(signals)  # (its channel's: a restarted
+            self.streamer.follow(signals, max(step, latest), [(part, tokens)])  # worker's anew)
         except PdhalError as e:  # (the streamer closing meanwhile)
             self._fail(served, f"its claim came after its step was followed: {e}")
 

@@ -60,6 +60,11 @@ GENERATIONS = (1 << 56) - 1
 log = logging.getLogger("pdhal")
 
 
+def _channel(segment) -> tuple[str, int]:
+    """A per-query channel, as follow() keeps its steps: its path and its producer."""
+    return segment.path, segment.creator_pid
+
+
 class KVStreamer:
     """Streams the KV blocks of requests in `layout` (the prefill caches) to the decode
     sides they are assigned to, layer by layer. Thread-safe: every method may be called
@@ -489,9 +494,15 @@ class KVStreamer:
         # gates read their signals whether or not the reader is closed meanwhile
         step = checks.integer(step, "step", 1, MAX_STEP)
         entries = self._ready_entries(ready)
-        channel = (segment.path, segment.creator_pid)
+        channel = _channel(segment)
         with self._following:
             self._follow(segment, channel, step, entries)
+
+    def last_followed(self, signals: ProgressReader) -> int:
+        """The last step follow() took on `signals`' channel (0: none); a producer that
+        restarted makes its channel anew, whose steps count from 1 again."""
+        with self._lock:
+            return self._followed.get(_channel(signals.segment), 0)
 
     def _follow(self, segment, channel: tuple[str, int], step: int, entries) -> None:
         """follow()'s checks of the step and its requests, then its layers (one at a time)."""

@@ -458,6 +458,44 @@ def test_abort_ends_a_followed_step_whose_worker_died_at_once_on_both_sides(name
         pdhal.cleanup(namespace)  # the dead worker's leftovers
 
 
+def test_a_restarted_worker_s_channel_counts_its_followed_steps_anew(namespace):
+    """The steps follow() took are kept per channel: after the worker died and another
+    made the channel anew, its step 1 may be followed (the late claims of PrefillService
+    follow at the channel's last step: an attack had them wait for the dead one's)."""
+    dead, worker = Worker("per_query"), None
+    streamer = transfer.KVStreamer(transfer.CacheLayout.from_caches(prefill_caches()), BLOCK_TOKENS)
+    try:
+        dead.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            dead.expect("step done")
+            streamer.follow(reader, 1, [])
+            dead.go()
+            dead.expect("step done")
+            streamer.follow(reader, 2, [])
+            assert streamer.last_followed(reader) == 2
+        dead.proc.kill()
+        dead.proc.wait(timeout=30)
+        worker = Worker("per_query")
+        worker.go()
+        with ops.open_kv_signal_reader(0, 0, timeout=30) as reader:
+            worker.expect("step done")
+            assert streamer.last_followed(reader) == 0
+            streamer.follow(reader, 1, [])  # not "after step 2"
+            assert streamer.last_followed(reader) == 1
+            worker.go()
+            worker.expect("step done")
+            worker.go()
+        worker.expect("done")
+    finally:
+        streamer.close()
+        for proc in (dead, worker):
+            if proc is not None and proc.proc.poll() is None:
+                proc.close()
+        dead.proc.stdin.close()
+        dead.proc.stdout.close()
+        pdhal.cleanup(namespace)  # the dead worker's leftovers
+
+
 def test_a_request_sharing_a_failed_request_s_followed_layers_still_lands():
     """a and b are followed for step 2 in the same sends; a fails before the signals: the
     layers b needs too are not given up, and b lands once the step runs."""
