@@ -160,10 +160,7 @@ def test_blocks_go_as_their_layer_s_signal_makes_them_ready(mode):
         ended = {o.request_id: o for o in outcomes_until(streamer, 2)}
         assert all(o.landed for o in ended.values()), ended
         for request in SOURCE:
-            landed, reason, dump, uniform = decode.wait(request)
-            assert landed and uniform, reason
-            for src, dst in zip(SOURCE[request], DEST[request]):
-                assert landed_blocks(dump, dst) == expected(src), f"{request}: {src} -> {dst}"
+            assert_landed_whole(decode, request)
         # one submit per layer and step: a's first block with b's two, then a's last two
         per_layer = [r.layer for r in streamer.metrics.layers()]
         assert sorted(per_layer) == sorted(list(range(LAYERS)) * 2)
@@ -243,6 +240,14 @@ def _stale_in(decode, blocks: list[int]) -> bool:
     )
 
 
+def assert_landed_whole(decode, request: str) -> None:
+    """`request` landed in `decode`, every block of it the bytes its source block holds."""
+    landed, reason, dump, uniform = decode.wait(request)
+    assert landed and uniform, reason
+    for src, dst in zip(SOURCE[request], DEST[request]):
+        assert landed_blocks(dump, dst) == expected(src), f"{request}: {src} -> {dst}"
+
+
 def _streaming(streamer, decode, requests=SOURCE, **expect):
     dest = streamer.connect(decode.described)
     for request in requests:
@@ -285,10 +290,7 @@ def test_followed_steps_land_every_byte_once_their_layers_are_signalled(layerwis
             worker.go()
         worker.expect("done")
         for request in SOURCE:
-            landed, reason, dump, uniform = decode.wait(request)
-            assert landed and uniform, reason
-            for src, dst in zip(SOURCE[request], DEST[request]):
-                assert landed_blocks(dump, dst) == expected(src), f"{request}: {src} -> {dst}"
+            assert_landed_whole(decode, request)
         records = streamer.metrics.layers()
         assert sorted((r.step, r.layer) for r in records) == sorted(
             (step, layer) for step in (1, 2) for layer in range(LAYERS)
@@ -325,10 +327,7 @@ def test_blocks_given_after_their_step_was_followed_wait_for_its_signals():
             assert a.landed, a.reason
             worker.go()
         worker.expect("done")
-        landed, reason, dump, uniform = decode.wait("a")
-        assert landed and uniform, reason
-        for src, dst in zip(SOURCE["a"], DEST["a"]):
-            assert landed_blocks(dump, dst) == expected(src), f"a: {src} -> {dst}"
+        assert_landed_whole(decode, "a")
     finally:
         streamer.close()
         worker.close()
@@ -367,10 +366,7 @@ def test_a_followed_layer_never_signalled_fails_its_request_alone_and_nothing_of
             assert a.landed, a.reason
             worker.go()
         worker.expect("done")
-        landed, reason, dump, uniform = decode.wait("a")
-        assert landed and uniform, reason
-        for src, dst in zip(SOURCE["a"], DEST["a"]):
-            assert landed_blocks(dump, dst) == expected(src)
+        assert_landed_whole(decode, "a")
         assert not _stale_in(decode, DEST["b"])
     finally:
         streamer.close()
@@ -518,10 +514,7 @@ def test_a_request_sharing_a_failed_request_s_followed_layers_still_lands():
             assert ended["b"].landed, ended["b"].reason
             worker.go()
         worker.expect("done")
-        landed, reason, dump, uniform = decode.wait("b")
-        assert landed and uniform, reason
-        for src, dst in zip(SOURCE["b"], DEST["b"]):
-            assert landed_blocks(dump, dst) == expected(src), f"b: {src} -> {dst}"
+        assert_landed_whole(decode, "b")
     finally:
         streamer.close()
         worker.close()
