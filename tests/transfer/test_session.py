@@ -73,6 +73,16 @@ def assert_landed(blocks: list, src_blocks: list[int], got: list) -> None:
                     )
 
 
+def assert_both_sides_landed(service, client, request, blocks, src_blocks) -> None:
+    """`request` landed on the prefill side and then on the decode side, into `blocks`,
+    byte for byte from `src_blocks`."""
+    assert service.read("outcome") == [request, True, ""]
+    client.send("wait", request, blocks, 30)
+    landed, reason, free, got = client.read("outcome")
+    assert (landed, reason, free) == (True, "", True)
+    assert_landed(blocks, src_blocks, got)
+
+
 def test_a_claim_from_another_process_lands_byte_for_byte(peers):
     service, address = prefill(peers)
     client = peers("decode")
@@ -80,11 +90,7 @@ def test_a_claim_from_another_process_lands_byte_for_byte(peers):
     assert client.read("claimed") == ["r1"]
     service.send("add", "r1", [1, 3, 6], 10)
     assert service.read("added") == ["r1"]
-    assert service.read("outcome") == ["r1", True, ""]
-    client.send("wait", "r1", [5, 2, 7], 30)
-    landed, reason, free, got = client.read("outcome")
-    assert (landed, reason, free) == (True, "", True)
-    assert_landed([5, 2, 7], [1, 3, 6], got)
+    assert_both_sides_landed(service, client, "r1", [5, 2, 7], [1, 3, 6])
 
 
 def test_a_followed_step_claimed_midway_sends_each_layer_at_its_signal(peers, namespace):
@@ -112,11 +118,7 @@ def test_a_followed_step_claimed_midway_sends_each_layer_at_its_signal(peers, na
     for layer in range(1, LAYERS):
         service.send("signal", layer)
         service.read("signalled")
-    assert service.read("outcome") == ["r1", True, ""]
-    client.send("wait", "r1", [5, 2, 7], 30)
-    landed, reason, free, got = client.read("outcome")
-    assert (landed, reason, free) == (True, "", True)
-    assert_landed([5, 2, 7], [1, 3, 6], got)
+    assert_both_sides_landed(service, client, "r1", [5, 2, 7], [1, 3, 6])
 
 
 def test_a_claim_of_a_step_followed_before_a_later_one_waits_for_the_later_signals(peers):
@@ -148,11 +150,7 @@ def test_a_claim_of_a_step_followed_before_a_later_one_waits_for_the_later_signa
     for signalled in range(LAYERS):
         service.send("signal", signalled)
         service.read("signalled")
-    assert service.read("outcome") == ["r1", True, ""]
-    client.send("wait", "r1", [5, 2, 7], 30)
-    landed, reason, free, got = client.read("outcome")
-    assert (landed, reason, free) == (True, "", True)
-    assert_landed([5, 2, 7], [1, 3, 6], got)
+    assert_both_sides_landed(service, client, "r1", [5, 2, 7], [1, 3, 6])
 
 
 def test_a_waiting_poll_is_woken_by_the_landing_and_reports_it(peers):
