@@ -149,6 +149,9 @@ def child(code: str, *args: str, pass_fds=()) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL if "mooncake" in args else None,  # Mooncake's own logging
         text=True,
+        # numpy's BLAS would run each matmul on every core: the stand-in model computes on
+        # one, so the copies under test (and the floor's) have the other to themselves
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
     )
 
 
