@@ -667,11 +667,17 @@ def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, 
     for s, d in zip(src_blocks, dst_blocks):
         validate_index(s, "source block", MOST_BLOCKS)
         validate_index(d, "destination block", MOST_BLOCKS)
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
+        extend_runs(runs, s, d, 1)
     return [tuple(r) for r in runs]
+
+
+def extend_runs(runs: list[list[int]], src: int, dst: int, count: int) -> None:
+    """Append the run [src, dst, count] to `runs`, as part of the last one where it goes on
+    from it on both sides."""
+    if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+        runs[-1][2] += count
+    else:
+        runs.append([src, dst, count])
 
 
 #: LayerCopies' fields per cache, and the least each may be.

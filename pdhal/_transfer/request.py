@@ -16,6 +16,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdhal._transfer.layout import extend_runs
+
 
 class State(enum.Enum):
     ADDED = "added"  # its decode side is not known yet (the claim lease runs)
@@ -119,33 +121,27 @@ class Request:
             return known
         return min(max(tokens // self.unit_tokens - self.cached, 0), known)
 
-    def source(self, first: int, end: int) -> list[int]:
-        """The source ids of units [first, end) of those that go: block ids where units
-        are blocks, else virtual ids (block * units per block + the unit's place in it)."""
-        return self._unit_ids(self.given, self.base, self.units[0], first, end)
+    def runs(self, first: int, end: int) -> list[list[int]]:
+        """[first source id, first destination id, count] of each run of units [first, end)
+        of those that go, consecutive on both sides: ids are block ids where units are
+        blocks, else virtual ids (block * units per block + the unit's place in it). A
+        stretch inside one block on both sides at a time, so its cost is in blocks, not
+        units (a unit may be one token)."""
+        (src_per, dst_per), out = self.units, []
+        unit, stop = self.cached + first, self.cached + end
+        while unit < stop:
+            count = min(stop - unit, src_per - unit % src_per, dst_per - unit % dst_per)
+            src = self.given[unit // src_per - self.base] * src_per + unit % src_per
+            dst = self.dst_blocks[unit // dst_per - self.dst_skip] * dst_per + unit % dst_per
+            extend_runs(out, src, dst, count)
+            unit += count
+        return out
 
     def source_blocks(self, first: int, end: int) -> list[int]:
         """The source blocks units [first, end) lie in, each once, in order (where a unit
         is part of a block, what holds it whole)."""
-        per = self.units[0]
-        if per == 1:
-            return self.source(first, end)
-        units = range(self.cached + first, self.cached + end)
-        return list(dict.fromkeys(self.given[u // per - self.base] for u in units))
-
-    def destination(self, first: int, end: int) -> list[int]:
-        """The destination ids of units [first, end) of those that go, as source() names
-        the source's."""
-        return self._unit_ids(self.dst_blocks, self.dst_skip, self.units[1], first, end)
-
-    def _unit_ids(self, blocks: list[int], base: int, per: int, first: int, end: int):
-        """The ids of units [first, end) of those that go, in `blocks` (the prompt's
-        blocks of `per` units from block `base` on)."""
-        if per == 1:
-            skip = self.cached - base
-            return blocks[skip + first : skip + end]
-        units = range(self.cached + first, self.cached + end)
-        return [blocks[u // per - base] * per + u % per for u in units]
+        per, unit = self.units[0], self.cached + first
+        return self.given[unit // per - self.base : (unit + end - first - 1) // per - self.base + 1]
 
     # ---- transitions --------------------------------------------------------------
 

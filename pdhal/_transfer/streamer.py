@@ -40,7 +40,7 @@ from pdhal._transfer.contract import (
 from pdhal._transfer.destination import Destination, Send, StatusWrite, Write
 from pdhal._transfer.heads import HeadShard
 from pdhal._transfer.keeper import Clock, Deadlines
-from pdhal._transfer.layout import BlockRuns, CacheLayout, RunPlanner, block_runs, units_of
+from pdhal._transfer.layout import BlockRuns, CacheLayout, RunPlanner, extend_runs, units_of
 from pdhal._transfer.metrics import LayerRecord, TransferMetrics
 from pdhal._transfer.outcome import Outcome, Outcomes
 from pdhal._transfer.plugins import transport
@@ -622,13 +622,12 @@ class KVStreamer:
                 return
             key = (dest, tuple(spans))  # every layer of a step sends the same spans
             runs = self._plans.get(key)
-        if runs is None:
-            src, dst = [], []
+        if runs is None:  # ids checked when the request and its destination came
+            joined: list[list[int]] = []
             for request, first, end in spans:
-                src += request.source(first, end)
-                dst += request.destination(first, end)
-            # ids checked when the request and its destination came
-            runs = BlockRuns(block_runs(src, dst))
+                for src, dst, count in request.runs(first, end):
+                    extend_runs(joined, src, dst, count)
+            runs = BlockRuns([tuple(run) for run in joined])
             with self._lock:
                 if len(self._plans) >= PLANS:
                     self._plans.clear()
