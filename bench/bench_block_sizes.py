@@ -17,17 +17,24 @@ GiB/s (median over rounds) and the median of each round's ratio against "alike".
 A different block size costs more, smaller copies: one per head and per stretch inside one
 block on both sides, where alike blocks of consecutive ids are one copy per run; another
 order one per token and head (each stretch one grid of them, expanded in C on the shm
-link's copier, pieces of 64, 128 or 256 bytes moved inline).
+link's copier, pieces of 64, 128 or 256 bytes moved inline). What copies that size cost
+by themselves is each row's "pieces alone": the same bytes copied in C in the mode's
+sizes, a memcpy each, contiguous, against a memcpy per block (bench/c_pieces.c, nothing
+scattered; pdhal's inline pieces can beat it, its other copies are memcpys).
 `--json` prints one object.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 import os
 import statistics
 import sys
 import time
+
+import _cbuild  # (this folder: the script's own)
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 LAYERS = int(os.environ.get("BENCH_LAYERS", "4" if SMOKE else "32"))
@@ -101,6 +108,41 @@ def _convert(layout, token_bytes: int) -> float:
     return time.perf_counter() - start
 
 
+def piece_sizes(tokens: int, order: str, kv: str, token_bytes: int) -> list[int]:
+    """The sizes of the copies a mode makes of prefill blocks, in order, over a whole number
+    of prefill blocks: a block each where alike; else a copy per head of each stretch inside
+    one block on both sides, per head and block where K and V are together, per token and
+    head where the orders differ."""
+    if order == "tokens":
+        return [token_bytes] * (HEADS * PREFILL_TOKENS)
+    if kv == "together":
+        return [PREFILL_TOKENS * token_bytes] * HEADS
+    if tokens == PREFILL_TOKENS:
+        return [HEADS * PREFILL_TOKENS * token_bytes]
+    period = math.lcm(PREFILL_TOKENS, tokens)
+    cuts = sorted({*range(0, period + 1, PREFILL_TOKENS), *range(0, period + 1, tokens)})
+    return [(end - start) * token_bytes for start, end in zip(cuts, cuts[1:]) for _ in range(HEADS)]
+
+
+def pieces_alone(mode: str, token_bytes: int, nbytes: int) -> float:
+    """A memcpy per block over a memcpy per copy of `mode`, `nbytes` of each
+    (bench/c_pieces.c)."""
+    library = ctypes.CDLL(
+        _cbuild.build(os.path.join(os.path.dirname(__file__), "c_pieces.c"), "libc_pieces.so")
+    )
+    library.pieces_vs_blocks.restype = ctypes.c_double
+    u64 = ctypes.c_uint64
+    library.pieces_vs_blocks.argtypes = [u64, u64, ctypes.POINTER(u64), u64, ctypes.c_int]
+    sizes = piece_sizes(*MODES[mode], token_bytes)
+    block = HEADS * PREFILL_TOKENS * token_bytes
+    period = sum(sizes)
+    ratio = library.pieces_vs_blocks(
+        nbytes // period * period, block, (u64 * len(sizes))(*sizes), len(sizes), ROUNDS
+    )
+    assert ratio > 0, (mode, sizes)
+    return ratio
+
+
 def main() -> dict:
     """Each head size's modes: GiB/s and the ratio against alike."""
     os.environ["PDHAL_NAMESPACE"] = f"benchsizes{os.getpid()}"
@@ -160,6 +202,7 @@ def measure(token_bytes: int) -> dict:
         name: {
             "gib_s": nbytes / statistics.median(times) / 2**30,
             "vs_alike": statistics.median(a / t for a, t in zip(alike, times)),
+            "pieces_alone": pieces_alone(name, token_bytes, nbytes) if name in MODES else None,
         }
         for name, times in seconds.items()
     }
@@ -174,5 +217,9 @@ if __name__ == "__main__":
         for head, rows in result.items():
             print(f"heads of {head}:")
             for name, row in rows.items():
-                print(f"  {name:<32} {row['gib_s']:6.2f} GiB/s   {row['vs_alike']:5.2f}x alike")
+                alone = row["pieces_alone"]
+                print(
+                    f"  {name:<32} {row['gib_s']:6.2f} GiB/s   {row['vs_alike']:5.2f}x alike"
+                    + (f"   (pieces alone {alone:.2f}x)" if alone else "")
+                )
         print("target (issue 35): >= 0.8x alike")

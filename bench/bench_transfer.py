@@ -41,7 +41,9 @@ tokens x 4 heads x 32 dims x fp32 = 32 KiB).
 
 - heterogeneous_vs_alike (MODE): bench_block_sizes' ratios, a head's token 128 bytes as
   here: the same bytes into decode caches of other block sizes, another order, K and V
-  together, against caches alike (issue 35's target: >= 0.8).
+  together, against caches alike (issue 35's target: >= 0.8);
+  heterogeneous_pieces_alone (MODE): what copies of that mode's sizes cost by themselves
+  (bench_block_sizes' "pieces alone": a memcpy each, contiguous, against one per block).
 
 `--json` prints one object; BENCH_SMOKE=1 (make bench-smoke) runs the same on tiny sizes.
 """
@@ -396,6 +398,8 @@ def main() -> dict:
     # head's token as this run's (32 dims of fp32): bench_block_sizes' modes
     for mode, row in bench_block_sizes.measure(128).items():
         result[f"heterogeneous_vs_alike ({mode})"] = round(row["vs_alike"], 3)
+        if row["pieces_alone"]:
+            result[f"heterogeneous_pieces_alone ({mode})"] = round(row["pieces_alone"], 3)
     try:
         mooncake = phase("mooncake", with_floor=False)
     except Exception as e:  # no Mooncake here: say why, measure the rest
