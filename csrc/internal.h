@@ -109,8 +109,6 @@ struct pdhal_segment {
     uint32_t cursor_layer;
     uint64_t unacked_step; /* per-chunk reader: delivered whole, not acknowledged (0: none) */
     int64_t kernel_id;     /* kernel.c: this channel's id in kernel forms (0: none) */
-    _Atomic uint32_t prefault; /* segment.c: an opened buffer's background prefault's state */
-    pthread_t prefaulter;      /* its thread, joined by close (PREFAULT_RUNNING or _STOP) */
     struct pdhal_segment *next_open; /* fork registry */
     char path[256];
 };

@@ -185,68 +185,28 @@ static int map_segment(pdhal_segment *seg, int fd, uint64_t bytes)
 /* Bytes populated per madvise call. The kernel holds the process's mmap lock for reading
  * through one call, and an mmap or munmap on another thread (a new thread's stack, an
  * allocator's arena) queues for it as a writer, with every page fault of every other
- * thread queued behind that: one call over a GiB KV cache froze a messager for 26 s on a
- * loaded host (its sessions silent past their keepalive). Between chunks the lock is
- * released and those go first. */
+ * thread queued behind that. Between chunks the lock is released and those go first. */
 #define PREFAULT_CHUNK ((size_t)32 << 20)
 
-/* The background prefault of an opened buffer: none, running, asked to stop (by close). */
-enum { PREFAULT_NONE = 0, PREFAULT_RUNNING = 1, PREFAULT_STOP = 2 };
-
-/* Map every page of a buffer now: a KV cache is touched whole anyway, and a page fault per
- * 4 KiB on first touch made the first copy through a fresh mapping 4x slower. Best effort:
- * older kernels (EINVAL) or a short memory cgroup leave the pages to fault in later. A close
- * meanwhile stops it between chunks. */
+/* Map every page of a buffer its creator just made: a KV cache is touched whole anyway, and
+ * a page fault per 4 KiB on first touch made the first copy through a fresh mapping 4x
+ * slower. Best effort: older kernels (EINVAL) or a short memory cgroup leave the pages to
+ * fault in later. An opener of another process's buffer does not populate it: its first
+ * copies fault in what they touch. Populating on a thread of the opener's own froze the
+ * opener (a messager mapping two decode ranks' GiB caches) for 10 to 100 s on a loaded host,
+ * every thread of it, its sessions silent past their keepalive: under two busy loops
+ * test_tensor_parallel failed 8 runs of 11 with it (in chunks of 32 or 2 MiB alike) and
+ * passed 3 of 3 without. */
 static void prefault_buffer(pdhal_segment *seg)
 {
     if (seg->kind != PDHAL_KIND_BUFFER)
         return;
     char *base = (char *)seg->hdr;
     for (size_t at = 0; at < seg->map_bytes; at += PREFAULT_CHUNK) {
-        if (atomic_load_explicit(&seg->prefault, memory_order_relaxed) == PREFAULT_STOP)
-            return;
         size_t n = seg->map_bytes - at < PREFAULT_CHUNK ? seg->map_bytes - at : PREFAULT_CHUNK;
         if (madvise(base + at, n, MADV_POPULATE_WRITE) != 0)
             return;
     }
-}
-
-static void *prefault_thread(void *arg)
-{
-    prefault_buffer(arg);
-    return NULL;
-}
-
-/* An opener of another process's buffer maps its pages on a thread of its own: populating a
- * GiB KV cache took seconds on a loaded host, and the opener (a messager restarted under its
- * worker, a decode session being made) was answering no one meanwhile. Its first copies
- * fault in what is not mapped yet. The thread blocks every signal (they are the opener's
- * threads' to handle). A close stops it after its chunk and joins it, so the mapping is
- * gone once close returns (it outlived the close while the thread held a reference). When
- * no thread can be had, the pages fault in on first touch. */
-static void prefault_in_background(pdhal_segment *seg)
-{
-    if (seg->kind != PDHAL_KIND_BUFFER)
-        return;
-    sigset_t all, was;
-    sigfillset(&all);
-    atomic_store_explicit(&seg->prefault, PREFAULT_RUNNING, memory_order_relaxed);
-    pthread_sigmask(SIG_SETMASK, &all, &was); /* the new thread inherits the mask */
-    if (pthread_create(&seg->prefaulter, NULL, prefault_thread, seg) != 0)
-        atomic_store_explicit(&seg->prefault, PREFAULT_NONE, memory_order_relaxed);
-    pthread_sigmask(SIG_SETMASK, &was, NULL);
-}
-
-/* Stop and join the background prefault, if this process started one (a forked child's
- * copy of the handle has no thread to join). */
-static void stop_prefault(pdhal_segment *seg)
-{
-    if (seg->pid != getpid() ||
-        atomic_load_explicit(&seg->prefault, memory_order_relaxed) == PREFAULT_NONE)
-        return;
-    atomic_store_explicit(&seg->prefault, PREFAULT_STOP, memory_order_relaxed);
-    pthread_join(seg->prefaulter, NULL);
-    atomic_store_explicit(&seg->prefault, PREFAULT_NONE, memory_order_relaxed);
 }
 
 /* The folder part of `path` ("." when it has none) into `dir`. */
@@ -628,7 +588,6 @@ int pdhal_segment_open(const char *path, uint32_t kind, int64_t deadline_ns, uin
         seg->cursor_step = atomic_load_explicit(&seg->hdr->consumed, memory_order_acquire) + 1;
         seg->cursor_layer = 0;
     }
-    prefault_in_background(seg);
     *out = seg;
     return 0;
 }
@@ -671,7 +630,6 @@ void pdhal_segment_close(pdhal_segment *seg)
          * still held, so no new reader's pid is overwritten. */
         atomic_store_explicit(&seg->hdr->reader_pid, 0, memory_order_release);
     registry_close(seg);
-    stop_prefault(seg);
     pdhal_segment_unref(seg);
 }
 
