@@ -158,11 +158,11 @@ def resident_kib(path: str) -> int:
     )
 
 
-def test_buffers_come_with_every_page_mapped():
+def test_an_allocation_comes_with_every_page_mapped_and_an_opener_populates_none():
     """A page fault per 4 KiB on first touch made the first copy 4x slower: an allocation
-    comes with every page present, and another process's mapping gets them unasked (on a
-    thread of its own, so that the opener is not held meanwhile: a GiB took seconds on a
-    loaded host)."""
+    comes with every page present. Another process's mapping is left to fault in what it
+    touches: populating it on a thread of the opener's own froze every thread of a messager
+    for 10 to 100 s on a loaded host (its sessions silent past their keepalive)."""
     size = 8 << 20
     with ops.host_alloc(size) as buf:
         assert resident_kib(buf.path) >= size // 1024
@@ -174,10 +174,9 @@ def test_buffers_come_with_every_page_mapped():
             from pdhal import ops
             from test_memory import resident_kib
             ops.share_external_data(np.empty(0, np.uint8), "kv", ({size},))
-            deadline = time.monotonic() + 60
-            while resident_kib("{buf.path}") < {size} // 1024:  # nothing here touches them
-                assert time.monotonic() < deadline, resident_kib("{buf.path}")
-                time.sleep(0.01)
+            time.sleep(0.2)  # (a populate of 8 MiB, were one started, takes milliseconds)
+            untouched = resident_kib("{buf.path}")  # nothing here touched its pages
+            assert untouched < {size} // 1024 // 2, untouched
         """,
             cwd=os.path.dirname(__file__),
         )
