@@ -7,8 +7,9 @@ requests into its caches (pdhal shared memory), notes the time and signals the l
 query). This process is the cache messager: it waits on the channel and, per layer, either
 hands the layer to a KVStreamer over the shm transport into a decode process's KVReceiver
 (even steps) or memmoves the very same runs into the same decode caches itself (odd steps:
-the floor). The caches are the demo's default model's (32 layers, K and V, blocks of 64
-tokens x 4 heads x 32 dims x fp32 = 32 KiB).
+the floor; the decode caches' pages are mapped in this process before the first step, as
+a serving messager's are after its first ones). The caches are the demo's default model's
+(32 layers, K and V, blocks of 64 tokens x 4 heads x 32 dims x fp32 = 32 KiB).
 
 - shm_vs_memcpy_under_compute: memmove time / streamer time for the same bytes, each
   averaged over layers from the messager's wake-up for the layer to the bytes being in the
@@ -215,6 +216,11 @@ def phase(transport_name: str, with_floor: bool, follow: bool = False) -> dict:
     runs = transfer.block_runs(blocks, blocks[::-1])  # scattered: one run per block
     if with_floor:
         bases = [ops.get_data_ptr_ipc(None, name) for name in described["names"]]
+        # a byte of each page of the decode caches read: their pages mapped here once (the
+        # link's mapping is this one), as a serving messager's are after its first steps,
+        # so that neither the streamed steps nor the floor's pay for touching them first
+        for base, size in zip(bases, described["regions"]):
+            sum((ctypes.c_uint8 * size).from_address(base)[::4096])
         floor_runs = [
             [
                 (src, bases[region] + offset, n)
