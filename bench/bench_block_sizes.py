@@ -27,6 +27,7 @@ scattered; pdhal's inline pieces can beat it, its other copies are memcpys).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import os
@@ -124,19 +125,26 @@ def piece_sizes(tokens: int, order: str, kv: str, token_bytes: int) -> list[int]
     return [(end - start) * token_bytes for start, end in zip(cuts, cuts[1:]) for _ in range(HEADS)]
 
 
-def pieces_alone(mode: str, token_bytes: int, nbytes: int) -> float:
-    """A memcpy per block over a memcpy per copy of `mode`, `nbytes` of each
-    (bench/c_pieces.c)."""
+@functools.cache
+def _c_pieces() -> ctypes.CDLL:
+    """bench/c_pieces.c, built and loaded once per run."""
     library = ctypes.CDLL(
         _cbuild.build(os.path.join(os.path.dirname(__file__), "c_pieces.c"), "libc_pieces.so")
     )
     library.pieces_vs_blocks.restype = ctypes.c_double
     u64 = ctypes.c_uint64
     library.pieces_vs_blocks.argtypes = [u64, u64, ctypes.POINTER(u64), u64, ctypes.c_int]
+    return library
+
+
+def pieces_alone(mode: str, token_bytes: int, nbytes: int) -> float:
+    """A memcpy per block over a memcpy per copy of `mode`, `nbytes` of each
+    (bench/c_pieces.c)."""
+    u64 = ctypes.c_uint64
     sizes = piece_sizes(*MODES[mode], token_bytes)
     block = HEADS * PREFILL_TOKENS * token_bytes
     period = sum(sizes)
-    ratio = library.pieces_vs_blocks(
+    ratio = _c_pieces().pieces_vs_blocks(
         nbytes // period * period, block, (u64 * len(sizes))(*sizes), len(sizes), ROUNDS
     )
     assert ratio > 0, (mode, sizes)
