@@ -30,7 +30,10 @@ vLLM's own benchmark client (`vllm bench serve`, its random dataset, streamed co
 
 With --pin (the default on 2 or more cores) each prefill server runs on core 0 and each
 decode server on core 1 (taskset), as a deployment gives each its own accelerator, and
-plain on core 0; the routers, messagers and the client go where the kernel puts them.
+plain on core 0; each messager runs on core 1 too: it moves the KV, which NixlConnector
+does inside its decode server, so both movers' CPU is the decode core's (in a deployment
+the messager runs on the host's CPU, never on the prefill's accelerator). The routers and
+the client go where the kernel puts them.
 Every server's processes start with bench/server_site/sitecustomize.py, which asks the
 kernel for AMX tiles where the CPU has them: vLLM's CPU attention uses them without asking,
 and a decode server that never ran a large matmul died at its first attention (pdhal's
@@ -68,9 +71,10 @@ server stepping its engine while its requests wait for their KV). Each run start
 after the last one ended (vLLM's processes spin a second after their last work). Then
 pdhal / plain and pdhal / example (TTFT, throughput).
 
-The pdhal mode's TTFT, split per request from the traces (every process is on this host
-and every time is CLOCK_MONOTONIC, which the client's time.perf_counter reads too; the
-client's requests are paired with the router's by their start and first-token times):
+With --split, the pdhal mode runs traced and its TTFT is split per request from the traces
+(every process is on this host and every time is CLOCK_MONOTONIC, which the client's
+time.perf_counter reads too; the client's requests are paired with the router's by their
+start and first-token times):
 
 - router: the client sends the request -> the router forwards it to both servers (the HTTP
   hop to the router and its handling; the router's --trace).
@@ -95,9 +99,11 @@ client's requests are paired with the router's by their start and first-token ti
 
 The parts add up to the client's TTFT of that request; the medians of the parts do not add
 up to the median TTFT. Not in any part: the prefill server's answer to the router (it runs
-beside the decode). The traces (connector, messager, router) cost the pdhal mode a file
+beside the decode). The connector's and the messager's traces cost the pdhal mode a file
 write per layer and per request event, and a traced decode worker asks for each layer's
-progress: a little of its time.
+progress, so a traced run is not the one to take ratios from: without --split (the default
+but for BENCH_SMOKE=1) the pdhal mode runs untraced. Every router traces each request's
+events, whatever its mode.
 
 On a shared 2-core machine the absolute numbers mean little (every mode's servers,
 messagers and routers and the client on two cores, and whatever else runs there; the P/D
@@ -400,9 +406,12 @@ def metric(url: str, name: str, **labels: str) -> float:
 class Stack:
     """The messagers, the servers and the routers of the run's modes."""
 
-    def __init__(self, procs: Procs, model: str, max_model_len: int, modes, pin: bool):
+    def __init__(
+        self, procs: Procs, model: str, max_model_len: int, modes, pin: bool, traced: bool
+    ):
         self.p, self.model, self.max_model_len = procs, model, max_model_len
         self.pin = pin
+        self.traced = traced and "pdhal" in modes  # the pdhal mode traced (--split)
         self.modes = tuple(modes)
         self.servers = servers_of(self.modes)
         self.messagers: dict[str, str] = {}  # pdhal mode -> its messager's HOST:PORT
@@ -419,8 +428,10 @@ class Stack:
             name = MESSAGER_OF[mode]
             args = [PY, "-u", "-m", "pdhal_vllm.messager", "--listen", "127.0.0.1:0"]
             args += ["--transport", transport]
-            if mode == "pdhal":  # (the traced one: the TTFT split)
+            if mode == "pdhal" and self.traced:
                 args += ["--trace", p.path("trace.messager.jsonl")]
+            if self.pin:  # on the decode's core, where NixlConnector's pull runs
+                args = ["taskset", "-c", "1", *args]
             p.start(name, args, pipe=True)
             self.messagers[mode] = p.first_line(name, 120, "listening on").split()[-1]
         os.makedirs(self.storage, exist_ok=True)
@@ -482,7 +493,7 @@ class Stack:
                 if kv_role == "kv_producer"
                 else {"transport": PDHAL_TRANSPORTS[mode]}
             )
-            trace = self.trace if mode == "pdhal" else None
+            trace = self.trace if mode == "pdhal" and self.traced else None
             config = kv_transfer_config(kv_role, trace=trace, **side)
             # each pdhal prefill server on a device of its own, as on an xPyD node: two on
             # one device would signal their layers on one channel (refused at start)
@@ -807,7 +818,7 @@ def run(args, root: str, model: str) -> dict:
     procs = Procs(root, server_env(namespace))
     max_len = max(512, -(-(args.input_len + args.output_len + 64) // 32) * 32)
     modes = args.modes
-    stack = Stack(procs, model, max_len, modes, args.pin)
+    stack = Stack(procs, model, max_len, modes, args.pin, args.split)
     out: dict = {"runs": {m: [] for m in modes}}
     out |= {"decode_tokens": {m: [] for m in modes}, "cpu_s": {m: [] for m in modes}}
     times = {}
@@ -849,8 +860,10 @@ def run(args, root: str, model: str) -> dict:
                 )
                 stack.check()
         times["bench_s"] = time.monotonic() - t
-        time.sleep(1.0)  # the messager traces the streamer's records twice a second
-        out["split"] = split_pdhal(stack, out["runs"]["pdhal"]) if "pdhal" in modes else []
+        out["split"] = None
+        if stack.traced:
+            time.sleep(1.0)  # the messager traces the streamer's records twice a second
+            out["split"] = split_pdhal(stack, out["runs"]["pdhal"])
         out["sequential"] = {
             m: sequential_split(stack, m, since_ns) for m in modes if m in SEQUENTIAL
         }
@@ -935,18 +948,6 @@ def summarize(args, out: dict) -> dict:
                 "request_throughput": pd["request_throughput"] / o["request_throughput"],
                 "output_throughput": pd["output_throughput"] / o["output_throughput"],
             }
-    rows = out["split"]
-    split = {
-        "requests": rows,
-        "median": {k: statistics.median(r[k] for r in rows) for k in ("ttft_ms", *PARTS) if rows},
-        "landed_from_streamer": sum(r["landed_from"] == "streamer" for r in rows),
-    }
-    for key in ("transfer_wait_ms", "decode_noticed_ms"):
-        values = [r[key] for r in rows if key in r]
-        if values:
-            split["median"][key] = statistics.median(values)
-    if rows:
-        split["median"]["relay_ms"] = statistics.median(r["relay_ms"] for r in rows)
     return {
         "setup": {
             "layers": args.layers,
@@ -958,16 +959,33 @@ def summarize(args, out: dict) -> dict:
             "rounds": args.rounds,
             "kv_bytes_per_request": args.layers * args.input_len * 2 * args.hidden * 2,
             "smoke": SMOKE,
+            "pdhal_traced": out["split"] is not None,
         },
         "modes": modes,
         "ratios": ratios,
-        "pdhal_ttft_split": split,
+        "pdhal_ttft_split": None if out["split"] is None else _summarize_split(out["split"]),
         "sequential_router": out["sequential"],
         "times": out["times"],
         "stop": out["stop"],
         "note": "absolute numbers on a shared 2-core machine mean little; ratios measured "
         "in one run do",
     }
+
+
+def _summarize_split(rows: list[dict]) -> dict:
+    """The pdhal mode's TTFT split: its requests and the median of each part."""
+    split = {
+        "requests": rows,
+        "median": {k: statistics.median(r[k] for r in rows) for k in ("ttft_ms", *PARTS) if rows},
+        "landed_from_streamer": sum(r["landed_from"] == "streamer" for r in rows),
+    }
+    for key in ("transfer_wait_ms", "decode_noticed_ms"):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            split["median"][key] = statistics.median(values)
+    if rows:
+        split["median"]["relay_ms"] = statistics.median(r["relay_ms"] for r in rows)
+    return split
 
 
 def _report_split(split: dict) -> None:
@@ -1037,8 +1055,10 @@ def report(s: dict) -> None:
             f"  {key:18s} TTFT {r['median_ttft']:.2f}x   request throughput "
             f"{r['request_throughput']:.2f}x   output throughput {r['output_throughput']:.2f}x"
         )
-    if "pdhal" in s["modes"]:
+    if s["pdhal_ttft_split"] is not None:
         _report_split(s["pdhal_ttft_split"])
+    elif "pdhal" in s["modes"]:
+        print("pdhal ran untraced (--split traces it and splits its TTFT)")
     for mode, ex in s["sequential_router"].items():
         if ex:
             print(
@@ -1096,9 +1116,17 @@ def main(argv=None) -> int:
         "--pin",
         action=argparse.BooleanOptionalAction,
         default=(os.cpu_count() or 1) >= 2,
-        help="each prefill server on core 0 and each decode server on core 1 (taskset), as "
-        "a deployment gives each its own accelerator; plain on core 0 (default: on, with 2 "
-        "or more cores)",
+        help="each prefill server on core 0 and each decode server and messager on core 1 "
+        "(taskset), as a deployment gives each its own accelerator; plain on core 0 "
+        "(default: on, with 2 or more cores)",
+    )
+    parser.add_argument(
+        "--split",
+        action=argparse.BooleanOptionalAction,
+        default=SMOKE,
+        help="trace the pdhal mode (connector, messager) and split its TTFT; its ratios "
+        "then carry the traces' cost, so they come from a run without (default: only "
+        "with BENCH_SMOKE=1)",
     )
     parser.add_argument("--keep", default=None, help="keep logs and traces in this folder")
     parser.add_argument("--json", action="store_true", help="print everything as JSON")
