@@ -303,6 +303,10 @@ class Transport:
     #: and holds up no other submit of its link. False (the default): the messager calls
     #: layer_ready per signal.
     gates: ClassVar[bool] = False
+    #: True when its connect takes each source as (address, bytes, kind of memory: "cpu",
+    #: "gpu", "xpu"), for links whose copy depends on its direction (a runtime's copy
+    #: between device and host memory); False (the default): as (address, bytes).
+    source_kinds: ClassVar[bool] = False
 
     def configure(self, **options: object) -> None:
         """Set the transport's options (each plugin documents its own: an address to
@@ -320,7 +324,8 @@ class Transport:
 
     def connect(self, described: dict, sources: list[tuple[int, int]]) -> Link:
         """A Link to the endpoint `described`, copying from `sources` ((address, bytes) of
-        this side's memory, registered with the transport here)."""
+        this side's memory, registered with the transport here; (address, bytes, kind)
+        where the transport's source_kinds says so)."""
         raise NotImplementedError
 
 

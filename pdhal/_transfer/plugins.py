@@ -1,4 +1,4 @@
-"""Transports by name: `shm` built in, the others plugins of entry-point group
+"""Transports by name: `shm` and `ipc` built in, the others plugins of entry-point group
 `pdhal.transports` (hook `pdhal_transport`), registered with the process's one pluggy
 PluginManager as backends are. One instance per name and process."""
 
@@ -18,9 +18,10 @@ _lock = threading.Lock()
 
 
 def _builtin() -> dict[str, type[Transport]]:
+    from pdhal._transfer.ipc import IpcTransport
     from pdhal._transfer.shm import ShmTransport
 
-    return {ShmTransport.name: ShmTransport}
+    return {ShmTransport.name: ShmTransport, IpcTransport.name: IpcTransport}
 
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:

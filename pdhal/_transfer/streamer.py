@@ -209,8 +209,14 @@ class KVStreamer:
         layers = served.check_peer(layout, heads, (self.block_tokens, there))
         source = served if heads is None else served.head_view(heads.src_first, heads.count)
 
+        sources = list(self._served.regions)
+        if self._transport.source_kinds:  # (the status words: host memory)
+            sources = [(*span, kind) for span, kind in zip(sources, served.kinds)]
+
         def link(status: tuple[int, int]):
-            return self._transport.connect(described, [*self._served.regions, status])
+            if self._transport.source_kinds:
+                status = (*status, "cpu")
+            return self._transport.connect(described, [*sources, status])
 
         dest = Destination(
             link,

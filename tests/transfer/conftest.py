@@ -1,12 +1,18 @@
-"""Fixtures of the pdhal.transfer tests: a decode process, and the test-only `faulty`
-transport (tests/plugins/transports) installed for this process."""
+"""Fixtures of the pdhal.transfer tests: a decode process, this process bound to a
+simulated runtime, and the test-only `faulty` transport (tests/plugins/transports)
+installed for this process."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+from pdhal_cuda.testing import CudaTestSupport
+from pdhal_xpu.testing import XpuTestSupport
+from simulators import SimRuntime
 
+import pdhal
+from pdhal._backends import registry as _registry
 from pdhal._transfer import plugins as _transports
 from pdhal.testing.fixtures import install_distributions
 from pdhal.testing.transfer_peers import Decode
@@ -23,6 +29,25 @@ def decode():
     yield d
     if d.proc.returncode is None:
         d.close()
+
+
+@pytest.fixture
+def bind(monkeypatch):
+    """bind(backend): this process bound to `backend`'s simulated runtime, its transports
+    made afresh for it (both undone after the test)."""
+
+    def bound(backend: str):
+        monkeypatch.setenv("PDHAL_PLATFORM", backend)
+        monkeypatch.setenv("PDHAL_CUDART", CudaTestSupport.simulator())
+        monkeypatch.setenv("PDHAL_XPURT", XpuTestSupport.simulator())
+        _registry.reset()
+        _transports.forget()
+        assert pdhal.current_backend() == backend
+        return SimRuntime(backend)
+
+    yield bound
+    _transports.forget()
+    _registry.reset()
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,9 @@ import time
 
 import numpy as np
 import pytest
-from pdhal_cuda.testing import CudaTestSupport
-from pdhal_xpu.testing import XpuTestSupport
-from simulators import SimRuntime
+from device_peers import COPY, ENGINE, KIND, device_sources, lands_alone, on_device
 
-import pdhal
 from pdhal import InvalidArgumentError, transfer
-from pdhal._backends import registry as _registry
 from pdhal._transfer.staging import stretches
 from pdhal.testing import session_peers
 from pdhal.testing.transfer_peers import (
@@ -39,29 +35,6 @@ from pdhal.testing.transfer_peers import (
 
 pytestmark = pytest.mark.simulated
 
-#: The kind of memory each backend's device memory is.
-KIND = {"cuda": "gpu", "xpu": "xpu"}
-#: What the decode engine wrote in its caches before a transfer: no transfer touches it
-#: outside the request's blocks (the mirror never held it).
-ENGINE = 0xEE
-#: The runtime function each backend's copies go through.
-COPY = {"cuda": "cudaMemcpyAsync", "xpu": "xpu_memcpy_async"}
-
-
-def on_device(
-    backend: str, kv: str = "apart", env: dict | None = None, memory: str = "device"
-) -> Decode:
-    """A decode process bound to `backend`'s simulated runtime, its caches device memory
-    (`memory` "mixed": every other region host memory)."""
-    env = dict(
-        os.environ,
-        PDHAL_PLATFORM=backend,
-        PDHAL_CUDART=CudaTestSupport.simulator(),
-        PDHAL_XPURT=XpuTestSupport.simulator(),
-        **(env or {}),
-    )
-    return Decode(env=env, kv=kv, memory=memory)
-
 
 def counted(decode: Decode, request_id: str, bound: float = 30.0):
     """decode.layers(request_id) once it counts a layer (or fails), within `bound` s."""
@@ -70,24 +43,6 @@ def counted(decode: Decode, request_id: str, bound: float = 30.0):
         assert time.monotonic() < deadline, f"no layer of {request_id} counted in {bound} s"
         time.sleep(0.002)
     return got
-
-
-def lands_alone(streamer, decode: Decode, src: list[int], dst: list[int], tokens: int):
-    """Request "a" (`tokens`, in source blocks `src`) streamed whole into a staging decode
-    side's blocks `dst`: it lands, each block holds its source block's bytes, and every
-    other block what the engine wrote there (ENGINE)."""
-    ticket = decode.expect("a", blocks=dst)
-    streamer.add_request("a", src, tokens)
-    streamer.set_destination("a", streamer.connect(decode.described), dst, ticket)
-    for layer in range(LAYERS):
-        streamer.layer_ready(layer, [("a", tokens)])
-    assert outcomes_until(streamer, 1) == [transfer.Outcome("a", True)]
-    landed, reason, dump, uniform = decode.wait("a")
-    assert landed and reason == "" and uniform
-    for s, d in zip(src, dst):
-        assert landed_blocks(dump, d) == expected(s), f"block {s} -> {d}"
-    untouched = [b for b in range(BLOCKS) if b not in dst]
-    assert all(landed_blocks(dump, b) == [[ENGINE] * CACHES] * LAYERS for b in untouched)
 
 
 @pytest.fixture
@@ -179,37 +134,6 @@ def test_a_copy_into_the_caches_the_runtime_fails_fails_the_request_with_why(str
         assert "copying its blocks from pinned host memory into the caches failed" in reason
     finally:
         decode.close()
-
-
-@pytest.fixture
-def bind(monkeypatch):
-    """bind(backend): this process bound to `backend`'s simulated runtime (its selection
-    undone after the test)."""
-
-    def bound(backend: str):
-        monkeypatch.setenv("PDHAL_PLATFORM", backend)
-        monkeypatch.setenv("PDHAL_CUDART", CudaTestSupport.simulator())
-        monkeypatch.setenv("PDHAL_XPURT", XpuTestSupport.simulator())
-        _registry.reset()
-        assert pdhal.current_backend() == backend
-        return SimRuntime(backend)
-
-    yield bound
-    _registry.reset()
-
-
-def device_sources(runtime) -> transfer.CacheLayout:
-    """The source caches (transfer_peers.source_caches' bytes) in `runtime`'s device memory,
-    each cache a region."""
-    regions, specs = [], []
-    for row in source_caches():
-        specs.append([])
-        for cache in row:
-            region = runtime.device.alloc(cache.nbytes)
-            ctypes.memmove(region.data_ptr(), cache.ctypes.data, cache.nbytes)
-            specs[-1].append(transfer.CacheSpec(len(regions), 0, BLOCK_BYTES, BLOCK_BYTES, BLOCKS))
-            regions.append(region)
-    return transfer.CacheLayout(regions, specs)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "xpu"])

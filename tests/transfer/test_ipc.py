@@ -1,0 +1,167 @@
+"""The `ipc` transport: prefill and decode on one vendor's device memory on one host (the
+simulated cuda and xpu runtimes: no GPU or XPU here). The decode side publishes its device
+caches as its runtime's IPC handles; the prefill side opens them and copies each run
+device to device with its runtime, nothing staged through host memory on either side. Real
+processes: this one prefills, bound to the simulated runtime; the decode process is bound
+to it too. Pairs the transport cannot move (two vendors, device memory into host memory)
+are refused when the destination is connected, naming both."""
+
+from __future__ import annotations
+
+import pytest
+from device_peers import COPY, ENGINE, KIND, device_sources, lands_alone, on_device
+
+import pdhal
+from pdhal import InvalidArgumentError, TransferError, UnsupportedError, transfer
+from pdhal._backends import registry as _registry
+from pdhal._transfer import plugins as _transports
+from pdhal.testing.transfer_peers import BLOCK_TOKENS, LAYERS, outcomes_until
+
+pytestmark = pytest.mark.simulated
+
+
+def decode_on(backend: str, kv: str = "apart", memory: str = "device"):
+    """A decode process bound to `backend`'s simulated runtime, its receiver over ipc."""
+    return on_device(backend, kv, memory=memory, transport="ipc")
+
+
+def ipc_streamer(runtime) -> transfer.KVStreamer:
+    return transfer.KVStreamer(
+        device_sources(runtime), BLOCK_TOKENS, transport_name="ipc", claim_timeout=30
+    )
+
+
+@pytest.mark.parametrize("backend", ["cuda", "xpu"])
+@pytest.mark.parametrize("kv", ["apart", "halves"])
+def test_one_vendor_s_device_caches_land_device_to_device(bind, backend, kv):
+    """Every block of the request is in the decode side's device caches once it landed,
+    every other block holds what its engine wrote there; neither side staged (the decode
+    side serves its device caches as they are)."""
+    streamer = ipc_streamer(bind(backend))
+    decode = decode_on(backend, kv)
+    try:
+        assert "staged" not in decode.described
+        assert set(decode.described["layout"]["memory"]) == {KIND[backend]}
+        decode.fill(ENGINE)
+        lands_alone(streamer, decode, [0, 6, 3], [7, 1, 2], 10)
+    finally:
+        decode.close()
+        streamer.close()
+
+
+@pytest.mark.parametrize("backend", ["cuda", "xpu"])
+def test_the_runtime_copies_every_run_and_a_copy_it_fails_fails_the_request(bind, backend):
+    """The device runs go through this process's runtime (its copy told to fail fails
+    them): the request fails with why, and the link with it (as any failed batch breaks
+    its link: the decode side learns at its deadline); the next request lands over a new
+    link."""
+    runtime = bind(backend)
+    streamer = ipc_streamer(runtime)
+    decode = decode_on(backend)
+    try:
+        ticket = decode.expect("a", timeout=1.0)
+        streamer.add_request("a", [2], 4)
+        streamer.set_destination("a", streamer.connect(decode.described), [5], ticket)
+        runtime.fail(COPY[backend])
+        try:
+            for layer in range(LAYERS):
+                streamer.layer_ready(layer, [("a", 4)])
+            [outcome] = outcomes_until(streamer, 1)
+        finally:
+            runtime.clear_failures()
+        assert not outcome.landed
+        assert "the runtime's copy into the destination failed" in outcome.reason
+        landed, reason, _ = decode.outcome("a")
+        assert not landed and "nothing landed within 1 s" in reason
+        decode.fill(ENGINE)
+        lands_alone(streamer, decode, [4], [6], 4, request="b")
+    finally:
+        decode.close()
+        streamer.close()
+
+
+@pytest.mark.parametrize("prefill, decode", [("cuda", "xpu"), ("xpu", "cuda")])
+def test_two_vendors_are_refused_at_connect_naming_both(bind, prefill, decode):
+    """A vendor's IPC handle is never handed to another's runtime: the pair is refused
+    when the destination is connected, before any handle is opened."""
+    streamer = ipc_streamer(bind(prefill))
+    there = decode_on(decode)
+    try:
+        with pytest.raises(InvalidArgumentError) as e:
+            streamer.connect(there.described)
+        assert f"{KIND[prefill]} memory" in str(e.value)
+        assert f"destination's {KIND[decode]} memory" in str(e.value)
+    finally:
+        there.close()
+        streamer.close()
+
+
+def test_a_description_of_another_backend_s_handles_is_refused_naming_both(bind):
+    """A description that says its handles are another backend's (a peer's word) is
+    refused at connect, naming both backends."""
+    streamer = ipc_streamer(bind("cuda"))
+    there = decode_on("cuda")
+    try:
+        with pytest.raises(InvalidArgumentError, match="'xpu' backend's runtime.*'cuda'"):
+            streamer.connect(dict(there.described, backend="xpu"))
+        with pytest.raises(InvalidArgumentError, match="None backend's runtime"):
+            streamer.connect({k: v for k, v in there.described.items() if k != "backend"})
+    finally:
+        there.close()
+        streamer.close()
+
+
+def test_device_caches_into_host_caches_are_refused_at_connect(bind):
+    """ipc moves device memory to device memory and host to host: device caches into a
+    decode side's host caches are refused at connect, naming both kinds (shm stages them)."""
+    streamer = ipc_streamer(bind("cuda"))
+    there = decode_on("cuda", memory="host")
+    try:
+        with pytest.raises(InvalidArgumentError, match="gpu memory and the destination's cpu"):
+            streamer.connect(there.described)
+    finally:
+        there.close()
+        streamer.close()
+
+
+def test_a_run_across_kinds_of_memory_is_refused_at_submit(bind):
+    """A link's caller (not the streamer) that submits a host source into a device region
+    is refused before any copy: the runtime would be told the wrong direction."""
+    runtime = bind("xpu")
+    there = decode_on("xpu")
+    host = pdhal.ops.host_alloc(64)
+    link = _transports.transport("ipc").connect(
+        there.described, [(host.address, host.nbytes, "cpu")]
+    )
+    try:
+        runtime.fail(COPY["xpu"])  # (counts the copies tried)
+        with pytest.raises(TransferError, match="run 0 copies cpu memory into xpu memory"):
+            link.submit([(host.address, 0, 0, 64)])
+        assert runtime.failed_calls(COPY["xpu"]) == 0
+    finally:
+        runtime.clear_failures()
+        link.close()
+        pdhal.ops.host_free(host)
+        there.close()
+
+
+def test_a_source_without_its_kind_of_memory_is_refused_naming_it(bind):
+    bind("cuda")
+    there = decode_on("cuda")
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"sources\[0\] must be \(address, bytes"):
+            _transports.transport("ipc").connect(there.described, [(4096, 64)])
+    finally:
+        there.close()
+
+
+def test_a_process_without_device_memory_is_told_to_use_shm(monkeypatch):
+    monkeypatch.setenv("PDHAL_PLATFORM", "cpu")
+    _registry.reset()
+    _transports.forget()
+    try:
+        with pytest.raises(UnsupportedError, match=r"platform \(cpu\) has no device memory"):
+            _transports.transport("ipc")
+    finally:
+        _transports.forget()
+        _registry.reset()
