@@ -124,6 +124,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import secrets
 import select
@@ -176,6 +177,8 @@ SERVER_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_s
 #: Each pdhal mode's messager process.
 MESSAGER_OF = {"pdhal": "messager", "pdhal-nixl": "messager-nixl"}
 PARTS = ("router", "prefill_queue", "prefill_forward", "transfer", "decode")
+#: The phases of a request vLLM's metrics time on the server that prefills it.
+PREFILL_PHASES = ("queue", "prefill")
 PART_HEADS = ("router", "queue", "forward", "transfer", "decode")
 
 
@@ -542,6 +545,16 @@ class Stack:
             "external": metric(url, name, source="external_kv_transfer"),
         }
 
+    def prefill_phases(self, mode: str) -> dict[str, float]:
+        """The seconds the server that prefills `mode` spent, over all its requests so far,
+        in each phase vLLM's own metrics time (queued; prefilling: scheduled to the first
+        token), and their count."""
+        url = self.urls["plain" if mode == "plain" else f"{mode}-prefill"]
+        out = {"count": metric(url, "vllm:request_prefill_time_seconds_count")}
+        for phase in PREFILL_PHASES:
+            out[phase] = metric(url, f"vllm:request_{phase}_time_seconds_sum")
+        return out
+
     def names(self) -> list[str]:
         return list(self.p.procs)
 
@@ -567,6 +580,8 @@ def bench_argv(stack: Stack, mode: str, args, seed: int, out: str) -> list[str]:
         str(args.prompts),
         "--max-concurrency",
         str(args.concurrency),
+        "--request-rate",
+        str(args.request_rate),
         "--ignore-eos",
         "--temperature",
         "0",
@@ -821,6 +836,7 @@ def run(args, root: str, model: str) -> dict:
     stack = Stack(procs, model, max_len, modes, args.pin, args.split)
     out: dict = {"runs": {m: [] for m in modes}}
     out |= {"decode_tokens": {m: [] for m in modes}, "cpu_s": {m: [] for m in modes}}
+    out["prefill_phases"] = {m: [] for m in modes}
     times = {}
     try:
         t = time.monotonic()
@@ -839,6 +855,7 @@ def run(args, root: str, model: str) -> dict:
                     os.makedirs(stack.storage)
                 time.sleep(SETTLE_S)  # vLLM's processes spin a second after their last work
                 before = stack.decode_tokens(mode)
+                phases = stack.prefill_phases(mode)
                 cpu = procs.cpu_seconds()
                 result = bench_serve(
                     stack,
@@ -853,6 +870,8 @@ def run(args, root: str, model: str) -> dict:
                 out["cpu_s"][mode].append({k: v for k, v in used.items() if v >= 0.05})
                 out["runs"][mode].append(result)
                 out["decode_tokens"][mode].append({k: after[k] - before[k] for k in after})
+                now = stack.prefill_phases(mode)
+                out["prefill_phases"][mode].append({k: now[k] - phases[k] for k in now})
                 _say(
                     args,
                     f"round {r} {mode:8s} TTFT median {result['median_ttft_ms']:8.2f} ms  "
@@ -932,6 +951,12 @@ def summarize(args, out: dict) -> dict:
         modes[mode]["decode_external_prompt_tokens"] = sum(t["external"] for t in tokens)
         modes[mode]["prompt_tokens"] = sum(r["total_input_tokens"] for r in runs)
         modes[mode]["per_round"] = [{k: r[k] for k in keys} for r in runs]
+        phases = out["prefill_phases"][mode]
+        count = sum(p["count"] for p in phases)
+        modes[mode]["prefill_server_mean_ms"] = {
+            phase: 1e3 * sum(p[phase] for p in phases) / count if count else None
+            for phase in PREFILL_PHASES
+        }
         cpu: dict[str, float] = {}
         for used in out["cpu_s"][mode]:
             for name, seconds in used.items():
@@ -1045,6 +1070,16 @@ def report(s: dict) -> None:
             f"{m['output_throughput']:9.1f}  {m['decode_computed_prompt_tokens']:.0f} of "
             f"{m['prompt_tokens']} prompt tokens"
         )
+    print(
+        "  the prefilling server's own metrics, mean per request (vllm:request_queue_time and "
+        "_prefill_time: queued, then scheduled -> first token):"
+    )
+    for mode in s["modes"]:
+        m = s["modes"][mode]["prefill_server_mean_ms"]
+        if m["queue"] is not None:
+            print(
+                f"    {LABELS[mode]:18s} queue {m['queue']:7.1f} ms  prefill {m['prefill']:7.1f} ms"
+            )
     print("  CPU seconds each process group used during the mode's runs (all rounds):")
     for mode in s["modes"]:
         m = s["modes"][mode]
@@ -1101,6 +1136,13 @@ def main(argv=None) -> int:
     parser.add_argument("--input-len", type=int, default=100 if SMOKE else 300)
     parser.add_argument("--output-len", type=int, default=4 if SMOKE else 16)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests sent per second (Poisson, vllm bench serve's; default inf: each as "
+        "soon as fewer than --concurrency are in flight)",
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0, help="round r uses seed + r")
