@@ -78,12 +78,12 @@ class IpcLink(ShmLink):
                 f"staged through pinned host memory)"
             )
         spans = _sources(sources)
+        self._copy_lock = threading.Lock()  # the runtime's copies of a submit against close
         super().__init__(described, [(a, n) for a, n, _ in spans], timeout)
         self._kinds = sorted((a, a + n, kind) for a, n, kind in spans)
         self._starts = [start for start, _, _ in self._kinds]
         #: Each destination region's device ("cpu" for host memory), from what it mapped to.
         self._devices = [extent.device for extent in self._targets[1]]
-        self._copy_lock = threading.Lock()  # the runtime's copies of a submit against close
 
     #: Block runs are expanded into runs here (the contract's default), not handed to
     #: shm's copier, whose memmove cannot read or write device memory.

@@ -8,6 +8,8 @@ are refused when the destination is connected, naming both."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from device_peers import COPY, ENGINE, KIND, device_sources, lands_alone, on_device
 
@@ -80,6 +82,24 @@ def test_the_runtime_copies_every_run_and_a_copy_it_fails_fails_the_request(bind
         streamer.close()
 
 
+@pytest.mark.parametrize("backend", ["cuda", "xpu"])
+def test_a_request_is_reported_landed_only_once_the_runtime_ran_its_copies(bind, backend):
+    """The runtime's copies are asynchronous: queued behind a slow kernel on the stream,
+    they have not run when the copy calls return. The request is reported landed (its
+    word written after its layers' submits returned) only once they ran: every block is
+    there when the decode side reads it."""
+    runtime = bind(backend)
+    streamer = ipc_streamer(runtime)
+    decode = decode_on(backend)
+    try:
+        decode.fill(ENGINE)
+        runtime.launch_write(0, runtime.malloc(64), b"x", 300_000)  # 0.3 s on the stream
+        lands_alone(streamer, decode, [1, 2], [3, 0], 8)
+    finally:
+        decode.close()
+        streamer.close()
+
+
 @pytest.mark.parametrize("prefill, decode", [("cuda", "xpu"), ("xpu", "cuda")])
 def test_two_vendors_are_refused_at_connect_naming_both(bind, prefill, decode):
     """A vendor's IPC handle is never handed to another's runtime: the pair is refused
@@ -142,6 +162,19 @@ def test_a_run_across_kinds_of_memory_is_refused_at_submit(bind):
         runtime.clear_failures()
         link.close()
         pdhal.ops.host_free(host)
+        there.close()
+
+
+def test_a_description_naming_regions_nobody_publishes_is_refused_at_connect(bind):
+    """A link that cannot map what a description names fails its connect with why (and
+    leaves nothing mapped or open)."""
+    bind("cuda")
+    there = decode_on("cuda")
+    names = [f"nobody-{os.getpid()}.r{i}" for i in range(len(there.described["names"]))]
+    try:
+        with pytest.raises(TransferError, match="cannot map the destination's memory"):
+            _transports.transport("ipc").connect(dict(there.described, names=names), [])
+    finally:
         there.close()
 
 
