@@ -41,7 +41,13 @@ connector asks itself; the others' servers get the same here).
 
 For a sequential mode (nixl, nixl-tuned, example) the router's trace gives, as medians, the prefill
 round trip and the time from the prefill's answer to the decode's first byte (the whole KV
-moved, then the first token).
+moved, then the first token). For every P/D mode it gives how many requests reached the
+prefill server while it was prefilling another, and how much of that other's prefill was
+left then (median): with a fixed number in flight (--concurrency, no --request-rate) and a
+busy prefill server, a connector that finishes requests sooner after their prefill sends
+the next ones sooner, into more of the other's prefill, and waits there what it saved.
+The prefilling server's own metrics (vLLM's mean queue and prefill time per request) say
+whether a connector slows the prefill itself.
 
     .venv-vllm/bin/python bench/bench_vllm.py [--rounds 2] [--prompts 12] [--input-len 300]
     .venv-vllm/bin/python bench/bench_vllm.py --json     # everything as JSON
@@ -795,6 +801,35 @@ def sequential_split(stack: Stack, mode: str, since_ns: int) -> dict | None:
     }
 
 
+def prefill_overlap(stack: Stack, mode: str, since_ns: int) -> dict | None:
+    """From `mode`'s router trace (the requests it got from `since_ns` on): how many
+    reached the prefill server while it was prefilling another (forwarded -> answered), and
+    the median of what that other's prefill had left then: what such a request waits
+    before its own. With a fixed number in flight and a busy prefill server, a connector
+    that finishes a request sooner after its prefill sends the next one sooner, into more
+    of the other's prefill: the time it saved is waited there."""
+    router: dict[str, dict[str, int]] = {}
+    for e in _events(stack.p.path(f"trace.{mode}-router.jsonl")):
+        router.setdefault(e["tid"], {}).setdefault(e["kind"], e["t"])
+    spans = [
+        (ev["forwarded"], ev["prefilled"])
+        for ev in router.values()
+        if {"forwarded", "prefilled"} <= set(ev) and ev["forwarded"] >= since_ns
+    ]
+    left = []
+    for start, end in spans:
+        busy = [e for s, e in spans if s < start < e and (s, e) != (start, end)]
+        if busy:
+            left.append((max(busy) - start) / 1e6)
+    if not spans:
+        return None
+    return {
+        "requests": len(spans),
+        "arrived_while_prefilling_another": len(left),
+        "others_prefill_left_ms": statistics.median(left) if left else None,
+    }
+
+
 # ---- the run ---------------------------------------------------------------------------
 
 
@@ -886,6 +921,7 @@ def run(args, root: str, model: str) -> dict:
         out["sequential"] = {
             m: sequential_split(stack, m, since_ns) for m in modes if m in SEQUENTIAL
         }
+        out["overlap"] = {m: prefill_overlap(stack, m, since_ns) for m in modes if m != "plain"}
     except BenchError as exc:
         raise BenchError(f"{exc}\nthe processes then: {procs.states()}") from None
     finally:
@@ -990,6 +1026,7 @@ def summarize(args, out: dict) -> dict:
         "ratios": ratios,
         "pdhal_ttft_split": None if out["split"] is None else _summarize_split(out["split"]),
         "sequential_router": out["sequential"],
+        "prefill_overlap": out["overlap"],
         "times": out["times"],
         "stop": out["stop"],
         "note": "absolute numbers on a shared 2-core machine mean little; ratios measured "
@@ -1094,6 +1131,13 @@ def report(s: dict) -> None:
         _report_split(s["pdhal_ttft_split"])
     elif "pdhal" in s["modes"]:
         print("pdhal ran untraced (--split traces it and splits its TTFT)")
+    for mode, o in s["prefill_overlap"].items():
+        if o and o["others_prefill_left_ms"] is not None:
+            print(
+                f"{LABELS[mode]} (its router's clock): {o['arrived_while_prefilling_another']} "
+                f"of {o['requests']} requests reached the prefill server while it prefilled "
+                f"another, which then had {o['others_prefill_left_ms']:.1f} ms left (median)"
+            )
     for mode, ex in s["sequential_router"].items():
         if ex:
             print(
