@@ -38,10 +38,11 @@ def on_device(
     env: dict | None = None,
     memory: str = "device",
     transport: str = "shm",
+    name: str = "decode",
 ) -> Decode:
     """A decode process bound to `backend`'s simulated runtime, its caches device memory
     (`memory` "mixed": every other region host memory; "host": none), its receiver over
-    `transport`."""
+    `transport`, serving as `name`."""
     env = dict(
         os.environ,
         PDHAL_PLATFORM=backend,
@@ -49,7 +50,7 @@ def on_device(
         PDHAL_XPURT=XpuTestSupport.simulator(),
         **(env or {}),
     )
-    return Decode(transport=transport, env=env, kv=kv, memory=memory)
+    return Decode(name, transport, env=env, kv=kv, memory=memory)
 
 
 def lands_alone(

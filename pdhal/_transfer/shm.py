@@ -153,15 +153,21 @@ class ShmEndpoint(Endpoint):
                     self._key = None
 
 
-def _checked(described: object) -> tuple[int, str, list[str], list[int]]:
-    """(pid, start time, names, region sizes) of a peer's description: InvalidArgumentError
-    naming what is wrong with it (a peer's word is checked like a caller's)."""
+def _checked(described: object, transport: str) -> tuple[int, str, list[str], list[int]]:
+    """(pid, start time, names, region sizes) of a peer's description for a link of
+    `transport` ("shm", "ipc"): InvalidArgumentError naming what is wrong with it (a peer's
+    word is checked like a caller's)."""
     if not isinstance(described, dict):
-        raise InvalidArgumentError(f"an shm description must be a dict, got {described!r}")
-    fields = ("namespace", "pid", "started", "names", "regions")
+        raise InvalidArgumentError(f"an {transport} description must be a dict, got {described!r}")
+    fields = ("transport", "namespace", "pid", "started", "names", "regions")
     missing = [key for key in fields if key not in described]
     if missing:
-        raise InvalidArgumentError(f"the shm description lacks {', '.join(missing)}")
+        raise InvalidArgumentError(f"the {transport} description lacks {', '.join(missing)}")
+    if described["transport"] != transport:
+        raise InvalidArgumentError(
+            f"the description is of transport {described['transport']!r}, not {transport!r}: "
+            f"connect it with transport {described['transport']!r}"
+        )
     theirs, ours = described["namespace"], namespace()
     if theirs != ours:
         raise InvalidArgumentError(
@@ -242,8 +248,14 @@ class ShmLink(Link):
     to be the described process by its start time), or through /proc where pidfds are
     missing."""
 
+    #: The transport whose descriptions it takes.
+    transport = "shm"
+    #: Whether a region may map to device memory (the copier's memmove reaches host memory
+    #: only: a description of device memory is refused).
+    maps_device_memory = False
+
     def __init__(self, described: dict, sources: list[tuple[int, int]], timeout: float):
-        self._pid, self._started, names, sizes = _checked(described)
+        self._pid, self._started, names, sizes = _checked(described, self.transport)
         self._records: list[str] = []  # the first and last region's record files
         self._runs = RunChecker(sizes, sources)
         self.regions = sizes
@@ -282,6 +294,11 @@ class ShmLink(Link):
                         f"the description's region {index} ({name!r}) is {sizes[index]} bytes, "
                         f"but what it maps to is "
                         f"{'of unknown size' if real is None else f'{real} bytes'}"
+                    )
+                if extent.device != "cpu" and not self.maps_device_memory:
+                    raise InvalidArgumentError(
+                        f"the description's region {index} ({name!r}) is {extent.device} "
+                        f"memory; the {self.transport} transport moves host memory only"
                     )
                 # ... and published by the described process, whose life is watched
                 publisher = published.publisher(name)

@@ -49,6 +49,9 @@ class CudaPlatform(Platform):
             "host_function": True,
             "async_sender": True,
             "ipc": "cudaIpcMemHandle",
+            # an opened IPC allocation's size (cuMemGetAddressRange): a peer's word on a
+            # region's size can be checked against it
+            "ipc_size": True,
             "pinned_host_memory": True,
             "peer_address": "device address (GPUDirect)",
         }

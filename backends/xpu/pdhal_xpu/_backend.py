@@ -40,6 +40,7 @@ class XpuPlatform(Platform):
             "host_function": False,
             "async_sender": True,
             "ipc": "xpu_ipc_memhandle" if rt.has("xpu_ipc_get_memhandle") else False,
+            "ipc_size": False,  # no call says how large an opened IPC allocation is
             "pinned_host_memory": True,
             "peer_address": "cudaPointerGetAttributes.hostPointer"
             if rt.has("cudaPointerGetAttributes")
