@@ -8,7 +8,7 @@ import threading
 from importlib import metadata
 
 from pdhal._backends import plugins
-from pdhal._errors import InvalidArgumentError, TransportLoadError
+from pdhal._errors import InvalidArgumentError, TransportLoadError, UnsupportedError
 from pdhal._transfer.checks import name as _name
 from pdhal._transfer.contract import Transport
 
@@ -83,16 +83,20 @@ def _options(kind: type[Transport] | Transport) -> dict:
 def describe() -> list[dict]:
     """Each transport: its name, where it comes from, whether it loads, how it knows a
     write completed (KVStreamer takes only "target"), and its options (`pdhal info`)."""
-    out = [
-        {
+    out = []
+    for name, kind in sorted(_builtin().items()):
+        entry = {
             "name": name,
             "source": "built in",
             "status": "ok",
             "completion": kind.completion,
             "options": _options(kind),
         }
-        for name, kind in sorted(_builtin().items())
-    ]
+        try:
+            transport(name)
+        except UnsupportedError as e:  # (ipc in a process without device memory)
+            entry["status"], entry["error"] = "unavailable", str(e)
+        out.append(entry)
     for name, ep in sorted(_entry_points().items()):
         if name in _builtin():
             continue

@@ -51,7 +51,7 @@ def test_info_lists_every_transport_and_names_the_broken_one(plugin_env):
     _, env = plugin_env
     out = subprocess.run(
         [sys.executable, "-m", "pdhal", "info", "--json"],
-        env=env,
+        env=dict(env, PDHAL_PLATFORM="cpu"),
         capture_output=True,
         text=True,
         check=True,
@@ -64,6 +64,9 @@ def test_info_lists_every_transport_and_names_the_broken_one(plugin_env):
         "completion": "target",
         "options": {},
     }
+    # built in, and refused in a process without device memory, which info says
+    assert found["ipc"]["status"] == "unavailable"
+    assert "has no device memory: use shm" in found["ipc"]["error"]
     assert found["faulty"]["completion"] == "target"
     assert found["faulty"]["status"] == "ok"
     assert found["faulty"]["source"] == "pdhal-test-transports 0.0.1"
