@@ -72,9 +72,10 @@ many prompt tokens the decoding server computed itself (its
 token), a few per request with the ExampleConnector (it stores whole blocks only, so the
 decode computes the prompt's last partial block), all of them plain; the prefilling
 server's own mean queue and prefill time per request (`vllm:request_queue_time_seconds`,
-`vllm:request_prefill_time_seconds`); and the CPU time each process group (a server with its engine core and worker, the messager, a router, the
-client) used during the mode's runs, which shows where two cores went (e.g. a decode
-server stepping its engine while its requests wait for their KV). Each run starts 2 s
+`vllm:request_prefill_time_seconds`); and the CPU time each process group (a server with
+its engine core and worker, the messager, a router, the client) used during the mode's
+runs, which shows where two cores went (e.g. a decode server stepping its engine while its
+requests wait for their KV). Each run starts 2 s
 after the last one ended (vLLM's processes spin a second after their last work). Then
 pdhal / plain and pdhal / example (TTFT, throughput).
 
