@@ -88,6 +88,13 @@ class IpcLink(ShmLink):
     into a device region are copied by this process's runtime, one copy per run (runs of
     one size in one call), then waited for."""
 
+    transport = "ipc"
+    maps_device_memory = True
+
+    #: Block runs are expanded into runs here (the contract's default), not handed to
+    #: shm's copier, whose memmove cannot read or write device memory.
+    submit_blocks = Link.submit_blocks
+
     def __init__(self, described: dict, sources: list, timeout: float, backend: str, kinds: tuple):
         # (a description that is not an ipc endpoint's: ShmLink names what is wrong)
         ours = isinstance(described, dict) and described.get("transport") == self.transport
@@ -106,15 +113,8 @@ class IpcLink(ShmLink):
         super().__init__(described, [(a, n) for a, n, _ in spans], timeout)
         self._kinds = sorted((a, a + n, kind) for a, n, kind in spans)
         self._starts = [start for start, _, _ in self._kinds]
-        #: Each destination region's device ("cpu" for host memory), from what it mapped to.
-        self._devices = [extent.device for extent in self._targets[1]]
-
-    transport = "ipc"
-    maps_device_memory = True
-
-    #: Block runs are expanded into runs here (the contract's default), not handed to
-    #: shm's copier, whose memmove cannot read or write device memory.
-    submit_blocks = Link.submit_blocks
+        #: Each destination region's kind of memory, from what it mapped to ("cpu", "gpu").
+        self._region_kinds = [extent.device.split(":")[0] for extent in self._targets[1]]
 
     def _kind_of(self, address: int) -> str:
         """The kind of memory of the source span `address` lies in (the runs are checked
@@ -130,7 +130,7 @@ class IpcLink(ShmLink):
         host = []
         for index, run in enumerate(runs):
             src, region, _, nbytes = run
-            there, here = self._devices[region].split(":")[0], self._kind_of(src)
+            there, here = self._region_kinds[region], self._kind_of(src)
             if there != here:
                 raise TransferError(
                     f"run {index} copies {here} memory into {there} memory (region {region}): "

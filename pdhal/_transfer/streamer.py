@@ -209,14 +209,15 @@ class KVStreamer:
         layers = served.check_peer(layout, heads, (self.block_tokens, there))
         source = served if heads is None else served.head_view(heads.src_first, heads.count)
 
-        sources = list(self._served.regions)
-        if self._transport.source_kinds:  # (the status words: host memory)
-            sources = [(*span, kind) for span, kind in zip(sources, served.kinds)]
+        kinds = self._transport.source_kinds  # each source's kind too (the status words': host)
+        sources = [
+            (*span, kind) if kinds else span for span, kind in zip(served.regions, served.kinds)
+        ]
 
         def link(status: tuple[int, int]):
-            if self._transport.source_kinds:
-                status = (*status, "cpu")
-            return self._transport.connect(described, [*sources, status])
+            return self._transport.connect(
+                described, [*sources, (*status, "cpu") if kinds else status]
+            )
 
         dest = Destination(
             link,

@@ -29,6 +29,20 @@ def decode_on(backend: str, kv: str = "apart", memory: str = "device"):
     return on_device(backend, kv, memory=memory, transport="ipc")
 
 
+def refused_at_connect(runtime, decode: str, error: type, memory: str = "device") -> str:
+    """Why an ipc streamer over `runtime`'s device caches is refused (`error`) when it
+    connects a decode process bound to `decode`'s runtime (its caches `memory`)."""
+    streamer = ipc_streamer(runtime)
+    there = decode_on(decode, memory=memory)
+    try:
+        with pytest.raises(error) as e:
+            streamer.connect(there.described)
+        return str(e.value)
+    finally:
+        there.close()
+        streamer.close()
+
+
 def ipc_streamer(runtime) -> transfer.KVStreamer:
     return transfer.KVStreamer(
         device_sources(runtime), BLOCK_TOKENS, transport_name="ipc", claim_timeout=30
@@ -111,16 +125,9 @@ def test_a_request_is_reported_landed_only_once_the_runtime_ran_its_copies(bind,
 def test_two_vendors_are_refused_at_connect_naming_both(bind, prefill, decode):
     """A vendor's IPC handle is never handed to another's runtime: the pair is refused
     when the destination is connected, before any handle is opened."""
-    streamer = ipc_streamer(bind(prefill))
-    there = decode_on(decode)
-    try:
-        with pytest.raises(InvalidArgumentError) as e:
-            streamer.connect(there.described)
-        assert f"{KIND[prefill]} memory" in str(e.value)
-        assert f"destination's {KIND[decode]} memory" in str(e.value)
-    finally:
-        there.close()
-        streamer.close()
+    why = refused_at_connect(bind(prefill), decode, InvalidArgumentError)
+    assert f"{KIND[prefill]} memory" in why
+    assert f"destination's {KIND[decode]} memory" in why
 
 
 def test_a_description_of_another_backend_s_handles_is_refused_naming_both(bind):
@@ -141,14 +148,8 @@ def test_a_description_of_another_backend_s_handles_is_refused_naming_both(bind)
 def test_device_caches_into_host_caches_are_refused_at_connect(bind):
     """ipc moves device memory to device memory and host to host: device caches into a
     decode side's host caches are refused at connect, naming both kinds (shm stages them)."""
-    streamer = ipc_streamer(bind("cuda"))
-    there = decode_on("cuda", memory="host")
-    try:
-        with pytest.raises(InvalidArgumentError, match="gpu memory and the destination's cpu"):
-            streamer.connect(there.described)
-    finally:
-        there.close()
-        streamer.close()
+    why = refused_at_connect(bind("cuda"), "cuda", InvalidArgumentError, memory="host")
+    assert "gpu memory and the destination's cpu" in why
 
 
 def test_a_run_across_kinds_of_memory_is_refused_at_submit(bind):
@@ -211,14 +212,8 @@ def test_a_link_from_a_runtime_that_cannot_size_its_ipc_allocations_is_refused(b
     """xpu's runtime cannot say how large an opened IPC allocation is: a peer's word on a
     region's size could not be checked (a lying one would have the link copy past it), so
     an xpu process may serve an ipc endpoint but links from none, told why."""
-    streamer = ipc_streamer(bind("xpu"))
-    there = decode_on("xpu")
-    try:
-        with pytest.raises(UnsupportedError, match="xpu runtime cannot say how large"):
-            streamer.connect(there.described)
-    finally:
-        there.close()
-        streamer.close()
+    why = refused_at_connect(bind("xpu"), "xpu", UnsupportedError)
+    assert "xpu runtime cannot say how large" in why
 
 
 def test_a_stalled_device_fails_its_request_by_the_stall_timeout(bind):
