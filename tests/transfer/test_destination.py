@@ -14,6 +14,10 @@ from pdhal import TransferError
 from pdhal._transfer.contract import Batch, Link
 from pdhal._transfer.destination import Destination, Send
 
+#: A stop that settles everything takes milliseconds; a bug that leaves a write unsettled
+#: fails at this bound (ten seconds is ample on a loaded machine, and a mutant's run is short).
+STOP_BOUND_S = 10.0
+
 
 class HeldBatch(Batch):
     def __init__(self):
@@ -101,7 +105,7 @@ def test_writes_are_submitted_and_settled_in_the_order_they_were_put(posts):
             assert {thread for _, thread in link.submits} == {"pdhal-transfer-submit"}
         assert settled == [(layer, None) for layer in range(4)]
     finally:
-        assert dest.stop(time.monotonic() + 60)
+        assert dest.stop(time.monotonic() + STOP_BOUND_S)
 
 
 def test_a_put_while_the_submitting_thread_submits_waits_behind_it():
@@ -129,7 +133,7 @@ def test_a_put_while_the_submitting_thread_submits_waits_behind_it():
         assert [layer for layer, _ in link.submits] == [0, 1, 2, 3]
         assert settled == [(layer, None) for layer in range(4)]
     finally:
-        assert dest.stop(time.monotonic() + 60)
+        assert dest.stop(time.monotonic() + STOP_BOUND_S)
 
 
 def test_a_put_behind_queued_writes_waits_for_them_though_the_window_has_room(monkeypatch):
@@ -175,7 +179,7 @@ def test_a_put_behind_queued_writes_waits_for_them_though_the_window_has_room(mo
             start(held[0])  # (an assertion failed before it was started: stop() joins it)
         for index in range(3):  # (an assertion failed first: nothing is left in flight)
             _land(link, index)
-        assert dest.stop(time.monotonic() + 60)
+        assert dest.stop(time.monotonic() + STOP_BOUND_S)
 
 
 class LandedAtOnce(Batch):
@@ -222,7 +226,7 @@ def test_many_writes_put_as_fast_as_possible_keep_their_order():
         assert link.submits == list(range(writes))
         assert settled == [(layer, None) for layer in range(writes)]
     finally:
-        assert dest.stop(time.monotonic() + 60)
+        assert dest.stop(time.monotonic() + STOP_BOUND_S)
 
 
 def test_a_followed_send_armed_while_the_destination_stops_is_settled_before_it_ends():
@@ -251,7 +255,7 @@ def test_a_followed_send_armed_while_the_destination_stops_is_settled_before_it_
     assert not closed and settled == []
     release.set()
     arming.join(60)
-    assert dest.stop(time.monotonic() + 60)
+    assert dest.stop(time.monotonic() + STOP_BOUND_S)
     assert settled == [(7, None)] and closed == [True]
     assert not any(thread.is_alive() for thread in dest._threads)
     dest.arm(Send(layer=8, items=[(request, 1)], gate=gate))

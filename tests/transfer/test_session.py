@@ -162,11 +162,11 @@ def test_a_waiting_poll_is_woken_by_the_landing_and_reports_it(peers):
     connect(client, address)
     client.send("claim", "r1", address, [5, 2, 7], 10, 60)
     client.read("claimed")
-    client.send("poll", 20)
+    client.send("poll", 10)
     client.read("polling")
     service.send("add", "r1", [1, 3, 6], 10)
     reported, seconds = client.read("polled", bound=60)
-    assert reported == ["r1"] and seconds < 10, (reported, seconds)
+    assert reported == ["r1"] and seconds < 5, (reported, seconds)
 
 
 def test_a_waiting_poll_is_woken_by_an_unserved_claim(peers):
@@ -177,12 +177,12 @@ def test_a_waiting_poll_is_woken_by_an_unserved_claim(peers):
     connect(client, address)
     client.send("claim", "gone", address, [1], 4, 60)
     client.read("claimed")
-    client.send("poll", 20)
+    client.send("poll", 10)
     client.read("polling")
     service.send("fail", "gone", "the prefill worker restarted")
     service.read("failed")
     reported, seconds = client.read("polled", bound=60)
-    assert reported == ["gone"] and seconds < 10, (reported, seconds)
+    assert reported == ["gone"] and seconds < 5, (reported, seconds)
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
