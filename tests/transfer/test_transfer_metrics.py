@@ -170,7 +170,9 @@ class _Decode:
 
 def _prefill(streamer, dest, decode, request_id: str, at_end: bool) -> None:
     """One request's forward pass: each layer computed, then signalled (its signal_ns the
-    time the engine signalled it), or every layer signalled after the last one computed."""
+    time the engine signalled it), or every layer signalled at once after the last one
+    computed (one signal_ns for all: layer 0's copy, which may run on this thread, must
+    not count as time before the signals)."""
     blocks = list(range(BLOCKS))
     streamer.add_request(request_id, blocks, BLOCKS * BLOCK_TOKENS)
     streamer.set_destination(request_id, dest, blocks[::-1], decode.ask("expect", request_id))
@@ -180,8 +182,9 @@ def _prefill(streamer, dest, decode, request_id: str, at_end: bool) -> None:
         if not at_end:
             streamer.layer_ready(layer, ready, signal_ns=time.monotonic_ns())
     if at_end:
+        signalled = time.monotonic_ns()
         for layer in range(LAYERS):
-            streamer.layer_ready(layer, ready, signal_ns=time.monotonic_ns())
+            streamer.layer_ready(layer, ready, signal_ns=signalled)
     assert outcomes_until(streamer, 1) == [transfer.Outcome(request_id, True)]
     assert decode.ask("wait", request_id) is True
 
