@@ -48,7 +48,9 @@ def _keepalive(link: Connection) -> None:
 
 
 class Hub:
-    """The parent's end: starts role processes and holds one connection to each.
+    """The parent's end: starts role processes and holds one connection to each. Every
+    process of a run is launched first and accepted after, in whatever order the run sets
+    them up: each spends its first seconds importing (Paddle), and those imports overlap.
 
     The listener binds `bind`: 127.0.0.1 unless a process runs on another host (then an
     address that host reaches, or 0.0.0.0, advertised as this host's name).
@@ -60,6 +62,8 @@ class Hub:
         self._advertise = socket.gethostname() if bind in ("0.0.0.0", "::") else bind
         self.links: dict[str, Connection] = {}
         self.processes: dict[str, subprocess.Popen] = {}
+        #: Connections from launched processes not accepted yet (they came early).
+        self._early: dict[str, Connection] = {}
         #: Each child's stderr (Mooncake logs there at INFO level, whatever it is told).
         self.logs = tempfile.TemporaryDirectory(prefix="pdhal-demo-")
 
@@ -70,10 +74,11 @@ class Hub:
             KEY_VAR: self._key.hex(),
         }
 
-    def start(self, role: str, env: dict[str, str], pass_fds=()) -> None:
+    def launch(self, role: str, env: dict[str, str], pass_fds=()) -> None:
         """Launch `python -m pdhal_demo.child ROLE` with `env` (and the file descriptors
-        `pass_fds`) and wait for it to connect. Its stdout and stderr go to its log: the
-        parent's stdout carries only what `pdhal demo` prints (one JSON object with --json)."""
+        `pass_fds`); accept() waits for it to connect. Its stdout and stderr go to its log:
+        the parent's stdout carries only what `pdhal demo` prints (one JSON object with
+        --json)."""
         with open(self.log_path(role), "wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "pdhal_demo.child", role],
@@ -83,16 +88,20 @@ class Hub:
                 pass_fds=pass_fds,
             )
         self.processes[role] = process
-        self.accept(role, 120.0, process)
 
-    def accept(self, role: str, timeout: float, process: subprocess.Popen | None = None) -> None:
-        """Wait up to `timeout` s for `role` to connect (and, given its `process`, while
-        that lives).
+    def accept(self, role: str, timeout: float) -> None:
+        """Wait up to `timeout` s for `role` to connect (and, when this hub launched it,
+        while its process lives); another launched process connecting meanwhile is kept
+        for its own accept().
 
         Listener.accept cannot time out, so a watchdog thread, woken by the process's exit
         (its pidfd), the deadline or the connection coming, connects itself, with the key,
         and says why when it is not the connection.
         """
+        if role in self._early:
+            self.links[role] = self._early.pop(role)
+            return
+        process = self.processes.get(role)
         settled, settle = os.pipe()  # closing `settle` wakes the watchdog: connected
         exited = os.pidfd_open(process.pid) if process is not None else None
 
@@ -119,19 +128,23 @@ class Hub:
             while True:
                 try:
                     link = self._listener.accept()
-                    break
                 except AuthenticationError:
                     continue  # something without the key: not ours, keep waiting
+                _keepalive(link)
+                hello = link.recv()
+                if hello[0] == "abort":
+                    link.close()
+                    raise DemoError(hello[1])
+                if hello == ("hello", role):
+                    self.links[role] = link
+                    return
+                other = hello[1] if hello[0] == "hello" else None
+                if other not in self.processes or other in self.links or other in self._early:
+                    link.close()
+                    raise DemoError(f"expected the {role} to connect, got {hello!r}")
+                self._early[other] = link
         finally:
             os.close(settle)
-        _keepalive(link)
-        hello = link.recv()
-        if hello[0] == "abort":
-            link.close()
-            raise DemoError(hello[1])
-        if hello != ("hello", role):
-            raise DemoError(f"expected the {role} to connect, got {hello!r}")
-        self.links[role] = link
 
     def log_path(self, role: str) -> str:
         return os.path.join(self.logs.name, f"{role}.log")
@@ -149,7 +162,7 @@ class Hub:
 
     def stop(self, grace: float) -> None:
         """Give the processes `grace` s to exit, terminate the rest, close the listener."""
-        for link in self.links.values():
+        for link in [*self.links.values(), *self._early.values()]:
             try:
                 link.send(("exit", {}))  # a process waiting for its next message stops
             except OSError:
@@ -166,7 +179,7 @@ class Hub:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        for link in self.links.values():
+        for link in [*self.links.values(), *self._early.values()]:
             link.close()
         self._listener.close()
         self.logs.cleanup()

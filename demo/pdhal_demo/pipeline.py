@@ -26,6 +26,7 @@ from pdhal_demo.report import Timeline, summarize
 SILENCE_TIMEOUT_S = 120.0  # no event from any process for this long: report a hang
 REPORT_GRACE_S = 5.0  # after a process dies, how long the others get to report it
 REMOTE_WAIT_S = 300.0  # how long to wait for a decoder started by hand
+CONNECT_WAIT_S = 120.0  # how long a process launched here may take to connect
 
 
 @dataclass
@@ -195,10 +196,33 @@ class Pipeline:
             "transfer_timeout_s": self.options.transfer_timeout_s,
             "session_key": secrets.token_hex(16),  # the control sessions' (pdhal.transfer)
         }
+        # The workers' all-reduce: a socketpair between every two ranks.
+        pairs = {(a, b): socket.socketpair() for a in range(tp) for b in range(a + 1, tp)}
+        ends = {rank: {} for rank in range(tp)}
+        for (a, b), (sa, sb) in pairs.items():
+            ends[a][b], ends[b][a] = sa.fileno(), sb.fileno()
+        # every process is launched at once (their imports overlap), then set up in order
+        try:
+            if not self.options.remote_decoder:
+                self.hub.launch("decoder", self._decoder_env(physical[0]))
+            for rank in range(tp):
+                self.hub.launch(
+                    self.role("worker", rank),
+                    _child_env(self.namespace, physical[rank], devices=tp),
+                    pass_fds=list(ends[rank].values()),
+                )
+                self.hub.launch(
+                    self.role("messager", rank),
+                    _child_env(self.namespace, physical[rank], isolate=False, devices=tp),
+                )
+        finally:
+            for sa, sb in pairs.values():  # the workers hold their ends now
+                sa.close()
+                sb.close()
         if self.options.remote_decoder:
             self._await_remote_decoder()
         else:
-            self.hub.start("decoder", self._decoder_env(physical[0]))
+            self.hub.accept("decoder", CONNECT_WAIT_S)
         self.hub.links["decoder"].send(common | {"rank": 0, "cache_name": "decode_cache"})
         self.backends["decode"] = self._expect("decoder", "ready")["backend"]
         wanted = self.options.decode_platform
@@ -207,40 +231,24 @@ class Pipeline:
                 f"the decoder runs on the {self.backends['decode']} backend, not on "
                 f"{wanted} (--decode-platform)"
             )
-        # The workers' all-reduce: a socketpair between every two ranks.
-        pairs = {(a, b): socket.socketpair() for a in range(tp) for b in range(a + 1, tp)}
-        ends = {rank: {} for rank in range(tp)}
-        for (a, b), (sa, sb) in pairs.items():
-            ends[a][b], ends[b][a] = sa.fileno(), sb.fileno()
-        try:
-            for rank in range(tp):
-                role = self.role("worker", rank)
-                self.hub.start(
-                    role,
-                    _child_env(self.namespace, physical[rank], devices=tp),
-                    pass_fds=list(ends[rank].values()),
-                )
-                self.hub.links[role].send(
-                    common
-                    | {
-                        "rank": rank,
-                        "cache_name": f"prefill_cache.{rank}",
-                        "fault": self.options.fault,
-                        "tp_fds": ends[rank],
-                    }
-                )
-                ready = self._expect(role, "ready")
-                self.devices[rank], self.backends["prefill"] = ready["device"], ready["backend"]
-        finally:
-            for sa, sb in pairs.values():  # the workers hold their ends now
-                sa.close()
-                sb.close()
+        for rank in range(tp):
+            role = self.role("worker", rank)
+            self.hub.accept(role, CONNECT_WAIT_S)
+            self.hub.links[role].send(
+                common
+                | {
+                    "rank": rank,
+                    "cache_name": f"prefill_cache.{rank}",
+                    "fault": self.options.fault,
+                    "tp_fds": ends[rank],
+                }
+            )
+            ready = self._expect(role, "ready")
+            self.devices[rank], self.backends["prefill"] = ready["device"], ready["backend"]
         pids, addresses = {}, {}
         for rank in range(tp):
             role = self.role("messager", rank)
-            self.hub.start(
-                role, _child_env(self.namespace, physical[rank], isolate=False, devices=tp)
-            )
+            self.hub.accept(role, CONNECT_WAIT_S)
             self.hub.links[role].send(
                 common
                 | {

@@ -79,11 +79,32 @@ def token_bytes(prompts: list[int], layers: int) -> int:
     ],
     ids=["shm", "mooncake-inflight4", "mooncake-inflight1"],
 )
-def test_both_modes_verify_every_byte(transport, extra, tmp_path):
+def test_both_modes_verify_every_byte_with_every_core_busy(transport, extra, tmp_path):
+    """Busy loops compete for every core: the worker and the messager get preempted
+    anywhere, yet every byte lands and every transfer starts after its layer ended (the
+    worker reads the end before it posts the signal), so efficiency <= 1 and exposed
+    transfer >= 0 still hold."""
     plot = tmp_path / "timeline.png"
-    run = demo(
-        *SMALL, "--mode", "both", "--transport", transport, "--json", "--plot", str(plot), *extra
-    )
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 2)
+    ]
+    try:
+        run = demo(
+            *SMALL,
+            "--mode",
+            "both",
+            "--transport",
+            transport,
+            "--json",
+            "--plot",
+            str(plot),
+            *extra,
+        )
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     assert run.returncode == 0, run.stderr
     summaries = runs_of(run.stdout)
     assert [s["mode"] for s in summaries] == ["per_query", "per_chunk"]
@@ -113,28 +134,6 @@ def test_followed_steps_verify_every_byte():
     assert s["verified_bytes"] == token_bytes([64, 100, 200, 333], 4)
     assert s["causality_violations"] == 0
     assert 0 <= s["overlap_efficiency_p1"] <= s["overlap_efficiency_p50"] <= 1
-
-
-@pytest.mark.parametrize("transport", ["shm", "mooncake"])
-def test_figures_keep_their_bounds_with_every_core_busy(transport):
-    """Two busy loops compete for the two cores: the worker and the messager get preempted
-    anywhere, yet every transfer starts after its layer ended (the worker reads the end
-    before it posts the signal), so efficiency <= 1 and exposed transfer >= 0 still hold."""
-    hogs = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(os.cpu_count() or 2)
-    ]
-    try:
-        run = demo(*SMALL, "--mode", "both", "--transport", transport, "--json")
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-    assert run.returncode == 0, run.stderr
-    for s in runs_of(run.stdout):
-        assert s["ok"] and s["causality_violations"] == 0
-        assert 0 <= s["overlap_efficiency_p1"] <= s["overlap_efficiency_p50"] <= 1
-        assert 0 <= s["exposed_ms_p50"] <= s["exposed_ms_p99"]
 
 
 @pytest.mark.simulated
@@ -609,7 +608,8 @@ def test_a_child_that_dies_before_connecting_is_reported_not_waited_on():
     hub = Hub()
     start = time.monotonic()
     with pytest.raises(DemoError, match="the no-such-role exited before it connected"):
-        hub.start("no-such-role", dict(os.environ))
+        hub.launch("no-such-role", dict(os.environ))
+        hub.accept("no-such-role", 30.0)
     assert time.monotonic() - start < 30
     hub.stop(grace=1.0)
 
