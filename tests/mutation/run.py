@@ -6,6 +6,9 @@ run the tests named for it; a bug the tests do not notice is a survivor.
     python tests/mutation/run.py --only ID  # one mutant (repeatable)
     python tests/mutation/run.py --check    # every `find` occurs once; nothing runs
 
+Mutants run --jobs at a time (default: one per CPU), each in its copy with its tests in
+namespaces of their own; a mutant's tests still run one after another.
+
 The copy gets its own C core when a mutant changes csrc/ (the extension, built with the
 project's cffi build script, and libpdhal.so), and runs with PYTHONPATH pointing at it, so
 the installed editable checkout is never touched. Mutants claimed equivalent are proven so
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -24,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import tomllib
@@ -196,6 +201,17 @@ def command(run: tuple[str, ...]) -> list[str]:
     return [*pytest, *run]
 
 
+#: Mutants run side by side: one writes the last failure's log at a time.
+_FAILURE_LOG = threading.Lock()
+
+
+def _log_failure(argv: list[str], output: str) -> None:
+    """Keep the last failing run's whole output, for a look at why it failed."""
+    path = os.path.join(tempfile.gettempdir(), "pdhal-mutate-last-failure.log")
+    with _FAILURE_LOG, open(path, "w") as log:
+        log.write(f"$ {' '.join(argv)}\n{output}")
+
+
 def run_tests(copy: str, runs: list[tuple[str, ...]]) -> str | None:
     """None when every run passed; else which one failed (or timed out)."""
     for run in runs:
@@ -218,10 +234,7 @@ def run_tests(copy: str, runs: list[tuple[str, ...]]) -> str | None:
             return f"{test}: timed out"
         proc = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         if proc.returncode != 0:
-            with open(
-                os.path.join(tempfile.gettempdir(), "pdhal-mutate-last-failure.log"), "w"
-            ) as log:
-                log.write(f"$ {' '.join(command(run))}\n{proc.stdout}{proc.stderr}")
+            _log_failure(command(run), proc.stdout + proc.stderr)
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
             return f"{test}: exit {proc.returncode}: " + " | ".join(tail)
     return None
@@ -295,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         help="fail below this share of non-equivalent mutants killed (0.9)",
     )
     parser.add_argument("--mutants", default=os.path.join(HERE, "mutants.toml"))
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="mutants at a time (one per CPU)"
+    )
     args = parser.parse_args(argv)
     mutants = load(args.mutants)
     problems = check_finds(mutants)
@@ -312,21 +328,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.no_baseline:
             baseline(base, mutants)
-        results = run_all(base, mutants)
+        results = run_all(base, mutants, args.jobs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return report(results, args)
 
 
-def run_all(base: str, mutants: list[dict]) -> dict[str, list[tuple[dict, str, str]]]:
-    results: dict[str, list[tuple[dict, str, str]]] = collections.defaultdict(list)
-    for m in mutants:
+def run_all(base: str, mutants: list[dict], jobs: int) -> dict[str, list[tuple[dict, str, str]]]:
+    """Each mutant's outcome, `jobs` mutants at a time, printed in the order of `mutants`."""
+
+    def timed(m: dict) -> tuple[str, str, float]:
         start = time.monotonic()
-        outcome, detail = run_one(base, m)
-        results[outcome].append((m, outcome, detail))
-        print(
-            f"{outcome:>10}  {m['id']:<34} {time.monotonic() - start:5.0f} s  {detail}", flush=True
-        )
+        return (*run_one(base, m), time.monotonic() - start)
+
+    results: dict[str, list[tuple[dict, str, str]]] = collections.defaultdict(list)
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        for m, (outcome, detail, seconds) in zip(mutants, pool.map(timed, mutants)):
+            results[outcome].append((m, outcome, detail))
+            print(f"{outcome:>10}  {m['id']:<34} {seconds:5.0f} s  {detail}", flush=True)
     return results
 
 
