@@ -221,10 +221,8 @@ class Pipeline:
                 sb.close()
         if self.options.remote_decoder:
             self._await_remote_decoder()
-        else:
-            self.hub.accept("decoder", CONNECT_WAIT_S)
-        self.hub.links["decoder"].send(common | {"rank": 0, "cache_name": "decode_cache"})
-        self.backends["decode"] = self._expect("decoder", "ready")["backend"]
+        ready = self._set_up("decoder", common | {"rank": 0, "cache_name": "decode_cache"})
+        self.backends["decode"] = ready["backend"]
         wanted = self.options.decode_platform
         if wanted is not None and self.backends["decode"] != wanted:
             raise DemoError(
@@ -232,24 +230,21 @@ class Pipeline:
                 f"{wanted} (--decode-platform)"
             )
         for rank in range(tp):
-            role = self.role("worker", rank)
-            self.hub.accept(role, CONNECT_WAIT_S)
-            self.hub.links[role].send(
+            ready = self._set_up(
+                self.role("worker", rank),
                 common
                 | {
                     "rank": rank,
                     "cache_name": f"prefill_cache.{rank}",
                     "fault": self.options.fault,
                     "tp_fds": ends[rank],
-                }
+                },
             )
-            ready = self._expect(role, "ready")
             self.devices[rank], self.backends["prefill"] = ready["device"], ready["backend"]
         pids, addresses = {}, {}
         for rank in range(tp):
-            role = self.role("messager", rank)
-            self.hub.accept(role, CONNECT_WAIT_S)
-            self.hub.links[role].send(
+            ready = self._set_up(
+                self.role("messager", rank),
                 common
                 | {
                     "rank": rank,
@@ -257,9 +252,8 @@ class Pipeline:
                     "prefill_cache": f"prefill_cache.{rank}",
                     "slow_ms": self.options.slow_ms.get(rank, 0),
                     "follow": self.options.follow,
-                }
+                },
             )
-            ready = self._expect(role, "ready")
             pids[rank], addresses[rank] = ready["pid"], ready["address"]
         # the decoder claims each request whose blocks are free from the messagers, by their
         # sessions, before the first layer is computed (so each layer goes as it is done)
@@ -271,6 +265,14 @@ class Pipeline:
             self.hub.links[self.role("worker", rank)].send(
                 ("go", {"messager_pid": pids[rank], "decoder_pid": decoder and decoder.pid})
             )
+
+    def _set_up(self, role: str, setup: dict) -> dict:
+        """Send `role` its setup once it connected (accepted here unless it already is: a
+        decoder started by hand) and return what it reports when ready."""
+        if role not in self.hub.links:
+            self.hub.accept(role, CONNECT_WAIT_S)
+        self.hub.links[role].send(setup)
+        return self._expect(role, "ready")
 
     def _decoder_env(self, device) -> dict[str, str]:
         """The decoder's environment: on the prefill's platform, seeing only `device`; on

@@ -3,9 +3,9 @@
 # seed corpus (MODE validate or hostile pins the harness's mode; any mixes both), or with
 # fuzz_kernel (MODE kernel, from an empty corpus: its inputs are small). SIGINT or SIGTERM
 # to this script ends the run early, and cleanly unless the fuzzer had found something
-# (scripts/with-fuzzing.sh stops its fuzzers so). libFuzzer's output goes to BUILD/fuzz-MODE.log; a crash, leak,
-# UB report or hang exits non-zero with the input left in BUILD/ (crash-*, leak-*,
-# timeout-*, oom-*).
+# (scripts/with-fuzzing.sh stops its fuzzers so). libFuzzer's output goes to
+# BUILD/fuzz-MODE.log; a crash, leak, UB report or hang exits non-zero with the input left
+# in BUILD/ (crash-*, leak-*, timeout-*, oom-*).
 set -eu
 bin=$1 mode=$2 secs=$3
 build=$(dirname "$bin")
