@@ -92,7 +92,8 @@ class Served:
             self._serve("plain", None)
         for index, (role, messager) in enumerate(zip(self.prefills, self.messagers)):
             config = {"kv_role": "kv_producer", "extra": {"messager": messager}}
-            self._serve(role, config, env={"PDHAL_CPU_VISIBLE_DEVICES": str(index)})
+            env = {"PDHAL_CPU_VISIBLE_DEVICES": str(index)}
+            self._serve(role, config, env=env, options=("--enable-log-requests",))
         for role in decoders:
             extra = {"transport": self.transport}
             there = self.hosts is not None and role == decoders[-1]
@@ -201,6 +202,24 @@ class Served:
 
     def log(self, role: str) -> str:
         return self.cluster.log(role, 60)
+
+    def aborts(self, role: str) -> int:
+        """How many aborts `role`'s API server logged (a prefill server logs its requests)."""
+        with open(self.cluster.path(f"{role}.log"), errors="replace") as log:
+            return log.read().count("Aborted request")
+
+    def engine_core(self, role: str) -> int:
+        """The pid of `role`'s engine core: the process of its group vLLM titled so."""
+        group = self.procs[role].pid
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    title = cmdline.read()
+                if title.startswith(b"VLLM::EngineCore") and os.getpgid(int(pid)) == group:
+                    return int(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a process that ended while we looked
+        raise AssertionError(f"{role} has no engine core process:\n{self.log(role)}")
 
     def complete(
         self,

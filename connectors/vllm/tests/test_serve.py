@@ -10,6 +10,7 @@ counts /dev/shm."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -135,37 +136,26 @@ def test_a_prefill_request_vllm_aborts_frees_its_blocks_at_once(served):
     decode side claimed it, is failed at once: its blocks come free well within the
     messager's claim timeout (120 s), which a transfer nobody claims would otherwise wait.
 
-    vLLM aborts it only if it sees the hang-up before the request's last token: on a
-    stalled host it once ran all 400 first. Such a try proves nothing; a decode server
-    takes what it holds, and the test tries again."""
-    for attempt in range(3):
-        tid = f"pdhal-abandoned-{attempt}"
-        ran_out = served.metric("prefill", "vllm:request_success_total", finished_reason="length")
-        hang_up_mid_stream(served, tid)
-        deadline = time.monotonic() + 30
-        while served.metric("prefill", "vllm:num_requests_running") > 0:
-            assert time.monotonic() < deadline, "the request neither ended nor was aborted"
-            time.sleep(0.2)
-        if served.metric("prefill", "vllm:request_success_total", finished_reason="length") == (
-            ran_out
-        ):
-            break  # vLLM aborted it
-        to_decode = {
-            "do_remote_prefill": True,
-            "pdhal_transfer_id": tid,
-            "pdhal_messager": served.messager,
-        }
-        served.complete(served.decodes[0], PROMPTS[1], kv_transfer_params=to_decode)
-    else:
-        pytest.fail("vLLM ran each of 3 requests to its end before it saw its client go")
+    Its engine is held (SIGSTOP) from the request's first token until the API server has
+    logged the abort, so however loaded the host, the request cannot run to its end
+    before vLLM sees its client go (on a loaded host it once ran all 400 tokens first)."""
+    ran_out = served.metric("prefill", "vllm:request_success_total", finished_reason="length")
+    hang_up_mid_stream(served, "pdhal-abandoned")
     deadline = time.monotonic() + 30
+    while served.metric("prefill", "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the aborted request is still running"
+        time.sleep(0.2)
+    ran = served.metric("prefill", "vllm:request_success_total", finished_reason="length")
+    assert ran == ran_out, "the request ran to its end, not aborted"
     while served.metric("prefill", "vllm:kv_cache_usage_perc") > 0:
         assert time.monotonic() < deadline, "the aborted request's blocks are still held"
         time.sleep(0.2)
 
 
 def hang_up_mid_stream(served: Served, tid: str) -> None:
-    """A prefill request of transfer `tid` whose client goes once its first token came."""
+    """A prefill request of transfer `tid` whose client goes once its first token came,
+    its server's engine held (SIGSTOP) from that token until its API server logged the
+    abort: the request cannot run to its end first, however slow the API server is."""
     body = {
         "model": served.model,
         "prompt": PROMPTS[1],
@@ -179,9 +169,19 @@ def hang_up_mid_stream(served: Served, tid: str) -> None:
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
+    engine = served.engine_core("prefill")
+    aborts = served.aborts("prefill")
     with urllib.request.urlopen(request, timeout=120) as answer:
         answer.readline()  # its first token: the prompt was stored
         assert served.metric("prefill", "vllm:kv_cache_usage_perc") > 0
+        os.kill(engine, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while served.aborts("prefill") == aborts:
+            assert time.monotonic() < deadline, "vLLM did not see its client go"
+            time.sleep(0.1)
+    finally:
+        os.kill(engine, signal.SIGCONT)
 
 
 def test_sigterm_leaves_nothing_behind(served):
