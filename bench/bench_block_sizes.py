@@ -17,10 +17,11 @@ GiB/s (median over rounds) and the median of each round's ratio against "alike".
 A different block size costs more, smaller copies: one per head and per stretch inside one
 block on both sides, where alike blocks of consecutive ids are one copy per run; another
 order one per token and head (each stretch one grid of them, expanded in C on the shm
-link's copier, pieces of 64, 128 or 256 bytes moved inline). What copies that size cost
-by themselves is each row's "pieces alone": the same bytes copied in C in the mode's
-sizes, a memcpy each, contiguous, against a memcpy per block (bench/c_pieces.c, nothing
-scattered; pdhal's inline pieces can beat it, its other copies are memcpys).
+link's copier, which runs a prefill block's stretches head by head, so each head's tokens
+are read in order, and moves a piece below a page inline, 64 bytes at a time). What
+copies that size cost by themselves is each row's "pieces alone": the same bytes copied
+in C in the mode's sizes, a memcpy each, contiguous, against a memcpy per block
+(bench/c_pieces.c, nothing scattered; pdhal's inline pieces can beat it).
 `--json` prints one object.
 """
 

@@ -39,11 +39,7 @@ struct pdhal_copy_job {
     uint64_t until;             /* a gate's progress word to wait for */
     int64_t timeout_ns;         /* a gate's longest wait, from when the thread reaches it */
     uint64_t count;
-    struct copy {
-        char *dst;
-        const char *src;
-        struct pdhal_grid grid; /* the copies from src to dst (one, or rows of them) */
-    } copies[];
+    struct pdhal_placed_grid copies[]; /* one copy, or rows of them */
 };
 
 struct span { uint64_t start, end; };
@@ -123,6 +119,24 @@ static int open_gate(pdhal_copier *c, struct pdhal_copy_job *gate)
     return rc;
 }
 
+/* How many of the `left` grids from `first` on are one row of as many copies each, every
+ * one's source starting where the one before it ends: run as columns, they read the source
+ * in order (a prefill block's stretches into decode blocks of another size, a copy per head
+ * each, would otherwise read every head's part a stretch at a time). */
+static uint64_t columns(const struct pdhal_placed_grid *first, uint64_t left)
+{
+    uint64_t n = 1;
+    if (first->grid.rows != 1 || first->grid.count < 2)
+        return n;
+    for (const struct pdhal_placed_grid *g = first; n < left; n++, g++) {
+        const struct pdhal_placed_grid *next = g + 1;
+        if (next->grid.rows != 1 || next->grid.count != first->grid.count ||
+            next->src != g->src + g->grid.bytes)
+            break;
+    }
+    return n;
+}
+
 /* Run `job`: a gate opens, copies copy. Returns its state, the reason in job->why. */
 static uint32_t run_job(pdhal_copier *c, struct pdhal_copy_job *job)
 {
@@ -146,9 +160,11 @@ static uint32_t run_job(pdhal_copier *c, struct pdhal_copy_job *job)
         snprintf(job->why, sizeof job->why, "%s", pdhal_last_error());
         return JOB_FAILED;
     }
-    for (uint64_t i = 0; i < job->count; i++) {
-        const struct copy *copy = &job->copies[i];
-        if (pdhal_copy_armed_grid(copy->dst, copy->src, &copy->grid) != 0) {
+    for (uint64_t i = 0, n; i < job->count; i += n) {
+        const struct pdhal_placed_grid *copy = &job->copies[i];
+        n = columns(copy, job->count - i);
+        if ((n > 1 ? pdhal_copy_armed_columns(copy, n)
+                   : pdhal_copy_armed_grid(copy->dst, copy->src, &copy->grid)) != 0) {
             snprintf(job->why, sizeof job->why, "copy %llu of %llu: %s", (unsigned long long)i,
                      (unsigned long long)job->count, pdhal_last_error());
             return JOB_FAILED;
@@ -267,7 +283,7 @@ static int add_grid(const pdhal_copier *c, struct pdhal_copy_job *job, uint64_t 
                                   "this link was given to copy from",
                           (unsigned long long)index, (unsigned long long)src,
                           (unsigned long long)bytes);
-    job->copies[at] = (struct copy){
+    job->copies[at] = (struct pdhal_placed_grid){
         .dst = (char *)(uintptr_t)(c->region_base[region] + offset),
         .src = (const char *)(uintptr_t)src,
         .grid = *grid,
@@ -285,9 +301,9 @@ static int add_copy(const pdhal_copier *c, struct pdhal_copy_job *job, uint64_t 
 
 static int new_job(uint64_t count, struct pdhal_copy_job **out)
 {
-    if (count > (SIZE_MAX - sizeof(struct pdhal_copy_job)) / sizeof(struct copy))
+    if (count > (SIZE_MAX - sizeof(struct pdhal_copy_job)) / sizeof(struct pdhal_placed_grid))
         return pdhal_fail(EINVAL, "%llu copies in one post", (unsigned long long)count);
-    struct pdhal_copy_job *job = malloc(sizeof *job + count * sizeof(struct copy));
+    struct pdhal_copy_job *job = malloc(sizeof *job + count * sizeof(struct pdhal_placed_grid));
     if (!job)
         return pdhal_fail(ENOMEM, "out of memory");
     atomic_init(&job->state, JOB_PENDING);
@@ -398,15 +414,20 @@ int pdhal_copier_post_blocks(pdhal_copier *c, const pdhal_copy_cache *caches, ui
     int failed = new_job(count, &job);
     if (failed)
         return failed;
+    /* Block by block, each block's caches in their order (the planner's: the destination's,
+     * so a block whose heads keep their K and V together is written in order); a cache of
+     * whole blocks on both sides is one copy per run, at the run's first block. */
     uint64_t at = 0;
-    for (uint32_t k = 0; k < ncaches; k++) {
-        const pdhal_copy_cache *cache = &caches[k];
-        int whole = cache->src_stride == cache->block_bytes &&
-                    cache->dst_stride == cache->block_bytes;
-        for (uint64_t r = 0; r < nruns; r++) {
-            uint64_t s = (uint64_t)block_runs[3 * r], d = (uint64_t)block_runs[3 * r + 1];
-            uint64_t n = (uint64_t)block_runs[3 * r + 2];
-            for (uint64_t i = 0; i < (whole ? 1 : n); i++, at++) {
+    for (uint64_t r = 0; r < nruns; r++) {
+        uint64_t s = (uint64_t)block_runs[3 * r], d = (uint64_t)block_runs[3 * r + 1];
+        uint64_t n = (uint64_t)block_runs[3 * r + 2];
+        for (uint64_t i = 0; i < n; i++) {
+            for (uint32_t k = 0; k < ncaches; k++) {
+                const pdhal_copy_cache *cache = &caches[k];
+                int whole = cache->src_stride == cache->block_bytes &&
+                            cache->dst_stride == cache->block_bytes;
+                if (whole && i > 0)
+                    continue;
                 /* ids below 2^40 and strides below 2^64 / 2^41 keep these from wrapping;
                  * a stride past that is refused as out of range by add_copy's checks */
                 __uint128_t src = (__uint128_t)cache->src + (__uint128_t)(s + i) * cache->src_stride;
@@ -422,6 +443,7 @@ int pdhal_copier_post_blocks(pdhal_copier *c, const pdhal_copy_cache *caches, ui
                     free(job);
                     return rc;
                 }
+                at++;
             }
         }
     }

@@ -194,6 +194,17 @@ struct pdhal_grid {
 };
 /* Every copy of `grid`, rows in order, under one guard. */
 int pdhal_copy_armed_grid(void *dst, const void *src, const struct pdhal_grid *grid);
+/* A grid's copies from src to dst. */
+struct pdhal_placed_grid {
+    char *dst;
+    const char *src;
+    struct pdhal_grid grid;
+};
+/* `n` grids of one row of `count` copies each, every one's source starting where the one
+ * before it ends (the stretches of one prefill block, a copy per head each): copy j of
+ * every grid, then copy j + 1 of every grid, under one guard, so each head's part of the
+ * source is read in order. */
+int pdhal_copy_armed_columns(const struct pdhal_placed_grid *grids, uint64_t n);
 
 /* segment.c */
 void pdhal_segment_ref(pdhal_segment *seg);

@@ -493,8 +493,10 @@ def _pair_heads_apart(ours, theirs) -> None:
 
 def _head_by_head(mine: list[CacheSpec], theirs: list[CacheSpec]) -> list[tuple]:
     """The pairs of caches of one layer, a pair whose heads are apart on either side as
-    one pair per head (_pair_heads_apart checked they pair so); caches that fill whole
-    blocks alike on both sides as one pair."""
+    one pair per head (_pair_heads_apart checked they pair so), in the destination's order
+    (a block is copied cache by cache in this order: where each head keeps its K and V
+    together, K and V of a head in turn, so the block is written front to back); caches
+    that fill whole blocks alike on both sides as one pair."""
     whole = _whole_blocks(mine, theirs)
     if whole is not None:
         return [whole]
@@ -504,7 +506,7 @@ def _head_by_head(mine: list[CacheSpec], theirs: list[CacheSpec]) -> list[tuple]
             pairs += [(a.head_view(h, 1), b.head_view(h, 1)) for h in range(a.heads)]
         else:
             pairs.append((a, b))
-    return pairs
+    return sorted(pairs, key=lambda pair: (pair[1].region, pair[1].offset))
 
 
 def _whole_blocks(mine: list[CacheSpec], theirs: list[CacheSpec]) -> tuple | None:
