@@ -110,11 +110,15 @@ class IpcLink(ShmLink):
         self._copy_lock = threading.Lock()  # a submit's runtime copies against close
         self._copies: _CopyThread | None = None  # made at the first device run
         self._closed = False
-        super().__init__(described, [(a, n) for a, n, _ in spans], timeout)
         self._kinds = sorted((a, a + n, kind) for a, n, kind in spans)
         self._starts = [start for start, _, _ in self._kinds]
+        super().__init__(described, [(a, n) for a, n, _ in spans], timeout)
         #: Each destination region's kind of memory, from what it mapped to ("cpu", "gpu").
         self._region_kinds = [extent.device.split(":")[0] for extent in self._targets[1]]
+
+    def _read_here(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The host spans (shm's copier reads them); device memory is read by the runtime."""
+        return [(a, n) for a, n in spans if self._kind_of(a) == "cpu"]
 
     def _kind_of(self, address: int) -> str:
         """The kind of memory of the source span `address` lies in (the runs are checked

@@ -29,6 +29,7 @@ from pdhal._errors import (
     TransferError,
 )
 from pdhal._memory import extents as _extents
+from pdhal._memory import mappings as _mappings
 from pdhal._memory import published
 from pdhal._protocol import core as _core
 from pdhal._protocol.names import buffer_path, namespace, validate_name
@@ -258,6 +259,14 @@ class ShmLink(Link):
         self._pid, self._started, names, sizes = _checked(described, self.transport)
         self._records: list[str] = []  # the first and last region's record files
         self._runs = RunChecker(sizes, sources)
+        spans = self._read_here(self._runs.spans())
+        unread = _mappings.unreadable(spans)
+        if unread is not None:
+            address, nbytes = spans[unread]
+            raise InvalidArgumentError(
+                f"source [{address:#x}, +{nbytes}) is not memory this process can read: a "
+                f"link copies from the memory it is given, which must be mapped here"
+            )
         self.regions = sizes
         self._names: list[str] = []
         # each region's address and extent (held while copying into it), as one value: a
@@ -320,6 +329,11 @@ class ShmLink(Link):
         except BaseException:
             self.close()
             raise
+
+    def _read_here(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The source spans this process's own loads read (all of shm's: its copier
+        memmoves from host memory), which must be mapped readable here."""
+        return spans
 
     def problem(self) -> str | None:
         with self._exit_lock:  # a poll object refuses two threads at once

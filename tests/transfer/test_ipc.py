@@ -283,6 +283,10 @@ def test_a_source_s_kind_must_be_one_ipc_moves_and_what_pdhal_knows_it_is(bind):
             InvalidArgumentError, match="said to be gpu memory, but it lies in pdhal's cpu"
         ):
             ipc.connect(there.described, [(host.address, 64, "gpu")])
+        # host memory is read by shm's copier: it must be readable here (device memory is
+        # read by the runtime, which checks its own pointers)
+        with pytest.raises(InvalidArgumentError, match=r"source \[0x0, \+64\) is not memory"):
+            ipc.connect(there.described, [(0, 64, "cpu")])
     finally:
         there.close()
         pdhal.ops.host_free(host)

@@ -90,3 +90,44 @@ ops.host_free(region)
 ops.host_free(source)
 """
     )
+
+
+def test_a_link_refuses_at_connect_sources_this_process_cannot_read(namespace):
+    """A link's sources are the caller's word (a transport kit's caller passes addresses):
+    one at address 0, in a reserved range (PROT_NONE), unmapped, or running past readable
+    memory is refused at connect naming it, where the copier would fault on it at the first
+    submit; readable memory is taken (ipc's host sources: test_ipc)."""
+    run_child(
+        """
+import ctypes
+from pdhal import ops, InvalidArgumentError
+from pdhal.transfer import transport
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+PAGE = 4096
+pages = libc.mmap(None, 3 * PAGE, 3, 0x22, -1, 0)  # read/write, private, anonymous
+assert libc.mprotect(ctypes.c_void_p(pages + PAGE), PAGE, 0) == 0  # PROT_NONE
+assert libc.munmap(ctypes.c_void_p(pages + 2 * PAGE), PAGE) == 0
+region = ops.host_alloc(PAGE)
+shm = transport("shm")
+endpoint = shm.endpoint([region], "unreadable")
+for address, nbytes in ((0, 64), (pages + PAGE, 64), (pages + 2 * PAGE, 64),
+                        (pages + PAGE - 8, 16)):
+    try:
+        shm.connect(endpoint.describe(), [(address, nbytes)])
+    except InvalidArgumentError as e:
+        assert f"source [{address:#x}, +{nbytes}) is not memory this process can read" in (
+            str(e)), e
+    else:
+        raise AssertionError(f"the unreadable source {address:#x}+{nbytes} was taken")
+link = shm.connect(endpoint.describe(), [(pages, PAGE)])
+ctypes.memset(pages, 5, PAGE)
+link.submit([(pages, 0, 0, PAGE)]).wait(10)
+assert (region.as_numpy("uint8", (PAGE,)) == 5).all()
+link.close()
+endpoint.close()
+ops.host_free(region)
+"""
+    )

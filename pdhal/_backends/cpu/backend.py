@@ -20,6 +20,7 @@ from pdhal._errors import DeviceError, InvalidArgumentError, InvalidTypeError, U
 from pdhal._inputs.tensors import memory_ref
 from pdhal._memory import blocks as _blocks
 from pdhal._memory import extents as _extents
+from pdhal._memory import mappings as _mappings
 from pdhal._memory import published as _published
 from pdhal._memory import sharedhost as _sharedhost
 from pdhal._memory.hostmem import HostBuffer
@@ -114,25 +115,12 @@ def host_free(buf: HostBuffer) -> None:
 # ---- addresses -----------------------------------------------------------------------
 
 
-def _mapped(address: int, nbytes: int) -> bool:
-    """Is [address, address + nbytes) inside this process's mappings?"""
-    end = address + nbytes
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
-            if lo <= address < hi:
-                if end <= hi:
-                    return True
-                address = hi  # continues into the next mapping, if contiguous
-    return False
-
-
 def get_peer_mem_addr(ptr_or_tensor) -> int:
     """The address a NIC registers: on the CPU, the address itself, once checked mapped."""
     ref = memory_ref(ptr_or_tensor, "ptr_or_tensor")
     if ref.device not in ("cpu", "unknown"):
         raise InvalidArgumentError(f"the cpu backend cannot register {ref.device} memory")
-    if not _mapped(ref.address, ref.nbytes or 1):
+    if _mappings.unreadable([(ref.address, ref.nbytes or 1)]) is not None:
         raise InvalidArgumentError(f"address {ref.address:#x} is not mapped in this process")
     return ref.address
 
@@ -184,7 +172,7 @@ def host_register(ptr_or_tensor, nbytes: int | None = None) -> None:
     size = ref.nbytes if nbytes is None else _names.validate_index(nbytes, "nbytes", 1 << 46)
     if not size:
         raise InvalidArgumentError("host_register needs nbytes with a raw address")
-    if not _mapped(ref.address, size):
+    if _mappings.unreadable([(ref.address, size)]) is not None:
         raise InvalidArgumentError(f"[{ref.address:#x}, +{size}) is not mapped in this process")
     if _libc.mlock(ctypes.c_void_p(ref.address), ctypes.c_size_t(size)) != 0:
         err = ctypes.get_errno()
