@@ -210,6 +210,10 @@ class Link:
 
     #: The endpoint's regions, as many as it described (their bytes).
     regions: list[int]
+    #: The kind of memory ("cpu", "gpu", ...) each region is, where the link can tell
+    #: (shm and ipc map the regions); None where it cannot. The streamer compares it with
+    #: what the destination's description claims (require_claimed_kinds).
+    region_kinds: list[str] | None = None
 
     def submit(self, runs: list[Run]) -> Batch:
         """Start the copies; InvalidArgumentError for a run that is not four ints, of at
@@ -350,6 +354,22 @@ def moves(transport: Transport, source: str, destination: str) -> bool:
     return transport.memory is None or (
         source in transport.memory and destination in transport.memory
     )
+
+
+def require_claimed_kinds(link: Link, claimed: list[str] | None) -> None:
+    """Refuse a link whose destination regions are not the kinds of memory the
+    destination's description claims (`claimed`, checked by require_pairs: one per region
+    of its layout), naming the first (InvalidArgumentError), where the link can tell: a
+    pair refused at connect must not pass on a false claim and fail at the first submit."""
+    real = link.region_kinds
+    if real is None or claimed is None:
+        return
+    for index, (kind, mapped) in enumerate(zip(claimed, real)):
+        if kind != mapped:
+            raise InvalidArgumentError(
+                f"the destination's region {index} is said to be {kind} memory, but what the "
+                f"link maps there is {mapped} memory: its description does not match its memory"
+            )
 
 
 def require_pairs(transport: Transport, here: list[str], there: object, regions: int) -> None:

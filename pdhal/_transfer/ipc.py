@@ -113,8 +113,6 @@ class IpcLink(ShmLink):
         self._kinds = sorted((a, a + n, kind) for a, n, kind in spans)
         self._starts = [start for start, _, _ in self._kinds]
         super().__init__(described, [(a, n) for a, n, _ in spans], timeout)
-        #: Each destination region's kind of memory, from what it mapped to ("cpu", "gpu").
-        self._region_kinds = [extent.device.split(":")[0] for extent in self._targets[1]]
 
     def _read_here(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The host spans (shm's copier reads them); device memory is read by the runtime."""
@@ -134,7 +132,7 @@ class IpcLink(ShmLink):
         host = []
         for index, run in enumerate(runs):
             src, region, _, nbytes = run
-            there, here = self._region_kinds[region], self._kind_of(src)
+            there, here = self.region_kinds[region], self._kind_of(src)
             if there != here:
                 raise TransferError(
                     f"run {index} copies {here} memory into {there} memory (region {region}): "

@@ -320,6 +320,7 @@ class ShmLink(Link):
                 self._targets[1].append(extent)
             if names:
                 self._records = [buffer_path(names[0]), buffer_path(names[-1])]
+            self.region_kinds = [extent.device.split(":")[0] for extent in self._targets[1]]
             spans = self._runs.spans()
             self._copier = _core.Copier(self._targets[0], sizes, spans)
             self._sizes, self._spans = sizes, spans

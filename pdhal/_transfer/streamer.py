@@ -33,6 +33,7 @@ from pdhal._protocol.signals import ProgressReader
 from pdhal._transfer import checks, keeper, mailbox
 from pdhal._transfer.contract import (
     Gate,
+    require_claimed_kinds,
     require_memory,
     require_pairs,
     require_target_completion,
@@ -215,9 +216,15 @@ class KVStreamer:
         ]
 
         def link(status: tuple[int, int]):
-            return self._transport.connect(
+            made = self._transport.connect(
                 described, [*sources, (*status, "cpu") if kinds else status]
             )
+            try:
+                require_claimed_kinds(made, layout.get("memory"))
+            except BaseException:
+                made.close()
+                raise
+            return made
 
         dest = Destination(
             link,

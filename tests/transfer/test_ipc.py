@@ -8,6 +8,7 @@ are refused when the destination is connected, naming both."""
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -150,6 +151,26 @@ def test_device_caches_into_host_caches_are_refused_at_connect(bind):
     decode side's host caches are refused at connect, naming both kinds (shm stages them)."""
     why = refused_at_connect(bind("cuda"), "cuda", InvalidArgumentError, memory="host")
     assert "gpu memory and the destination's cpu" in why
+
+
+def test_a_description_claiming_device_caches_that_are_host_memory_is_refused_at_connect(bind):
+    """A decode side whose description says its caches are device memory, where what its
+    names map is host memory, is refused at connect naming the region and both kinds (the
+    link knows what it mapped), not at the first submit with the decode side left to find
+    out at its deadline."""
+    streamer = ipc_streamer(bind("cuda"))
+    there = decode_on("cuda", memory="host")
+    forged = copy.deepcopy(there.described)
+    forged["layout"]["memory"] = ["gpu"] * len(forged["layout"]["memory"])
+    try:
+        with pytest.raises(
+            InvalidArgumentError,
+            match="region 0 is said to be gpu memory, but what the link maps there is cpu",
+        ):
+            streamer.connect(forged)
+    finally:
+        there.close()
+        streamer.close()
 
 
 def test_a_run_across_kinds_of_memory_is_refused_at_submit(bind):
