@@ -104,6 +104,11 @@ def publish(ref, name: str, backend: str) -> None:
             f"the KV cache with pdhal.ops.host_alloc and view it as a tensor (address "
             f"{ref.address:#x} is not inside any live host_alloc buffer)"
         )
+    if owner._creator_pid != os.getpid():
+        raise UnsupportedError(
+            f"address {ref.address:#x} is in a host_alloc buffer of pid {owner._creator_pid}, "
+            f"this process's parent: the process that allocated a buffer shares it"
+        )
     _published.publish(
         name, {"path": owner.path, "offset": ref.address - owner.address, "nbytes": ref.nbytes}
     )
@@ -143,10 +148,19 @@ def import_shared(like, name: str, record: dict, shape: tuple, dtype: str, need:
     # the record is its publisher's word: it may name a host_alloc buffer of this namespace
     # only (not a record, nor another deployment's memory)
     prefix = _names.buffer_path("host.")
-    if not path.startswith(prefix) or not re.fullmatch(r"\d+\.\d+", path[len(prefix) :]):
+    allocated = re.fullmatch(r"(\d+)\.\d+", path[len(prefix) :])
+    if not path.startswith(prefix) or not allocated:
         raise InvalidArgumentError(
             f"the record of {name!r} names {path!r}, which is not a host_alloc buffer of "
             f"namespace {_names.namespace()!r}"
+        )
+    # ... of its publisher's own (a peer must not have this process write into a third
+    # process's memory, or its own)
+    owner, publisher = int(allocated[1]), _published.publisher(name)
+    if owner != publisher:
+        raise InvalidArgumentError(
+            f"the record of {name!r} names a host_alloc buffer of pid {owner}, not one of its "
+            f"publisher (pid {publisher}): a process shares the buffers it allocated only"
         )
     with _imported_lock:
         seg = kept = _imported.get(path)

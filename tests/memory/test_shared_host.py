@@ -165,3 +165,53 @@ def test_a_record_that_is_not_what_set_data_ipc_writes_is_refused_naming_what_is
         ops.host_free(buf)
         if backend == "cuda":
             ops.unset_data_ipc(None, "dev", True, True)
+
+
+def test_a_record_naming_a_buffer_its_publisher_did_not_allocate_is_refused():
+    """A peer's record that names another process's host_alloc buffer (here this one's:
+    it would have the importer write into its own memory, or a third process's) is refused
+    naming both pids, nothing mapped; and a forked child cannot share its parent's buffer
+    (set_data_ipc says who allocated it)."""
+    import subprocess
+    import sys
+
+    from pdhal._memory import sharedhost
+
+    buf = ops.host_alloc(NBYTES)
+    ours = buf.path
+    publisher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys\n"
+            "from pdhal._memory import published\n"
+            f"published.publish('stolen', {{'path': {ours!r}, 'offset': 0, 'nbytes': 16}})\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    mapped = set(sharedhost._imported)
+    try:
+        assert publisher.stdout.readline() == "ready\n"
+        with pytest.raises(
+            pdhal.InvalidArgumentError,
+            match=rf"host_alloc buffer of pid {os.getpid()}, not one of its publisher \(pid "
+            rf"{publisher.pid}\)",
+        ):
+            ops.share_external_data("uint8", "stolen", [16])
+        assert set(sharedhost._imported) == mapped
+        child = os.fork()
+        if child == 0:  # a forked child sharing what its parent allocated
+            try:
+                ops.set_data_ipc(buf.as_numpy(np.uint8, (NBYTES,)), "inherited")
+            except pdhal.UnsupportedError as e:
+                os._exit(0 if f"buffer of pid {os.getppid()}" in str(e) else 2)
+            os._exit(1)
+        assert os.waitpid(child, 0)[1] == 0, "a forked child shared its parent's buffer"
+    finally:
+        publisher.stdin.close()
+        publisher.wait(30)
+        ops.host_free(buf)
