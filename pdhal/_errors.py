@@ -82,6 +82,13 @@ class TransferError(PdhalError, ConnectionError):
     """A transfer of KV blocks failed: the peer or the link is gone, or it stalled."""
 
 
+class BatchFailedError(TransferError):
+    """A batch's copies failed while its link stays sound (a runtime's copy error, not a
+    gone peer or a stall): a transport's Batch raises it so that the streamer fails the
+    requests in that batch and tells their decode side why over the same link, where any
+    other failure breaks the link and leaves the decode side to its deadline."""
+
+
 class TransportLoadError(PdhalError, ImportError):
     """A transport plugin failed to import or to describe itself."""
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdhal._errors import TransferError
+from pdhal._errors import BatchFailedError, TransferError
 from pdhal._protocol import core as _core
 from pdhal._transfer import mailbox
 from pdhal._transfer.contract import Batch, Gate, Link
@@ -45,6 +45,10 @@ class Write:
     submit_ns: int = 0
     failed: str | None = None  # why it could not be submitted; "" when dropped unsent
     channel: _Channel | None = None
+    #: It failed and its link is sound (a followed send whose copies never started, a
+    #: batch whose failure was its own: BatchFailedError): nothing breaks, and its
+    #: requests' decode side is told why
+    link_sound: bool = False
 
 
 @dataclass(eq=False)
@@ -58,7 +62,6 @@ class Send(Write):
     signal_ns: int = 0  # followed: when the link saw the signal
     step: int | None = None  # the engine's, if it said
     gate: Gate | None = None  # followed (KVStreamer.follow): the signal its copies wait for
-    never_started: bool = False  # followed, and failed before its copies started
 
 
 @dataclass(eq=False)
@@ -459,7 +462,9 @@ class Destination:
         """Wait for `write` (a followed send as _wait_followed does, any other until
         stall_timeout after it was submitted), take it off its link (closed once retired
         and idle), report it, and break the destination if it failed, unless it was a
-        followed send whose signal never came (the engine's, not the link's)."""
+        followed send whose signal never came (the engine's, not the link's) or its batch
+        said the failure is its own (BatchFailedError: its requests' decode side is told
+        over the same link)."""
         reason = write.failed
         if write.batch is not None:
             try:
@@ -471,6 +476,7 @@ class Destination:
                 reason = None
             except Exception as e:  # TransferError, or a transport's bug
                 reason = _why(e)
+                write.link_sound = write.link_sound or isinstance(e, BatchFailedError)
         channel, close = write.channel, False
         with self._cond:
             if channel is not None:
@@ -481,15 +487,15 @@ class Destination:
         if close:
             channel.link.close()
         self._settled(self, write, reason)
-        if reason and not (isinstance(write, Send) and write.never_started):
+        if reason and not write.link_sound:
             self.break_(reason, write.epoch)
 
     def _wait_followed(self, send: Send) -> None:
         """Wait for a followed `send` to land: its gate as long as it takes (the link fails
         it if the signal does not come in time: Link.submit_blocks), its copies up to
         stall_timeout from when they started. Submitted when the link saw the signal; one
-        that failed before its copies started is `never_started`, which breaks nothing (the
-        link is sound: the engine never computed the layer)."""
+        that failed before its copies started leaves its link sound and breaks nothing (the
+        engine never computed the layer)."""
         batch = send.batch
         try:
             while True:
@@ -506,7 +512,7 @@ class Destination:
                     if batch.done():  # (raises the reason if it failed)
                         break
         except Exception:
-            send.never_started = not batch.started_ns()
+            send.link_sound = not batch.started_ns()
             raise
         finally:
             send.submit_ns = send.signal_ns = batch.started_ns() or time.monotonic_ns()

@@ -28,7 +28,13 @@ import time
 
 import pdhal
 from pdhal import ops
-from pdhal._errors import InvalidArgumentError, PdhalError, TransferError, UnsupportedError
+from pdhal._errors import (
+    BatchFailedError,
+    InvalidArgumentError,
+    PdhalError,
+    TransferError,
+    UnsupportedError,
+)
 from pdhal._inputs.tensors import MemoryRef
 from pdhal._memory import extents as _extents
 from pdhal._memory.blocks import MemorySpan
@@ -204,8 +210,8 @@ class _DeviceBatch(Batch):
     def done(self) -> bool:
         if not self._settled.is_set():
             return False
-        if self._failure is not None:
-            raise TransferError(self._failure)
+        if self._failure is not None:  # the runtime's copy failed: the link is sound
+            raise BatchFailedError(self._failure)
         return True
 
     def wait(self, timeout: float) -> None:

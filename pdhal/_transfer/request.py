@@ -181,9 +181,9 @@ class Request:
             grew = True
         return grew and self.live and self.layerwise and self.layers_landed < self.layers
 
-    def write_unsent(self, reason: str) -> None:
-        """A write of it failed before it went (its link is sound): it fails, and its
-        decode side is to read why."""
+    def write_failed_alone(self, reason: str) -> None:
+        """A write of it failed with its link sound (never started, or its batch's own
+        failure): it fails, and its decode side is to read why."""
         self.in_flight -= 1
         self.fail(reason)
 

@@ -667,7 +667,7 @@ class KVStreamer:
         with self._lock:  # nothing of it went: each request fails, its decode side told
             acts = []
             for request, _ in items:
-                request.write_unsent(failure)
+                request.write_failed_alone(failure)
                 acts.append((request, request.advance()))
         for request, action in acts:
             self._act(request, action)
@@ -729,8 +729,8 @@ class KVStreamer:
                 why = reason or (
                     "the streamer stopped sending to this decode side" if reason == "" else None
                 )
-                if send.never_started:  # the link is sound: its decode side is told why
-                    request.write_unsent(why)
+                if send.link_sound:  # its decode side is told why
+                    request.write_failed_alone(why)
                 elif request.write_settled(send.layer, blocks, per_block * blocks, why):
                     request.in_flight += 1  # the progress word, settled like a layer
                     progress.append((request, request.layers_landed))
