@@ -84,9 +84,9 @@ class TransferError(PdhalError, ConnectionError):
 
 class BatchFailedError(TransferError):
     """A batch's copies failed while its link stays sound (a runtime's copy error, not a
-    gone peer or a stall): a transport's Batch raises it so that the streamer fails the
-    requests in that batch and tells their decode side why over the same link, where any
-    other failure breaks the link and leaves the decode side to its deadline."""
+    gone peer or a stall): a transport's submit or Batch raises it so that the streamer
+    fails the requests in that batch and tells their decode side why over the same link,
+    where any other failure breaks the link and leaves the decode side to its deadline."""
 
 
 class TransportLoadError(PdhalError, ImportError):

@@ -148,33 +148,36 @@ def import_shared(like, name: str, record: dict, shape: tuple, dtype: str, need:
     # the record is its publisher's word: it may name a host_alloc buffer of this namespace
     # only (not a record, nor another deployment's memory)
     prefix = _names.buffer_path("host.")
-    allocated = re.fullmatch(r"(\d+)\.\d+", path[len(prefix) :])
-    if not path.startswith(prefix) or not allocated:
+    if not path.startswith(prefix) or not re.fullmatch(r"\d+\.\d+", path[len(prefix) :]):
         raise InvalidArgumentError(
             f"the record of {name!r} names {path!r}, which is not a host_alloc buffer of "
             f"namespace {_names.namespace()!r}"
-        )
-    # ... of its publisher's own (a peer must not have this process write into a third
-    # process's memory, or its own)
-    owner, publisher = int(allocated[1]), _published.publisher(name)
-    if owner != publisher:
-        raise InvalidArgumentError(
-            f"the record of {name!r} names a host_alloc buffer of pid {owner}, not one of its "
-            f"publisher (pid {publisher}): a process shares the buffers it allocated only"
         )
     with _imported_lock:
         seg = kept = _imported.get(path)
     if seg is None:  # its buffer exists while its record does: no waiting for it
         seg = _core.Segment.open(path, _core.KIND_BUFFER, 0)
+    # ... of its publisher's own, as the buffer's header says who made it (not its file's
+    # name, which another link to the file may give any pid): a peer must not have this
+    # process write into a third process's memory, or its own
+    owner, publisher = seg.creator_pid, _published.publisher(name)
     # the record is its publisher's word: what it names must lie inside what was mapped
     offset, nbytes, size = record["offset"], record["nbytes"], len(seg.body())
-    if not 0 <= offset <= size - nbytes:
-        if kept is None:
-            seg.close()  # opened for this record alone
-        raise InvalidArgumentError(
+    why = None
+    if owner != publisher:
+        why = (
+            f"the record of {name!r} names a host_alloc buffer of pid {owner}, not one of its "
+            f"publisher (pid {publisher}): a process shares the buffers it allocated only"
+        )
+    elif not 0 <= offset <= size - nbytes:
+        why = (
             f"the record of {name!r} names bytes [{offset}, +{nbytes}) of a buffer of "
             f"{size}: not what set_data_ipc shares"
         )
+    if why is not None:
+        if kept is None:
+            seg.close()  # opened for this record alone
+        raise InvalidArgumentError(why)
     with _imported_lock:
         seg = _imported.setdefault(path, seg)  # one mapping per buffer: a racing opener's
         # own goes with its last reference

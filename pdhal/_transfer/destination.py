@@ -420,6 +420,7 @@ class Destination:
                 write.batch = link.submit_blocks(layer, write.runs, write.gate)
         except Exception as e:  # TransferError, or a transport's bug
             write.failed = _why(e)
+            write.link_sound = isinstance(e, BatchFailedError)
 
     def _complete_loop(self) -> None:
         """Settle each submitted write in order: waited for until stall_timeout after it

@@ -170,8 +170,9 @@ def test_a_record_that_is_not_what_set_data_ipc_writes_is_refused_naming_what_is
 def test_a_record_naming_a_buffer_its_publisher_did_not_allocate_is_refused():
     """A peer's record that names another process's host_alloc buffer (here this one's:
     it would have the importer write into its own memory, or a third process's) is refused
-    naming both pids, nothing mapped; and a forked child cannot share its parent's buffer
-    (set_data_ipc says who allocated it)."""
+    naming both pids, nothing mapped, whether it names the buffer's file or another link to
+    that file named for the publisher's pid; and a forked child cannot share its parent's
+    buffer (set_data_ipc says who allocated it)."""
     import subprocess
     import sys
 
@@ -183,11 +184,15 @@ def test_a_record_naming_a_buffer_its_publisher_did_not_allocate_is_refused():
         [
             sys.executable,
             "-c",
-            "import sys\n"
+            "import os, sys\n"
             "from pdhal._memory import published\n"
             f"published.publish('stolen', {{'path': {ours!r}, 'offset': 0, 'nbytes': 16}})\n"
+            f"alias = {ours!r}.rsplit('host.', 1)[0] + f'host.{{os.getpid()}}.999'\n"
+            f"os.link({ours!r}, alias)\n"
+            "published.publish('aliased', {'path': alias, 'offset': 0, 'nbytes': 16})\n"
             "print('ready', flush=True)\n"
-            "sys.stdin.read()\n",
+            "sys.stdin.read()\n"
+            "os.unlink(alias)\n",
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -196,12 +201,13 @@ def test_a_record_naming_a_buffer_its_publisher_did_not_allocate_is_refused():
     mapped = set(sharedhost._imported)
     try:
         assert publisher.stdout.readline() == "ready\n"
-        with pytest.raises(
-            pdhal.InvalidArgumentError,
-            match=rf"host_alloc buffer of pid {os.getpid()}, not one of its publisher \(pid "
-            rf"{publisher.pid}\)",
-        ):
-            ops.share_external_data("uint8", "stolen", [16])
+        for record in ("stolen", "aliased"):
+            with pytest.raises(
+                pdhal.InvalidArgumentError,
+                match=rf"host_alloc buffer of pid {os.getpid()}, not one of its publisher "
+                rf"\(pid {publisher.pid}\)",
+            ):
+                ops.share_external_data("uint8", record, [16])
         assert set(sharedhost._imported) == mapped
         child = os.fork()
         if child == 0:  # a forked child sharing what its parent allocated

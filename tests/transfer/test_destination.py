@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdhal import TransferError
+from pdhal import BatchFailedError, TransferError
 from pdhal._transfer.contract import Batch, Link
 from pdhal._transfer.destination import Destination, Send
 
@@ -260,3 +260,64 @@ def test_a_followed_send_armed_while_the_destination_stops_is_settled_before_it_
     assert not any(thread.is_alive() for thread in dest._threads)
     dest.arm(Send(layer=8, items=[(request, 1)], gate=gate))
     assert settled[-1] == (8, "the streamer was closed")
+
+
+class OwnFailure(Batch):
+    """A batch whose copies failed on their own, its link sound."""
+
+    def done(self) -> bool:
+        raise BatchFailedError("layer 2 failed")
+
+    def wait(self, timeout: float) -> None:
+        self.done()
+
+
+class OwnFailures(RecordingLink):
+    """A link whose layer-1 submit raises BatchFailedError and whose layer-2 batch fails
+    with it; its other batches land."""
+
+    def submit_blocks(self, layer, runs) -> Batch:
+        if layer == 1:
+            raise BatchFailedError("layer 1's copies were refused")
+        if layer == 2:
+            return OwnFailure()
+        batch = super().submit_blocks(layer, runs)
+        batch.landed.set()
+        return batch
+
+
+def test_a_failure_the_batch_says_is_its_own_settles_its_write_and_keeps_the_link():
+    """A transport's submit or batch that raises BatchFailedError fails that write alone
+    (settled with the reason), breaks nothing (no request of the destination fails by
+    it), and the writes after it go over the same link, where any other failure breaks
+    the link."""
+    link, settled, broken, connects = OwnFailures(), [], [], []
+
+    def connect(status):
+        connects.append(status)
+        return link
+
+    dest = Destination(
+        connect,
+        SimpleNamespace(layer=lambda index: index),
+        status_region=1,
+        status_slots=1,
+        receiver="r",
+        window=1,
+        stall_timeout=60.0,
+        settled=lambda dest, write, reason: settled.append((write.layer, reason)),
+        broken=lambda dest, epoch, reason: broken.append(reason),
+    )
+    request = SimpleNamespace(live=True)
+    try:
+        for layer in range(4):
+            dest.put(Send(layer=layer, items=[(request, 1)]))
+    finally:
+        assert dest.stop(time.monotonic() + STOP_BOUND_S)
+    assert settled == [
+        (0, None),
+        (1, "layer 1's copies were refused"),
+        (2, "layer 2 failed"),
+        (3, None),
+    ]
+    assert broken == [] and len(connects) == 1
