@@ -228,7 +228,7 @@ int pdhal_copier_create(const uint64_t *region_base, const uint64_t *region_byte
     c->regions = regions, c->region_base = bases, c->region_bytes = sizes;
     c->nsources = nsources, c->sources = spans;
     /* every signal blocked on the copier thread but SIGBUS, a guarded copy's own fault */
-    int rc = pdhal_worker_start(&c->worker, copier_main, c, SIGBUS);
+    int rc = pdhal_worker_start(&c->worker, copier_main, c);
     if (rc != 0) {
         pthread_mutex_destroy(&c->gate_lock);
         free(bases), free(sizes), free(spans), free(c);

@@ -1,9 +1,11 @@
-/* Copies into memory another process may take away: a peer that shrinks the file behind a
- * shared mapping makes the next access to its lost pages raise SIGBUS, which would kill
- * this process. pdhal_copy_guarded turns that fault, in the copy and nowhere else, into
- * -EFAULT: a thread-local jump buffer marks "inside a guarded copy", and the SIGBUS handler
- * (installed by the first guarded copy, and again by any after a library replaced it; it
- * chains to the one it replaced) jumps back only from there. */
+/* Copies into memory another process may take away, or from memory its caller may: a peer
+ * that shrinks the file behind a shared mapping makes the next access to its lost pages
+ * raise SIGBUS, and a source the caller unmapped (or protected) since it was checked raises
+ * SIGSEGV; either would kill this process. pdhal_copy_guarded turns those faults, in the
+ * copy and nowhere else, into -EFAULT: a thread-local jump buffer marks "inside a guarded
+ * copy", and the handler of both signals (installed by the first guarded copy, and again by
+ * any after a library replaced it; it chains to the one it replaced) jumps back only from
+ * there. */
 #include <errno.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -13,53 +15,78 @@
 
 #include "internal.h"
 
-/* Set only while this thread is inside pdhal_copy_guarded's memcpy. */
-static _Thread_local sigjmp_buf *fault_jump;
-static struct sigaction previous;
+/* The signals a guarded copy turns into -EFAULT, and what each means there. */
+static const struct {
+    int sig;
+    const char *means;
+} guarded_signals[] = {
+    {SIGBUS, "memory its owner took away (SIGBUS)"},
+    {SIGSEGV, "unmapped or protected memory (SIGSEGV)"},
+};
+enum { GUARDED = sizeof guarded_signals / sizeof guarded_signals[0] };
 
-static void on_bus_error(int sig, siginfo_t *info, void *context) {
+/* Set only while this thread is inside a guarded copy. */
+static _Thread_local sigjmp_buf *fault_jump;
+/* The handler each guarded signal had before ours, by its place in guarded_signals. */
+static struct sigaction previous[GUARDED];
+
+static int place_of(int sig) {
+    for (int i = 0; i < GUARDED; i++)
+        if (guarded_signals[i].sig == sig)
+            return i;
+    return 0;
+}
+
+static void on_fault(int sig, siginfo_t *info, void *context) {
     sigjmp_buf *jump = fault_jump;
     if (jump != NULL) {
         fault_jump = NULL;
-        siglongjmp(*jump, 1); /* SA_NODEFER: nothing blocked to restore */
+        siglongjmp(*jump, place_of(sig) + 1); /* SA_NODEFER: nothing blocked to restore */
     }
-    /* Not a guarded copy's: whoever handled SIGBUS before handles it; with no one, the
+    /* Not a guarded copy's: whoever handled the signal before handles it; with no one, the
      * default comes back and the faulting instruction, run again, ends the process. */
-    if ((previous.sa_flags & SA_SIGINFO) && previous.sa_sigaction != NULL) {
-        previous.sa_sigaction(sig, info, context);
-    } else if (!(previous.sa_flags & SA_SIGINFO) && previous.sa_handler != SIG_DFL &&
-               previous.sa_handler != SIG_IGN) {
-        previous.sa_handler(sig);
+    const struct sigaction *before = &previous[place_of(sig)];
+    if ((before->sa_flags & SA_SIGINFO) && before->sa_sigaction != NULL) {
+        before->sa_sigaction(sig, info, context);
+    } else if (!(before->sa_flags & SA_SIGINFO) && before->sa_handler != SIG_DFL &&
+               before->sa_handler != SIG_IGN) {
+        before->sa_handler(sig);
     } else {
-        signal(SIGBUS, SIG_DFL);
+        signal(sig, SIG_DFL);
     }
 }
 
-/* The handler is ours: installed by the first call (chaining to the one it replaced), and
- * again if a library installed its own since: paddle's import does (glog's failure signal
- * handler), and a guarded copy after it would otherwise end the process. One sigaction
- * query when ours. */
+static int is_ours(const struct sigaction *action) {
+    return (action->sa_flags & SA_SIGINFO) && action->sa_sigaction == on_fault;
+}
+
+/* The handlers are ours: installed by the first call (chaining to the ones they replaced),
+ * and again if a library installed its own since: paddle's import does (glog's failure
+ * signal handler), and a guarded copy after it would otherwise end the process. One
+ * sigaction query per signal when ours. */
 int pdhal_guard_arm(void) {
     static pthread_mutex_t arming = PTHREAD_MUTEX_INITIALIZER;
-    struct sigaction now;
-    if (sigaction(SIGBUS, NULL, &now) != 0) {
-        return pdhal_fail(errno, "reading the SIGBUS handler: %s", strerror(errno));
+    for (int i = 0; i < GUARDED; i++) {
+        int sig = guarded_signals[i].sig;
+        struct sigaction now;
+        if (sigaction(sig, NULL, &now) != 0)
+            return pdhal_fail(errno, "reading the handler of signal %d: %s", sig, strerror(errno));
+        if (is_ours(&now))
+            continue;
+        pthread_mutex_lock(&arming);
+        struct sigaction action, replaced;
+        memset(&action, 0, sizeof action);
+        action.sa_sigaction = on_fault;
+        action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+        sigemptyset(&action.sa_mask);
+        int rc = sigaction(sig, &action, &replaced) == 0 ? 0 : -errno;
+        if (rc == 0 && !is_ours(&replaced))
+            previous[i] = replaced; /* what a fault outside a guarded copy goes to now */
+        pthread_mutex_unlock(&arming);
+        if (rc)
+            return pdhal_fail(-rc, "installing the handler of signal %d of guarded copies", sig);
     }
-    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_bus_error) {
-        return 0;
-    }
-    pthread_mutex_lock(&arming);
-    struct sigaction action, replaced;
-    memset(&action, 0, sizeof action);
-    action.sa_sigaction = on_bus_error;
-    action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
-    sigemptyset(&action.sa_mask);
-    int rc = sigaction(SIGBUS, &action, &replaced) == 0 ? 0 : -errno;
-    if (rc == 0 && !((replaced.sa_flags & SA_SIGINFO) && replaced.sa_sigaction == on_bus_error)) {
-        previous = replaced; /* what a fault outside a guarded copy goes to now */
-    }
-    pthread_mutex_unlock(&arming);
-    return rc ? pdhal_fail(-rc, "installing the SIGBUS handler of guarded copies") : 0;
+    return 0;
 }
 
 int pdhal_copy_guarded(void *dst, const void *src, uint64_t bytes) {
@@ -122,30 +149,39 @@ static __attribute__((noinline)) void copy_columns(const struct pdhal_placed_gri
     }
 }
 
-int pdhal_copy_armed_columns(const struct pdhal_placed_grid *grids, uint64_t n) {
+/* What a guarded copy runs: one grid, or `n` grids as columns. */
+struct guarded_copy {
+    const struct pdhal_placed_grid *grids;
+    uint64_t n; /* 0: one grid, its rows in order */
+};
+
+/* `copy` under the guard: 0, or -EFAULT naming what the copy met. */
+static int run_guarded(const struct guarded_copy *copy) {
     sigjmp_buf jump;
-    if (sigsetjmp(jump, 0) != 0) {
-        return pdhal_fail(EFAULT, "a copy of %llu bytes met memory its owner took away (SIGBUS)",
-                          (unsigned long long)grids->grid.bytes);
+    int met = sigsetjmp(jump, 0);
+    if (met != 0) {
+        return pdhal_fail(EFAULT, "a copy of %llu bytes met %s",
+                          (unsigned long long)copy->grids->grid.bytes,
+                          guarded_signals[met - 1].means);
     }
     fault_jump = &jump;
     atomic_signal_fence(memory_order_seq_cst); /* pairs with the handler's read */
-    copy_columns(grids, n);
+    if (copy->n)
+        copy_columns(copy->grids, copy->n);
+    else
+        copy_grid(copy->grids->dst, copy->grids->src, &copy->grids->grid);
     atomic_signal_fence(memory_order_seq_cst);
     fault_jump = NULL;
     return 0;
 }
 
+int pdhal_copy_armed_columns(const struct pdhal_placed_grid *grids, uint64_t n) {
+    struct guarded_copy copy = {.grids = grids, .n = n};
+    return run_guarded(&copy);
+}
+
 int pdhal_copy_armed_grid(void *dst, const void *src, const struct pdhal_grid *grid) {
-    sigjmp_buf jump;
-    if (sigsetjmp(jump, 0) != 0) {
-        return pdhal_fail(EFAULT, "a copy of %llu bytes met memory its owner took away (SIGBUS)",
-                          (unsigned long long)grid->bytes);
-    }
-    fault_jump = &jump;
-    atomic_signal_fence(memory_order_seq_cst); /* pairs with the handler's read */
-    copy_grid(dst, src, grid);
-    atomic_signal_fence(memory_order_seq_cst);
-    fault_jump = NULL;
-    return 0;
+    struct pdhal_placed_grid one = {.dst = dst, .src = src, .grid = *grid};
+    struct guarded_copy copy = {.grids = &one, .n = 0};
+    return run_guarded(&copy);
 }

@@ -171,9 +171,9 @@ typedef struct {
     pthread_t thread;
     pid_t pid; /* the thread exists only in this process, not in a forked child */
 } pdhal_worker;
-/* Start main(arg) on a thread with every signal blocked but `unblocked` (0: none): 0, or
- * pthread_create's error (nothing to stop then). */
-int pdhal_worker_start(pdhal_worker *w, void *(*main)(void *), void *arg, int unblocked);
+/* Start main(arg) on a thread with every signal blocked but the faults it may raise itself
+ * (SIGBUS, SIGSEGV, SIGFPE, SIGILL): 0, or pthread_create's error (nothing to stop then). */
+int pdhal_worker_start(pdhal_worker *w, void *(*main)(void *), void *arg);
 /* On the thread: the next item, waiting for one; NULL once stopping and none is left. */
 struct pdhal_work *pdhal_worker_take(pdhal_worker *w);
 /* Queue `item` behind those put before it: 0, or -EPIPE once stopping began. */

@@ -87,7 +87,7 @@ int pdhal_sender_create(pdhal_event_wait_fn wait, pdhal_event_destroy_fn destroy
     s->wait = wait;
     s->destroy = destroy;
     /* every signal blocked on the sender thread: Ctrl-C and friends go to Python's */
-    int rc = pdhal_worker_start(&s->worker, sender_main, s, 0);
+    int rc = pdhal_worker_start(&s->worker, sender_main, s);
     if (rc != 0) {
         free(s);
         return pdhal_fail(rc, "cannot start the sender thread: %s", strerror(rc));

@@ -9,19 +9,21 @@
 #include <signal.h>
 #include <unistd.h>
 
-int pdhal_worker_start(pdhal_worker *w, void *(*main)(void *), void *arg, int unblocked)
+int pdhal_worker_start(pdhal_worker *w, void *(*main)(void *), void *arg)
 {
     w->head = w->tail = NULL;
     w->stopping = 0;
     w->pid = getpid();
     pthread_mutex_init(&w->lock, NULL);
     pthread_cond_init(&w->wake, NULL);
-    /* Signals go to threads that run Python's handlers; `unblocked` is one this thread
-     * raises itself (SIGBUS, synchronous), which must come to it. */
+    /* Signals go to threads that run Python's handlers, but for those a thread raises itself
+     * (a fault: the copier's guarded copies catch SIGBUS and SIGSEGV), which must come to
+     * it: the kernel ends a process whose thread faults with the signal blocked. */
+    static const int faults[] = {SIGBUS, SIGSEGV, SIGFPE, SIGILL};
     sigset_t blocked, old;
     sigfillset(&blocked);
-    if (unblocked)
-        sigdelset(&blocked, unblocked);
+    for (unsigned i = 0; i < sizeof faults / sizeof faults[0]; i++)
+        sigdelset(&blocked, faults[i]);
     pthread_sigmask(SIG_SETMASK, &blocked, &old);
     int rc = pthread_create(&w->thread, NULL, main, arg);
     pthread_sigmask(SIG_SETMASK, &old, NULL);

@@ -210,6 +210,46 @@ def test_block_runs_past_a_region_are_refused_before_any_copy(memory):
     assert not regions[1].any()
 
 
+def test_a_source_its_caller_unmapped_fails_the_job_not_the_process():
+    """A source that was readable when the copier was made, unmapped (or made unreadable)
+    by its caller since: the copier thread meets SIGSEGV, that job fails naming it, and the
+    copier goes on with the next (in a child: a fault that is not caught ends it)."""
+    run_child(
+        """
+import ctypes
+import numpy as np
+from pdhal import TransferError
+from pdhal._protocol import core
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+PAGE = 4096
+pages = libc.mmap(None, 2 * PAGE, 3, 0x22, -1, 0)  # read/write, private, anonymous
+ctypes.memset(pages, 1, 2 * PAGE)
+region, other = np.zeros(PAGE, np.uint8), np.full(PAGE, 3, np.uint8)
+copier = core.Copier(
+    [region.ctypes.data], [PAGE], [(pages, 2 * PAGE), (other.ctypes.data, PAGE)]
+)
+assert libc.munmap(pages, PAGE) == 0
+assert libc.mprotect(pages + PAGE, PAGE, 0) == 0
+for source in (pages, pages + PAGE):
+    job = copier.post_runs([(source, 0, 0, 64)])
+    try:
+        job.wait(30)
+    except TransferError as e:
+        assert "unmapped or protected memory (SIGSEGV)" in str(e), e
+    else:
+        raise AssertionError("a copy from memory no longer readable was done")
+copier.post_runs([(other.ctypes.data, 0, 0, PAGE)]).wait(30)  # the next job runs
+assert (region == 3).all()
+copier.destroy()
+"""
+    )
+
+
 def test_a_destination_its_owner_shrank_fails_the_job_not_the_process(tmp_path):
     """A peer truncates the file behind the mapped region: the copier thread meets SIGBUS,
     that job fails naming it, and the copier goes on with the next."""
