@@ -251,16 +251,23 @@ def test_a_claim_through_a_session_lands_in_staged_device_caches(bind):
         service.close()
 
 
-@pytest.mark.parametrize("prefill, decode", [("cuda", "xpu"), ("xpu", "cuda")])
+@pytest.mark.parametrize(
+    "prefill, decode, transport",
+    [("cuda", "xpu", "shm"), ("xpu", "cuda", "shm"), ("cuda", "xpu", "mooncake")],
+)
 def test_one_vendor_s_device_caches_reach_another_s_through_pinned_host_memory(
-    bind, prefill, decode
+    bind, prefill, decode, transport
 ):
     """Prefill on one simulated runtime's device memory, decode on the other's, on one
-    host over shm: each side stages its own (no IPC handle of either vendor leaves its
-    process), and every block is in the decode side's device memory once it landed."""
-    streamer = transfer.KVStreamer(device_sources(bind(prefill)), BLOCK_TOKENS, claim_timeout=30)
-    there = on_device(decode, "halves")
+    host over shm, or over Mooncake's TCP (whose CPU reads and writes host memory only):
+    each side stages its own (no IPC handle of either vendor leaves its process), and every
+    block is in the decode side's device memory once it landed."""
+    streamer = transfer.KVStreamer(
+        device_sources(bind(prefill)), BLOCK_TOKENS, claim_timeout=30, transport_name=transport
+    )
+    there = on_device(decode, "halves", transport=transport)
     try:
+        assert there.described["staged"]  # the decode side's device caches
         there.fill(ENGINE)
         lands_alone(streamer, there, [0, 6], [7, 1], 8)
     finally:

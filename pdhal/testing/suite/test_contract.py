@@ -179,6 +179,16 @@ def test_peer_address_of_device_memory_is_an_int(support):
     assert isinstance(ops.get_peer_mem_addr(kv), int)
 
 
+def test_peer_address_of_host_alloc_memory_is_its_own():
+    """A transport registers a staged cache's pinned host memory with its NIC (Mooncake
+    over TCP serves host memory only): on every backend that is the memory's address."""
+    buf = ops.host_alloc(1 << 16)
+    try:
+        assert ops.get_peer_mem_addr(buf) == buf.address
+    finally:
+        ops.host_free(buf)
+
+
 def test_host_memory_roundtrip():
     buf = ops.host_alloc(1 << 16)
     buf.as_numpy("uint8", (1 << 16,))[:] = 5

@@ -3,8 +3,9 @@ metadata server). Its options (`transport("mooncake").configure(...)`, before fi
   protocol   tcp (default) or rdma; else $PDHAL_MOONCAKE_PROTOCOL
   host       the address this process advertises (default 127.0.0.1); else
              $PDHAL_MOONCAKE_HOST
-The endpoint registers its regions (device memory
-by the address a NIC registers, pdhal's get_peer_mem_addr) and describes its session and
+The endpoint registers its regions (over RDMA device memory by the address a NIC registers,
+pdhal's get_peer_mem_addr; over TCP host memory only: MooncakeTransport.memory) and
+describes its session and
 their addresses; a link registers its sources and writes each run with
 transfer_submit_write, checked with transfer_check_status. (One batch_transfer_async_write
 per submit was tried: transfer_check_status reported such a batch done before all its
@@ -310,6 +311,15 @@ class MooncakeTransport(EngineTransport):
         ),
         "host": Option("the address this process advertises", "127.0.0.1", "PDHAL_MOONCAKE_HOST"),
     }
+
+    @property
+    def memory(self) -> tuple[str, ...] | None:
+        """Over TCP, host memory only: Mooncake's TCP transport moves bytes with the CPU,
+        which cannot read device memory (the streamer and the receiver stage device caches
+        through pinned host memory). Over RDMA, any memory its NIC registers: device
+        memory by the address get_peer_mem_addr gives (GPUDirect RDMA; not proven here, no
+        RDMA device)."""
+        return ("cpu",) if self.settings()["protocol"] == "tcp" else None
 
     def make_engine(self, settings: dict) -> _Engine:
         return _Engine(settings["host"], settings["protocol"])
