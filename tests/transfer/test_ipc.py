@@ -243,7 +243,8 @@ def test_a_link_from_a_runtime_that_cannot_size_its_ipc_allocations_is_refused(b
 def test_a_stalled_device_fails_its_request_by_the_stall_timeout(bind):
     """A submit only queues its copies (the link's copy thread makes them and waits for
     the runtime): work on the stream that does not end for 6 s holds up that thread, not
-    the streamer, and the request fails by its stall_timeout (0.5 s), naming why."""
+    the streamer, and the request fails by its stall_timeout (0.5 s), naming why. A stall
+    is not the batch's own failure: the link is retired, the next request connects anew."""
     runtime = bind("cuda")
     streamer = transfer.KVStreamer(
         device_sources(runtime), BLOCK_TOKENS, transport_name="ipc", stall_timeout=0.5
@@ -252,7 +253,8 @@ def test_a_stalled_device_fails_its_request_by_the_stall_timeout(bind):
     try:
         ticket = decode.expect("a", timeout=30)
         streamer.add_request("a", [2], 4)
-        streamer.set_destination("a", streamer.connect(decode.described), [5], ticket)
+        dest = streamer.connect(decode.described)
+        streamer.set_destination("a", dest, [5], ticket)
         runtime.launch_write(0, runtime.malloc(64), b"x", 6_000_000)
         start = time.monotonic()
         for layer in range(LAYERS):
@@ -261,6 +263,7 @@ def test_a_stalled_device_fails_its_request_by_the_stall_timeout(bind):
         assert time.monotonic() - start < 5.0, "failed only once the stream's work ended"
         assert not outcome.landed
         assert "copies into the destination did not finish in the" in outcome.reason
+        assert dest._channel is None, "the stalled link was kept for the next request"
     finally:
         decode.close()
         streamer.close()

@@ -96,7 +96,8 @@ def test_a_link_refuses_at_connect_sources_this_process_cannot_read(namespace):
     """A link's sources are the caller's word (a transport kit's caller passes addresses):
     one at address 0, in a reserved range (PROT_NONE), unmapped, or running past readable
     memory is refused at connect naming it, where the copier would fault on it at the first
-    submit; readable memory is taken (ipc's host sources: test_ipc)."""
+    submit; readable memory is taken, read-only memory too (ipc's host sources:
+    test_ipc)."""
     run_child(
         """
 import ctypes
@@ -122,8 +123,9 @@ for address, nbytes in ((0, 64), (pages + PAGE, 64), (pages + 2 * PAGE, 64),
             str(e)), e
     else:
         raise AssertionError(f"the unreadable source {address:#x}+{nbytes} was taken")
-link = shm.connect(endpoint.describe(), [(pages, PAGE)])
 ctypes.memset(pages, 5, PAGE)
+assert libc.mprotect(ctypes.c_void_p(pages), PAGE, 1) == 0  # PROT_READ: a link only reads it
+link = shm.connect(endpoint.describe(), [(pages, PAGE)])
 link.submit([(pages, 0, 0, PAGE)]).wait(10)
 assert (region.as_numpy("uint8", (PAGE,)) == 5).all()
 link.close()

@@ -764,3 +764,26 @@ def test_a_decode_side_that_shrinks_its_shared_files_fails_the_request_not_the_p
         peer.stdin.close()
         peer.stdout.close()
         pdhal.cleanup(namespace)  # what the killed peer left
+
+
+def test_every_region_s_claimed_kind_is_compared_with_what_the_link_maps():
+    """A description's claim of each region's kind of memory is compared with what a link
+    that can tell mapped there: a false claim of any one region, the first, a middle one or
+    the last, is refused naming that region and both kinds; true claims pass, and nothing
+    is compared where the link cannot tell or the description does not claim."""
+    from pdhal._transfer.contract import Link, require_claimed_kinds
+
+    link = Link()
+    link.region_kinds = ["gpu", "gpu", "cpu"]
+    for region, mapped in enumerate(link.region_kinds):
+        claims = list(link.region_kinds)
+        claims[region] = "xpu"
+        with pytest.raises(
+            pdhal.InvalidArgumentError,
+            match=f"region {region} is said to be xpu memory, but what the link maps there is "
+            f"{mapped} memory",
+        ):
+            require_claimed_kinds(link, claims)
+    require_claimed_kinds(link, ["gpu", "gpu", "cpu"])
+    require_claimed_kinds(link, None)
+    require_claimed_kinds(Link(), ["xpu"])  # (region_kinds None: it cannot tell)
