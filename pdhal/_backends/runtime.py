@@ -168,8 +168,20 @@ class RuntimeBackend(Backend):
         return {} if self.runtime is None else self.runtime.describe()
 
     def ops(self) -> dict:
-        """Every backend op of the op table, as this backend's methods of the same name."""
-        return {name: getattr(self, name) for name in BACKEND_OPS}
+        """Every backend op of the op table, as this backend's methods of the same name
+        (get_peer_mem_addr through peer_address)."""
+        table = {name: getattr(self, name) for name in BACKEND_OPS}
+        table["get_peer_mem_addr"] = self.peer_address
+        return table
+
+    def peer_address(self, ptr_or_tensor) -> int:
+        """What get_peer_mem_addr gives: a host_alloc buffer's own address (pinned host
+        memory, which a NIC registers as it is, on every device: a staged cache's mirror),
+        else the device's answer (the subclass's get_peer_mem_addr)."""
+        ref = memory_ref(ptr_or_tensor, "ptr_or_tensor")
+        if ref.device == "cpu" and ref.extent is not None:
+            return ref.address
+        return self.get_peer_mem_addr(ptr_or_tensor)
 
     # ---- streams -------------------------------------------------------------------
 

@@ -105,11 +105,8 @@ class XpuBackend(RuntimeBackend):
 
     def get_peer_mem_addr(self, ptr_or_tensor) -> int:
         """The peer alias of XPU device memory that an RDMA NIC can register
-        (cudaPointerGetAttributes' hostPointer); a host_alloc buffer (pinned host memory, a
-        staged cache's mirror), which a NIC registers as it is, its own address."""
+        (cudaPointerGetAttributes' hostPointer)."""
         ref = memory_ref(ptr_or_tensor, "ptr_or_tensor")
-        if ref.device == "cpu" and ref.extent is not None:
-            return ref.address
         rt = self.runtime
         get_attributes = rt.optional("cudaPointerGetAttributes")
         attrs = rt.ffi.new("struct cudaPointerAttributes *")
