@@ -53,6 +53,22 @@ class RecordingLink(Link):
         raise AssertionError("a Send goes through submit_blocks")
 
 
+def _over(connect, window: int, settled, broken, posts: bool = False) -> Destination:
+    """A Destination over the links `connect` makes, each layer's copies the layer itself."""
+    return Destination(
+        connect,
+        SimpleNamespace(layer=lambda index: index),  # what the link is handed per layer
+        status_region=1,
+        status_slots=1,
+        receiver="r",
+        window=window,
+        stall_timeout=60.0,
+        settled=settled,
+        broken=broken,
+        posts=posts,
+    )
+
+
 def _land(link: RecordingLink, index: int) -> None:
     """Land the link's batch `index` once it was submitted (within 60 s)."""
     deadline = time.monotonic() + 60
@@ -70,14 +86,9 @@ def _destination(posts: bool, window: int):
         if len(settled) == 4:
             all_settled.set()
 
-    dest = Destination(
+    dest = _over(
         lambda status: link,
-        SimpleNamespace(layer=lambda index: index),  # what the link is handed per layer
-        status_region=1,
-        status_slots=1,
-        receiver="r",
         window=window,
-        stall_timeout=60.0,
         settled=on_settled,
         broken=lambda dest, epoch, reason: None,
         posts=posts,
@@ -204,14 +215,9 @@ def test_many_writes_put_as_fast_as_possible_keep_their_order():
         if len(settled) == writes:
             done.set()
 
-    dest = Destination(
+    dest = _over(
         lambda status: link,
-        SimpleNamespace(layer=lambda index: index),
-        status_region=1,
-        status_slots=1,
-        receiver="r",
         window=2,
-        stall_timeout=60.0,
         settled=on_settled,
         broken=lambda dest, epoch, reason: None,
         posts=True,
@@ -297,14 +303,9 @@ def test_a_failure_the_batch_says_is_its_own_settles_its_write_and_keeps_the_lin
         connects.append(status)
         return link
 
-    dest = Destination(
+    dest = _over(
         connect,
-        SimpleNamespace(layer=lambda index: index),
-        status_region=1,
-        status_slots=1,
-        receiver="r",
         window=1,
-        stall_timeout=60.0,
         settled=lambda dest, write, reason: settled.append((write.layer, reason)),
         broken=lambda dest, epoch, reason: broken.append(reason),
     )
